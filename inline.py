@@ -110,8 +110,9 @@ def inline_attention(q, k, v, scale=None):
     s = _scale(q, scale)
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     v_mean = v.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    cov = (k - k_mean).transpose(-2, -1) @ (v - v_mean) / N  # (B, H, D, D)
-    return s * (q @ cov) + v_mean  # Eq. 5, (B, H, N, D)
+    # (B, H, D, D); equals K^T V / N - k_mean^T v_mean, the released models' uncentred product
+    cov = (k - k_mean).transpose(-2, -1) @ (v - v_mean) / N
+    return s * (q @ cov) + v_mean  # Eq. 5 summed over j, (B, H, N, D)
 
 
 # ---------------------------------------------------------------------------------------------------
