@@ -19,7 +19,8 @@ GOLDEN_PATH = os.environ.get(
 @pytest.fixture(scope='session')
 def golden():
     if not os.path.exists(GOLDEN_PATH):
-        pytest.skip(f"golden blocks not found at {GOLDEN_PATH} (set INLINE_GOLDEN)")
+        message = f"golden blocks not found at {GOLDEN_PATH} (set INLINE_GOLDEN)"
+        pytest.fail(message) if os.environ.get('CI') else pytest.skip(message)
     return torch.load(GOLDEN_PATH, weights_only=True)
 
 
