@@ -140,19 +140,16 @@ def residual_weights(mlp, x):
 def local_residual(v, r, grid):
     """Eq. 6: sum over the nine neighbours t of r[b, 9c + t] * v at the neighbour, zero padding outside.
 
-    v (B, H, h*w, D) on the grid, r (B, 9C) per sample and channel, grid = (h, w). Equivalent to a
-    depthwise 3x3 convolution of v with a different kernel for every sample; written here as nine
-    shifted multiply-adds so each term of Eq. 6 is visible.
+    v (B, H, h*w, D) on the grid, r (B, 9C) per sample and channel, grid = (h, w). The sum over a 3x3
+    neighbourhood with a weight per channel is a depthwise 3x3 convolution; a different kernel for every
+    sample makes it one convolution with B*C groups, each (sample, channel) plane its own group. Kernel
+    entry t = 3*dy + dx multiplies the neighbour at offset (dy - 1, dx - 1): row-major, as Eq. 6 counts.
     """
     B, H, N, D = v.shape
     h, w = grid
-    v = v.transpose(-2, -1).reshape(B, H * D, h, w)  # (B, C, h, w), channel c = head*D + j
-    r = r.reshape(B, H * D, 9, 1, 1)  # (B, C, 9, 1, 1)
-    v_padded = F.pad(v, (1, 1, 1, 1))  # (B, C, h+2, w+2), zeros at the borders
-    out = torch.zeros_like(v)
-    for t in range(9):
-        dy, dx = divmod(t, 3)  # neighbour t sits at offset (dy - 1, dx - 1)
-        out = out + r[:, :, t] * v_padded[:, :, dy:dy + h, dx:dx + w]  # Eq. 6
+    v = v.transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w), plane b*C + head*D + j
+    kernels = r.reshape(B * H * D, 1, 3, 3)  # (B*C, 1, 3, 3), one 3x3 kernel per sample and channel
+    out = F.conv2d(v, kernels, padding=1, groups=B * H * D)  # Eq. 6, (1, B*C, h, w)
     return out.reshape(B, H, D, N).transpose(-2, -1)  # (B, H, h*w, D)
 
 
