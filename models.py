@@ -1,0 +1,814 @@
+"""The four InLine backbones (DeiT, PVT, Swin, CSwin) and all 15 released variants.
+
+Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
+arXiv 2412.06590. The attention itself lives in inline.py and is imported, never copied; this file
+builds the authors' four architectures around it, with module names that reproduce the released
+checkpoints' keys exactly (../shared/official/keys/<variant>.tsv), so released weights load unchanged.
+
+    python models.py                      # every variant: params and GMACs beside the paper's figures
+
+    model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')       # a released checkpoint
+    model = create_model('inline_swin_t', layout='LLLS', local_residual=False)  # Table 3's linear baseline
+    model = create_model('inline_cswin_t', img_size=(224, 320), num_classes=0)  # non-square features
+
+Attention layout, one letter per stage (SPEC §2): I = InLine attention (Eq. 5 + Eq. 6); L = vanilla
+linear attention (division normalisation, relu kernel by default), the paper's baseline; S = softmax
+attention (Swin: shifted windows with relative position bias; CSwin: cross-shaped stripes); M = the
+stage's first k blocks are I and the rest S, with k written after the letters ('IIMS2').
+
+Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
+(h, w) the token grid, P leading tokens off the grid (DeiT's class token), nW windows per image,
+(wh, ww) a window, (Hp, Wp) the grid padded to whole windows. Images are (B, 3, *img_size).
+"""
+import math
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.init import trunc_normal_
+from torch.utils.flop_counter import FlopCounterMode
+from torchvision.ops import StochasticDepth
+
+import inline
+from inline import InLineAttention, get_kernel, inline_core, residual_mlp, residual_weights
+
+# The authors' figures for each variant at its released size (SPEC §3): params, GMACs, ImageNet top-1.
+RELEASED = {
+    'inline_deit_t': (6_477_736, 1.109, 74.5), 'inline_deit_s': (16_734_760, 4.966, 80.2),
+    'inline_deit_b': (23_797_096, 17.169, 82.3),
+    'inline_pvt_t': (12_032_232, 1.976, 78.2), 'inline_pvt_s': (21_556_136, 3.915, 82.0),
+    'inline_pvt_m': (37_618_856, 6.862, 83.2), 'inline_pvt_l': (51_154_280, 10.130, 83.6),
+    'inline_swin_t': (29_223_544, 4.459, 82.4), 'inline_swin_s': (49_793_296, 8.719, 83.6),
+    'inline_swin_b': (88_350_120, 15.398, 84.1), 'inline_swin_b_384': (88_465_320, 46.200, None),
+    'inline_cswin_t': (20_604_520, 4.312, 83.2), 'inline_cswin_s': (33_032_872, 6.773, 83.8),
+    'inline_cswin_b': (73_413_640, 14.885, 84.5), 'inline_cswin_b_384': (73_413_640, 46.220, 85.7),
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Pieces every family shares
+
+def pair(size):
+    return tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+
+
+def check_image_size(size, stride, what):
+    """The one constraint on input size: height and width divisible by the total stride."""
+    H, W = size
+    if H % stride or W % stride or H < stride or W < stride:
+        raise ValueError(f"{what} needs image height and width divisible by {stride} (its total stride: "
+                         f"patch embedding and downsampling), got {H}x{W}")
+
+
+def parse_layout(layout, depths, letters):
+    """One attention letter per block of every stage: 'IIMS2' with depths (2, 2, 5, 2) ->
+    [['I', 'I'], ['I', 'I'], ['I', 'I', 'S', 'S', 'S'], ['S', 'S']]. M: the stage's first k blocks are I,
+    the rest S, with k written after the stage letters."""
+    stages, k = layout[:len(depths)], layout[len(depths):]
+    valid = len(stages) == len(depths) and all(c in letters for c in stages) and stages.count('M') <= 1
+    if 'M' in stages:
+        valid = valid and k.isdigit() and int(k) <= depths[stages.index('M')]
+    else:
+        valid = valid and not k
+    if not valid:
+        raise ValueError(f"layout {layout!r}: need {len(depths)} letters from {' '.join(letters)}, one per stage; "
+                         f"M at most once, with its count of leading I blocks (at most the stage's depth) "
+                         f"written after the letters, e.g. 'IIMS2'")
+    return [['I'] * int(k) + ['S'] * (depth - int(k)) if c == 'M' else [c] * depth
+            for c, depth in zip(stages, depths)]
+
+
+def make_inline(letter, dim, num_heads, kernel, local_residual, **kwargs):
+    """I: InLine attention (identity kernel unless given); L: vanilla linear attention (relu unless given)."""
+    return InLineAttention(dim, num_heads, kernel=kernel or ('identity' if letter == 'I' else 'relu'),
+                           local_residual=local_residual, attention='inline' if letter == 'I' else 'linear', **kwargs)
+
+
+def drop_path_rates(rate, depths):
+    """Stochastic depth rising linearly from 0 to `rate` over all blocks, split per stage."""
+    total, start = sum(depths), 0
+    rates = [rate * i / max(total - 1, 1) for i in range(total)]  # torch.linspace, in plain floats (meta-safe)
+    per_stage = []
+    for depth in depths:
+        per_stage.append(rates[start:start + depth])
+        start += depth
+    return per_stage
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm block around InLine attention, DeiT's and PVT's: x (B, P + h*w, C) on grid (h, w)."""
+
+    def __init__(self, dim, mlp_ratio, drop_path, eps, attn):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = attn
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.drop_path = StochasticDepth(drop_path, 'row')
+
+    def forward(self, x, grid):
+        x = x + self.drop_path(self.attn(self.norm1(x), grid))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches: conv with stride = kernel = patch, optional LayerNorm. Keys proj, norm."""
+
+    def __init__(self, in_chans, dim, patch, norm_eps=None):
+        super().__init__()
+        self.proj = nn.Conv2d(in_chans, dim, patch, stride=patch)
+        self.norm = nn.LayerNorm(dim, eps=norm_eps) if norm_eps else nn.Identity()
+
+    def forward(self, x):
+        x = self.proj(x)  # (B, C, h, w)
+        grid = tuple(x.shape[2:])
+        return self.norm(x.flatten(2).transpose(1, 2)), grid  # (B, h*w, C)
+
+
+def to_map(x, grid):
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *grid)  # (B, N, C) -> (B, C, h, w)
+
+
+def resize_grid(tokens, old_grid, new_grid, mode):
+    """Resample tokens laid out on a grid, (1, h*w, C) -> (1, h'*w', C): position embeddings."""
+    x = to_map(tokens, old_grid)  # (1, C, h, w)
+    x = F.interpolate(x, size=new_grid, mode=mode, align_corners=False)  # (1, C, h', w')
+    return x.flatten(2).transpose(1, 2)  # (1, h'*w', C)
+
+
+class Backbone(nn.Module):
+    """What the four models share: init, head, timm's classifier API."""
+    family = img_size = None
+
+    def init_weights(self):
+        """Truncated normal (std .02) for Linear weights, zero biases, LayerNorm ones/zeros (SPEC §2).
+        Convolutions keep PyTorch's default init, as in the released code."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def reset_classifier(self, num_classes):
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            trunc_normal_(self.head.weight, std=.02)
+            nn.init.zeros_(self.head.bias)
+
+    def forward_head(self, x):
+        return self.head(x.mean(dim=1))  # (B, N, C) -> token mean (B, C) -> (B, num_classes)
+
+    def forward(self, x):
+        return self.forward_head(self.forward_features(x))
+
+    def no_weight_decay(self):
+        return set()
+
+
+# ---------------------------------------------------------------------------------------------------
+# InLine-DeiT: isotropic, patch 16, one class token that takes part in attention but not in Eq. 6
+
+class InLineDeiT(Backbone):
+    family = 'deit'
+
+    def __init__(self, img_size=224, embed_dim=192, depth=12, num_heads=6, mlp_ratio=4., patch_size=16,
+                 num_classes=1000, drop_path_rate=0.1, layout='I', kernel=None, local_residual=True):
+        super().__init__()
+        self.img_size = pair(img_size)
+        check_image_size(self.img_size, patch_size, 'InLine-DeiT')
+        self.patch_size, self.grid = patch_size, (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
+        self.num_features = embed_dim
+        letters = parse_layout(layout, [depth], 'IL')[0]
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], embed_dim))
+        self.patch_embed = PatchEmbed(3, embed_dim, patch_size)
+        self.blocks = nn.ModuleList([
+            Block(embed_dim, mlp_ratio, dp, 1e-6, make_inline(c, embed_dim, num_heads, kernel, local_residual))
+            for c, dp in zip(letters, drop_path_rates(drop_path_rate, [depth])[0])])
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.init_weights()
+        trunc_normal_(self.pos_embed, std=.02)
+        trunc_normal_(self.cls_token, std=.02)
+        self.reset_classifier(num_classes)
+
+    def forward_features(self, x):
+        """(B, 3, *img_size) -> normalised tokens (B, 1 + h*w, C), class token first."""
+        if tuple(x.shape[2:]) != self.img_size:
+            check_image_size(x.shape[2:], self.patch_size, 'InLine-DeiT')
+            raise ValueError(f"InLine-DeiT built for {self.img_size[0]}x{self.img_size[1]} images got "
+                             f"{x.shape[2]}x{x.shape[3]}: its position embedding fixes the size; build it with "
+                             f"img_size=({x.shape[2]}, {x.shape[3]}) (checkpoints are resized on load)")
+        x, grid = self.patch_embed(x)  # (B, h*w, C)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed  # (B, 1 + h*w, C)
+        for block in self.blocks:
+            x = block(x, grid)
+        return self.norm(x)
+
+    def forward_head(self, x):
+        return self.head(x[:, 0])  # the class token, (B, C) -> (B, num_classes)
+
+    def no_weight_decay(self):
+        return {'pos_embed', 'cls_token'}
+
+
+# ---------------------------------------------------------------------------------------------------
+# InLine-PVT: four stages of patch embedding + position embedding + InLine blocks, no spatial reduction
+
+class InLinePVT(Backbone):
+    family = 'pvt'
+
+    def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2), num_heads=(2, 4, 10, 16),
+                 mlp_ratios=(8, 8, 4, 4), num_classes=1000, drop_path_rate=0.1, layout='IIII', kernel=None,
+                 local_residual=True):
+        super().__init__()
+        self.img_size = pair(img_size)
+        check_image_size(self.img_size, 32, 'InLine-PVT')
+        self.num_features = embed_dims[-1]
+        layout = parse_layout(layout, depths, 'IL')
+        rates = drop_path_rates(drop_path_rate, depths)
+        self.grids = [(self.img_size[0] // 2 ** (i + 2), self.img_size[1] // 2 ** (i + 2)) for i in range(4)]
+        for i, (h, w) in enumerate(self.grids):  # registered first, so the keys come in the released order
+            setattr(self, f'pos_embed{i + 1}', nn.Parameter(torch.zeros(1, h * w, embed_dims[i])))
+        for i, dim in enumerate(embed_dims):
+            in_chans, patch = (3, 4) if i == 0 else (embed_dims[i - 1], 2)
+            setattr(self, f'patch_embed{i + 1}', PatchEmbed(in_chans, dim, patch, norm_eps=1e-5))
+            setattr(self, f'block{i + 1}', nn.ModuleList([
+                Block(dim, mlp_ratios[i], dp, 1e-6,
+                      make_inline(c, dim, num_heads[i], kernel, local_residual, separate_q=True))
+                for c, dp in zip(layout[i], rates[i])]))
+        self.init_weights()
+        for i in range(4):
+            trunc_normal_(getattr(self, f'pos_embed{i + 1}'), std=.02)
+        self.reset_classifier(num_classes)
+
+    def forward_features(self, x, return_stages=False):
+        """(B, 3, H_img, W_img) -> stage-4 tokens (B, h*w, C), or the four maps [(B, C_i, h_i, w_i)]."""
+        check_image_size(x.shape[2:], 32, 'InLine-PVT')
+        stages = []
+        for i in range(4):
+            x, grid = getattr(self, f'patch_embed{i + 1}')(x)  # (B, h*w, C)
+            pos_embed = getattr(self, f'pos_embed{i + 1}')
+            if grid != self.grids[i]:  # another input size: resample as the released code does
+                pos_embed = resize_grid(pos_embed, self.grids[i], grid, 'bilinear')
+            x = x + pos_embed
+            for block in getattr(self, f'block{i + 1}'):
+                x = block(x, grid)
+            stages.append(to_map(x, grid))
+            x = stages[-1]  # (B, C, h, w), the next stage's image
+        return stages if return_stages else stages[-1].flatten(2).transpose(1, 2)  # no final norm in PVT
+
+    def no_weight_decay(self):
+        return {f'pos_embed{i + 1}' for i in range(4)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Windows, shared by Swin (square windows) and CSwin (stripes: full height or full width)
+
+def to_windows(x, wh, ww):
+    """(B, h, w, C) -> (B*nW, wh*ww, C), windows in row-major order."""
+    B, h, w, C = x.shape
+    x = x.view(B, h // wh, wh, w // ww, ww, C).transpose(2, 3)  # (B, h/wh, w/ww, wh, ww, C)
+    return x.reshape(-1, wh * ww, C)
+
+
+def from_windows(x, wh, ww, h, w):
+    """(B*nW, wh*ww, C) -> (B, h, w, C), the inverse of to_windows."""
+    C = x.shape[-1]
+    x = x.view(-1, h // wh, w // ww, wh, ww, C).transpose(2, 3)  # (B, h/wh, wh, w/ww, ww, C)
+    return x.reshape(-1, h, w, C)
+
+
+def window_mask(h, w, wh, ww, sh, sw, device):
+    """Additive mask (nW, wh*ww, wh*ww) for the (wh, ww) windows of an (h, w) map padded to whole
+    windows and rolled by (-sh, -sw): -100 between two tokens that were not in the same region before
+    the roll (Swin's mask) or where one is padding; None when nothing needs masking."""
+    Hp, Wp = h + -h % wh, w + -w % ww
+    if (sh, sw, Hp, Wp) == (0, 0, h, w):
+        return None
+
+    def regions(L, Lp, window, shift):
+        i = torch.arange(Lp, device=device)
+        label = (i >= Lp - window).long() + (i >= Lp - shift).long() if shift else torch.zeros_like(i)
+        return label, (i + shift) % Lp >= L  # Swin's three slices (0, 1, 2); True where it came from padding
+
+    (lh, ph), (lw, pw) = regions(h, Hp, wh, sh), regions(w, Wp, ww, sw)
+    region = 3 * lh[:, None] + lw[None, :] + 9 * (ph[:, None] | pw[None, :])  # (Hp, Wp), one id per region
+    region = to_windows(region[None, :, :, None], wh, ww).squeeze(-1)  # (nW, wh*ww)
+    return (region[:, :, None] != region[:, None, :]).float() * -100.0  # (nW, wh*ww, wh*ww)
+
+
+def masked_softmax_attention(q, k, v, scale, bias=None, mask=None):
+    """softmax(s q k^T + bias + mask) v. q, k, v (B*nW, H, N, D); bias (H, N, N); mask (nW, N, N)."""
+    attn = (q * scale) @ k.transpose(-2, -1)  # (B*nW, H, N, N)
+    if bias is not None:
+        attn = attn + bias
+    if mask is not None:
+        nW, N = mask.shape[0], attn.shape[-1]
+        attn = (attn.view(-1, nW, attn.shape[1], N, N) + mask[:, None].to(attn.dtype)).view(-1, attn.shape[1], N, N)
+    return torch.softmax(attn, dim=-1) @ v  # (B*nW, H, N, D)
+
+
+# ---------------------------------------------------------------------------------------------------
+# InLine-Swin: hierarchical; I blocks attend over the whole stage, S blocks are Swin's shifted windows
+
+def relative_position_index(wh, ww, window, device):
+    """(wh*ww, wh*ww) indices into a ((2*window - 1)^2, H) table of biases by relative offset (dy, dx)."""
+    y, x = torch.meshgrid(torch.arange(wh, device=device), torch.arange(ww, device=device), indexing='ij')
+    y, x = y.flatten(), x.flatten()  # (N,), N = wh*ww
+    dy = y[:, None] - y[None, :] + window - 1  # (N, N), in [0, 2*window - 2]
+    dx = x[:, None] - x[None, :] + window - 1
+    return dy * (2 * window - 1) + dx
+
+
+class WindowAttention(nn.Module):
+    """Swin's softmax attention within a window plus a learned bias per relative offset and head."""
+
+    def __init__(self, dim, num_heads, window):
+        super().__init__()
+        self.num_heads, self.window = num_heads, window
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        trunc_normal_(self.relative_position_bias_table, std=.02)
+
+    def forward(self, x, window, mask=None):
+        """x (B*nW, wh*ww, C) in windows of shape `window` = (wh, ww); mask (nW, N, N) or None."""
+        B_, N, C = x.shape
+        q, k, v = self.qkv(x).view(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B*nW, H, N, D)
+        index = relative_position_index(*window, self.window, x.device)  # (N, N)
+        bias = self.relative_position_bias_table[index].permute(2, 0, 1)  # (H, N, N)
+        o = masked_softmax_attention(q, k, v, q.shape[-1] ** -0.5, bias, mask)  # (B*nW, H, N, D)
+        return self.proj(o.transpose(1, 2).reshape(B_, N, C))  # (B*nW, N, C)
+
+
+class SwinBlock(nn.Module):
+    """Pre-norm block. I/L: InLine (or linear) attention in windows of `window` (None: the whole map),
+    never shifted. S: softmax in `window` x `window` windows, shifted by window/2 when `shift`."""
+
+    def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, kernel, local_residual):
+        super().__init__()
+        self.letter, self.window, self.shift = letter, window, shift
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = (WindowAttention(dim, num_heads, window) if letter == 'S'
+                     else make_inline(letter, dim, num_heads, kernel, local_residual))
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.drop_path = StochasticDepth(drop_path, 'row')
+
+    def forward(self, x, grid):
+        B, N, C = x.shape
+        y = self.norm1(x).view(B, *grid, C)  # (B, h, w, C)
+        y = self.softmax_windows(y) if self.letter == 'S' else self.inline_windows(y)  # (B, h, w, C)
+        x = x + self.drop_path(y.reshape(B, N, C))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+    def inline_windows(self, x):
+        B, h, w, C = x.shape
+        wh, ww = (h, w) if self.window is None else (min(self.window, h), min(self.window, w))
+        if h % wh or w % ww:  # padding would change the token means of Eq. 5, so it is not an option
+            raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows; "
+                             f"use window=None (the whole stage) or an image size that tiles")
+        o = self.attn(to_windows(x, wh, ww), (wh, ww))  # (B*nW, wh*ww, C)
+        return from_windows(o, wh, ww, h, w)
+
+    def softmax_windows(self, x):
+        B, h, w, C = x.shape
+        wh, ww = min(self.window, h), min(self.window, w)  # a window never exceeds the map
+        sh = self.window // 2 if self.shift and wh < h else 0  # no shift along an axis one window covers
+        sw = self.window // 2 if self.shift and ww < w else 0
+        # Maps that do not tile are padded with zeros after the norm, as Swin does for detection; the
+        # padding is masked out, so a real token never attends to it. Released sizes need no padding.
+        x = F.pad(x, (0, 0, 0, -w % ww, 0, -h % wh))  # (B, Hp, Wp, C)
+        Hp, Wp = x.shape[1:3]
+        x = torch.roll(x, (-sh, -sw), dims=(1, 2))  # the cyclic shift
+        o = self.attn(to_windows(x, wh, ww), (wh, ww), window_mask(h, w, wh, ww, sh, sw, x.device))  # (B*nW, N, C)
+        o = torch.roll(from_windows(o, wh, ww, Hp, Wp), (sh, sw), dims=(1, 2))  # (B, Hp, Wp, C)
+        return o[:, :h, :w]  # (B, h, w, C)
+
+
+class PatchMerging(nn.Module):
+    """2x2 neighbours concatenated -> LayerNorm(4C) -> Linear 4C -> 2C: (B, h*w, C) -> (B, h*w/4, 2C)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+        self.norm = nn.LayerNorm(4 * dim)
+
+    def forward(self, x, grid):
+        B, N, C = x.shape
+        x = x.view(B, *grid, C)  # (B, h, w, C)
+        # Swin's order: (even row, even col), (odd, even), (even, odd), (odd, odd); the weights depend on it
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)  # (B, h/2, w/2, 4C)
+        return self.reduction(self.norm(x.view(B, -1, 4 * C)))  # (B, h*w/4, 2C)
+
+
+class SwinStage(nn.Module):
+    """A stage's blocks, then patch merging (keys layers.i.blocks.j.*, layers.i.downsample.*)."""
+
+    def __init__(self, blocks, downsample):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.downsample = downsample
+
+
+class InLineSwin(Backbone):
+    """window: the InLine window; None = the whole stage, which is what every released model has (its
+    window 56 at 224 px, 96 at 384 px, covers stage 1 and so every stage). softmax_window: the S window,
+    7 at 224 px and 12 at 384 px (SPEC: max(7, window / 8))."""
+    family = 'swin'
+
+    def __init__(self, img_size=224, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), layout='IIIS',
+                 window=None, softmax_window=7, mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, kernel=None,
+                 local_residual=True):
+        super().__init__()
+        self.img_size = pair(img_size)
+        check_image_size(self.img_size, 32, 'InLine-Swin')
+        self.num_features = embed_dim * 8
+        self.patch_embed = PatchEmbed(3, embed_dim, 4, norm_eps=1e-5)
+        layout, rates = parse_layout(layout, depths, 'ILSM'), drop_path_rates(drop_path_rate, depths)
+        self.layers = nn.ModuleList()
+        for i, letters in enumerate(layout):
+            dim = embed_dim * 2 ** i
+            blocks = [SwinBlock(dim, num_heads[i], c, softmax_window if c == 'S' else window, j % 2 == 1,
+                                mlp_ratio, rates[i][j], kernel, local_residual) for j, c in enumerate(letters)]
+            self.layers.append(SwinStage(blocks, PatchMerging(dim) if i < 3 else None))
+        self.norm = nn.LayerNorm(self.num_features)
+        self.init_weights()
+        self.reset_classifier(num_classes)
+
+    def forward_features(self, x, return_stages=False):
+        """(B, 3, H_img, W_img) -> final normalised tokens (B, h*w, 8C), or the four stage outputs
+        [(B, C_i, h_i, w_i)] before merging (without the final norm), for dense prediction."""
+        check_image_size(x.shape[2:], 32, 'InLine-Swin')
+        x, grid = self.patch_embed(x)  # (B, h*w, C)
+        stages = []
+        for layer in self.layers:
+            for block in layer.blocks:
+                x = block(x, grid)
+            stages.append(to_map(x, grid))
+            if layer.downsample is not None:
+                x = layer.downsample(x, grid)  # (B, h*w/4, 2C)
+                grid = (grid[0] // 2, grid[1] // 2)
+        return stages if return_stages else self.norm(x)
+
+    def no_weight_decay(self):
+        return {name for name, _ in self.named_parameters() if name.endswith('relative_position_bias_table')}
+
+
+# ---------------------------------------------------------------------------------------------------
+# InLine-CSwin: cross-shaped windows; every branch adds LePE, a depthwise 3x3 conv of V
+
+class StripeAttention(nn.Module):
+    """One branch of a CSwin block (key attns.i): attention within windows of the map plus LePE.
+
+    axis None: one window over the whole map; 0: vertical stripes (full height, `stripe` wide);
+    1: horizontal stripes. S: softmax. I/L: InLine (or linear) attention over the whole map, whose
+    Eq. 6 weights come from the block input (CSwin's quirk; the other families use the normalised
+    input), built here from inline.py's pure functions; `core` is what kernels.enable_fast replaces.
+    """
+    core = staticmethod(inline_core)
+
+    def __init__(self, dim, num_heads, letter, stripe=None, axis=None, kernel=None, local_residual=True):
+        super().__init__()
+        if letter != 'S' and axis is not None:
+            raise ValueError("CSwin's InLine branch attends over the whole map (axis=None)")
+        self.num_heads, self.letter, self.stripe, self.axis = num_heads, letter, stripe, axis
+        self.get_v = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)  # LePE
+        if letter != 'S':
+            kernel = kernel or ('identity' if letter == 'I' else 'relu')
+            if letter == 'L' and kernel not in inline.NON_NEGATIVE_KERNELS:
+                raise ValueError(f"vanilla linear attention needs a non-negative kernel "
+                                 f"{inline.NON_NEGATIVE_KERNELS}, got {kernel!r}")
+            self.kernel_function = get_kernel(kernel)
+            self.residual = residual_mlp(dim, num_heads) if local_residual else None
+
+    def forward(self, q, k, v, x):
+        """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of the
+        block input, read only by Eq. 6's weights. Returns (B, h*w, C)."""
+        B, h, w, C = q.shape
+        wh, ww = (h, w) if self.axis is None else (h, min(self.stripe, w)) if self.axis == 0 else (min(self.stripe, h), w)
+        # Stripes that do not tile the map are padded with zeros and the padding masked out (the
+        # released sizes need none); the LePE conv sees zeros there, as at any window border.
+        q, k, v = (F.pad(t, (0, 0, 0, -w % ww, 0, -h % wh)) for t in (q, k, v))  # (B, Hp, Wp, C)
+        Hp, Wp = q.shape[1:3]
+        v_windows = to_windows(v, wh, ww)  # (B*nW, wh*ww, C)
+        q, k, v = (to_windows(t, wh, ww).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+                   for t in (q, k, v))  # (B*nW, H, N, D)
+        lepe = self.get_v(v_windows.transpose(1, 2).unflatten(-1, (wh, ww)))  # (B*nW, C, wh, ww)
+        lepe = lepe.flatten(2).unflatten(1, (self.num_heads, -1)).transpose(-2, -1)  # (B*nW, H, N, D)
+        if self.letter == 'S':
+            o = masked_softmax_attention(q, k, v, q.shape[-1] ** -0.5, mask=window_mask(h, w, wh, ww, 0, 0, q.device))
+        else:
+            q, k = self.kernel_function(q), self.kernel_function(k)
+            r = residual_weights(self.residual, x) if self.residual is not None else None  # (B, 9C)
+            if self.letter == 'I':
+                o = self.core(q, k, v, r, (h, w))  # Eq. 5 + Eq. 6, (B, H, N, D)
+            else:
+                o = inline.linear_attention(q, k, v)
+                o = o if r is None else inline.add_local_residual(o, v, r, (h, w))  # Eq. 6
+        o = (o + lepe).transpose(1, 2).flatten(2)  # (B*nW, N, C)
+        return from_windows(o, wh, ww, Hp, Wp)[:, :h, :w].reshape(B, h * w, C)
+
+
+class CSwinBlock(nn.Module):
+    """LN -> one qkv -> one branch over the whole map (InLine, or when a stripe covers the map) or two
+    half-channel, half-head branches over vertical and horizontal stripes -> proj; then the MLP."""
+
+    def __init__(self, dim, num_heads, letter, stripe, grid, mlp_ratio, drop_path, kernel, local_residual):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.norm1 = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+        if letter != 'S' or stripe is None or stripe >= max(grid):
+            self.attns = nn.ModuleList([StripeAttention(dim, num_heads, letter, kernel=kernel,
+                                                        local_residual=local_residual)])
+        else:
+            self.attns = nn.ModuleList([StripeAttention(dim // 2, num_heads // 2, 'S', stripe, axis)
+                                        for axis in (0, 1)])
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.norm2 = nn.LayerNorm(dim)
+        self.drop_path = StochasticDepth(drop_path, 'row')
+
+    def forward(self, x, grid):
+        B, N, C = x.shape
+        q, k, v = (t.view(B, *grid, C) for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))  # 3 x (B, h, w, C)
+        n = len(self.attns)  # each branch gets its share of the channels of q, k, v and the block input x
+        o = torch.cat([attn(*parts) for attn, *parts in zip(self.attns, q.chunk(n, -1), k.chunk(n, -1),
+                                                             v.chunk(n, -1), x.chunk(n, -1))], dim=-1)  # (B, N, C)
+        x = x + self.drop_path(self.proj(o))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class ToTokens(nn.Module):
+    def forward(self, x):
+        return x.flatten(2).transpose(1, 2)  # (B, C, h, w) -> (B, h*w, C)
+
+
+class MergeBlock(nn.Module):
+    """3x3 stride-2 conv + LayerNorm between stages: (B, h*w, C) -> (B, h*w/4, 2C)."""
+
+    def __init__(self, dim, dim_out):
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim_out, 3, stride=2, padding=1)
+        self.norm = nn.LayerNorm(dim_out)
+
+    def forward(self, x, grid):
+        x = self.conv(to_map(x, grid))  # (B, 2C, h/2, w/2)
+        return self.norm(x.flatten(2).transpose(1, 2)), tuple(x.shape[2:])  # (B, h*w/4, 2C)
+
+
+class InLineCSwin(Backbone):
+    """stripes: the S stripe width per stage (1, 2, 7, 7 at 224 px). The last stage is always one branch
+    over the whole map, as in the released code; I stages always attend over the whole map."""
+    family = 'cswin'
+
+    def __init__(self, img_size=224, embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16), layout='IISS',
+                 stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, kernel=None,
+                 local_residual=True):
+        super().__init__()
+        self.img_size = pair(img_size)
+        check_image_size(self.img_size, 32, 'InLine-CSwin')
+        self.num_features = embed_dim * 8
+        layout, rates = parse_layout(layout, depths, 'ILSM'), drop_path_rates(drop_path_rate, depths)
+        self.stage1_conv_embed = nn.Sequential(nn.Conv2d(3, embed_dim, 7, stride=4, padding=2), ToTokens(),
+                                               nn.LayerNorm(embed_dim))
+        for i, letters in enumerate(layout):
+            dim, grid = embed_dim * 2 ** i, (self.img_size[0] // 2 ** (i + 2), self.img_size[1] // 2 ** (i + 2))
+            stripe = stripes[i] if i < 3 else None
+            setattr(self, f'stage{i + 1}', nn.ModuleList([
+                CSwinBlock(dim, num_heads[i], c, stripe, grid, mlp_ratio, rates[i][j], kernel, local_residual)
+                for j, c in enumerate(letters)]))
+            if i < 3:
+                setattr(self, f'merge{i + 1}', MergeBlock(dim, 2 * dim))
+        self.norm = nn.LayerNorm(self.num_features)
+        self.init_weights()
+        self.reset_classifier(num_classes)
+
+    def forward_features(self, x, return_stages=False):
+        """(B, 3, H_img, W_img) -> final normalised tokens (B, h*w, 8C), or the four stage outputs
+        [(B, C_i, h_i, w_i)] before merging (without the final norm), for dense prediction."""
+        check_image_size(x.shape[2:], 32, 'InLine-CSwin')
+        grid = (x.shape[2] // 4, x.shape[3] // 4)
+        x = self.stage1_conv_embed(x)  # (B, h*w, C)
+        stages = []
+        for i in range(4):
+            for block in getattr(self, f'stage{i + 1}'):
+                x = block(x, grid)
+            stages.append(to_map(x, grid))
+            if i < 3:
+                x, grid = getattr(self, f'merge{i + 1}')(x, grid)
+        return stages if return_stages else self.norm(x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registry: each variant is only its sizes; keyword overrides win
+
+MODELS = {}
+
+
+def register(fn):
+    MODELS[fn.__name__] = fn
+    return fn
+
+
+def build(cls, sizes, overrides):
+    return cls(**{**sizes, **overrides})
+
+
+@register
+def inline_deit_t(**kw):
+    return build(InLineDeiT, dict(img_size=224, embed_dim=192, num_heads=6), kw)
+
+
+@register
+def inline_deit_s(**kw):
+    return build(InLineDeiT, dict(img_size=288, embed_dim=320, num_heads=10), kw)
+
+
+@register
+def inline_deit_b(**kw):
+    return build(InLineDeiT, dict(img_size=448, embed_dim=384, num_heads=12), kw)
+
+
+@register
+def inline_pvt_t(**kw):
+    return build(InLinePVT, dict(depths=(2, 2, 2, 2)), kw)
+
+
+@register
+def inline_pvt_s(**kw):
+    return build(InLinePVT, dict(depths=(3, 4, 6, 3)), kw)
+
+
+@register
+def inline_pvt_m(**kw):
+    return build(InLinePVT, dict(depths=(3, 4, 18, 3), drop_path_rate=0.3), kw)
+
+
+@register
+def inline_pvt_l(**kw):
+    return build(InLinePVT, dict(depths=(3, 8, 27, 3), drop_path_rate=0.3), kw)
+
+
+@register
+def inline_swin_t(**kw):
+    return build(InLineSwin, dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), layout='IIIS'), kw)
+
+
+@register
+def inline_swin_s(**kw):
+    return build(InLineSwin, dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), layout='IISS',
+                                  drop_path_rate=0.3), kw)
+
+
+@register
+def inline_swin_b(**kw):
+    return build(InLineSwin, dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2',
+                                  drop_path_rate=0.5), kw)
+
+
+@register
+def inline_swin_b_384(**kw):
+    return build(InLineSwin, dict(img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32),
+                                  layout='IIMS2', softmax_window=12, drop_path_rate=0.5), kw)
+
+
+@register
+def inline_cswin_t(**kw):
+    return build(InLineCSwin, dict(embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16)), kw)
+
+
+@register
+def inline_cswin_s(**kw):
+    return build(InLineCSwin, dict(embed_dim=64, depths=(3, 6, 29, 2), num_heads=(2, 4, 8, 16),
+                                   drop_path_rate=0.4), kw)
+
+
+@register
+def inline_cswin_b(**kw):
+    return build(InLineCSwin, dict(embed_dim=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32),
+                                   drop_path_rate=0.5), kw)
+
+
+@register
+def inline_cswin_b_384(**kw):
+    return build(InLineCSwin, dict(img_size=384, embed_dim=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32),
+                                   stripes=(1, 2, 12, 12), drop_path_rate=0.7), kw)
+
+
+def create_model(name, *, checkpoint=None, fast=False, **overrides):
+    """Build a registered variant. overrides: img_size (int or (H, W)), num_classes, drop_path_rate,
+    kernel, layout, local_residual, or any size of the family's class. fast: the fused InLine core
+    from kernels.py (an error if it cannot be imported; never a silent fallback)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    model = MODELS[name](**overrides)
+    if checkpoint is not None:
+        load_checkpoint(model, checkpoint)
+    if fast:
+        try:
+            import kernels
+        except ImportError as e:
+            raise ImportError(f"fast=True needs kernels.py, which failed to import ({e}); "
+                              f"use fast=False for the reference path") from e
+        kernels.enable_fast(model)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints: the released format {'model': state_dict}, and train.py's, which uses the same key
+
+REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')  # released buffers our models compute instead
+
+
+def resize_parameter(model, name, value, shape):
+    """Fit a checkpoint's position embedding or relative position table to a model built for another
+    image size (bicubic, as the released 384 px fine-tuning did); anything else is returned as is.
+    The checkpoint's grid is read as square (the released ones all are), else as the model's aspect."""
+    if name.endswith('relative_position_bias_table'):  # ((2w - 1)^2, H) -> ((2w' - 1)^2, H)
+        old, new = math.isqrt(value.shape[0]), math.isqrt(shape[0])
+        table = value.T.reshape(1, -1, old, old)  # (1, H, 2w - 1, 2w - 1)
+        table = F.interpolate(table, size=(new, new), mode='bicubic', align_corners=False)
+        return table.reshape(-1, new * new).T  # ((2w' - 1)^2, H)
+    if name.startswith('pos_embed') and value.shape[-1] == shape[-1]:
+        P = 1 if name == 'pos_embed' else 0  # DeiT's class token has a position embedding off the grid
+        new_grid = model.grid if name == 'pos_embed' else model.grids[int(name[len('pos_embed'):]) - 1]
+        n = value.shape[1] - P
+        h = math.isqrt(n) if math.isqrt(n) ** 2 == n else round(math.sqrt(n * new_grid[0] / new_grid[1]))
+        if h == 0 or n % h:
+            raise RuntimeError(f"cannot tell the grid of the checkpoint's {n} {name} vectors: neither square nor "
+                               f"of the model's aspect ratio; build the model at the checkpoint's image size")
+        grid = resize_grid(value[:, P:], (h, n // h), new_grid, 'bicubic')  # (1, h'*w', C)
+        return torch.cat([value[:, :P], grid], dim=1)  # (1, P + h'*w', C)
+    return value
+
+
+def load_checkpoint(model, path):
+    """Load released or project weights: strict on parameters, ignoring the buffers we rebuild;
+    a different num_classes drops the head (with a warning); a different image size resizes."""
+    checkpoint = torch.load(path, map_location='cpu', weights_only=True)  # never unpickles code
+    state = checkpoint.get('model', checkpoint)
+    own = model.state_dict()
+    state = {k: v for k, v in state.items() if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
+    head = [k for k in state if k.startswith('head.')]
+    if any(k not in own or own[k].shape != state[k].shape for k in head):
+        warnings.warn(f"{path}: the checkpoint's head ({tuple(state['head.weight'].shape)}) does not fit "
+                      f"num_classes={model.num_classes}; keeping the model's new head")
+        state = {k: v for k, v in state.items() if k not in head}
+        own = {k: v for k, v in own.items() if not k.startswith('head.')}
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if missing or unexpected:
+        raise RuntimeError(f"{path} does not fit {type(model).__name__}: missing {missing}, unexpected {unexpected}")
+    state = {k: v if v.shape == own[k].shape else resize_parameter(model, k, v, own[k].shape) for k, v in state.items()}
+    wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
+    if wrong:
+        raise RuntimeError(f"{path}: shapes that cannot be resized: {wrong}")
+    model.load_state_dict(state, strict=False)  # everything is checked above; strict=False for a dropped head
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cost, counted as the paper counts it; `python models.py` prints the table
+
+def count_macs(model, img_size=None):
+    """Multiply-accumulates of one image: torch.utils.flop_counter's FLOPs / 2 (matmuls and convs;
+    elementwise ops are not counted). Works on the meta device, so big models cost no memory."""
+    H, W = pair(img_size or model.img_size)
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, 3, H, W, device=device))
+    model.train(training)
+    return counter.get_total_flops() / 2
+
+
+def main():
+    print(f"{'variant':20s} {'img':>4s} {'params':>12s} {'released':>12s} {'GMACs':>8s} {'released':>8s} {'diff':>7s} {'top-1':>6s}")
+    for name, (params, gmacs, top1) in RELEASED.items():
+        with torch.device('meta'):
+            model = create_model(name)
+        ours = sum(p.numel() for p in model.parameters())
+        macs = count_macs(model) / 1e9
+        print(f"{name:20s} {model.img_size[0]:4d} {ours:12,d} {params:12,d} {macs:8.3f} {gmacs:8.3f} "
+              f"{(macs / gmacs - 1) * 100:+6.2f}% {top1 or '-':>6}")
+    print("GMACs = torch.utils.flop_counter FLOPs / 2 (matmuls and convolutions). Ours are lower by the released\n"
+          "code's q.k_mean product alone (N*D per head), which the centred form of Eq. 5 does not need.")
+
+if __name__ == '__main__':
+    main()
