@@ -8,10 +8,17 @@ models with their weights, float64 inputs and outputs; keys/<variant>.tsv, every
 state dict. Tests that need them skip when they are absent (and fail under CI). Big models are only
 built on the meta device, where shapes and FLOP counts cost no memory.
 """
+import hashlib
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from PIL import Image
 
 import inline
 import models
@@ -504,3 +511,229 @@ def test_fast_switch_replaces_every_core_or_fails_loudly():
     model = models.create_model('inline_cswin_t', fast=True, **small)
     cores = [m.core for m in model.modules() if hasattr(m, 'core') and getattr(m, 'letter', 'I') == 'I']
     assert cores and all(core is kernels.inline_core_fast for core in cores)
+
+
+# ===================================================================================================
+# train.py, run as a user runs it: in a subprocess (one process, or two under torchrun with gloo), on
+# the smallest variant at the smallest size; checks what it leaves behind and what it prints
+
+TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
+# the smallest variant at the smallest size it takes; the reference attention needs no compilation; one thread
+# per process, so that a busy machine slows the tests down rather than stalling them
+TINY_ARGS = ['--model', 'inline_deit_t', '--attention-impl', 'reference', '--img-size', '32', '--batch-size', '8',
+        '--workers', '0', '--threads', '1']
+SYNTHETIC_ARGS = TINY_ARGS + ['--synthetic-train', '48', '--synthetic-val', '21', '--epochs', '2']
+
+
+def command(args, nproc=1):
+    launcher = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}']
+    return (launcher if nproc > 1 else [sys.executable]) + [TRAIN, *args]
+
+
+def train(args, nproc=1, ok=True, timeout=600):
+    result = subprocess.run(command(args, nproc), capture_output=True, text=True, timeout=timeout)
+    if ok and result.returncode != 0:
+        raise AssertionError(f'train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n'
+                             f'{result.stderr[-3000:]}')
+    return result
+
+
+def metrics(output_dir):
+    with open(os.path.join(output_dir, 'metrics.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def printed(stdout, prefix):
+    """The JSON object train.py printed after `prefix` (e.g. 'eval model: ')."""
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith(prefix))[len(prefix):])
+
+
+def load_checkpoint_file(path):
+    return torch.load(path, map_location='cpu', weights_only=True)
+
+
+@pytest.fixture(scope='module')
+def two_process_run(tmp_path_factory):
+    """Two processes under torchrun, two epochs of the synthetic task; shared by the tests below."""
+    output_dir = str(tmp_path_factory.mktemp('run'))
+    result = train(SYNTHETIC_ARGS + ['--output-dir', output_dir], nproc=2)
+    return output_dir, result
+
+
+def test_two_processes_train_and_write_checkpoints(two_process_run):
+    output_dir, result = two_process_run
+    assert 'schedule: 2 epochs' in result.stdout and 'data: synthetic' in result.stdout
+    log = metrics(output_dir)
+    assert [e['epoch'] for e in log] == [1, 2]
+    assert all(e['val_images'] == 21 for e in log)  # every image once: 11 + 10, no padding
+    ckpt = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
+    assert ckpt['epoch'] == 2 and ckpt['step'] == 0 and len(ckpt['rng']) == 2
+    assert ckpt['args']['model'] == 'inline_deit_t' and ckpt['log'] == log
+    assert {'model', 'optimizer', 'scheduler', 'scaler', 'model_ema'} <= ckpt.keys()
+    best = load_checkpoint_file(os.path.join(output_dir, 'best.pt'))
+    assert best['best_acc1'] == max(e['val_acc1'] for e in log)
+    assert not [f for f in os.listdir(output_dir) if f.endswith('.tmp')]
+
+
+def test_eval_reproduces_the_logged_accuracy(two_process_run):
+    output_dir, _ = two_process_run
+    result = train(SYNTHETIC_ARGS + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')], nproc=2)
+    evaluated, logged = printed(result.stdout, 'eval model: '), metrics(output_dir)[-1]
+    assert evaluated['images'] == 21
+    assert evaluated['acc1'] == logged['val_acc1'] and evaluated['acc5'] == logged['val_acc5']
+    assert evaluated['loss'] == pytest.approx(logged['val_loss'], rel=1e-6)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(two_process_run, tmp_path):
+    torch.manual_seed(0)
+    ckpt = load_checkpoint_file(os.path.join(two_process_run[0], 'checkpoint.pt'))
+    name = next(iter(ckpt['model']))
+    ckpt['model'][name] = torch.full_like(ckpt['model'][name], float('nan'))
+    path = str(tmp_path / 'checkpoint.pt')
+    torch.save(ckpt, path)
+    digest = hashlib.sha256(open(path, 'rb').read()).hexdigest()
+    result = train(TINY_ARGS + ['--synthetic-train', '48', '--synthetic-val', '21', '--epochs', '3',
+                           '--output-dir', str(tmp_path)], ok=False)
+    assert result.returncode != 0 and 'the loss is not finite' in result.stderr
+    assert hashlib.sha256(open(path, 'rb').read()).hexdigest() == digest
+
+
+@pytest.mark.parametrize('mode', ['--eval', '--resume'])
+def test_checkpoint_of_another_model_is_refused(two_process_run, mode, tmp_path):
+    path = os.path.join(two_process_run[0], 'checkpoint.pt')
+    args = SYNTHETIC_ARGS + ['--model', 'inline_pvt_t', '--output-dir', str(tmp_path)]
+    result = train(args + ([mode, '--checkpoint', path] if mode == '--eval' else [mode, path]), ok=False)
+    assert result.returncode != 0 and 'is a checkpoint of inline_deit_t, not of --model inline_pvt_t' in result.stderr
+
+
+# ------------------------------------------------------------------------------------- nothing is lost
+# Mixup, CutMix, drop path and EMA are on, so any random stream or state not restored changes the weights;
+# gradient accumulation too, so a mid-epoch resume must skip whole accumulation groups.
+RESUMABLE = TINY_ARGS + ['--synthetic-train', '160', '--synthetic-val', '16', '--epochs', '3', '--mixup', '0.8',
+                    '--cutmix', '1.0', '--drop-path', '0.1', '--ema-decay', '0.9', '--accum-steps', '2']
+
+
+def final_weights(output_dir):
+    ckpt = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
+    assert ckpt['epoch'] == 3
+    return {**ckpt['model'], **{f'ema.{k}': v for k, v in ckpt['model_ema'].items()}}
+
+
+def interrupt(args, output_dir, sig):
+    """Start a two-process run; once epoch 1 is saved, send `sig` to torchrun (SIGTERM: it forwards it to
+    the workers) or to torchrun and both workers (SIGKILL: nothing gets to clean up)."""
+    process = subprocess.Popen(command(args, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not os.path.exists(os.path.join(output_dir, 'metrics.jsonl')):
+        assert process.poll() is None and time.time() < deadline, 'the run ended before epoch 1 was saved'
+        time.sleep(0.05)
+    time.sleep(0.3)  # into epoch 2
+    assert process.poll() is None, 'the run ended before it could be interrupted'
+    with open(f'/proc/{process.pid}/task/{process.pid}/children') as f:
+        workers = [int(pid) for pid in f.read().split()]
+    for pid in [process.pid] + (workers if sig == signal.SIGKILL else []):
+        os.kill(pid, sig)
+    output, _ = process.communicate(timeout=120)
+    assert len(metrics(output_dir)) < 3, 'the interruption came too late to test anything'
+    return output
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+    output_dir = str(tmp_path_factory.mktemp('uninterrupted'))
+    train(RESUMABLE + ['--output-dir', output_dir], nproc=2)
+    return output_dir
+
+
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM], ids=['kill-9', 'sigterm'])
+def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_path):
+    reference, interrupted = uninterrupted, str(tmp_path / 'interrupted')
+    output = interrupt(RESUMABLE + ['--output-dir', interrupted], interrupted, sig)
+    if sig == signal.SIGTERM:  # saved where it stopped, mid-epoch
+        assert 'SIGTERM: saved' in output and load_checkpoint_file(os.path.join(interrupted, 'checkpoint.pt'))['step'] > 0
+    result = train(RESUMABLE + ['--output-dir', interrupted], nproc=2)  # the same command, rerun
+    assert 'resumed from' in result.stdout
+    expected, got = final_weights(reference), final_weights(interrupted)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected), 'resumed weights differ'
+    val = lambda log: [{k: v for k, v in e.items() if 'val_' in k} for e in log]  # noqa: E731
+    assert val(metrics(interrupted)) == val(metrics(reference))
+    assert sorted(os.listdir(interrupted)) == ['best.pt', 'checkpoint.pt', 'metrics.jsonl']  # no .tmp left
+
+
+# ------------------------------------------------------------------------------------------ real images
+def write_image_folder(root, counts, seed=0):
+    """Two classes of 32 px PNGs told apart by colour: root/<split>/<class>/<i>.png."""
+    g = torch.Generator().manual_seed(seed)
+    for split, count in counts.items():
+        for label, colour in enumerate(('red', 'blue')):
+            os.makedirs(os.path.join(root, split, colour), exist_ok=True)
+            for i in range(count):
+                img = torch.rand(32, 32, 3, generator=g) * 0.3
+                img[..., 0 if label == 0 else 2] += 0.7
+                Image.fromarray((img * 255).byte().numpy()).save(os.path.join(root, split, colour, f'{i}.png'))
+
+
+def test_image_folder_trains_and_evaluates(tmp_path):
+    torch.manual_seed(0)
+    root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
+    write_image_folder(root, {'train': 8, 'val': 3})
+    # the released recipe (RandAugment, Mixup/CutMix, random erasing, ...) at a tiny scale: 2 steps of 2 x 4 images
+    args = TINY_ARGS + ['--data-path', root, '--batch-size', '4', '--accum-steps', '2', '--epochs', '2',
+                   '--warmup-epochs', '1', '--workers', '1', '--output-dir', output_dir]
+    result = train(args)
+    assert 'released ImageNet-1K recipe' in result.stdout
+    log = metrics(output_dir)
+    assert len(log) == 2 and log[-1]['val_images'] == 6
+    result = train(args + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')])
+    assert printed(result.stdout, 'eval model: ')['acc1'] == log[-1]['val_acc1']
+
+
+def test_throughput_prints_images_per_second():
+    result = train(TINY_ARGS + ['--throughput', '--batch-size', '2'])
+    assert 'throughput:' in result.stdout and 'images/s' in result.stdout
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def bad_data(root, case):
+    """A data folder with one thing wrong."""
+    if case == 'no-train':
+        os.makedirs(os.path.join(root, 'val', 'a'))
+    elif case == 'no-val':
+        os.makedirs(os.path.join(root, 'train', 'a'))
+    elif case == 'no-images':
+        for split in ('train', 'val'):
+            os.makedirs(os.path.join(root, split, 'a'))
+    elif case == 'undecodable':
+        write_image_folder(root, {'train': 2, 'val': 1})
+        with open(os.path.join(root, 'train', 'red', 'broken.png'), 'wb') as f:
+            f.write(b'not a png at all')
+    return ['--data-path', root, '--accum-steps', '1', '--epochs', '1', '--warmup-epochs', '0', '--batch-size', '5']
+
+
+BAD = {  # case: (extra arguments or a data-folder case, what the error must say)
+    'no-train': ('no-train', 'has no train/ folder'),
+    'no-val': ('no-val', 'has no val/ folder'),
+    'no-images': ('no-images', 'no images in'),
+    'undecodable': ('undecodable', 'cannot decode image'),
+    'img-size': (['--img-size', '40'], 'divisible by 16'),
+    'batch-size-zero': (['--batch-size', '0'], '--batch-size 0 is out of range'),
+    'batch-size-too-big': (['--batch-size', '64'], 'exceeds the 48 training images'),
+    'lr-negative': (['--lr=-1e-3'], '--lr -0.001 is out of range'),
+    'lr-too-big': (['--lr', '3'], '--lr 3.0 is out of range'),
+    'eval-without-checkpoint': (['--eval'], '--eval needs --checkpoint'),
+    'missing-checkpoint': (['--eval', '--checkpoint', 'no/such/file.pt'], 'no checkpoint at no/such/file.pt'),
+}
+
+
+@pytest.mark.parametrize('case', BAD)
+def test_bad_input_gets_a_clear_error(case, tmp_path):
+    torch.manual_seed(0)
+    extra, message = BAD[case]
+    if isinstance(extra, str):
+        extra = bad_data(str(tmp_path / 'data'), extra)
+    result = train(SYNTHETIC_ARGS + ['--output-dir', str(tmp_path / 'run')] + extra, ok=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    if case == 'undecodable':
+        assert 'broken.png' in result.stderr
