@@ -1,6 +1,6 @@
 """The proof: the reference against explicit formulas, the backbones against the authors' models.
 
-    python -m pytest -q                      # about N minutes on 2 CPU cores
+    python -m pytest -q                      # about 6 minutes on 2 CPU cores
     INLINE_SLOW=1 python -m pytest -q        # also the MACs of all 15 variants
 
 Golden data: ../shared/official/ (SPEC.md §5): golden_blocks.pt, small blocks of the authors' released
@@ -15,18 +15,15 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
 from PIL import Image
 
 import inline
+import kernels
 import models
-
-try:
-    import kernels  # the fast path
-except ImportError:
-    kernels = None
 
 OFFICIAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'shared', 'official')
 GOLDEN_PATH = os.environ.get('INLINE_GOLDEN', os.path.join(OFFICIAL, 'golden_blocks.pt'))
@@ -501,16 +498,223 @@ def test_model_api():
     assert meta_model('inline_pvt_t').no_weight_decay() == {'pos_embed1', 'pos_embed2', 'pos_embed3', 'pos_embed4'}
 
 
-def test_fast_switch_replaces_every_core_or_fails_loudly():
+def test_fast_switch_replaces_every_core():
     torch.manual_seed(0)
-    small = SMALL['inline_cswin_t']
-    if kernels is None:
-        with pytest.raises(ImportError, match="fast=True needs kernels.py"):
-            models.create_model('inline_cswin_t', fast=True, **small)
-        return
-    model = models.create_model('inline_cswin_t', fast=True, **small)
+    model = models.create_model('inline_cswin_t', fast=True, **SMALL['inline_cswin_t'])
     cores = [m.core for m in model.modules() if hasattr(m, 'core') and getattr(m, 'letter', 'I') == 'I']
     assert cores and all(core is kernels.inline_core_fast for core in cores)
+
+
+# ===================================================================================================
+# kernels.py: the fast path against the reference, outputs and every gradient, with a random upstream
+# gradient. fp32: fixed tolerances relative to each tensor's scale. bf16: the fast path's error against
+# the fp32 reference is at most twice the reference's own bf16 error, plus one bf16 rounding of the
+# tensor's scale. The compiled graphs take dynamic shapes, so the file compiles six graphs in all.
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# (B, H, P, grid, D): P leading tokens off the grid, N = P + h*w. The shapes the backbones produce.
+SHAPES = [
+    (2, 3, 0, (7, 7), 32),  # a Swin window, N = 49
+    (2, 3, 1, (14, 14), 32),  # DeiT at 224 px: a class token and 14 x 14 patches, N = 197
+    (2, 3, 0, (56, 56), 32),  # stage 1 of Swin and PVT at 224 px, N = 3136
+    (2, 2, 0, (6, 10), 64),  # a non-square grid
+    (3, 2, 1, (5, 9), 64),  # odd sizes everywhere: B, h, w, N = 46
+]
+FP32_TOLERANCE = 2e-5  # of the tensor's largest entry; fp32 reductions over 3136 tokens, in another order
+BF16_ROUNDING = 2 ** -8  # half a bf16 ulp at 1, times the tensor's largest entry
+
+
+def shape_id(B, H, P, grid, D):
+    return f"B{B}-H{H}-N{P + grid[0] * grid[1]}-D{D}"
+
+
+def core_inputs(B, H, P, grid, D, device='cpu', seed=0):
+    """q, k, v (B, H, N, D) with non-zero token means (what centring is for), r (B, 9C), upstream do."""
+    g = torch.Generator(device).manual_seed(seed)
+    N = P + grid[0] * grid[1]
+    q, k, v, do = (torch.randn(B, H, N, D, generator=g, device=device, dtype=torch.float64) for _ in range(4))
+    k = k + torch.randn(B, H, 1, D, generator=g, device=device, dtype=torch.float64)  # a mean per channel
+    v = v + 0.5
+    r = 0.3 * torch.randn(B, 9 * H * D, generator=g, device=device, dtype=torch.float64)
+    return q, k, v, r, do
+
+
+def run_core(core, q, k, v, r, do, grid, dtype):
+    """[o, dq, dk, dv, dr] of core on the inputs cast to dtype, as float64."""
+    leaves = [t.to(dtype).requires_grad_() if t is not None else None for t in (q, k, v, r)]
+    o = core(*leaves, grid)
+    grads = torch.autograd.grad(o, [t for t in leaves if t is not None], do.to(dtype))
+    return [t.double() for t in (o, *grads)]
+
+
+NAMES = ['o', 'dq', 'dk', 'dv', 'dr']
+
+
+def assert_fp32_close(fast, reference, tolerance=FP32_TOLERANCE):
+    for name, a, b in zip(NAMES, fast, reference):
+        error, scale = (a - b).abs().max().item(), b.abs().max().item()
+        assert error <= tolerance * scale, f"{name}: max error {error:.2e} > {tolerance} * {scale:.2e}"
+
+
+@pytest.mark.parametrize('shape', SHAPES, ids=[shape_id(*s) + '-fp32' for s in SHAPES])
+def test_fast_core_equals_reference_fp32(shape):
+    torch.manual_seed(0)
+    B, H, P, grid, D = shape
+    q, k, v, r, do = core_inputs(*shape)
+    fast = run_core(kernels.inline_core_fast, q, k, v, r, do, grid, torch.float32)
+    reference = run_core(inline.inline_core, q, k, v, r, do, grid, torch.float32)
+    assert fast[0].shape == (B, H, P + grid[0] * grid[1], D)
+    assert_fp32_close(fast, reference)
+
+
+@pytest.mark.parametrize('shape', SHAPES, ids=[shape_id(*s) + '-bf16' for s in SHAPES])
+def test_fast_core_bf16_error_within_twice_the_references(shape):
+    torch.manual_seed(0)
+    grid = shape[3]
+    q, k, v, r, do = core_inputs(*shape)
+    truth = run_core(inline.inline_core, q, k, v, r, do, grid, torch.float32)
+    fast = run_core(kernels.inline_core_fast, q, k, v, r, do, grid, torch.bfloat16)
+    reference = run_core(inline.inline_core, q, k, v, r, do, grid, torch.bfloat16)
+    for name, f, ref, t in zip(NAMES, fast, reference, truth):
+        fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
+        noise = BF16_ROUNDING * t.abs().max().item()
+        print(f"{name}: bf16 error, fast {fast_error:.3e}, reference {reference_error:.3e}, noise {noise:.1e}")
+        assert fast_error <= 2 * reference_error + noise, name
+
+
+def test_fast_core_without_local_residual():
+    torch.manual_seed(0)
+    q, k, v, _, do = core_inputs(2, 3, 1, (6, 5), 32)
+    fast = run_core(kernels.inline_core_fast, q, k, v, None, do, (6, 5), torch.float32)
+    assert_fp32_close(fast, run_core(inline.inline_core, q, k, v, None, do, (6, 5), torch.float32))
+
+
+def test_fast_core_accepts_the_strided_views_models_pass():
+    """A model's q, k, v are views into one qkv projection; its upstream gradient is a transposed view."""
+    torch.manual_seed(0)
+    B, N, H, D, grid = 2, 49, 3, 32, (7, 7)
+    qkv = torch.randn(B, N, 3 * H * D)
+    q, k, v = (t.reshape(B, N, H, D).transpose(1, 2) for t in qkv.chunk(3, dim=-1))  # (B, H, N, D)
+    r, do = 0.3 * torch.randn(B, 9 * H * D), torch.randn(B, N, H, D).transpose(1, 2)
+    assert_fp32_close(run_core(kernels.inline_core_fast, q, k, v, r, do, grid, torch.float32),
+                      run_core(inline.inline_core, q, k, v, r, do, grid, torch.float32))
+
+
+def test_fast_core_trains_after_an_inference_mode_pass():
+    """The border masks are cached per shape; one built under inference_mode must still be saveable."""
+    torch.manual_seed(0)
+    q, k, v, r, do = core_inputs(2, 3, 0, (4, 7), 32)
+    with torch.inference_mode():
+        kernels.inline_core_fast(q.float(), k.float(), v.float(), r.float(), (4, 7))
+    assert_fp32_close(run_core(kernels.inline_core_fast, q, k, v, r, do, (4, 7), torch.float32),
+                      run_core(inline.inline_core, q, k, v, r, do, (4, 7), torch.float32))
+
+
+def test_fast_core_follows_autocast():
+    """Under autocast the core computes in the autocast dtype, as the reference's matmuls do. (With
+    fp32 inputs the reference's output is fp32, promoted by its fp32 means; in a model q, k, v come out
+    of an autocast Linear in bf16, and both return bf16.)"""
+    torch.manual_seed(0)
+    q, k, v, r, do = core_inputs(2, 3, 0, (7, 7), 32)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        fast, reference = (run_core(core, q, k, v, r, do, (7, 7), torch.float32)
+                           for core in (kernels.inline_core_fast, inline.inline_core))
+        assert kernels.inline_core_fast(q.float(), k.float(), v.float(), r.float(), (7, 7)).dtype == torch.bfloat16
+    truth = run_core(inline.inline_core, q, k, v, r, do, (7, 7), torch.float32)
+    for name, f, ref, t in zip(NAMES, fast, reference, truth):
+        fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
+        print(f"{name}: autocast error, fast {fast_error:.3e}, reference {reference_error:.3e}")
+        assert fast_error <= 2 * reference_error + BF16_ROUNDING * t.abs().max().item(), name
+
+
+def test_fast_core_rejects_what_the_reference_rejects():
+    q = k = v = torch.randn(2, 3, 49, 32)
+    with pytest.raises(ValueError, match="token grid"):
+        kernels.inline_core_fast(q, k, v, torch.randn(2, 9 * 96), (8, 8))
+    with pytest.raises(ValueError, match="r must be"):
+        kernels.inline_core_fast(q, k, v, torch.randn(2, 96), (7, 7))
+
+
+def test_no_silent_fallback_when_compilation_fails(monkeypatch):
+    """If the compiler cannot run, the closed form runs eagerly after one loud warning, still exact."""
+    torch.manual_seed(0)
+
+    class CompilerMissing(torch._dynamo.exc.BackendCompilerFailed):  # what inductor raises without g++
+        def __init__(self):
+            RuntimeError.__init__(self, "InvalidCxxCompiler: No working C++ compiler found")
+
+    def broken(*args):
+        raise CompilerMissing()
+
+    monkeypatch.setattr(kernels, 'COMPILED', {'core_forward': broken, 'core_backward': broken})
+    monkeypatch.setattr(kernels, '_compile_error', [])
+    q, k, v, r, do = core_inputs(2, 2, 1, (3, 4), 8)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        fast = run_core(kernels.inline_core_fast, q, k, v, r, do, (3, 4), torch.float64)
+    torch.testing.assert_close(fast, run_core(inline.inline_core, q, k, v, r, do, (3, 4), torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # warned once, not at every call
+        kernels.inline_core_fast(*(t.float() for t in (q, k, v, r)), (3, 4))
+
+
+@CUDA
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+def test_fast_core_on_cuda(dtype):
+    torch.manual_seed(0)
+    shape = (2, 3, 1, (14, 14), 32)
+    q, k, v, r, do = core_inputs(*shape, device='cuda')
+    truth = run_core(inline.inline_core, q, k, v, r, do, shape[3], torch.float32)
+    fast = run_core(kernels.inline_core_fast, q, k, v, r, do, shape[3], dtype)
+    if dtype == torch.float32:
+        assert_fp32_close(fast, truth, tolerance=1e-4)  # TF32 may be on for the caller's matmuls
+    else:
+        reference = run_core(inline.inline_core, q, k, v, r, do, shape[3], dtype)
+        for name, f, ref, t in zip(NAMES, fast, reference, truth):
+            fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
+            print(f"{name}: bf16 error, fast {fast_error:.3e}, reference {reference_error:.3e}")
+            assert fast_error <= 2 * reference_error + BF16_ROUNDING * t.abs().max().item(), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole models: fast=True equals fast=False in logits and in the gradient of every parameter
+
+FAST_SMALL = {  # one small variant per family; every InLine attention has at least two heads
+    'inline_deit_t': dict(img_size=(48, 80), embed_dim=32, depth=2, num_heads=2),
+    'inline_pvt_t': dict(img_size=(64, 96), embed_dims=(16, 32, 32, 64), depths=(1, 1, 1, 1), num_heads=(2, 2, 2, 2)),
+    'inline_swin_t': dict(img_size=(64, 96), embed_dim=16, depths=(2, 2, 2, 2), num_heads=(2, 2, 2, 4),
+                          layout='IIMS1', softmax_window=3),
+    'inline_cswin_t': dict(img_size=(64, 96), embed_dim=16, depths=(1, 2, 2, 1), num_heads=(2, 2, 4, 4),
+                           layout='IISS', stripes=(1, 2, 3, 3)),
+}
+
+
+@pytest.mark.parametrize('name', list(FAST_SMALL))
+def test_fast_model_equals_reference_model(name):
+    torch.manual_seed(0)
+    config = dict(FAST_SMALL[name], num_classes=5, drop_path_rate=0.0)
+    reference = models.create_model(name, **config)
+    fast = models.create_model(name, fast=True, **config)
+    fast.load_state_dict(reference.state_dict())
+    assert sum(getattr(m, 'core', None) is kernels.inline_core_fast for m in fast.modules()) >= 2
+    x, upstream = torch.randn(2, 3, *config['img_size']), torch.randn(2, 5)
+    logits = []
+    for model in (reference, fast):
+        logits.append(model(x))
+        logits[-1].backward(upstream)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    for (key, p), q in zip(reference.named_parameters(), fast.parameters()):
+        scale = p.grad.abs().max().item()
+        assert (q.grad - p.grad).abs().max().item() <= 1e-4 * scale + 1e-7, key
+
+
+def test_enable_fast_swaps_exactly_the_reference_cores():
+    torch.manual_seed(0)
+    model = models.create_model('inline_swin_t', **FAST_SMALL['inline_swin_t'])
+    cores = [m for m in model.modules() if getattr(m, 'core', None) is inline.inline_core]
+    assert kernels.enable_fast(model) == len(cores) > 0
+    assert all(m.core is kernels.inline_core_fast for m in cores)
+    assert kernels.enable_fast(model) == 0  # nothing left to swap
 
 
 # ===================================================================================================

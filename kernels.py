@@ -1,0 +1,352 @@
+"""The fast InLine attention core: Eq. 5 + Eq. 6 as two compiled graphs with a closed-form backward.
+
+Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
+arXiv 2412.06590. `inline_core_fast(q, k, v, r, grid, scale=None)` takes the same arguments, layout and
+result as inline.inline_core, the reference it replaces; `enable_fast(model)` swaps it into a model
+(models.create_model(name, fast=True) calls it). test_inline.py proves the two equal.
+
+    python kernels.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
+    python kernels.py --bench --json          # the same, one JSON object per case
+    python kernels.py --bench --model-step    # also a whole InLine-Swin-T training step, fp32 and bf16
+
+What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README has the figures):
+- One torch.compile'd graph for the forward and one for the backward, inside a torch.autograd.Function
+  whose backward is written in closed form. Saved for backward: q, k, v, r as given plus the means and
+  the D x D covariance; nothing of size N is kept that the caller does not already hold.
+- Eq. 5 in centred-covariance form. Only one side of a sum over tokens needs centring to keep its
+  precision: cov = (k - k_mean)^T v - colsum(k - k_mean) v_mean^T is exact algebra, and the GEMM output
+  stays the size of the covariance itself, never N * k_mean v_mean^T. Means and all reductions are
+  accumulated in fp32; bf16 GEMMs accumulate in fp32 and round once.
+- Eq. 6, the 3x3 neighbourhood sum, as nine shifted multiply-adds along the token axis with
+  precomputed border masks; inductor fuses them with the rest of the output into one pass over V (the
+  released B*C-group convolution needs V transposed to channel planes first, and a conv per sample).
+- Dynamic shapes: one compilation per dtype serves every batch, head count, token grid and head dim.
+
+Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid,
+P = N - h*w leading tokens off the grid (DeiT's class token).
+"""
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import time
+import warnings
+
+import torch
+import torch.fx.experimental._config
+import torch.nn.functional as F
+
+import inline
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # GEMM outputs rounded to 8 or 11 bits
+
+
+# ---------------------------------------------------------------------------------------------------
+# Eq. 6 on the token axis: neighbour t of grid token n sits at n + (dy - 1) * w + (dx - 1)
+
+def neighbour_masks(N, grid, device):
+    """(9, N, 1) float: 1 where token n is on the grid and its neighbour t = 3 dy + dx is too, else 0."""
+    h, w = grid
+    with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
+        g = torch.arange(N, device=device) - (N - h * w)  # grid index; negative for the P leading tokens
+        y, x = g.div(w, rounding_mode='floor'), g % w
+        masks = [(g >= 0) & (y + dy >= 0) & (y + dy < h) & (x + dx >= 0) & (x + dx < w)
+                 for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
+        return torch.stack(masks).float()[:, :, None]  # (9, N, 1)
+
+
+_cached_masks = functools.lru_cache(maxsize=32)(neighbour_masks)
+
+
+def neighbours(x, w, flip=False):
+    """The nine views x[:, :, n + offset_t] (B, H, N, D), zeros past either end. flip=True gives the
+    opposite offsets, the transpose of the shift, which is what Eq. 6's backward needs."""
+    N = x.shape[2]
+    padded = F.pad(x, (0, 0, w + 1, w + 1))  # (B, H, N + 2w + 2, D)
+    starts = [dy * w + dx for dy in range(3) for dx in range(3)]  # offset_t + w + 1
+    return [padded[:, :, s:s + N] for s in (starts[::-1] if flip else starts)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two halves, each compiled to one graph. r9 (B, H, 9, D) is r with neighbour t before channel.
+
+def wide(x):
+    """x in at least fp32: where sums and elementwise math happen."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def core_forward(q, k, v, r9, masks, w, scale):
+    """-> o (B, H, N, D), and for the backward k_mean, v_mean (B, H, 1, D) and s/N Cov (B, H, D, D)."""
+    N = q.shape[2]
+    k_mean = wide(k).mean(2, keepdim=True)  # (B, H, 1, D)
+    v_mean = wide(v).mean(2, keepdim=True)  # (B, H, 1, D)
+    k_c = (wide(k) - k_mean).to(k.dtype)  # (B, H, N, D)
+    # (k - k_mean)^T (v - v_mean) = (k - k_mean)^T v - colsum(k - k_mean) v_mean^T, with the colsum of
+    # k_c as rounded, so the correction is exact; s/N is folded into the D x D matrix (SPEC §1).
+    cov = wide(k_c.transpose(-2, -1) @ v) - wide(k_c).sum(2, keepdim=True).transpose(-2, -1) * v_mean
+    cov = (cov * (scale / N)).to(q.dtype)  # (B, H, D, D)
+    o = wide(q @ cov) + v_mean  # Eq. 5: s q_i^T Cov + v_mean, (B, H, N, D)
+    if r9 is not None:
+        for t, v_t in enumerate(neighbours(v, w)):
+            o = o + wide(r9[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
+    return o.to(q.dtype), k_mean, v_mean, cov
+
+
+def core_backward(do, q, k, v, r9, masks, k_mean, v_mean, cov, w, scale):
+    """-> the gradients of q, k, v (B, H, N, D) and of r9 (B, H, 9, D), given do = dLoss/do."""
+    N, dtype = q.shape[2], q.dtype
+    dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
+    g = (wide(q.transpose(-2, -1) @ do) * (scale / N)).to(dtype)  # s/N q^T do, (B, H, D, D)
+    # Cov = (1/N) (k - k_mean)^T (v - v_mean); the means' own gradients vanish because the centred
+    # columns sum to zero, so dk = (v - v_mean) g^T and dv = (k - k_mean) g + mean_i do_i.
+    dk = (wide(v) - v_mean).to(dtype) @ g.transpose(-2, -1)  # (B, H, N, D)
+    if dtype in LOW_PRECISION:  # a rounded k g would lose k - k_mean under a large k_mean
+        dv = wide((wide(k) - k_mean).to(dtype) @ g)
+    else:  # in fp32 the subtraction costs ~1e-7 |k_mean| / |k - k_mean|; fold it into the epilogue
+        dv = k @ g - k_mean @ g
+    dv = dv + wide(do).mean(2, keepdim=True)  # from o += v_mean, (B, H, N, D)
+    dr9 = None
+    if r9 is not None:
+        for t, do_t in enumerate(neighbours(do, w, flip=True)):  # Eq. 6 transposed
+            dv = dv + wide(r9[:, :, t, None]) * masks[8 - t] * wide(do_t)
+        dr9 = torch.stack([(wide(do) * masks[t] * wide(v_t)).sum(2)
+                           for t, v_t in enumerate(neighbours(v, w))], dim=2).to(r9.dtype)  # (B, H, 9, D)
+    return dq, dk, dv.to(dtype), dr9
+
+
+COMPILED = {f.__name__: torch.compile(f, dynamic=True) for f in (core_forward, core_backward)}
+_compile_error = []  # filled once if the compiler cannot run here
+
+
+def no_duck_sizing():
+    """Sizes that happen to be equal on the first call (N == D, B == H) must not become one symbol, or
+    the next call recompiles. A scoped switch of torch.compile's symbolic shapes, restored on exit."""
+    config = torch.fx.experimental._config
+    return config.patch(use_duck_shape=False) if hasattr(config, 'use_duck_shape') else contextlib.nullcontext()
+
+
+def run(f, *args):
+    """The compiled f, or, if this machine cannot compile, the same closed form eagerly after one warning."""
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
+    if torch.compiler.is_compiling():  # inside a torch.compile'd model: its graph takes in ours
+        return f(*args)
+    if not _compile_error:
+        try:
+            with no_duck_sizing():
+                return COMPILED[f.__name__](*args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. no working C++ compiler
+            _compile_error.append(e)
+            warnings.warn(f"kernels.py: torch.compile failed ({str(e).splitlines()[0]}); the fast InLine "
+                          f"core now runs its closed form eagerly, correct but much slower", stacklevel=3)
+    return f(*args)
+
+
+class InLineCore(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, r, grid, scale):
+        B, H, N, D = q.shape
+        # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
+        # need these copies of a model's strided q, k, v views anyway.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        masks = None
+        if r is not None:  # built once per shape, except while a whole-model torch.compile traces us
+            masks = (neighbour_masks if torch.compiler.is_compiling() else _cached_masks)(N, grid, q.device)
+        r9 = r.reshape(B, H, D, 9).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, 9, D)
+        o, k_mean, v_mean, cov = run(core_forward, q, k, v, r9, masks, grid[1], scale)
+        ctx.save_for_backward(q, k, v, r9, masks, k_mean, v_mean, cov)
+        ctx.w, ctx.scale = grid[1], scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, r9, masks, k_mean, v_mean, cov = ctx.saved_tensors
+        B, H, N, D = q.shape
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv, dr9 = run(core_backward, do.contiguous(), q, k, v, r9, masks, k_mean, v_mean, cov,
+                                  ctx.w, ctx.scale)
+        dr = dr9.transpose(-2, -1).reshape(B, 9 * H * D) if dr9 is not None else None  # (B, 9C)
+        return dq, dk, dv, dr, None, None
+
+
+def inline_core_fast(q, k, v, r, grid, scale=None):
+    """Eq. 5 over all N tokens, then Eq. 6 on the last h*w: the same arguments, layout and result as
+    inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, 9C) or None; grid = (h, w).
+    Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be."""
+    B, H, N, D = q.shape
+    inline.check_grid(N, grid)
+    if r is not None and r.shape != (B, 9 * H * D):
+        raise ValueError(f"r must be (B, 9C) = {(B, 9 * H * D)}, got {tuple(r.shape)}")
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
+    with torch.autocast(device, enabled=False):
+        return InLineCore.apply(q, k, v, r, tuple(grid), D ** -0.5 if scale is None else scale)
+
+
+def enable_fast(model):
+    """Set `.core = inline_core_fast` on every module whose core is the reference; returns how many."""
+    modules = [m for m in model.modules() if getattr(m, 'core', None) is inline.inline_core]
+    for m in modules:
+        m.core = inline_core_fast
+    return len(modules)
+
+
+# ---------------------------------------------------------------------------------------------------
+# python kernels.py --bench: median times in one interleaved run, so load from other processes hits all
+
+CASES = {  # name: (batch, heads, grid side, head dim); the InLine stages of InLine-Swin-T, then stage 1 larger
+    'swin_t_stage1': (8, 3, 56, 32), 'swin_t_stage2': (8, 6, 28, 32), 'swin_t_stage3': (8, 12, 14, 32),
+    'stage1_448px': (2, 3, 112, 32), 'stage1_896px': (1, 3, 224, 32), 'stage1_1024px': (1, 3, 256, 32),
+}
+
+
+def _sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+
+
+def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
+    """{name: median ms}: every round calls each fn once; as many rounds as the slowest fn's budget allows.
+    warm_up=False: a first call longer than the budget is its own timing (softmax at 65k tokens)."""
+    first = {}
+    for name, fn in fns.items():
+        for _ in range(2):
+            start = time.perf_counter()
+            fn(), _sync(device)  # the first call compiles
+            first[name] = time.perf_counter() - start
+            if not warm_up and first[name] > budget_s:
+                break
+    rounds = max(1, min(max_rounds, int(budget_s / max(first.values()))))
+    times = {name: [] for name in fns}
+    for _ in range(rounds - 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn(), _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(times[name] + [first[name]]) for name in fns}
+
+
+def peak_mb(fn, device):
+    """Memory fn allocates at its peak, beyond what was allocated before it ran."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(), torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    running = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        running += event.self_cpu_memory_usage
+        peak = max(peak, running)
+    return peak / 2**20
+
+
+def bench_case(name, dtype, device):
+    B, H, side, D = CASES[name]
+    N = side * side
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
+    C = torch.randn(B, H, D, D, generator=gen, device=device, dtype=dtype)
+    inputs = [t.requires_grad_() for t in (q, k, v, r)]
+
+    def fwd(core):
+        with torch.no_grad():
+            core(q, k, v, r, (side, side))
+
+    def fwdbwd(core):
+        torch.autograd.grad(core(q, k, v, r, (side, side)), inputs, do, allow_unused=core is sdpa)
+
+    def sdpa(q, k, v, r, grid):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    def floor():  # the six GEMMs of the linear form: K^T V and Q C forward; dQ, dC, dK, dV backward
+        q_, k_, v_ = q.detach(), k.detach(), v.detach()
+        k_.mT @ v_, q_ @ C, do @ C.mT, q_.mT @ do, v_ @ C.mT, k_ @ C
+
+    ms = time_interleaved({
+        'reference_fwd_ms': lambda: fwd(inline.inline_core), 'fast_fwd_ms': lambda: fwd(inline_core_fast),
+        'reference_fwdbwd_ms': lambda: fwdbwd(inline.inline_core), 'fast_fwdbwd_ms': lambda: fwdbwd(inline_core_fast),
+        'floor_fwdbwd_ms': floor}, device)
+    ms.update(time_interleaved({'sdpa_fwd_ms': lambda: fwd(sdpa), 'sdpa_fwdbwd_ms': lambda: fwdbwd(sdpa)}, device,
+                                warm_up=False))
+    row = dict(case=name, tokens=N, dtype=str(dtype).replace('torch.', ''))
+    row.update({key: round(ms[key], 3) for key in ('reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms',
+                                                   'fast_fwdbwd_ms', 'sdpa_fwd_ms', 'sdpa_fwdbwd_ms', 'floor_fwdbwd_ms')})
+    row['fast_peak_mb'] = round(peak_mb(lambda: fwdbwd(inline_core_fast), device), 1)
+    return row
+
+
+def bench_model_step(dtype, device, batch=8):
+    """One training step of InLine-Swin-T at 224 px (forward, loss, backward), reference vs fast path."""
+    import models
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(batch, 3, 224, 224, generator=gen, device=device)
+    y = torch.randint(0, 1000, (batch,), generator=gen, device=device)
+    reference = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
+    fast = models.create_model('inline_swin_t', drop_path_rate=0.0, fast=True).to(device)
+    fast.load_state_dict(reference.state_dict())
+
+    def step(model):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    compiled = torch.compile(fast)
+    ms = time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
+                           'fast_compiled': lambda: step(compiled)}, device, budget_s=30, max_rounds=7)
+    return dict(case=f'swin_t_train_step_b{batch}', dtype=str(dtype).replace('torch.', ''),
+                reference_step_ms=round(ms['reference'], 1), fast_step_ms=round(ms['fast'], 1),
+                fast_compiled_step_ms=round(ms['fast_compiled'], 1))
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
+    parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
+    parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
+    parser.add_argument('--model-step', action='store_true', help="also time an InLine-Swin-T training step")
+    parser.add_argument('--cases', default=','.join(CASES), help="comma-separated subset of " + ', '.join(CASES))
+    parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
+    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    parser.add_argument('--threads', type=int, default=None, help="CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtypes = torch.device(args.device), [getattr(torch, d) for d in args.dtypes.split(',')]
+    print(f"# {device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
+    header = (f"{'case':15s} {'tokens':>6s} {'dtype':>8s} | {'reference ms':>15s} | {'fast ms':>15s} | "
+              f"{'speed-up':>11s} | {'softmax SDPA ms':>17s} | {'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
+              f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
+              f"{'fwd':>5s} {'f+b':>5s} | {'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | {'MB':>6s}")
+    if args.bench:
+        if not args.json:
+            print(header, flush=True)
+        for name in args.cases.split(','):
+            for dtype in dtypes:
+                row = bench_case(name, dtype, device)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                    continue
+                ref_f, ref_fb, f, fb = (row[k] for k in ('reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms'))
+                print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | {ref_f:7.1f} {ref_fb:7.1f} | {f:7.1f} {fb:7.1f} | "
+                      f"{ref_f / f:4.1f}x {ref_fb / fb:4.1f}x | {row['sdpa_fwd_ms']:8.1f} {row['sdpa_fwdbwd_ms']:8.1f} | "
+                      f"{row['floor_fwdbwd_ms']:7.1f} {fb / row['floor_fwdbwd_ms']:5.2f}x | {row['fast_peak_mb']:6.1f}", flush=True)
+    if args.model_step:
+        for dtype in dtypes:
+            row = bench_model_step(dtype, device)
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(f"{row['case']} {row['dtype']}: reference {row['reference_step_ms']:.0f} ms, fast "
+                      f"{row['fast_step_ms']:.0f} ms ({row['reference_step_ms'] / row['fast_step_ms']:.2f}x), fast + "
+                      f"torch.compile {row['fast_compiled_step_ms']:.0f} ms "
+                      f"({row['reference_step_ms'] / row['fast_compiled_step_ms']:.2f}x)", flush=True)
+
+
+if __name__ == '__main__':
+    main()
