@@ -9,18 +9,20 @@ result as inline.inline_core, the reference it replaces; `enable_fast(model)` sw
     python kernels.py --bench --json          # the same, one JSON object per case
     python kernels.py --bench --model-step    # also a whole InLine-Swin-T training step, fp32 and bf16
 
-What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README has the figures):
-- One torch.compile'd graph for the forward and one for the backward, inside a torch.autograd.Function
-  whose backward is written in closed form. Saved for backward: q, k, v, r as given plus the means and
-  the D x D covariance; nothing of size N is kept that the caller does not already hold.
-- Eq. 5 in centred-covariance form. Only one side of a sum over tokens needs centring to keep its
-  precision: cov = (k - k_mean)^T v - colsum(k - k_mean) v_mean^T is exact algebra, and the GEMM output
-  stays the size of the covariance itself, never N * k_mean v_mean^T. Means and all reductions are
-  accumulated in fp32; bf16 GEMMs accumulate in fp32 and round once.
-- Eq. 6, the 3x3 neighbourhood sum, as nine shifted multiply-adds along the token axis with
-  precomputed border masks; inductor fuses them with the rest of the output into one pass over V (the
-  released B*C-group convolution needs V transposed to channel planes first, and a conv per sample).
-- Dynamic shapes: one compilation per dtype serves every batch, head count, token grid and head dim.
+What it does, and why (each choice measured on a 2-core AVX-512 CPU; README_kernels has the figures):
+- One torch.compile'd graph for the forward and one for the backward, called from a
+  torch.autograd.Function whose backward is written in closed form (the means' gradients vanish, so
+  there is no centring term to differentiate). Saved for backward: q, k, v (made contiguous), r, the means, the D x D
+  covariance and the (9, N) neighbour table; nothing else of size N. Dynamic shapes: one graph per dtype serves every
+  batch, head count, token grid and head dim. Inside a torch.compile'd model the math is traced inline.
+- Eq. 5 in centred-covariance form. One centred side keeps a sum over tokens precise:
+  (k - k_mean)^T (v - v_mean) = (k - k_mean)^T v - colsum(k - k_mean) v_mean^T exactly, so the GEMM
+  output is the size of the covariance, never N k_mean v_mean^T. Means and every other sum accumulate in
+  fp32; bf16 GEMMs accumulate in fp32 and round once.
+- Eq. 6 as nine gathered multiply-adds along the token axis (precomputed neighbour indices and border
+  masks), fused by inductor with v_mean and the GEMM output into one pass; the backward's transposed
+  shift and the nine sums for dr likewise. The released B*C-group convolution needs V transposed to
+  channel planes and back; a zero-padded shift needed masked loads and measured slower than the gather.
 
 Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid,
 P = N - h*w leading tokens off the grid (DeiT's class token).
@@ -45,27 +47,29 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)  # GEMM outputs rounded to 8 or 
 # ---------------------------------------------------------------------------------------------------
 # Eq. 6 on the token axis: neighbour t of grid token n sits at n + (dy - 1) * w + (dx - 1)
 
-def neighbour_masks(N, grid, device):
-    """(9, N, 1) float: 1 where token n is on the grid and its neighbour t = 3 dy + dx is too, else 0."""
+def neighbourhood(N, grid, device):
+    """index (9, N) int64: token n's neighbour t, clamped into [0, N) so every read is in bounds;
+    masks (9, N, 1) float: 1 where n is on the grid and its neighbour t is too, else 0 (Eq. 6's zero
+    padding). Gathering by index measured faster than shifting a zero-padded copy (no masked loads)."""
     h, w = grid
     with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
-        g = torch.arange(N, device=device) - (N - h * w)  # grid index; negative for the P leading tokens
+        n = torch.arange(N, device=device)
+        g = n - (N - h * w)  # grid index; negative for the P leading tokens
         y, x = g.div(w, rounding_mode='floor'), g % w
-        masks = [(g >= 0) & (y + dy >= 0) & (y + dy < h) & (x + dx >= 0) & (x + dx < w)
-                 for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
-        return torch.stack(masks).float()[:, :, None]  # (9, N, 1)
+        offsets = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]  # row-major, as Eq. 6 counts t
+        index = torch.stack([(n + dy * w + dx).clamp(0, N - 1) for dy, dx in offsets])  # (9, N)
+        masks = torch.stack([(g >= 0) & (y + dy >= 0) & (y + dy < h) & (x + dx >= 0) & (x + dx < w)
+                             for dy, dx in offsets])  # (9, N)
+        return index, masks.float()[:, :, None]  # (9, N), (9, N, 1)
 
 
-_cached_masks = functools.lru_cache(maxsize=32)(neighbour_masks)
+_cached_neighbourhood = functools.lru_cache(maxsize=32)(neighbourhood)
 
 
-def neighbours(x, w, flip=False):
-    """The nine views x[:, :, n + offset_t] (B, H, N, D), zeros past either end. flip=True gives the
-    opposite offsets, the transpose of the shift, which is what Eq. 6's backward needs."""
-    N = x.shape[2]
-    padded = F.pad(x, (0, 0, w + 1, w + 1))  # (B, H, N + 2w + 2, D)
-    starts = [dy * w + dx for dy in range(3) for dx in range(3)]  # offset_t + w + 1
-    return [padded[:, :, s:s + N] for s in (starts[::-1] if flip else starts)]
+def neighbours(x, index, flip=False):
+    """The nine gathers x[:, :, index[t]] (B, H, N, D). flip=True gives the opposite offsets (the
+    transposed shift, which Eq. 6's backward needs): offset 8 - t is minus offset t."""
+    return [x[:, :, index[8 - t if flip else t]] for t in range(9)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -76,7 +80,7 @@ def wide(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def core_forward(q, k, v, r9, masks, w, scale):
+def core_forward(q, k, v, r9, index, masks, scale):
     """-> o (B, H, N, D), and for the backward k_mean, v_mean (B, H, 1, D) and s/N Cov (B, H, D, D)."""
     N = q.shape[2]
     k_mean = wide(k).mean(2, keepdim=True)  # (B, H, 1, D)
@@ -88,12 +92,12 @@ def core_forward(q, k, v, r9, masks, w, scale):
     cov = (cov * (scale / N)).to(q.dtype)  # (B, H, D, D)
     o = wide(q @ cov) + v_mean  # Eq. 5: s q_i^T Cov + v_mean, (B, H, N, D)
     if r9 is not None:
-        for t, v_t in enumerate(neighbours(v, w)):
+        for t, v_t in enumerate(neighbours(v, index)):
             o = o + wide(r9[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
     return o.to(q.dtype), k_mean, v_mean, cov
 
 
-def core_backward(do, q, k, v, r9, masks, k_mean, v_mean, cov, w, scale):
+def core_backward(do, q, k, v, r9, index, masks, k_mean, v_mean, cov, scale):
     """-> the gradients of q, k, v (B, H, N, D) and of r9 (B, H, 9, D), given do = dLoss/do."""
     N, dtype = q.shape[2], q.dtype
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
@@ -108,10 +112,10 @@ def core_backward(do, q, k, v, r9, masks, k_mean, v_mean, cov, w, scale):
     dv = dv + wide(do).mean(2, keepdim=True)  # from o += v_mean, (B, H, N, D)
     dr9 = None
     if r9 is not None:
-        for t, do_t in enumerate(neighbours(do, w, flip=True)):  # Eq. 6 transposed
+        for t, do_t in enumerate(neighbours(do, index, flip=True)):  # Eq. 6 transposed
             dv = dv + wide(r9[:, :, t, None]) * masks[8 - t] * wide(do_t)
         dr9 = torch.stack([(wide(do) * masks[t] * wide(v_t)).sum(2)
-                           for t, v_t in enumerate(neighbours(v, w))], dim=2).to(r9.dtype)  # (B, H, 9, D)
+                           for t, v_t in enumerate(neighbours(v, index))], dim=2).to(r9.dtype)  # (B, H, 9, D)
     return dq, dk, dv.to(dtype), dr9
 
 
@@ -149,22 +153,23 @@ class InLineCore(torch.autograd.Function):
         # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
         # need these copies of a model's strided q, k, v views anyway.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        masks = None
+        index = masks = None
         if r is not None:  # built once per shape, except while a whole-model torch.compile traces us
-            masks = (neighbour_masks if torch.compiler.is_compiling() else _cached_masks)(N, grid, q.device)
+            build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
+            index, masks = build(N, grid, q.device)
         r9 = r.reshape(B, H, D, 9).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, 9, D)
-        o, k_mean, v_mean, cov = run(core_forward, q, k, v, r9, masks, grid[1], scale)
-        ctx.save_for_backward(q, k, v, r9, masks, k_mean, v_mean, cov)
-        ctx.w, ctx.scale = grid[1], scale
+        o, k_mean, v_mean, cov = run(core_forward, q, k, v, r9, index, masks, scale)
+        ctx.save_for_backward(q, k, v, r9, index, masks, k_mean, v_mean, cov)
+        ctx.scale = scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, r9, masks, k_mean, v_mean, cov = ctx.saved_tensors
+        q, k, v, r9, index, masks, k_mean, v_mean, cov = ctx.saved_tensors
         B, H, N, D = q.shape
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv, dr9 = run(core_backward, do.contiguous(), q, k, v, r9, masks, k_mean, v_mean, cov,
-                                  ctx.w, ctx.scale)
+            dq, dk, dv, dr9 = run(core_backward, do.contiguous(), q, k, v, r9, index, masks, k_mean, v_mean,
+                                  cov, ctx.scale)
         dr = dr9.transpose(-2, -1).reshape(B, 9 * H * D) if dr9 is not None else None  # (B, 9C)
         return dq, dk, dv, dr, None, None
 
