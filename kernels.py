@@ -32,6 +32,7 @@ import contextlib
 import functools
 import json
 import statistics
+import sys
 import time
 import warnings
 
@@ -323,7 +324,8 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtypes = torch.device(args.device), [getattr(torch, d) for d in args.dtypes.split(',')]
-    print(f"# {device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
+    print(f"# {device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True,
+          file=sys.stderr if args.json else sys.stdout)  # --json: stdout holds only JSON lines
     header = (f"{'case':15s} {'tokens':>6s} {'dtype':>8s} | {'reference ms':>15s} | {'fast ms':>15s} | "
               f"{'speed-up':>11s} | {'softmax SDPA ms':>17s} | {'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
               f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
