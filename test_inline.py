@@ -583,6 +583,22 @@ def test_fast_core_bf16_error_within_twice_the_references(shape):
         assert fast_error <= 2 * reference_error + noise, name
 
 
+def test_fast_core_fp16_sums_over_tokens_stay_in_range():
+    """fp16 tops out at 65504. Here N Cov (3136 tokens, Cov ~ 64) and q^T dO pass it although Eq. 5
+    only needs their means: the reference's output overflows, the fast path's sums over tokens are
+    pre-scaled (kernels.sum_scale) and every result stays within a few fp16 roundings of fp32."""
+    torch.manual_seed(0)
+    q, k, v, r, do = core_inputs(1, 2, 0, (56, 56), 32)
+    k, q = 4 * k, 4 * q
+    v, do = 4 * (k - k.mean(2, keepdim=True)) + v, 2 * q + do  # correlated, so the sums grow like N
+    truth = run_core(inline.inline_core, q, k, v, r, do, (56, 56), torch.float32)
+    assert not run_core(inline.inline_core, q, k, v, r, do, (56, 56), torch.float16)[0].isfinite().all()
+    fast = run_core(kernels.inline_core_fast, q, k, v, r, do, (56, 56), torch.float16)
+    for name, f, t in zip(NAMES, fast, truth):
+        error, scale = (f - t).abs().max().item(), t.abs().max().item()
+        assert error <= 8 * 2 ** -11 * scale, f"{name}: fp16 error {error:.2e} of scale {scale:.2e}"
+
+
 def test_fast_core_without_local_residual():
     torch.manual_seed(0)
     q, k, v, _, do = core_inputs(2, 3, 1, (6, 5), 32)
