@@ -509,7 +509,8 @@ def test_fast_switch_replaces_every_core():
 # kernels.py: the fast path against the reference, outputs and every gradient, with a random upstream
 # gradient. fp32: fixed tolerances relative to each tensor's scale. bf16: the fast path's error against
 # the fp32 reference is at most twice the reference's own bf16 error, plus one bf16 rounding of the
-# tensor's scale. The compiled graphs take dynamic shapes, so the file compiles six graphs in all.
+# tensor's scale. B, H and N are symbolic in the compiled graphs: one graph per dtype, head dim and
+# direction, about twenty in all here.
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -722,6 +723,24 @@ def test_fast_model_equals_reference_model(name):
     for (key, p), q in zip(reference.named_parameters(), fast.parameters()):
         scale = p.grad.abs().max().item()
         assert (q.grad - p.grad).abs().max().item() <= 1e-4 * scale + 1e-7, key
+
+
+def test_fast_core_inside_a_compiled_model():
+    """train.py --compile: torch.compile(model) traces the core's closed forms into the model's graph
+    (kernels.run); logits and gradients equal the eager reference model's."""
+    torch.manual_seed(0)
+    config = dict(FAST_SMALL['inline_deit_t'], num_classes=5, drop_path_rate=0.0)
+    reference = models.create_model('inline_deit_t', **config)
+    fast = models.create_model('inline_deit_t', fast=True, **config)
+    fast.load_state_dict(reference.state_dict())
+    x, upstream = torch.randn(2, 3, *config['img_size']), torch.randn(2, 5)
+    logits = []
+    for model in (reference, torch.compile(fast)):
+        logits.append(model(x))
+        logits[-1].backward(upstream)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    for (key, p), q in zip(reference.named_parameters(), fast.parameters()):
+        assert (q.grad - p.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, key
 
 
 def test_enable_fast_swaps_exactly_the_reference_cores():
