@@ -706,8 +706,7 @@ FAST_SMALL = {  # one small variant per family; every InLine attention has at le
 }
 
 
-@pytest.mark.parametrize('name', list(FAST_SMALL))
-def test_fast_model_equals_reference_model(name):
+def assert_fast_model_equals_reference(name, compile_fast=False):
     torch.manual_seed(0)
     config = dict(FAST_SMALL[name], num_classes=5, drop_path_rate=0.0)
     reference = models.create_model(name, **config)
@@ -716,7 +715,7 @@ def test_fast_model_equals_reference_model(name):
     assert sum(getattr(m, 'core', None) is kernels.inline_core_fast for m in fast.modules()) >= 2
     x, upstream = torch.randn(2, 3, *config['img_size']), torch.randn(2, 5)
     logits = []
-    for model in (reference, fast):
+    for model in (reference, torch.compile(fast) if compile_fast else fast):
         logits.append(model(x))
         logits[-1].backward(upstream)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
@@ -725,22 +724,15 @@ def test_fast_model_equals_reference_model(name):
         assert (q.grad - p.grad).abs().max().item() <= 1e-4 * scale + 1e-7, key
 
 
+@pytest.mark.parametrize('name', list(FAST_SMALL))
+def test_fast_model_equals_reference_model(name):
+    assert_fast_model_equals_reference(name)
+
+
 def test_fast_core_inside_a_compiled_model():
     """train.py --compile: torch.compile(model) traces the core's closed forms into the model's graph
     (kernels.run); logits and gradients equal the eager reference model's."""
-    torch.manual_seed(0)
-    config = dict(FAST_SMALL['inline_deit_t'], num_classes=5, drop_path_rate=0.0)
-    reference = models.create_model('inline_deit_t', **config)
-    fast = models.create_model('inline_deit_t', fast=True, **config)
-    fast.load_state_dict(reference.state_dict())
-    x, upstream = torch.randn(2, 3, *config['img_size']), torch.randn(2, 5)
-    logits = []
-    for model in (reference, torch.compile(fast)):
-        logits.append(model(x))
-        logits[-1].backward(upstream)
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
-    for (key, p), q in zip(reference.named_parameters(), fast.parameters()):
-        assert (q.grad - p.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, key
+    assert_fast_model_equals_reference('inline_deit_t', compile_fast=True)
 
 
 def test_enable_fast_swaps_exactly_the_reference_cores():
