@@ -89,9 +89,9 @@ def sum_scale(dtype, N):
     return N ** -0.5 if dtype == torch.float16 else 1.0
 
 
-def core_forward(q, k, v, r9, index, masks, scale, save):
-    """-> o (B, H, N, D); with save, also for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as
-    rounded to the input dtype, v_mean (B, H, 1, D) and s/N Cov (B, H, D, D)."""
+def core_forward(q, k, v, r9, index, masks, scale):
+    """-> o (B, H, N, D), and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as rounded to
+    the input dtype (the GEMM's operands, computed anyway), v_mean (B, H, 1, D) and s/N Cov (B, H, D, D)."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     k_mean = wide(k).mean(2, keepdim=True)  # (B, H, 1, D)
@@ -105,7 +105,7 @@ def core_forward(q, k, v, r9, index, masks, scale, save):
     if r9 is not None:
         for t, v_t in enumerate(neighbours(v, index)):
             o = o + wide(r9[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
-    return (o.to(dtype), k_c, v_c, v_mean, cov) if save else (o.to(dtype),)
+    return o.to(dtype), k_c, v_c, v_mean, cov
 
 
 def core_backward(do, q, k_c, v_c, r9, index, masks, v_mean, cov, scale):
@@ -180,7 +180,7 @@ def run(f, *args):
 
 class InLineCore(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, r, grid, scale, save):
+    def forward(ctx, q, k, v, r, grid, scale):
         B, H, N, D = q.shape
         # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
         # need these copies of a model's strided q, k, v views anyway.
@@ -190,9 +190,8 @@ class InLineCore(torch.autograd.Function):
             build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
             index, masks = build(N, grid, q.device)
         r9 = r.reshape(B, H, D, 9).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, 9, D)
-        o, *saved = run(core_forward, q, k, v, r9, index, masks, scale, save)  # saved: k_c, v_c, v_mean, cov
-        if save:
-            ctx.save_for_backward(q, *saved[:2], r9, index, masks, *saved[2:])
+        o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, r9, index, masks, scale)
+        ctx.save_for_backward(q, k_c, v_c, r9, index, masks, v_mean, cov)  # freed with ctx under no_grad
         ctx.scale = scale
         return o
 
@@ -204,7 +203,7 @@ class InLineCore(torch.autograd.Function):
             dq, dk, dv, dr9 = run(core_backward, do.contiguous(), q, k_c, v_c, r9, index, masks, v_mean, cov,
                                   ctx.scale)
         dr = dr9.transpose(-2, -1).reshape(B, 9 * H * D) if dr9 is not None else None  # (B, 9C)
-        return dq, dk, dv, dr, None, None, None
+        return dq, dk, dv, dr, None, None
 
 
 def inline_core_fast(q, k, v, r, grid, scale=None):
@@ -219,9 +218,8 @@ def inline_core_fast(q, k, v, r, grid, scale=None):
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
-    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r))
-    with torch.autocast(device, enabled=False):  # save: keep what the backward needs
-        return InLineCore.apply(q, k, v, r, tuple(grid), D ** -0.5 if scale is None else scale, save)
+    with torch.autocast(device, enabled=False):
+        return InLineCore.apply(q, k, v, r, tuple(grid), D ** -0.5 if scale is None else scale)
 
 
 def enable_fast(model):

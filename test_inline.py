@@ -510,7 +510,7 @@ def test_fast_switch_replaces_every_core():
 # gradient. fp32: fixed tolerances relative to each tensor's scale. bf16: the fast path's error against
 # the fp32 reference is at most twice the reference's own bf16 error, plus one bf16 rounding of the
 # tensor's scale. B, H and N are symbolic in the compiled graphs, so each dtype and head dim compiles
-# once per direction (and once more for a forward that keeps nothing for backward).
+# once per direction.
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
