@@ -135,10 +135,11 @@ _compile_error = []  # filled once if the compiler cannot run here
 
 
 def compile_options():
-    """torch.compile's symbolic-shape switches for our two graphs, scoped to each call. Sizes that happen
-    to be equal on one call (N == D, B == H) must not become one symbol; a size that changes must not
-    turn symbolic by itself (we choose which are, in symbolic_sizes); and the graphs per dtype, head dim
-    and option may pass dynamo's default limit of 8 in one process, where it would fall back to eager."""
+    """torch.compile's symbolic-shape switches for our two graphs, scoped to the calls that may compile
+    (they act only when dynamo compiles). Sizes that happen to be equal on one call (N == D, B == H)
+    must not become one symbol; a size that changes must not turn symbolic by itself (we choose which
+    are, in symbolic_sizes); and the graphs per dtype, head dim and option may pass dynamo's default
+    limit of 8 in one process, where it would fall back to eager."""
     patches = [torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64,
                                           fail_on_recompile_limit_hit=True)]
     if hasattr(torch.fx.experimental._config, 'use_duck_shape'):
@@ -161,6 +162,19 @@ def symbolic_sizes(args, N):
                     torch._dynamo.maybe_mark_dynamic(a, d)
 
 
+def signature(f, args):
+    """A key for what dynamo's guards on f's graph check: the device, inference flag, head dim D and
+    B, H, N as 0, 1 or more (dynamo specialises 0 and 1) of args[0], whose sizes fix every other
+    tensor's; each tensor's dtype; the other arguments (scale, or None where Eq. 6 is off). Were a guard
+    ever to fail under a known key, dynamo would still recompile, correctly, only without our switches."""
+    x = args[0]  # q, or do: (B, H, N, D)
+    return (f.__name__, x.device, x.is_inference(), x.shape[3], *(min(s, 2) for s in x.shape[:3]),
+            *(a.dtype if isinstance(a, torch.Tensor) else a for a in args))
+
+
+_compiled_signatures = set()  # signatures that have a graph: their calls need no switches and no marks
+
+
 def run(f, *args):
     """The compiled f, or, if this machine cannot compile, the same closed form eagerly after one warning."""
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
@@ -168,9 +182,14 @@ def run(f, *args):
         return f(*args)
     if not _compile_error:
         try:
+            key = signature(f, args)
+            if key in _compiled_signatures:  # the switches and marks act only when dynamo compiles:
+                return COMPILED[f.__name__](*args)  # skipping them saves ~0.1 ms a call
             symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
             with compile_options():
-                return COMPILED[f.__name__](*args)
+                out = COMPILED[f.__name__](*args)
+            _compiled_signatures.add(key)
+            return out
         except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. no working C++ compiler
             _compile_error.append(e)
             warnings.warn(f"kernels.py: torch.compile failed ({str(e).splitlines()[0]}); the fast InLine "

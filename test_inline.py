@@ -584,6 +584,18 @@ def test_fast_core_bf16_error_within_twice_the_references(shape):
         assert fast_error <= 2 * reference_error + noise, name
 
 
+def test_fast_core_compiles_once_for_every_batch_head_count_and_grid():
+    """B, H and N are symbols in the compiled graphs: after one call, other sizes run the same two graphs
+    (under this stance a recompile raises), and calls that reuse a graph skip the compile switches."""
+    q, k, v, r, do = core_inputs(2, 3, 0, (7, 7), 32)
+    run_core(kernels.inline_core_fast, q, k, v, r, do, (7, 7), torch.float32)
+    with torch.compiler.set_stance('fail_on_recompile'):
+        for B, H, P, grid, D in [(3, 2, 1, (5, 9), 32), (4, 5, 0, (14, 10), 32)]:
+            q, k, v, r, do = core_inputs(B, H, P, grid, D)
+            fast = run_core(kernels.inline_core_fast, q, k, v, r, do, grid, torch.float32)
+            assert_fp32_close(fast, run_core(inline.inline_core, q, k, v, r, do, grid, torch.float32))
+
+
 def test_fast_core_fp16_sums_over_tokens_stay_in_range():
     """fp16 tops out at 65504. Here N Cov (3136 tokens, Cov ~ 64) and q^T dO pass it although Eq. 5
     only needs their means: the reference's output overflows, the fast path's sums over tokens are
