@@ -241,16 +241,17 @@ def inline_core_fast(q, k, v, r, grid, scale=None):
         return InLineCore.apply(q, k, v, r, tuple(grid), D ** -0.5 if scale is None else scale)
 
 
-def enable_fast(model):
-    """Set `.core = inline_core_fast` on every module whose core is the reference; returns how many."""
+def enable_fast(model, core=inline_core_fast):
+    """Set `.core = core` (the fast one) on every module whose core is the reference; returns how many."""
     modules = [m for m in model.modules() if getattr(m, 'core', None) is inline.inline_core]
     for m in modules:
-        m.core = inline_core_fast
+        m.core = core
     return len(modules)
 
 
 # ---------------------------------------------------------------------------------------------------
-# python kernels.py --bench: median times in one interleaved run, so load from other processes hits all
+# python kernels.py --bench: median times in one interleaved run, so load from other processes hits all;
+# speed-ups are medians of per-round ratios
 
 CASES = {  # name: (batch, heads, grid side, head dim); the InLine stages of InLine-Swin-T, then stage 1 larger
     'swin_t_stage1': (8, 3, 56, 32), 'swin_t_stage2': (8, 6, 28, 32), 'swin_t_stage3': (8, 12, 14, 32),
@@ -264,7 +265,7 @@ def _sync(device):
 
 
 def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
-    """{name: median ms}: every round calls each fn once; as many rounds as the slowest fn's budget allows.
+    """{name: [ms per round]}: every round calls each fn once; as many rounds as the slowest fn's budget allows.
     warm_up=False: a first call longer than the budget is its own timing (softmax at 65k tokens)."""
     first = {}
     for name, fn in fns.items():
@@ -281,7 +282,13 @@ def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
             start = time.perf_counter()
             fn(), _sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(times[name] + [first[name]]) for name in fns}
+    return {name: [1e3 * t for t in [first[name]] + times[name]] for name in fns}
+
+
+def paired_ratio(ms, a, b):
+    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift in this
+    machine's speed (up to 2x within minutes) cancels, where it would skew a ratio of two medians."""
+    return statistics.median(x / y for x, y in zip(ms[a], ms[b]))
 
 
 def peak_mb(fn, device):
@@ -331,14 +338,25 @@ def bench_case(name, dtype, device):
     ms.update(time_interleaved({'sdpa_fwd_ms': lambda: fwd(sdpa), 'sdpa_fwdbwd_ms': lambda: fwdbwd(sdpa)}, device,
                                 warm_up=False))
     row = dict(case=name, tokens=N, dtype=str(dtype).replace('torch.', ''))
-    row.update({key: round(ms[key], 3) for key in ('reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms',
-                                                   'fast_fwdbwd_ms', 'sdpa_fwd_ms', 'sdpa_fwdbwd_ms', 'floor_fwdbwd_ms')})
+    row.update({key: round(statistics.median(ms[key]), 3) for key in (
+        'reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms', 'sdpa_fwd_ms', 'sdpa_fwdbwd_ms',
+        'floor_fwdbwd_ms')})
+    row.update(fwd_speedup=round(paired_ratio(ms, 'reference_fwd_ms', 'fast_fwd_ms'), 2),
+               fwdbwd_speedup=round(paired_ratio(ms, 'reference_fwdbwd_ms', 'fast_fwdbwd_ms'), 2),
+               fwdbwd_over_floor=round(paired_ratio(ms, 'fast_fwdbwd_ms', 'floor_fwdbwd_ms'), 2))
     row['fast_peak_mb'] = round(peak_mb(lambda: fwdbwd(inline_core_fast), device), 1)
     return row
 
 
+def free_core(q, k, v, r, grid, scale=None):
+    """A stand-in for the core that costs nothing, o = v: a step with it is as fast as any core can make it
+    (the projections, r and everything else still run)."""
+    return v
+
+
 def bench_model_step(dtype, device, batch=8):
-    """One training step of InLine-Swin-T at 224 px (forward, loss, backward), reference vs fast path."""
+    """One training step of InLine-Swin-T at 224 px (forward, loss, backward): reference, fast path, fast path
+    under whole-model torch.compile, and every InLine core replaced by free_core (the bound: Amdahl's law)."""
     import models
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(batch, 3, 224, 224, generator=gen, device=device)
@@ -346,6 +364,9 @@ def bench_model_step(dtype, device, batch=8):
     reference = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
     fast = models.create_model('inline_swin_t', drop_path_rate=0.0, fast=True).to(device)
     fast.load_state_dict(reference.state_dict())
+    free = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
+    free.load_state_dict(reference.state_dict())
+    enable_fast(free, core=free_core)
 
     def step(model):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -355,10 +376,16 @@ def bench_model_step(dtype, device, batch=8):
 
     compiled = torch.compile(fast)
     ms = time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
-                           'fast_compiled': lambda: step(compiled)}, device, budget_s=30, max_rounds=7)
+                           'fast_compiled': lambda: step(compiled), 'free_core': lambda: step(free)},
+                          device, budget_s=60, max_rounds=15)
     return dict(case=f'swin_t_train_step_b{batch}', dtype=str(dtype).replace('torch.', ''),
-                reference_step_ms=round(ms['reference'], 1), fast_step_ms=round(ms['fast'], 1),
-                fast_compiled_step_ms=round(ms['fast_compiled'], 1))
+                reference_step_ms=round(statistics.median(ms['reference']), 1),
+                fast_step_ms=round(statistics.median(ms['fast']), 1),
+                fast_compiled_step_ms=round(statistics.median(ms['fast_compiled']), 1),
+                free_core_step_ms=round(statistics.median(ms['free_core']), 1),
+                speedup=round(paired_ratio(ms, 'reference', 'fast'), 2),
+                compiled_speedup=round(paired_ratio(ms, 'reference', 'fast_compiled'), 2),
+                free_core_speedup=round(paired_ratio(ms, 'reference', 'free_core'), 2))
 
 
 def main():
@@ -391,8 +418,9 @@ def main():
                     continue
                 ref_f, ref_fb, f, fb = (row[k] for k in ('reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms'))
                 print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | {ref_f:7.1f} {ref_fb:7.1f} | {f:7.1f} {fb:7.1f} | "
-                      f"{ref_f / f:4.1f}x {ref_fb / fb:4.1f}x | {row['sdpa_fwd_ms']:8.1f} {row['sdpa_fwdbwd_ms']:8.1f} | "
-                      f"{row['floor_fwdbwd_ms']:7.1f} {fb / row['floor_fwdbwd_ms']:5.2f}x | {row['fast_peak_mb']:6.1f}", flush=True)
+                      f"{row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | {row['sdpa_fwd_ms']:8.1f} "
+                      f"{row['sdpa_fwdbwd_ms']:8.1f} | {row['floor_fwdbwd_ms']:7.1f} {row['fwdbwd_over_floor']:5.2f}x | "
+                      f"{row['fast_peak_mb']:6.1f}", flush=True)
     if args.model_step:
         for dtype in dtypes:
             row = bench_model_step(dtype, device)
@@ -400,9 +428,9 @@ def main():
                 print(json.dumps(row), flush=True)
             else:
                 print(f"{row['case']} {row['dtype']}: reference {row['reference_step_ms']:.0f} ms, fast "
-                      f"{row['fast_step_ms']:.0f} ms ({row['reference_step_ms'] / row['fast_step_ms']:.2f}x), fast + "
-                      f"torch.compile {row['fast_compiled_step_ms']:.0f} ms "
-                      f"({row['reference_step_ms'] / row['fast_compiled_step_ms']:.2f}x)", flush=True)
+                      f"{row['fast_step_ms']:.0f} ms ({row['speedup']:.2f}x), fast + torch.compile "
+                      f"{row['fast_compiled_step_ms']:.0f} ms ({row['compiled_speedup']:.2f}x); a core costing "
+                      f"nothing {row['free_core_step_ms']:.0f} ms ({row['free_core_speedup']:.2f}x, the bound)", flush=True)
 
 
 if __name__ == '__main__':

@@ -687,6 +687,17 @@ def test_no_silent_fallback_when_compilation_fails(monkeypatch):
         kernels.inline_core_fast(*(t.float() for t in (q, k, v, r)), (3, 4))
 
 
+def test_benchmark_row_has_the_promised_keys():
+    """One case of `python kernels.py --bench --json`: every key the README and the JSON lines promise."""
+    row = kernels.bench_case('swin_t_stage3', torch.float32, torch.device('cpu'))
+    assert {'case', 'tokens', 'dtype', 'reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms',
+            'sdpa_fwd_ms', 'sdpa_fwdbwd_ms', 'floor_fwdbwd_ms', 'fast_peak_mb', 'fwd_speedup', 'fwdbwd_speedup',
+            'fwdbwd_over_floor'} <= set(row)
+    assert row['case'] == 'swin_t_stage3' and row['tokens'] == 196 and row['dtype'] == 'float32'
+    assert all(row[key] > 0 for key in row if key.endswith(('_ms', '_mb', 'speedup', 'floor')))
+    json.dumps(row)
+
+
 @CUDA
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
 def test_fast_core_on_cuda(dtype):
