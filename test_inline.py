@@ -585,8 +585,8 @@ def test_fast_core_bf16_error_within_twice_the_references(shape):
 
 
 def test_fast_core_compiles_once_for_every_batch_head_count_and_grid():
-    """B, H and N are symbols in the compiled graphs: after one call, other sizes run the same two graphs
-    (under this stance a recompile raises), and calls that reuse a graph skip the compile switches."""
+    """B, H and N are symbols in the compiled graphs: after one call, other batch sizes, head counts and
+    grids (with a class token, too) run the same two graphs; under this stance a recompile raises."""
     q, k, v, r, do = core_inputs(2, 3, 0, (7, 7), 32)
     run_core(kernels.inline_core_fast, q, k, v, r, do, (7, 7), torch.float32)
     with torch.compiler.set_stance('fail_on_recompile'):
