@@ -991,3 +991,178 @@ def test_bad_input_gets_a_clear_error(case, tmp_path):
     assert message in result.stderr, result.stderr[-2000:]
     if case == 'undecodable':
         assert 'broken.png' in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# paper.py: every subcommand runs, draws a valid PNG, and computes what it claims
+
+import argparse  # noqa: E402  (here, beside the tests of paper.py: nothing above needs them)
+
+import paper  # noqa: E402
+from torchvision.io import decode_png, read_file  # noqa: E402
+
+
+def assert_png(path, min_size=(100, 100)):
+    """The file decodes as a PNG of at least min_size (width, height) with 3 channels."""
+    img = decode_png(read_file(str(path)))
+    assert img.shape[0] == 3 and img.shape[2] >= min_size[0] and img.shape[1] >= min_size[1], img.shape
+
+
+def test_paper_injectivity_finds_identical_rows_for_linear_only(tmp_path):
+    groups = paper.main(['injectivity', '--out', str(tmp_path)])
+    # q, 2q, 3q, 4q (rows 0-3) share their weights under division; no other pair of rows does, anywhere
+    assert groups == {'softmax': [], 'linear (relu)': [[0, 1, 2, 3]], 'linear (relu_affine)': [[0, 1, 2, 3]],
+                      'InLine (identity)': []}
+    assert_png(tmp_path / 'injectivity.png', (800, 400))
+
+
+def tiny_deit_checkpoint(path, layout='I', **overrides):
+    """A train.py-format checkpoint of an untrained tiny DeiT: 64 px, 8 px patches, an 8x8 grid, 2 blocks."""
+    torch.manual_seed(0)
+    model = models.create_model('inline_deit_t', img_size=64, patch_size=8, depth=2, embed_dim=32, num_heads=1,
+                                num_classes=10, layout=layout, **overrides)
+    torch.save({'model': model.state_dict(), 'arch': model.arch, 'args': {'model': 'inline_deit_t'}}, path)
+    return str(path)
+
+
+def test_paper_locality_of_known_patterns_equals_the_hand_count():
+    """Weights replaced by patterns whose 3x3 mass is known: on the token itself (1), uniform over all N = 17
+    tokens of a 4x4 grid + class token (per axis 2, 3, 3, 2 neighbours: 6.25 / 17 on average), all on the class
+    token (0), half on the token itself and half two columns away, outside its 3x3 (0.5 where that token exists)."""
+    torch.manual_seed(0)
+    model = models.create_model('inline_deit_t', img_size=64, depth=4, embed_dim=32, num_heads=2, num_classes=10)
+    N = 17
+
+    def pattern(kind):
+        def weights(x, grid):
+            w = torch.zeros(x.shape[0], 2, N, N)
+            if kind == 'self':
+                w[..., range(N), range(N)] = 1
+            elif kind == 'uniform':
+                w[:] = 1 / N
+            elif kind == 'class token':
+                w[..., 0] = 1
+            else:  # grid token i = 1 + 4y + x: half on itself, half on (y, x + 2) if it exists
+                for i in range(1, N):
+                    w[..., i, i] = 0.5
+                    if (i - 1) % 4 < 2:
+                        w[..., i, i + 2] = 0.5
+            return w
+        return weights
+
+    for block, kind in zip(model.blocks, ['self', 'uniform', 'class token', 'half']):
+        block.attn.weights = pattern(kind)
+    masses = [paper.local_mass(w, model.grid) for w in paper.attention_weights(model.eval(), torch.randn(2, 3, 64, 64))]
+    assert masses == pytest.approx([1.0, 6.25 / 17, 0.0, 0.5], abs=1e-6)
+
+
+def test_paper_locality_and_maps_commands(tmp_path):
+    """Untrained softmax attention (weights init std .02, so q.k ~ 0) is close to uniform: its 3x3 mass is near
+    the uniform line the command prints. Both commands draw their PNG."""
+    softmax = tiny_deit_checkpoint(tmp_path / 'softmax.pt', layout='S')
+    ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
+    results, uniform = paper.main(['locality', '--checkpoints', f'softmax={softmax}', f'InLine={ours}',
+                                   '--images', '4', '--out', str(tmp_path)])
+    assert len(results['softmax']) == len(results['InLine']) == 2
+    assert uniform == pytest.approx((22 / 8) ** 2 / 64 / 65)  # per axis 2 + 6 x 3 + 2 neighbours on an 8-wide grid
+    assert results['softmax'] == pytest.approx([uniform] * 2, abs=2e-3)
+    assert_png(tmp_path / 'locality.png', (500, 300))
+    rows = paper.main(['maps', '--checkpoints', f'softmax={softmax}', f'InLine={ours}', '--queries', '0,0', '7,7',
+                       '--out', str(tmp_path)])
+    assert [label for label, _ in rows] == ['softmax, layer 1', 'softmax, layer 2', 'InLine, layer 1', 'InLine, layer 2']
+    assert_png(tmp_path / 'maps.png', (400, 500))
+
+
+def test_paper_bad_input_is_a_clear_error(tmp_path):
+    ours = tiny_deit_checkpoint(tmp_path / 'inline.pt')
+    (tmp_path / 'broken.png').write_bytes(b'not an image')
+    with pytest.raises(SystemExit, match='cannot read image .*broken.png'):
+        paper.main(['maps', '--checkpoints', ours, '--image', str(tmp_path / 'broken.png'), '--out', str(tmp_path)])
+    torch.save({'model': {}, 'arch': {}, 'args': {'model': 'inline_swin_t'}}, tmp_path / 'swin.pt')
+    swin = models.create_model('inline_swin_t', img_size=64, embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
+                               num_classes=10)
+    torch.save({'model': swin.state_dict(), 'arch': swin.arch, 'args': {'model': 'inline_swin_t'}}, tmp_path / 'swin.pt')
+    with pytest.raises(SystemExit, match='needs an isotropic DeiT'):
+        paper.main(['locality', '--checkpoints', str(tmp_path / 'swin.pt'), '--out', str(tmp_path)])
+    torch.save({'weights': 1}, tmp_path / 'other.pt')
+    with pytest.raises(SystemExit, match='not a checkpoint written by train.py'):
+        paper.main(['locality', '--checkpoints', str(tmp_path / 'other.pt'), '--out', str(tmp_path)])
+    with pytest.raises(SystemExit, match='--queries must lie on the 8x8 token grid'):
+        paper.main(['maps', '--checkpoints', ours, '--queries', '8,0', '--out', str(tmp_path)])
+
+
+def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch):
+    """The speed command on tiny DeiTs (the real points are minutes each on a CPU): one row per point, dtype and
+    device, cached; and a softmax that builds its N x N weights explicitly is refused."""
+    tiny = dict(depth=1, embed_dim=32, num_heads=1, num_classes=10)
+    monkeypatch.setattr(paper, 'SPEED', {'F5b': ('window', (32,), {}), 'F5c': ('image size', (32, 64), {64: 2.0})})
+    monkeypatch.setattr(paper, 'speed_models', lambda figure, point, device: [
+        models.create_model('inline_deit_t', img_size=point, layout=c, **tiny).eval() for c in 'SI'])
+    monkeypatch.setattr(paper, 'speed_point', lambda *a, real=paper.speed_point, **k: calls.append(a) or real(*a, **k))
+    calls = []
+    rows = paper.main(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
+    assert [(r['figure'], r['point'], r['dtype']) for r in rows] == [
+        (f, p, d) for d in ('float32', 'bfloat16') for f, p in (('F5b', 32), ('F5c', 32), ('F5c', 64))]
+    assert all(r['softmax_img_s'] > 0 and r['inline_img_s'] > 0 and r['speedup'] > 0 for r in rows)
+    assert_png(tmp_path / 'speed.png', (800, 300))
+    paper.main(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
+    assert len(calls) == 6  # the second run read every point from the cache
+
+    class Explicit(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x @ x.transpose(-2, -1), dim=-1) @ x
+    with pytest.raises(SystemExit, match='only through F.scaled_dot_product_attention'):
+        paper.check_sdpa(Explicit(), torch.randn(1, 4, 8))
+
+
+def fake_run(path, accs, epochs):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
+        f.writelines(json.dumps({'epoch': e + 1, 'val_acc1': acc}) + '\n' for e, acc in enumerate(accs[:epochs]))
+
+
+def test_paper_ablations_reuse_finished_runs_and_train_the_rest(tmp_path, monkeypatch):
+    """Finished runs are read, not retrained; an unfinished one is handed to train.py, with the experiment's
+    miniature on its command line; the table compares each row with its reference."""
+    chosen = {n: models.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q')}
+    monkeypatch.setattr(paper, 'experiments', lambda: chosen)
+    args = ['ablations', '--only', *chosen, '--seeds', '2', '--epochs', '2', '--train-images', '64', '--jobs', '1',
+            '--out', str(tmp_path)]
+    launched = []
+
+    class Popen:  # train.py stand-in: records the command line, writes a finished run
+        def __init__(self, argv, **kwargs):
+            launched.append(argv)
+            fake_run(argv[argv.index('--output-dir') + 1], [50.0, 60.0], 2)
+            self.returncode = 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(paper.subprocess, 'Popen', Popen)
+    ns = argparse.Namespace(epochs=2, train_images=64)
+    argv0 = paper.ablation_argv('t1_softmax', chosen['t1_softmax'], 0, ns)
+    for seed, acc in ((0, 70.0), (1, 72.0)):  # softmax: both seeds already finished
+        fake_run(paper.run_dir(str(tmp_path), f't1_softmax-seed{seed}',
+                               paper.ablation_argv('t1_softmax', chosen['t1_softmax'], seed, ns)), [1.0, acc], 2)
+    rows = paper.main(args)
+    assert len(launched) == 2 and all('t1_softmax_normalised_q' in a for a in launched)  # only the unfinished
+    assert argv0[:2] == ['--experiment', 't1_softmax'] and 'num_heads=2' in argv0  # 3 heads x 2/3, head dim 64
+    assert rows == [['T1', 't1_softmax', '71.0 ± 1.4', '72.2', '', '(reference)'],
+                    ['T1', 't1_softmax_normalised_q *', '60.0 ± 0.0', '70.6 / 69.9', 't1_softmax', 'yes']]
+    assert_png(tmp_path / 'ablations.png', (300, 200))
+    launched.clear()
+    paper.main(args)
+    assert launched == []  # everything cached now
+
+
+@pytest.mark.parametrize('ours,ref,paper_,paper_ref,expected', [
+    ((60, 1, 3, 0), (70, 1, 3, 0), 70.6, 72.2, 'yes'),  # lower here and in the paper, beyond 2 SE (1.6)
+    ((73, 1, 3, 0), (70, 1, 3, 0), 70.6, 72.2, 'no'),
+    ((69.5, 1, 3, 0), (70, 1, 3, 0), 70.6, 72.2, 'within noise'),
+    ((69.5, 1, 3, 0), (70, 1, 3, 0), 80.2, 80.2, 'yes'),  # a tie in the paper, within noise here
+    ((60, 1, 3, 0), (70, 1, 3, 0), 80.2, 80.3, 'no'),
+    ((60, float('nan'), 1, 0), (70, float('nan'), 1, 0), 70.6, 72.2, 'yes (1 seed)'),
+    ((60, 1, 3, 0), (70, 1, 3, 0), None, 72.2, '—')])
+def test_paper_ordering_verdict(ours, ref, paper_, paper_ref, expected):
+    assert paper.verdict(ours, ref, paper_, paper_ref) == expected
