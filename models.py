@@ -911,7 +911,7 @@ for dilation, reported in ((1, '82.4'), (2, '81.7'), (3, '80.8'), (4, '80.6')):
                f"Eq. 6's 3x3 neighbourhood dilated by {dilation}", ours=dilation > 1)
 experiment('r_nonneg', 'inline_swin_t', dict(nonneg=True), 'R-nonneg', '81.7',
            'every InLine weight >= 0: q, k L2-normalised per head, s = 1/2', ours=True)
-# T1 and S: the softmax originals have their own head counts (DeiT-T 3, PVT 1-2-5-8; Swin and CSwin the same)
+# T1 and S: the softmax originals have their own head counts (DeiT-T 3, PVT 1-2-5-8) and CSwin its own depths
 experiment('t1_softmax', 'inline_deit_t', dict(layout='S', num_heads=3), 'T1', '72.2', 'DeiT-T, softmax (injective)')
 experiment('t1_softmax_normalised_q', 'inline_deit_t', dict(layout='S', num_heads=3, normalise_q=True), 'T1',
            '70.6 / 69.9', 'DeiT-T, softmax over L2-normalised queries: q and a*q get the same weights', ours=True)
@@ -921,9 +921,9 @@ for size in 'tsml':
 for size, reported in (('t', '81.3'), ('s', None), ('b', None)):
     experiment(f's_swin_{size}', f'inline_swin_{size}', dict(layout='SSSS'), 'S', reported,
                f"Swin-{size.upper()}: shifted-window softmax in every stage")
-for size, reported in (('t', '82.7'), ('s', None), ('b', None)):
-    experiment(f's_cswin_{size}', f'inline_cswin_{size}', dict(layout='SSSS'), 'S', reported,
-               f"CSwin-{size.upper()}: cross-shaped stripe softmax in every stage")
+for size, depths, reported in (('t', (1, 2, 21, 1), '82.7'), ('s', (2, 4, 32, 2), None), ('b', (2, 4, 32, 2), None)):
+    experiment(f's_cswin_{size}', f'inline_cswin_{size}', dict(layout='SSSS', depths=depths), 'S', reported,
+               f"CSwin-{size.upper()}: cross-shaped stripe softmax in every stage, CSwin's own depths")
 experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.2', 'DeiT-T: softmax over all tokens')
 
 
