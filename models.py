@@ -375,6 +375,9 @@ class InLinePVT(Backbone):
             x = stages[-1]  # (B, C, h, w), the next stage's image
         return stages if return_stages else stages[-1].flatten(2).transpose(1, 2)  # no final norm in PVT
 
+    # no_weight_decay: Backbone's alone. The released PVT decays its position embeddings (SPEC §4): its
+    # model exempts only a class token that InLine-PVT does not have.
+
 
 # ---------------------------------------------------------------------------------------------------
 # Windows, shared by Swin (square windows) and CSwin (stripes: full height or full width)

@@ -976,9 +976,9 @@ FAST_SMALL = {  # one small variant per family; every InLine attention has at le
 }
 
 
-def assert_fast_model_equals_reference(name, compile_fast=False):
+def assert_fast_model_equals_reference(name, compile_fast=False, **switches):
     torch.manual_seed(0)
-    config = dict(FAST_SMALL[name], num_classes=5, drop_path_rate=0.0)
+    config = dict(FAST_SMALL[name], num_classes=5, drop_path_rate=0.0, **switches)
     reference = models.create_model(name, **config)
     fast = models.create_model(name, fast=True, **config)
     fast.load_state_dict(reference.state_dict())
@@ -997,6 +997,11 @@ def assert_fast_model_equals_reference(name, compile_fast=False):
 @pytest.mark.parametrize('name', list(FAST_SMALL))
 def test_fast_model_equals_reference_model(name):
     assert_fast_model_equals_reference(name)
+
+
+def test_fast_model_with_the_ablation_switches():
+    """Shifted 2x2 InLine windows, a learnable kernel and a dilated Eq. 6, all in one model."""
+    assert_fast_model_equals_reference('inline_swin_t', window=2, kernel='relu_affine', dilation=2)
 
 
 def test_fast_core_inside_a_compiled_model():
