@@ -14,15 +14,17 @@ What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README 
   torch.autograd.Function whose backward is written in closed form (the means' gradients vanish, so
   there is no centring term to differentiate). Saved for backward: q, the centred k and v that the
   forward writes anyway (in place of k and v, so no more memory), r, v_mean, the D x D covariance and the
-  (9, N) neighbour table. B, H and N are symbolic: one graph per dtype and head dim serves every batch,
-  head count and token grid; D is a constant, so the channel loops vectorise without remainder loops.
+  (T, N) neighbour table (T = 9 neighbours, or 1 for the plain residual). B, H and N are symbolic: one
+  graph per dtype, head dim and T serves every batch, head count, token grid and dilation; D is a
+  constant, so the channel loops vectorise without remainder loops.
   Inside a torch.compile'd model the math is traced inline.
 - Eq. 5 in centred-covariance form, as inline.py: k and v centred in fp32 before the GEMM, so no sum over
   tokens sees the means. Means and every other sum accumulate in fp32; bf16 GEMMs accumulate in fp32 and
   round once. In fp16 one operand of each sum over tokens is pre-scaled by N^-1/2 (sum_scale), so the
   GEMM outputs stay below fp16's 65504 where the reference's outputs overflow.
-- Eq. 6 as nine gathered multiply-adds along the token axis (precomputed neighbour indices and border
-  masks), fused by inductor with v_mean and the GEMM output into one pass; the backward's transposed
+- Eq. 6 as nine gathered multiply-adds along the token axis (one for the plain residual; a dilation only
+  changes the precomputed neighbour indices and border masks), fused by inductor with v_mean and the
+  GEMM output into one pass; the backward's transposed
   shift and the nine sums for dr likewise. The released B*C-group convolution needs V transposed to
   channel planes and back; a zero-padded shift needed masked loads and measured slower than the gather.
 
