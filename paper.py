@@ -130,6 +130,94 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
         draw.text((x0 + 25, y0 + 13 + 16 * i), label, fill='black', font=font(11), anchor='lm')
 
 
+def charts(path, panels, cols, size):
+    """Several charts side by side in one PNG: panels are chart()'s keyword arguments, size one panel's."""
+    W, H = size
+    img = Image.new('RGB', (min(cols, len(panels)) * W, math.ceil(len(panels) / cols) * H), 'white')
+    draw = ImageDraw.Draw(img)
+    for i, panel in enumerate(panels):
+        chart(draw, ((i % cols) * W, (i // cols) * H, (i % cols + 1) * W, (i // cols + 1) * H), **panel)
+    save_png(img, path)
+
+
+def heatmaps(path, matrices, groups, labels, caption, cell=46):
+    """One heat map per matrix {title: (rows, cols)}, a number in every cell, a shared colour scale; the row
+    groups {title: [[i, j, ...]]} outlined and bracketed."""
+    pad_left, pad_top = 40, 46
+    vmax = max(w.abs().max().item() for w in matrices.values())
+    R, C = next(iter(matrices.values())).shape
+    panel_w, panel_h = pad_left + C * cell + 40, pad_top + R * cell + 10
+    img = Image.new('RGB', (panel_w * len(matrices) + 10, panel_h + 30), 'white')
+    draw = ImageDraw.Draw(img)
+    for p, (name, w) in enumerate(matrices.items()):
+        ox = 10 + p * panel_w
+        draw.text((ox + pad_left + C * cell / 2, 8), name, fill='black', font=font(14), anchor='ma')
+        for j in range(C):
+            draw.text((ox + pad_left + (j + 0.5) * cell, 28), f'k{j + 1}', fill='black', font=font(11), anchor='ma')
+        for i in range(R):
+            y = pad_top + i * cell
+            draw.text((ox + pad_left - 6, y + cell / 2), labels[i], fill='black', font=font(12), anchor='rm')
+            for j in range(C):
+                x, value = ox + pad_left + j * cell, w[i, j].item()
+                draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=diverging(value / vmax))
+                draw.text((x + cell / 2, y + cell / 2), f'{value:.2f}', fill='black', font=font(11), anchor='mm')
+        xr = ox + pad_left + C * cell
+        for g in groups[name]:
+            for i in g:
+                draw.rectangle([ox + pad_left, pad_top + i * cell, xr - 1, pad_top + (i + 1) * cell - 1],
+                               outline=MARK, width=3)
+            ya, yb = pad_top + g[0] * cell + cell / 2, pad_top + g[-1] * cell + cell / 2
+            draw.line([(xr + 6, ya), (xr + 12, ya), (xr + 12, yb), (xr + 6, yb)], fill=MARK, width=3)
+            draw.text((xr + 16, (ya + yb) / 2), '=', fill=MARK, font=font(18), anchor='lm')
+    draw.text((10, panel_h + 8), caption, fill='black', font=font(12))
+    save_png(img, path)
+
+
+def overlay(image, w, grid, scale, vmax):
+    """image (3, S, S) in [0, 1] with the weights w (h, w) laid over it: red positive, blue negative, the colour's
+    strength sqrt(|w| / vmax), so weights near 0 leave the image visible and small ones still show. vmax is shared
+    by every map of a figure: a flat map looks faint, a peaked one strong. Returns a PIL image, S*scale wide."""
+    t = (w / vmax).clamp(-1, 1).repeat_interleave(image.shape[1] // grid[0], 0)
+    t = t.repeat_interleave(image.shape[2] // grid[1], 1)  # (S, S) in [-1, 1]
+    red, blue = torch.tensor(diverging(1.0)) / 255, torch.tensor(diverging(-1.0)) / 255
+    colour = torch.where(t[None] >= 0, red[:, None, None], blue[:, None, None])  # (3, S, S)
+    alpha = 0.85 * t.abs().sqrt()[None]
+    out = image * (1 - alpha) + colour * alpha
+    return TF.to_pil_image(out).resize((image.shape[2] * scale, image.shape[1] * scale), Image.NEAREST)
+
+
+def image_grid(path, image, rows, queries, grid):
+    """For each row (label, [one (h, w) weight map per query]): the image with the queries marked, then each
+    query's map laid over it (overlay), all maps on one colour scale."""
+    S = image.shape[1]
+    scale, label_w, top = max(1, 128 // S), 150, 40
+    T = S * scale
+    img = Image.new('RGB', (label_w + (len(queries) + 1) * (T + 8), top + len(rows) * (T + 8) + 46), 'white')
+    draw = ImageDraw.Draw(img)
+    plain = TF.to_pil_image(image).resize((T, T), Image.NEAREST)
+    vmax = max(tile.abs().max().item() for _, tiles in rows for tile in tiles)
+    cell = (T / grid[1], T / grid[0])
+    draw.text((label_w + T / 2, top - 8), 'image', fill='black', font=font(12), anchor='md')
+    for j, (y, x_) in enumerate(queries):
+        draw.text((label_w + (j + 1) * (T + 8) + T / 2, top - 8), f'query ({y},{x_})', fill='black', font=font(12),
+                  anchor='md')
+    for i, (label, tiles) in enumerate(rows):
+        oy = top + i * (T + 8)
+        draw.text((label_w - 8, oy + T / 2), label, fill='black', font=font(12), anchor='rm')
+        img.paste(plain, (label_w, oy))
+        for j, ((y, x_), tile) in enumerate(zip(queries, tiles)):
+            ox = label_w + (j + 1) * (T + 8)
+            img.paste(overlay(image, tile, grid, scale, vmax), (ox, oy))
+            for bx in (label_w, ox):  # the query's patch, on the image and on its own map
+                draw.rectangle([bx + x_ * cell[0], oy + y * cell[1], bx + (x_ + 1) * cell[0] - 1,
+                                oy + (y + 1) * cell[1] - 1], outline=MARK, width=2)
+    draw.text((10, img.height - 40), 'weights on the token grid (class token not drawn), mean over heads;',
+              fill='black', font=font(12))
+    draw.text((10, img.height - 22), f'red > 0, blue < 0; strength sqrt(|w| / {vmax:.3f}), the largest |w| shown',
+              fill='black', font=font(12))
+    save_png(img, path)
+
+
 # ---------------------------------------------------------------------------------------------------
 # F1, injectivity: which queries does each attention tell apart?
 
@@ -205,35 +293,9 @@ def cmd_injectivity(args):
     print(f'relu_affine with a random b != 0: q..4q differ by up to {ray:.3f}, but x_a = A^-1(a(Aq + b) - b), '
           f'a = 1..4, still coincide (max difference {line:.1e}): the confusion moves, it does not go away.')
 
-    # picture: one heat map per method, 8 rows x 4 keys, identical rows bracketed and marked
-    cell, pad_left, pad_top = 46, 40, 46
-    vmax = max(w.abs().max().item() for w in weights.values())
-    panel_w, panel_h = pad_left + 4 * cell + 40, pad_top + 8 * cell + 10
-    img = Image.new('RGB', (panel_w * len(weights) + 10, panel_h + 30), 'white')
-    draw = ImageDraw.Draw(img)
-    for p, (name, w) in enumerate(weights.items()):
-        ox = 10 + p * panel_w
-        draw.text((ox + pad_left + 2 * cell, 8), name, fill='black', font=font(14), anchor='ma')
-        for j in range(w.shape[1]):
-            draw.text((ox + pad_left + (j + 0.5) * cell, 28), f'k{j + 1}', fill='black', font=font(11), anchor='ma')
-        for i in range(8):
-            y = pad_top + i * cell
-            draw.text((ox + pad_left - 6, y + cell / 2), labels[i], fill='black', font=font(12), anchor='rm')
-            for j in range(w.shape[1]):
-                x, value = ox + pad_left + j * cell, w[i, j].item()
-                draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=diverging(value / vmax))
-                draw.text((x + cell / 2, y + cell / 2), f'{value:.2f}', fill='black', font=font(11), anchor='mm')
-        for g in groups[name]:  # a bracket right of the identical rows, and an outline around each
-            xr = ox + pad_left + w.shape[1] * cell
-            for i in g:
-                draw.rectangle([ox + pad_left, pad_top + i * cell, xr - 1, pad_top + (i + 1) * cell - 1],
-                               outline=MARK, width=3)
-            ya, yb = pad_top + g[0] * cell + cell / 2, pad_top + g[-1] * cell + cell / 2
-            draw.line([(xr + 6, ya), (xr + 12, ya), (xr + 12, yb), (xr + 6, yb)], fill=MARK, width=3)
-            draw.text((xr + 16, (ya + yb) / 2), '=', fill=MARK, font=font(18), anchor='lm')
-    draw.text((10, panel_h + 8), 'rows q..4q: collinear queries; r1..r4: random. Outlined and bracketed: rows '
-              'identical to 1e-12. Colour: weight / max |weight| (blue < 0 < red).', fill='black', font=font(12))
-    save_png(img, args.png or os.path.join(args.out, 'injectivity.png'))
+    heatmaps(args.png or os.path.join(args.out, 'injectivity.png'), weights, groups, labels,
+             'rows q..4q: collinear queries; r1..r4: random. Outlined and bracketed: rows identical to 1e-12. '
+             'Colour: weight / max |weight| (blue < 0 < red).')
     return groups
 
 
@@ -405,11 +467,11 @@ def cmd_locality(args):
     layers = max(len(v) for v in results.values())
     print_table(['layer', *results], [[i + 1, *[f'{v[i]:.4f}' if i < len(v) else '' for v in results.values()]]
                                       for i in range(layers)])
-    img = Image.new('RGB', (640, 400), 'white')
-    chart(ImageDraw.Draw(img), (0, 0, 640, 400), [(n, list(range(1, len(v) + 1)), v, None) for n, v in results.items()],
-          title='F4: attention mass on each query\'s 3x3 neighbourhood', xlabel='layer', ylabel='mass',
-          xticks=list(range(1, layers + 1)), hlines=[(f'uniform weights ({uniform:.3f})', uniform)])
-    save_png(img, args.png or os.path.join(args.out, 'locality.png'))
+    charts(args.png or os.path.join(args.out, 'locality.png'), [dict(
+        series=[(n, list(range(1, len(v) + 1)), v, None) for n, v in results.items()],
+        title='F4: attention mass on each query\'s 3x3 neighbourhood', xlabel='layer', ylabel='mass',
+        xticks=list(range(1, layers + 1)), hlines=[(f'uniform weights ({uniform:.3f})', uniform)])], cols=1,
+        size=(640, 400))
     return results, uniform
 
 
@@ -422,19 +484,6 @@ def read_image(path, size):
         raise SystemExit(f'error: cannot read image {path}: {e}')
     x = TF.to_tensor(img.resize((size, size), Image.BICUBIC))  # (3, size, size) in [0, 1]
     return TF.normalize(x, train.MEAN, train.STD)
-
-
-def overlay(image, w, grid, scale, vmax):
-    """image (3, S, S) in [0, 1] with the weights w (h, w) laid over it: red positive, blue negative, the colour's
-    strength sqrt(|w| / vmax), so weights near 0 leave the image visible and small ones still show. vmax is shared
-    by every map of a figure: a flat map looks faint, a peaked one strong. Returns a PIL image, S*scale wide."""
-    t = (w / vmax).clamp(-1, 1).repeat_interleave(image.shape[1] // grid[0], 0)
-    t = t.repeat_interleave(image.shape[2] // grid[1], 1)  # (S, S) in [-1, 1]
-    red, blue = torch.tensor(diverging(1.0)) / 255, torch.tensor(diverging(-1.0)) / 255
-    colour = torch.where(t[None] >= 0, red[:, None, None], blue[:, None, None])  # (3, S, S)
-    alpha = 0.85 * t.abs().sqrt()[None]
-    out = image * (1 - alpha) + colour * alpha
-    return TF.to_pil_image(out).resize((image.shape[2] * scale, image.shape[1] * scale), Image.NEAREST)
 
 
 def cmd_maps(args):
@@ -475,32 +524,7 @@ def cmd_maps(args):
     print_table(['model', 'layer', 'query (row,col)', 'on itself', 'on its 3x3', 'on the class token', 'min', 'max'],
                 table)
 
-    scale, label_w, top = max(1, 128 // S), 150, 40
-    T = S * scale
-    img = Image.new('RGB', (label_w + (len(queries) + 1) * (T + 8), top + len(rows) * (T + 8) + 46), 'white')
-    draw = ImageDraw.Draw(img)
-    plain = TF.to_pil_image(image).resize((T, T), Image.NEAREST)
-    vmax = max(tile.abs().max().item() for _, tiles in rows for tile in tiles)
-    cell = (T / grid[1], T / grid[0])
-    draw.text((label_w + T / 2, top - 8), 'image', fill='black', font=font(12), anchor='md')
-    for j, (y, x_) in enumerate(queries):
-        draw.text((label_w + (j + 1) * (T + 8) + T / 2, top - 8), f'query ({y},{x_})', fill='black', font=font(12),
-                  anchor='md')
-    for i, (label, tiles) in enumerate(rows):
-        oy = top + i * (T + 8)
-        draw.text((label_w - 8, oy + T / 2), label, fill='black', font=font(12), anchor='rm')
-        img.paste(plain, (label_w, oy))
-        for j, ((y, x_), tile) in enumerate(zip(queries, tiles)):
-            ox = label_w + (j + 1) * (T + 8)
-            img.paste(overlay(image, tile, grid, scale, vmax), (ox, oy))
-            for bx in (label_w, ox):  # the query's patch, on the image and on its own map
-                draw.rectangle([bx + x_ * cell[0], oy + y * cell[1], bx + (x_ + 1) * cell[0] - 1,
-                                oy + (y + 1) * cell[1] - 1], outline=MARK, width=2)
-    draw.text((10, img.height - 40), 'weights on the token grid (class token not drawn), mean over heads;',
-              fill='black', font=font(12))
-    draw.text((10, img.height - 22), f'red > 0, blue < 0; strength sqrt(|w| / {vmax:.3f}), the largest |w| shown',
-              fill='black', font=font(12))
-    save_png(img, args.png or os.path.join(args.out, 'maps.png'))
+    image_grid(args.png or os.path.join(args.out, 'maps.png'), image, rows, queries, grid)
     return rows
 
 
@@ -560,8 +584,7 @@ def speed_point(figure, point, dtype, device, batch, rounds):
     """Interleaved rounds (softmax then InLine, one forward each) at one point: images/s of each, and the
     speed-up as the median over rounds of softmax time / InLine time (the machine's drift cancels in a round)."""
     softmax, inline_model = speed_models(figure, point, device)
-    size = 224 if figure == 'F5b' else point
-    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device)
+    x = torch.randn(batch, 3, *softmax.img_size, generator=torch.Generator().manual_seed(0)).to(device)
     check_sdpa(softmax, x[:1])
 
     def forward(model):
@@ -606,18 +629,17 @@ def cmd_speed(args):
                   r['batch'], f"{r['softmax_img_s']:.2f}", f"{r['inline_img_s']:.2f}", f"{r['speedup']:.2f}x",
                   f"{SPEED[r['figure']][2][r['point']]}x" if r['point'] in SPEED[r['figure']][2] else '']
                  for r in rows])
-    img = Image.new('RGB', (1000, 420), 'white')
-    draw = ImageDraw.Draw(img)
-    for i, (fig, (what, values, paper)) in enumerate(SPEED.items()):
+    panels = []
+    for fig, (what, values, paper) in SPEED.items():
         series = [(f'{dev} {dt}', [r['point'] for r in sel], [r['speedup'] for r in sel], None)
                   for dev in dict.fromkeys(r['device'] for r in rows) for dt in ('float32', 'bfloat16')
                   for sel in [[r for r in rows if (r['figure'], r['device'], r['dtype']) == (fig, dev, dt)]] if sel]
         series.append(('paper, GPU', list(paper), list(paper.values()), None))
-        title = ('F5b: Swin-T vs InLine-Swin-T, by window' if fig == 'F5b' else 'F5c: DeiT-T vs InLine-DeiT-T, by size')
-        chart(draw, (i * 500, 0, i * 500 + 500, 420), series, title=title, xlabel=what, log_x=True,
-              ylabel='InLine speed-up (x)', xticks=list(values), hlines=[('equal speed', 1.0)],
-              xlabels=[f'{v}²' if fig == 'F5b' else str(v) for v in values])
-    save_png(img, args.png or os.path.join(args.out, 'speed.png'))
+        panels.append(dict(series=series, xlabel=what, log_x=True, ylabel='InLine speed-up (x)', xticks=list(values),
+                           title=('F5b: Swin-T vs InLine-Swin-T, by window' if fig == 'F5b' else
+                                  'F5c: DeiT-T vs InLine-DeiT-T, by size'),
+                           hlines=[('equal speed', 1.0)], xlabels=[f'{v}²' if fig == 'F5b' else str(v) for v in values]))
+    charts(args.png or os.path.join(args.out, 'speed.png'), panels, cols=2, size=(500, 420))
     if args.model_step:
         model_step_table([torch.device('cpu')] + devices[1:], dtypes)
     return rows
@@ -822,26 +844,14 @@ def cmd_ablations(args):
           f'ImageNet-1K top-1. * our construction (no released code). A diverged run counts at chance (10%).\n')
     print_table(['table', 'experiment', 'top-1 here', 'paper (ImageNet)', 'compared with', "paper's ordering holds"],
                 rows)
-    draw_ablations(panels, args.png or os.path.join(args.out, 'ablations.png'))
+    charts(args.png or os.path.join(args.out, 'ablations.png'), [dict(  # each row against its reference row
+        series=[('here (synthetic), +- 2 std', xs, [d for _, d, _, _ in entries],
+                 [e for _, _, e, _ in entries] if all(e is not None for _, _, e, _ in entries) else None),
+                ('paper (ImageNet)', xs, [p for _, _, _, p in entries], None)],
+        title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
+        xlabels=[short_name(n) for n, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
+        for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]], cols=4, size=(420, 330))
     return rows
-
-
-def draw_ablations(panels, path):
-    """One panel per table: each row's difference from its reference row, ours (+- 2 std) and the paper's."""
-    cols = 4
-    W, H = 420, 330
-    img = Image.new('RGB', (cols * W, math.ceil(len(panels) / cols) * H), 'white')
-    draw = ImageDraw.Draw(img)
-    for i, (table, entries) in enumerate(panels.items()):
-        xs = list(range(1, len(entries) + 1))
-        ours = [d for _, d, _, _ in entries]
-        errs = [e for _, _, e, _ in entries] if all(e is not None for _, _, e, _ in entries) else None
-        paper = [p for _, _, _, p in entries]
-        series = [('here (synthetic)', xs, ours, errs), ('paper (ImageNet)', xs, paper, None)]
-        box = ((i % cols) * W, (i // cols) * H, (i % cols + 1) * W, (i // cols + 1) * H)
-        chart(draw, box, series, title=table, xlabel='', ylabel='top-1 vs reference row (points)', xticks=xs,
-              xlabels=[short_name(n) for n, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
-    save_png(img, path)
 
 
 def short_name(name):
