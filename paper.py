@@ -225,28 +225,30 @@ def injectivity_weights(seed=0, D=8, keys=4):
     """The weights of 8 queries against `keys` keys under each method: rows 0-3 are q, 2q, 3q, 4q (collinear),
     rows 4-7 four random queries. float64, so rows that coincide do so to rounding (~1e-16).
 
-    relu_affine is ReLU(A x + b) with a fixed random A (identity + noise, seeded) and b = 0, its initial bias:
-    with b = 0 the map is homogeneous, ReLU(A a q) = a ReLU(A q), so it confuses q and a*q exactly as relu
-    does. A learned b != 0 moves the confused set off the ray {a q} but does not remove it: queries x with
-    A x + b = a (A q + b) get identical weights; `relu_affine_bias_check` shows both."""
+    relu_affine is inline.ReLUAffine, ReLU(A x + b), with a fixed random A (identity + noise, seeded) in place
+    of its initial identity, and b = 0, its initial bias: with b = 0 the map is homogeneous, ReLU(A a q) =
+    a ReLU(A q), so it confuses q and a*q exactly as relu does. A learned b != 0 moves the confused set off the
+    ray {a q} but does not remove it: queries x with A x + b = a (A q + b) get identical weights;
+    `relu_affine_bias_check` shows both."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(1, 1, keys, D, generator=g, dtype=torch.float64)  # (B, H, N, D) = (1, 1, 4, D)
     q = torch.randn(1, 1, 1, D, generator=g, dtype=torch.float64).abs()  # positive, so relu keeps all of q
     queries = torch.cat([a * q for a in (1, 2, 3, 4)] + [torch.randn(1, 1, 4, D, generator=g, dtype=torch.float64)],
                         dim=2)  # (1, 1, 8, D)
-    A = torch.eye(D, dtype=torch.float64) + 0.3 * torch.randn(D, D, generator=g, dtype=torch.float64)
-    relu, affine = inline.get_kernel('relu'), lambda x: x @ A.T  # b = 0, see the docstring
+    relu, relu_affine = inline.get_kernel('relu'), inline.get_kernel('relu_affine', D).double()
+    with torch.no_grad():
+        relu_affine.weight.add_(0.3 * torch.randn(D, D, generator=g, dtype=torch.float64))  # A = I + noise; b = 0
     eye = torch.eye(keys, dtype=torch.float64).expand(1, 1, keys, keys)
     weights = {
         # softmax_attention with V = identity returns its weights: row i of W @ I is row i of W
         'softmax': inline.softmax_attention(queries, k, eye),
         'linear (relu)': inline.linear_attention_weights(relu(queries), relu(k), eps=0),
-        'linear (relu_affine)': inline.linear_attention_weights(relu(affine(queries)), relu(affine(k)), eps=0),
+        'linear (relu_affine)': inline.linear_attention_weights(relu_affine(queries), relu_affine(k), eps=0),
         # inline_weights takes N from the queries (self-attention: as many queries as keys), so 4 at a time
         'InLine (identity)': torch.cat([inline.inline_weights(queries[:, :, i:i + keys], k)
                                         for i in range(0, 8, keys)], dim=2),
     }
-    return {name: w[0, 0] for name, w in weights.items()}, (A, k, q)  # each (8, keys)
+    return {name: w[0, 0].detach() for name, w in weights.items()}, (relu_affine, k, q)  # each (8, keys)
 
 
 def identical_rows(w, tol=1e-12):
@@ -262,25 +264,27 @@ def identical_rows(w, tol=1e-12):
     return groups
 
 
-def relu_affine_bias_check(A, k, q, seed=1):
-    """With a random b != 0: max |w(q) - w(a q)| (not 0: the ray is no longer confused) and max
+@torch.no_grad()
+def relu_affine_bias_check(relu_affine, k, q, seed=1):
+    """With a random b > 0 in relu_affine: max |w(q) - w(a q)| (not 0: the ray is no longer confused) and max
     |w(x) - w(x_a)| for x_a = A^-1 (a (A q + b) - b), whose features are collinear (0 to rounding)."""
-    b = torch.randn(A.shape[0], generator=torch.Generator().manual_seed(seed), dtype=torch.float64).abs()
-    phi = lambda x: torch.relu(x @ A.T + b)  # noqa: E731
-    w = lambda x: inline.linear_attention_weights(phi(x), phi(k), eps=0)[0, 0]  # noqa: E731
-    on_ray = torch.cat([a * q for a in (1, 2, 3, 4)], dim=2)
-    on_line = torch.cat([torch.linalg.solve(A, (a * (q @ A.T + b) - b).squeeze(0).squeeze(0).T).T[None, None]
-                         for a in (1, 2, 3, 4)], dim=2)
+    A, b = relu_affine.weight, relu_affine.bias
+    b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(seed), dtype=b.dtype).abs())
+    w = lambda x: inline.linear_attention_weights(relu_affine(x), relu_affine(k), eps=0)[0, 0]  # noqa: E731
+    on_ray = torch.cat([a * q for a in (1, 2, 3, 4)], dim=2)  # (1, 1, 4, D)
+    on_line = torch.cat([torch.linalg.solve(A, a * (A @ q[0, 0, 0] + b) - b)[None, None, None] for a in (1, 2, 3, 4)],
+                        dim=2)  # (1, 1, 4, D)
     spread = lambda x: (w(x) - w(x)[0]).abs().max().item()  # noqa: E731
     return spread(on_ray), spread(on_line)
 
 
 def cmd_injectivity(args):
-    weights, (A, k, q) = injectivity_weights()
+    weights, (relu_affine, k, q) = injectivity_weights()
     labels = ['q', '2q', '3q', '4q', 'r1', 'r2', 'r3', 'r4']
     groups = {name: identical_rows(w) for name, w in weights.items()}
     print('F1: attention weights of 8 queries against 4 random keys (D = 8, float64). Rows q..4q are collinear,\n'
-          'r1..r4 random. relu_affine: ReLU(A x) with a fixed random A = I + 0.3 N(0, 1), b = 0 (its initial bias).\n')
+          'r1..r4 random. relu_affine: inline.ReLUAffine, ReLU(A x + b), with a fixed random A = I + 0.3 N(0, 1) and\n'
+          'b = 0 (its initial bias).\n')
     for name, w in weights.items():
         same = {i: f'= {labels[g[0]]}' for g in groups[name] for i in g[1:]}
         print(f'{name}:')
@@ -289,7 +293,7 @@ def cmd_injectivity(args):
         print()
     print('identical rows: ' + '; '.join(f'{n}: {[[labels[i] for i in g] for g in gs] or "none"}'
                                           for n, gs in groups.items()))
-    ray, line = relu_affine_bias_check(A, k, q)
+    ray, line = relu_affine_bias_check(relu_affine, k, q)
     print(f'relu_affine with a random b != 0: q..4q differ by up to {ray:.3f}, but x_a = A^-1(a(Aq + b) - b), '
           f'a = 1..4, still coincide (max difference {line:.1e}): the confusion moves, it does not go away.')
 
@@ -385,19 +389,19 @@ def load_trained(path):
 # ---------------------------------------------------------------------------------------------------
 # F4 and F3: the explicit N x N weights of each layer of small trained DeiT-like models
 
-# The three models F4 and F3 look at: one small DeiT (64 px images, 8 px patches: an 8 x 8 token grid, on which a
-# 3x3 neighbourhood is 9 of 64 tokens; 6 blocks of width 96, 3 heads of 32), with softmax, linear or InLine
-# attention, trained on train.py's synthetic task.
-DEIT_SMALL = ['--model', 'inline_deit_t', '--img-size', '64', '--model-kwargs', 'patch_size=8', 'depth=6',
-              'embed_dim=96', 'num_heads=3']
 DEIT_LAYOUTS = {'softmax': 'S', 'linear': 'L', 'InLine': 'I'}
 
 
 def deit_runs(args):
+    """The three models F4 and F3 look at by default: the ablations' miniature DeiT (64 px images, 8 px patches:
+    an 8x8 token grid, on which a 3x3 neighbourhood is 9 of 64 tokens; 6 blocks of width 64, 2 heads of 32) with
+    softmax, vanilla linear (relu) or InLine attention and nothing else changed, trained on the synthetic task."""
+    sizes = [f'{k}={v!r}' for k, v in MINI['deit'][1].items()]
     runs = {run_dir(args.out, f'deit-{name}', argv): (argv, args.epochs) for name, letter in DEIT_LAYOUTS.items()
-            for argv in [DEIT_SMALL + ['--layout', letter, '--seed', '0', '--epochs', str(args.epochs),
-                                       '--synthetic-train', str(args.train_images)]]}
-    train_runs(runs, desc='training the three DeiT models')
+            for argv in [['--model', 'inline_deit_t', '--img-size', str(MINI_IMG), '--model-kwargs', *sizes,
+                          '--layout', letter, '--seed', '0', '--epochs', str(args.epochs),
+                          '--synthetic-train', str(args.train_images)]]}
+    train_runs(runs, args.jobs, desc='training the three DeiT models')
     return {name: os.path.join(path, 'checkpoint.pt') for name, path in zip(DEIT_LAYOUTS, runs)}
 
 
@@ -696,17 +700,17 @@ def model_step_table(devices, dtypes):
 # The miniature, the same for every experiment of a family: 64 px images of the synthetic task, so Swin's stage 1
 # is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at 224 px. Everything measured in stage-1 tokens shrinks by
 # 16/56: the InLine windows 7, 14, 28, 56 of T4 become 2, 4, 8, 16 (1/8, 1/4, 1/2 and all of the stage, as in the
-# paper); Swin's softmax window becomes 4. Widths shrink by `width` with the head dim kept (so the head counts
-# shrink with them, the softmax originals' own counts included), depths as listed. The README says why.
-MINI_IMG = 64
-MINI_STAGE1 = {'swin': 16}  # stage-1 side at MINI_IMG, against 56 at 224 px
-MINI = {  # family: (width factor, --model-kwargs)
+# paper); Swin's softmax window becomes 4. Widths shrink by the family's factor with the head dim kept, so head
+# counts shrink with them (the softmax originals' own counts too); depths as listed. The README says why.
+MINI_IMG, MINI_STAGE1 = 64, 16  # image side; Swin's stage-1 side at that size (56 at 224 px)
+MINI = {  # family: (width factor, create_model sizes)
     'swin': (1 / 3, dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), softmax_window=4)),
-    'deit': (2 / 3, dict(patch_size=8, embed_dim=128, depth=6, num_heads=4)),
+    'deit': (1 / 3, dict(patch_size=8, embed_dim=64, depth=6, num_heads=2)),
     'pvt': (1, dict(depths=(1, 1, 1, 1), sr_ratios=(4, 2, 1, 1))),
-    'cswin': (1 / 2, dict(embed_dim=32, depths=(1, 2, 2, 1), num_heads=(1, 2, 4, 8), stripes=(1, 2, 2, 2))),
+    # CSwin keeps its width: its two-branch softmax blocks split the heads in halves, and stage 1 has 2
+    'cswin': (1, dict(depths=(1, 2, 2, 1), stripes=(1, 2, 2, 2))),
 }
-QUICK = ('t3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 't1_softmax',
+QUICK = ('t3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 's_swin_t', 't1_softmax',
          't1_softmax_normalised_q')
 
 
@@ -737,33 +741,41 @@ def reference(name, table):
 
 
 def mini_kwargs(e):
-    """--model-kwargs for an experiment's miniature: the family's sizes, the head counts an experiment sets scaled
-    by the same width factor (head dim kept), and windows scaled to the 16x16 stage 1."""
-    family = e.model.split('_')[1]
-    width, kwargs = MINI[family]
-    kwargs = dict(kwargs)
+    """The create_model overrides that make an experiment's miniature, on top of its own: the family's sizes, head
+    counts the experiment sets scaled by the family's width factor, windows scaled to the 16x16 stage 1 (None,
+    the whole stage, where they cover it). CSwin's softmax original keeps the miniature's depths, not its own."""
+    width, sizes = MINI[e.model.split('_')[1]]
+    kwargs = dict(sizes)
     if 'num_heads' in e.overrides:
         heads = e.overrides['num_heads']
-        scaled = tuple(h * width for h in heads) if isinstance(heads, tuple) else heads * width
-        if any(abs(h - round(h)) > 1e-9 for h in (scaled if isinstance(scaled, tuple) else (scaled,))):
+        scaled = [h * width for h in (heads if isinstance(heads, tuple) else (heads,))]
+        if any(abs(h - round(h)) > 1e-9 for h in scaled):
             raise ValueError(f'{e.model}: {heads} heads do not scale by {width:.3g} to whole heads')
-        kwargs['num_heads'] = tuple(round(h) for h in scaled) if isinstance(scaled, tuple) else round(scaled)
+        kwargs['num_heads'] = tuple(round(h) for h in scaled) if isinstance(heads, tuple) else round(scaled[0])
     if e.overrides.get('window') is not None:
-        kwargs['window'] = e.overrides['window'] * MINI_STAGE1[family] // 56
+        window = e.overrides['window'] * MINI_STAGE1 // 56
+        kwargs['window'] = None if window >= MINI_STAGE1 else window
     return kwargs
 
 
 def ablation_argv(name, e, seed, args):
     """The train.py command line of one run: the experiment by name, its miniature, the budget, the seed."""
     argv = ['--experiment', name] if name in models.EXPERIMENTS else ['--model', e.model]
-    argv += ['--img-size', str(MINI_IMG), '--model-kwargs', *[f'{k}={v}' for k, v in mini_kwargs(e).items()]]
+    argv += ['--img-size', str(MINI_IMG), '--model-kwargs', *[f'{k}={v!r}' for k, v in mini_kwargs(e).items()]]
     return argv + ['--epochs', str(args.epochs), '--synthetic-train', str(args.train_images), '--seed', str(seed)]
 
 
 def config_key(e):
-    """Experiments built the same way share their runs (InLine-Swin-T is T10's identity row, R-res's local row,
-    R-dil's dilation 1 and S's InLine row)."""
-    return json.dumps([e.model, sorted(e.overrides.items()), sorted(mini_kwargs(e).items())], default=str)
+    """Experiments that build the same model share their runs (InLine-Swin-T is T10's identity row, R-res's local
+    row, R-dil's dilation 1 and S's InLine row): the model's resolved attention (models.describe) and sizes."""
+    kwargs = {**e.overrides, **mini_kwargs(e)}
+    with torch.device('meta'):
+        model = models.create_model(e.model, img_size=MINI_IMG, num_classes=10, **kwargs)
+    described = models.describe(model)
+    if 'L' not in model.layout:  # kernel=None and kernel='identity' are the same model when no block is linear
+        described = described.replace('kernel identity (I) / relu (L)', 'kernel identity')
+    return json.dumps([e.model, described, sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window')],
+                      default=str)
 
 
 def summarise(states, chance):
@@ -871,11 +883,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     sub = parser.add_subparsers(dest='command', required=True)
     sub.add_parser('injectivity', parents=[common], help='F1: identical weight rows under softmax, linear and InLine')
-    trained = argparse.ArgumentParser(add_help=False, parents=[common])
+    budget = argparse.ArgumentParser(add_help=False, parents=[common])  # what each train.py run gets
+    budget.add_argument('--epochs', type=int, default=5, help='epochs of every training run')
+    budget.add_argument('--train-images', type=int, default=4096, help='synthetic training images per epoch')
+    budget.add_argument('--jobs', type=int, default=2, help='train.py processes at a time, sharing the cores')
+    trained = argparse.ArgumentParser(add_help=False, parents=[budget])
     trained.add_argument('--checkpoints', nargs='+', metavar='[NAME=]PATH',
                          help='train.py checkpoints of DeiT models (default: train the three small ones)')
-    trained.add_argument('--epochs', type=int, default=5, help='epochs of the three small DeiTs')
-    trained.add_argument('--train-images', type=int, default=5120, help='synthetic training images per epoch')
     p = sub.add_parser('locality', parents=[trained], help='F4: attention mass on the 3x3 neighbourhood per layer')
     p.add_argument('--images', type=int, default=64, help='validation images to average over')
     p = sub.add_parser('maps', parents=[trained], help='F3: attention maps of query tokens over an image')
@@ -890,13 +904,10 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, help='interleaved rounds per point (default: CPU 5, quick 3; CUDA 20)')
     p.add_argument('--model-step', action='store_true',
                    help='also time a whole InLine-Swin-T training step: reference vs fast core')
-    p = sub.add_parser('ablations', parents=[common], help='T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small')
+    p = sub.add_parser('ablations', parents=[budget], help='T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small')
     p.add_argument('--quick', action='store_true', help=f'one seed of {len(QUICK)} experiments: {", ".join(QUICK)}')
     p.add_argument('--only', nargs='+', metavar='NAME', help='these experiments only')
     p.add_argument('--seeds', type=int, default=3, help='seeds per experiment (0, 1, ...)')
-    p.add_argument('--epochs', type=int, default=5)
-    p.add_argument('--train-images', type=int, default=5120, help='synthetic training images per epoch')
-    p.add_argument('--jobs', type=int, default=2, help='train.py processes at a time, the cores shared among them')
     args = parser.parse_args(argv)
     return {'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
             'ablations': cmd_ablations}[args.command](args)

@@ -1400,13 +1400,29 @@ def test_paper_ablations_reuse_finished_runs_and_train_the_rest(tmp_path, monkey
                                paper.ablation_argv('t1_softmax', chosen['t1_softmax'], seed, ns)), [1.0, acc], 2)
     rows = paper.main(args)
     assert len(launched) == 2 and all('t1_softmax_normalised_q' in a for a in launched)  # only the unfinished
-    assert argv0[:2] == ['--experiment', 't1_softmax'] and 'num_heads=2' in argv0  # 3 heads x 2/3, head dim 64
+    assert argv0[:2] == ['--experiment', 't1_softmax'] and 'num_heads=1' in argv0  # 3 heads x 1/3: head dim 64
     assert rows == [['T1', 't1_softmax', '71.0 ± 1.4', '72.2', '', '(reference)'],
                     ['T1', 't1_softmax_normalised_q *', '60.0 ± 0.0', '70.6 / 69.9', 't1_softmax', 'yes']]
     assert_png(tmp_path / 'ablations.png', (300, 200))
     launched.clear()
     paper.main(args)
     assert launched == []  # everything cached now
+
+
+def test_paper_every_ablation_miniature_builds_and_runs():
+    """Each experiment's miniature (its overrides and the family's sizes) is a valid model on 64 px images, so a
+    full ablation run cannot fail hours in; and the experiments that are one model share one configuration."""
+    torch.manual_seed(0)
+    chosen = paper.experiments()
+    for name, e in chosen.items():
+        model = models.create_model(e.model, img_size=paper.MINI_IMG, num_classes=10,
+                                    **{**e.overrides, **paper.mini_kwargs(e)})
+        assert model(torch.randn(1, 3, 64, 64)).shape == (1, 10), name
+    keys = {name: paper.config_key(e) for name, e in chosen.items()}
+    assert keys['r_residual_local'] == keys['t10_kernel_identity'] == keys['inline_swin_t'] == keys['r_dilation1']
+    assert keys['t4_window56_no_residual'] == keys['r_residual_none'] == keys['t3_inline_identity']
+    assert keys['t4_window28_residual'] != keys['t4_window56_residual'] != keys['t4_window56_no_residual']
+    assert paper.mini_kwargs(chosen['t4_window7_residual'])['window'] == 2  # 7/56 of the 16x16 stage 1
 
 
 @pytest.mark.parametrize('ours,ref,paper_,paper_ref,expected', [
