@@ -352,7 +352,7 @@ def train_runs(runs, jobs=1, desc='training'):
         elif proc.returncode or run_state(path, runs[path][1]) != 'done':
             for p, (other, other_log) in running.items():
                 other.terminate()  # train.py saves on SIGTERM; a rerun resumes them
-            raise SystemExit(f'train.py failed (exit {proc.returncode}) in {path}; its log ends:\n{tail}')
+            train.fail(f'train.py failed (exit {proc.returncode}) in {path}; its log ends:\n{tail}')
         bar.update()
     bar.close()
     return {p: run_state(p, epochs) for p, (_, epochs) in runs.items()}
@@ -375,14 +375,14 @@ def metrics(path):
 def load_trained(path):
     """A model trained by train.py, rebuilt from its checkpoint: 'args' names the variant, 'arch' holds the
     overrides it was built with, 'model' the weights (loaded strictly)."""
-    ckpt = train.load_file(path)  # a clear error for a missing or unreadable file
+    ckpt = train.read_checkpoint(path)  # a clear error for a missing or unreadable file
     if not isinstance(ckpt, dict) or not {'model', 'arch', 'args'} <= ckpt.keys():
-        raise SystemExit(f'error: {path} is not a checkpoint written by train.py (it needs model, arch and args)')
+        train.fail(f'{path} is not a checkpoint written by train.py (it needs model, arch and args)')
     try:
         model = models.create_model(ckpt['args']['model'], **ckpt['arch'])
         model.load_state_dict(ckpt['model'])
     except (ValueError, RuntimeError, KeyError) as e:
-        raise SystemExit(f'error: cannot rebuild the model of {path}: {e}')
+        train.fail(f'cannot rebuild the model of {path}: {e}')
     return model.eval(), ckpt
 
 
@@ -417,7 +417,7 @@ def attention_weights(model, images):
     """[(B, H, N, N)] per block: the explicit weights of every block's attention, from its weights(x, grid),
     for the input x each attention really gets (seen by a forward pre-hook)."""
     if getattr(model, 'family', None) != 'deit':
-        raise SystemExit(f'error: this needs an isotropic DeiT model (one token grid, layers in order); got '
+        train.fail(f'this needs an isotropic DeiT model (one token grid, layers in order); got '
                          f'{type(model).__name__}')
     captured = {}
 
@@ -461,7 +461,7 @@ def cmd_locality(args):
         images, _ = synthetic_images(model.img_size[0], args.images)
         results[name] = [local_mass(w, model.grid) for w in attention_weights(model, images)]
         if grid not in (None, model.grid):
-            raise SystemExit(f'error: the checkpoints have different token grids ({grid} and {model.grid})')
+            train.fail(f'the checkpoints have different token grids ({grid} and {model.grid})')
         grid = model.grid
     N = grid[0] * grid[1] + 1
     uniform = neighbourhood(grid).sum().item() / (grid[0] * grid[1]) / N  # uniform weights 1/N, borders counted
@@ -485,7 +485,7 @@ def read_image(path, size):
         with Image.open(path) as img:
             img = img.convert('RGB')
     except Exception as e:
-        raise SystemExit(f'error: cannot read image {path}: {e}')
+        train.fail(f'cannot read image {path}: {e}')
     x = TF.to_tensor(img.resize((size, size), Image.BICUBIC))  # (3, size, size) in [0, 1]
     return TF.normalize(x, train.MEAN, train.STD)
 
@@ -495,7 +495,7 @@ def cmd_maps(args):
     sizes = {m.img_size for m in loaded.values()}
     grids = {m.grid for m in loaded.values()}
     if len(sizes) > 1 or len(grids) > 1:
-        raise SystemExit(f'error: the checkpoints take different images or grids ({sizes}, {grids}); maps compares '
+        train.fail(f'the checkpoints take different images or grids ({sizes}, {grids}); maps compares '
                          f'one image across models of one size')
     (S, _), grid = sizes.pop(), grids.pop()
     if args.image:
@@ -505,7 +505,7 @@ def cmd_maps(args):
         x, what = images[args.index], f'synthetic validation image {args.index} ({val.CLASSES[args.index % 10]})'
     queries = [tuple(int(v) for v in q.split(',')) for q in args.queries]
     if any(not (0 <= y < grid[0] and 0 <= x_ < grid[1]) for y, x_ in queries):
-        raise SystemExit(f'error: --queries must lie on the {grid[0]}x{grid[1]} token grid (row,col from 0)')
+        train.fail(f'--queries must lie on the {grid[0]}x{grid[1]} token grid (row,col from 0)')
     image = (x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None]).clamp(0, 1)
     P = 1  # DeiT's class token, before the grid
     rows, table = [], []
@@ -514,7 +514,7 @@ def cmd_maps(args):
         layers = [int(layer) for layer in args.layers] or [1, len(weights)]
         for layer in layers:
             if not 1 <= layer <= len(weights):
-                raise SystemExit(f'error: --layers: {name} has layers 1..{len(weights)}, not {layer}')
+                train.fail(f'--layers: {name} has layers 1..{len(weights)}, not {layer}')
             w = weights[layer - 1][0].mean(0)  # (N, N), the mean over heads
             tiles = []
             for y, x_ in queries:
@@ -573,7 +573,7 @@ def check_sdpa(model, x):
     with torch.no_grad(), CountSoftmax() as count:
         model(x)
     if count.sdpa == 0 or count.explicit:
-        raise SystemExit(f'error: the softmax model made {count.sdpa} SDPA calls and {count.explicit} explicit '
+        train.fail(f'the softmax model made {count.sdpa} SDPA calls and {count.explicit} explicit '
                          f'softmax calls; speed times softmax only through F.scaled_dot_product_attention')
 
 
@@ -820,7 +820,7 @@ def cmd_ablations(args):
     elif args.only:
         unknown = sorted(set(args.only) - set(chosen))
         if unknown:
-            raise SystemExit(f'error: unknown experiments {unknown}; choose from {", ".join(chosen)}')
+            train.fail(f'unknown experiments {unknown}; choose from {", ".join(chosen)}')
         chosen = {n: chosen[n] for n in args.only}
     seeds = range(1 if args.quick else args.seeds)
     shared, runs = {}, {}

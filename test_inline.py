@@ -1249,6 +1249,7 @@ def test_bad_input_gets_a_clear_error(case, tmp_path):
 # paper.py: every subcommand runs, draws a valid PNG, and computes what it claims
 
 import argparse  # noqa: E402  (here, beside the tests of paper.py: nothing above needs them)
+import re  # noqa: E402
 
 import paper  # noqa: E402
 
@@ -1326,25 +1327,26 @@ def test_paper_locality_and_maps_commands(tmp_path):
     assert_png(tmp_path / 'maps.png', (400, 500))
 
 
-def test_paper_bad_input_is_a_clear_error(tmp_path):
+def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt')
     (tmp_path / 'broken.png').write_bytes(b'not an image')
-    with pytest.raises(SystemExit, match='cannot read image .*broken.png'):
-        paper.main(['maps', '--checkpoints', ours, '--image', str(tmp_path / 'broken.png'), '--out', str(tmp_path)])
-    torch.save({'model': {}, 'arch': {}, 'args': {'model': 'inline_swin_t'}}, tmp_path / 'swin.pt')
     swin = models.create_model('inline_swin_t', img_size=64, embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
                                num_classes=10)
     torch.save({'model': swin.state_dict(), 'arch': swin.arch, 'args': {'model': 'inline_swin_t'}}, tmp_path / 'swin.pt')
-    with pytest.raises(SystemExit, match='needs an isotropic DeiT'):
-        paper.main(['locality', '--checkpoints', str(tmp_path / 'swin.pt'), '--out', str(tmp_path)])
     torch.save({'weights': 1}, tmp_path / 'other.pt')
-    with pytest.raises(SystemExit, match='not a checkpoint written by train.py'):
-        paper.main(['locality', '--checkpoints', str(tmp_path / 'other.pt'), '--out', str(tmp_path)])
-    with pytest.raises(SystemExit, match='--queries must lie on the 8x8 token grid'):
-        paper.main(['maps', '--checkpoints', ours, '--queries', '8,0', '--out', str(tmp_path)])
+    for argv, message in [
+            (['maps', '--checkpoints', ours, '--image', str(tmp_path / 'broken.png')], 'cannot read image .*broken.png'),
+            (['locality', '--checkpoints', str(tmp_path / 'swin.pt')], 'needs an isotropic DeiT'),
+            (['locality', '--checkpoints', str(tmp_path / 'other.pt')], 'not a checkpoint written by train.py'),
+            (['locality', '--checkpoints', str(tmp_path / 'none.pt')], 'no checkpoint at'),
+            (['maps', '--checkpoints', ours, '--queries', '8,0'], '--queries must lie on the 8x8 token grid'),
+            (['ablations', '--only', 'no_such_experiment'], 'unknown experiments')]:
+        with pytest.raises(SystemExit):
+            paper.main(argv + ['--out', str(tmp_path)])
+        assert re.search('error: .*' + message, capsys.readouterr().err), argv
 
 
-def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch):
+def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, capsys):
     """The speed command on tiny DeiTs (the real points are minutes each on a CPU): one row per point, dtype and
     device, cached; and a softmax that builds its N x N weights explicitly is refused."""
     tiny = dict(depth=1, embed_dim=32, num_heads=1, num_classes=10)
@@ -1364,8 +1366,9 @@ def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch):
     class Explicit(torch.nn.Module):
         def forward(self, x):
             return torch.softmax(x @ x.transpose(-2, -1), dim=-1) @ x
-    with pytest.raises(SystemExit, match='only through F.scaled_dot_product_attention'):
+    with pytest.raises(SystemExit):
         paper.check_sdpa(Explicit(), torch.randn(1, 4, 8))
+    assert 'only through F.scaled_dot_product_attention' in capsys.readouterr().err
 
 
 def fake_run(path, accs, epochs):
