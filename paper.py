@@ -93,7 +93,7 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
           for s in (-1, 1) if y is not None and math.isfinite(y)] + [y for _, y in hlines]
     lo, hi = min(ys), max(ys)
     pad = 0.08 * (hi - lo or abs(hi) or 1)
-    yt = nice_ticks(lo - pad, hi + pad)
+    yt = nice_ticks(lo - pad if lo < 0 else max(lo - pad, 0), hi + pad)  # no negative axis for positive data
     lo, hi = yt[0], yt[-1]
     fx = (lambda x: math.log(x)) if log_x else (lambda x: x)
     xa, xb = fx(min(xticks)), fx(max(xticks))
@@ -610,7 +610,7 @@ def cmd_speed(args):
     jobs = [(fig, p, dt, dev) for dev in devices for dt in dtypes for fig, p in points]
     rows = []
     for fig, point, dtype, device in tqdm(jobs, desc='speed', dynamic_ncols=True):
-        batch = args.batch or (1 if args.quick else 2) if device.type == 'cpu' else args.batch or 32
+        batch = args.batch or (1 if device.type == 'cpu' else 32)
         rounds = args.rounds or (3 if args.quick else 5) if device.type == 'cpu' else args.rounds or 20
         name = f'{device.type}-{str(dtype)[6:]}-{fig}-{point}-b{batch}-r{rounds}.json'
         path = os.path.join(args.out, 'speed', name)
@@ -621,11 +621,11 @@ def cmd_speed(args):
                 json.dump(row, f)
         with open(path) as f:
             rows.append(json.load(f))
-    cpu = torch.backends.cpu.get_cpu_capability()
+    cpu, native = torch.backends.cpu.get_cpu_capability(), native_bf16(torch.device('cpu'))
     print(f'\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, softmax vs '
           f'InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, InLine through the '
           f'fast core; speed-up = median of per-round ratios. CPU: {torch.get_num_threads()} threads, {cpu}'
-          + ('' if native_bf16(torch.device('cpu')) else '; bf16 is emulated on this CPU (no AVX-512 BF16 or AMX), '
+          + ('' if native else '; bf16 is emulated on this CPU (no AVX-512 BF16 or AMX), '
              'so its CPU figures say little about bf16 hardware') + '.\n')
     print_table(['figure', 'point', 'device', 'dtype', 'batch', 'softmax img/s', 'InLine img/s', 'InLine speed-up',
                  'paper (GPU)'],
@@ -635,14 +635,15 @@ def cmd_speed(args):
                  for r in rows])
     panels = []
     for fig, (what, values, paper) in SPEED.items():
-        series = [(f'{dev} {dt}', [r['point'] for r in sel], [r['speedup'] for r in sel], None)
+        series = [(f'{dev} {dt}' + (' (emulated)' if (dev, dt) == ('cpu', 'bfloat16') and not native else ''),
+                   [r['point'] for r in sel], [r['speedup'] for r in sel], None)
                   for dev in dict.fromkeys(r['device'] for r in rows) for dt in ('float32', 'bfloat16')
                   for sel in [[r for r in rows if (r['figure'], r['device'], r['dtype']) == (fig, dev, dt)]] if sel]
         series.append(('paper, GPU', list(paper), list(paper.values()), None))
         panels.append(dict(series=series, xlabel=what, log_x=True, ylabel='InLine speed-up (x)', xticks=list(values),
                            title=('F5b: Swin-T vs InLine-Swin-T, by window' if fig == 'F5b' else
                                   'F5c: DeiT-T vs InLine-DeiT-T, by size'),
-                           hlines=[('equal speed', 1.0)], xlabels=[f'{v}²' if fig == 'F5b' else str(v) for v in values]))
+                           hlines=[('equal speed', 1.0)], xlabels=[f'{v}x{v}' if fig == 'F5b' else str(v) for v in values]))
     charts(args.png or os.path.join(args.out, 'speed.png'), panels, cols=2, size=(500, 420))
     if args.model_step:
         model_step_table([torch.device('cpu')] + devices[1:], dtypes)
@@ -899,8 +900,8 @@ def main(argv=None):
                    help='query tokens on the token grid, from 0')
     p.add_argument('--layers', nargs='+', default=[], metavar='L', help='layers to show, from 1 (default first, last)')
     p = sub.add_parser('speed', parents=[common], help='F5b, F5c: images/s against window and image size')
-    p.add_argument('--quick', action='store_true', help='two points per figure, batch 1, 3 rounds on CPU')
-    p.add_argument('--batch', type=int, help='images per forward (default: CPU 2, quick 1; CUDA 32)')
+    p.add_argument('--quick', action='store_true', help='two points per figure, 3 rounds on CPU')
+    p.add_argument('--batch', type=int, help='images per forward (default: CPU 1, CUDA 32)')
     p.add_argument('--rounds', type=int, help='interleaved rounds per point (default: CPU 5, quick 3; CUDA 20)')
     p.add_argument('--model-step', action='store_true',
                    help='also time a whole InLine-Swin-T training step: reference vs fast core')
