@@ -28,14 +28,30 @@ KERNELS = {
     'relu': F.relu,
     'leakyrelu': F.leaky_relu,  # negative slope 0.01, PyTorch's default
     'exp': lambda x: torch.exp(0.2 * x),  # the 0.2 keeps exp from overflowing on raw projections
+    'relu_affine': None,  # learnable: ReLUAffine below, one per attention layer
 }
-NON_NEGATIVE_KERNELS = ('relu', 'exp')  # what vanilla linear attention needs: its weights divide by q.k
+NON_NEGATIVE_KERNELS = ('relu', 'exp', 'relu_affine')  # what vanilla linear attention needs: it divides by q.k
 
 
-def get_kernel(name):
+class ReLUAffine(nn.Module):
+    """phi(x) = ReLU(A x + b) on each head's D dims, one A (D x D) and b (D) per layer, shared by q and k and
+    by the heads (the paper's Table 3 'relu_affine'; no code was released, so this is our construction).
+    Starts as plain relu: A = I, b = 0."""
+
+    def __init__(self, head_dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(head_dim))
+        self.bias = nn.Parameter(torch.zeros(head_dim))
+
+    def forward(self, x):
+        return F.relu(F.linear(x, self.weight, self.bias))  # (..., D) -> (..., D)
+
+
+def get_kernel(name, head_dim=None):
+    """The kernel function phi by name; 'relu_affine' is a module with parameters, built for head_dim."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernel function {name!r}; choose one of {sorted(KERNELS)}")
-    return KERNELS[name]
+    return ReLUAffine(head_dim) if name == 'relu_affine' else KERNELS[name]
 
 
 def _scale(q, scale):
@@ -118,113 +134,179 @@ def inline_attention(q, k, v, scale=None):
 # ---------------------------------------------------------------------------------------------------
 # The local attention residual, Eq. 6: o_i += sum_{t=1..9} r_t v_{N_t(i)} over the 3x3 neighbourhood
 
-def residual_mlp(dim, num_heads):
-    """Predicts the nine neighbour weights of every channel from the token mean of the input.
+RESIDUALS = {'local': 9, 'plain': 1, 'none': 0}  # residual type -> taps T, the neighbours each weight covers
+
+
+def residual_mlp(dim, num_heads, taps=9):
+    """Predicts the T neighbour weights of every channel from the token mean of the input.
 
     Two 1x1 grouped convolutions, one group per head (block-diagonal per head), GELU between:
-    C -> C -> 9C. Output channel 9c + t is the weight of neighbour t (row-major over the 3x3 window)
-    for channel c = head*D + j. Keys: residual.0.*, residual.2.* as in the released checkpoints.
+    C -> C -> T*C. Output channel T*c + t is the weight of neighbour t (row-major over the 3x3 window
+    for T = 9; the token itself for T = 1, the paper's 'plain' residual) for channel c = head*D + j.
+    Keys: residual.0.*, residual.2.* as in the released checkpoints.
     """
     return nn.Sequential(
         nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
         nn.GELU(),
-        nn.Conv1d(dim, dim * 9, kernel_size=1, groups=num_heads),
+        nn.Conv1d(dim, dim * taps, kernel_size=1, groups=num_heads),
     )
 
 
 def residual_weights(mlp, x):
-    """r = W2 GELU(W1 mean_tokens(x) + b1) + b2 for x of shape (B, N, C); returns (B, 9C)."""
-    return mlp(x.mean(dim=1).unsqueeze(-1)).squeeze(-1)  # (B, C, 1) -> (B, 9C, 1) -> (B, 9C)
+    """r = W2 GELU(W1 mean_tokens(x) + b1) + b2 for x of shape (B, N, C); returns (B, T*C)."""
+    return mlp(x.mean(dim=1).unsqueeze(-1)).squeeze(-1)  # (B, C, 1) -> (B, T*C, 1) -> (B, T*C)
 
 
-def local_residual(v, r, grid):
-    """Eq. 6: sum over the nine neighbours t of r[b, 9c + t] * v at the neighbour, zero padding outside.
+def local_residual(v, r, grid, dilation=1):
+    """Eq. 6: sum over the neighbours t of r[b, T*c + t] * v at the neighbour, zero padding outside.
 
-    v (B, H, h*w, D) on the grid, r (B, 9C) per sample and channel, grid = (h, w). The sum over a 3x3
-    neighbourhood with a weight per channel is a depthwise 3x3 convolution; a different kernel for every
-    sample makes it one convolution with B*C groups, each (sample, channel) plane its own group. Kernel
-    entry t = 3*dy + dx multiplies the neighbour at offset (dy - 1, dx - 1): row-major, as Eq. 6 counts.
+    v (B, H, h*w, D) on the grid, r (B, T*C) per sample and channel, grid = (h, w). T = 9: the 3x3
+    neighbourhood, neighbour t = 3*dy + dx at offset (dilation*(dy - 1), dilation*(dx - 1)), row-major as
+    Eq. 6 counts (dilation > 1 is the paper's R-dil ablation). T = 1: the token itself, o_i += r * v_i.
+    The sum over a neighbourhood with a weight per channel is a depthwise convolution; a different kernel
+    for every sample makes it one convolution with B*C groups, each (sample, channel) plane its own group.
     """
     B, H, N, D = v.shape
     h, w = grid
+    side = 3 if r.shape[1] == 9 * H * D else 1  # T = 9 or 1
     v = v.transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w), plane b*C + head*D + j
-    kernels = r.reshape(B * H * D, 1, 3, 3)  # (B*C, 1, 3, 3), one 3x3 kernel per sample and channel
-    out = F.conv2d(v, kernels, padding=1, groups=B * H * D)  # Eq. 6, (1, B*C, h, w)
+    kernels = r.reshape(B * H * D, 1, side, side)  # (B*C, 1, 3, 3), one kernel per sample and channel
+    out = F.conv2d(v, kernels, padding=dilation * (side // 2), dilation=dilation, groups=B * H * D)  # Eq. 6
     return out.reshape(B, H, D, N).transpose(-2, -1)  # (B, H, h*w, D)
 
 
-def add_local_residual(o, v, r, grid):
+def add_local_residual(o, v, r, grid, dilation=1):
     """o + Eq. 6 on the last h*w tokens of o and v (B, H, N, D); the P = N - h*w leading ones get none."""
     P = check_grid(o.shape[2], grid)
-    o_grid = o[:, :, P:] + local_residual(v[:, :, P:], r, grid)  # Eq. 6, (B, H, h*w, D)
+    o_grid = o[:, :, P:] + local_residual(v[:, :, P:], r, grid, dilation)  # Eq. 6, (B, H, h*w, D)
     return torch.cat([o[:, :, :P], o_grid], dim=2)  # (B, H, N, D)
 
 
-def inline_core(q, k, v, r, grid, scale=None):
+def inline_core(q, k, v, r, grid, scale=None, dilation=1):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention core.
 
-    q, k, v (B, H, N, D) with q, k already through phi; r (B, 9C) residual weights, or None for no
-    local residual; grid = (h, w) of the last h*w tokens (the N - h*w leading ones get none).
+    q, k, v (B, H, N, D) with q, k already through phi; r (B, T*C) residual weights (T = 9, or 1 for the
+    plain residual), or None for no residual; grid = (h, w) of the last h*w tokens (the N - h*w leading
+    ones get none); dilation of Eq. 6's neighbourhood.
     kernels.inline_core_fast takes the same arguments and returns the same result, faster.
     """
     o = inline_attention(q, k, v, scale)  # Eq. 5, (B, H, N, D)
-    return o if r is None else add_local_residual(o, v, r, grid)
+    return o if r is None else add_local_residual(o, v, r, grid, dilation)
 
 
 # ---------------------------------------------------------------------------------------------------
-# The module the four backbones share
+# The modules the four backbones share
 
-class InLineAttention(nn.Module):
-    """Projections around the InLine core: x (B, N, C) -> q, k, v -> Eq. 5 + Eq. 6 -> proj -> (B, N, C).
+class InLineBase(nn.Module):
+    """What every InLine (or vanilla linear) attention does between its projections: phi, Eq. 5 (or the
+    division of linear attention), Eq. 6. InLineAttention adds the projections; CSwin's stripe branch
+    (models.py) shares one qkv per block and so uses this alone. `core` computes Eq. 5 + Eq. 6;
+    kernels.enable_fast replaces it with the fused one.
 
-    kernel: phi, one of KERNELS. local_residual: Eq. 6 on or off (the paper's Table 4 ablation).
-    separate_q: PVT's parameter layout (`q` C->C and `kv` C->2C) instead of `qkv` C->3C.
-    attention: 'inline' (Eq. 5) or 'linear', the vanilla division-normalised baseline (Table 3), which
-    needs a non-negative kernel. `core` is the function computing Eq. 5 + Eq. 6; kernels.enable_fast
-    replaces it with the fused one.
+    kernel: phi, one of KERNELS. residual: 'local' (Eq. 6), 'plain' (o_i += r * v_i) or 'none'.
+    dilation: of Eq. 6's 3x3 neighbourhood. attention: 'inline' (Eq. 5) or 'linear', the vanilla
+    division-normalised baseline, which needs a non-negative kernel unless allow_divergent (the paper's
+    Table 3 reports that it does not converge with identity or leakyrelu). nonneg: the R-nonneg ablation
+    (ours): q and k L2-normalised per head and s = 1/2, so s |q.(k_j - k_mean)| <= 1 and every w_ij >= 0.
     """
     core = staticmethod(inline_core)
 
-    def __init__(self, dim, num_heads, *, kernel='identity', local_residual=True, qkv_bias=True,
-                 separate_q=False, attention='inline'):
-        super().__init__()
+    def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', dilation=1, nonneg=False,
+                     attention='inline', allow_divergent=False):
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         if attention not in ('inline', 'linear'):
             raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
-        if attention == 'linear' and kernel not in NON_NEGATIVE_KERNELS:
+        if residual not in RESIDUALS:
+            raise ValueError(f"unknown residual {residual!r}; choose one of {list(RESIDUALS)}")
+        if not (isinstance(dilation, int) and dilation >= 1) or (dilation > 1 and residual != 'local'):
+            raise ValueError(f"dilation must be a whole number >= 1, and > 1 only with residual='local' "
+                             f"(it spreads Eq. 6's 3x3 neighbourhood), got {dilation!r} with residual={residual!r}")
+        if attention == 'linear' and kernel not in NON_NEGATIVE_KERNELS and not allow_divergent:
             raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative kernel "
-                             f"{NON_NEGATIVE_KERNELS}, got {kernel!r}")
-        self.num_heads = num_heads
-        self.kernel = kernel
-        self.kernel_function = get_kernel(kernel)
-        self.attention = attention
+                             f"{NON_NEGATIVE_KERNELS}, got {kernel!r}; pass allow_divergent=True to run it anyway "
+                             f"(the paper's Table 3 reports that it does not converge)")
+        if nonneg and attention != 'inline':
+            raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear attention, "
+                             "whose weights are already non-negative")
+        self.num_heads, self.kernel, self.attention, self.nonneg = num_heads, kernel, attention, nonneg
+        self.residual_type, self.dilation = residual, dilation
+        self.phi = get_kernel(kernel, dim // num_heads)
+        self.residual = residual_mlp(dim, num_heads, RESIDUALS[residual]) if residual != 'none' else None
+
+    def prepare(self, q, k):
+        """q, k (B, H, N, D) -> phi(q), phi(k) and the scale s (None: D^-1/2)."""
+        q, k = self.phi(q), self.phi(k)
+        if self.nonneg:  # R-nonneg: |q| = |k_j| = 1, so |q.(k_j - k_mean)| <= 2 and s = 1/2 keeps w_ij >= 0
+            return F.normalize(q, dim=-1), F.normalize(k, dim=-1), 0.5
+        return q, k, None
+
+    def attend(self, q, k, v, x, grid):
+        """q, k, v (B, H, N, D) before phi; x (B, N', C) the tokens Eq. 6's weights are predicted from.
+        Returns o (B, H, N, D)."""
+        q, k, scale = self.prepare(q, k)
+        r = residual_weights(self.residual, x) if self.residual is not None else None  # (B, T*C)
+        if self.attention == 'linear':
+            o = linear_attention(q, k, v)  # (B, H, N, D)
+            return o if r is None else add_local_residual(o, v, r, grid, self.dilation)  # Eq. 6
+        return self.core(q, k, v, r, grid, scale, self.dilation)  # Eq. 5 + Eq. 6, (B, H, N, D)
+
+    def explicit_weights(self, q, k):
+        """The N x N weights of Eq. 5 (or of linear attention) for q, k (B, H, N, D) before phi. Eq. 6's
+        residual is not among them: its weights are per channel, not per head."""
+        q, k, scale = self.prepare(q, k)
+        return linear_attention_weights(q, k) if self.attention == 'linear' else inline_weights(q, k, scale)
+
+
+class InLineAttention(InLineBase):
+    """Projections around the InLine core: x (B, N, C) -> q, k, v -> Eq. 5 + Eq. 6 -> proj -> (B, N, C).
+
+    separate_q: PVT's parameter layout (`q` C->C and `kv` C->2C) instead of `qkv` C->3C. ape_tokens: the
+    authors' absolute position embedding for their ablations without Eq. 6 (SPEC §6): a (1, N, C)
+    parameter added to x before the projections, so it reaches q, k and v but not the block's shortcut.
+    The other options are InLineBase's.
+    """
+
+    def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):
+        super().__init__()
+        self.setup_inline(dim, num_heads, **options)
         if separate_q:
             self.q = nn.Linear(dim, dim, bias=qkv_bias)
             self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
         else:
             self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
-        self.residual = residual_mlp(dim, num_heads) if local_residual else None
+        self.ape = None
+        if ape_tokens:
+            self.ape = nn.Parameter(torch.zeros(1, ape_tokens, dim))
+            nn.init.trunc_normal_(self.ape, std=.02)
 
-    def forward(self, x, grid):
+    def project(self, x, grid):
+        """x (B, N, C) -> x with the APE added, and q, k, v (B, H, N, D)."""
         B, N, C = x.shape
         check_grid(N, grid)
+        if self.ape is not None:
+            if self.ape.shape[1] != N:
+                raise ValueError(f"this attention's position embedding (ape) covers {self.ape.shape[1]} tokens, got "
+                                 f"{N}: build the model for this input size")
+            x = x + self.ape
         if hasattr(self, 'qkv'):
             q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, N, C)
         else:
             q = self.q(x)  # (B, N, C)
             k, v = self.kv(x).chunk(2, dim=-1)  # 2 x (B, N, C)
-        q, k = self.kernel_function(q), self.kernel_function(k)
-        q, k, v = (t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
-        r = residual_weights(self.residual, x) if self.residual is not None else None  # (B, 9C)
-        if self.attention == 'linear':
-            o = linear_attention(q, k, v)  # (B, H, N, D)
-            if r is not None:
-                o = add_local_residual(o, v, r, grid)  # Eq. 6
-        else:
-            o = self.core(q, k, v, r, grid)  # Eq. 5 + Eq. 6, (B, H, N, D)
+        return x, *(t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+
+    def forward(self, x, grid):
+        B, N, C = x.shape
+        x, q, k, v = self.project(x, grid)
+        o = self.attend(q, k, v, x, grid)  # Eq. 5 + Eq. 6, (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C)
+
+    def weights(self, x, grid):
+        """The explicit attention weights (B, H, N, N) this module applies to x (B, N, C)."""
+        _, q, k, _ = self.project(x, grid)
+        return self.explicit_weights(q, k)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,19 +339,21 @@ def _demo():
     print(f"   negative weights: {(w < 0).float().mean().item():.0%} of them (intended: no non-negativity constraint)")
 
     print(f"\n3. Time of one forward, B=1, H=3, D=32, float32, {torch.get_num_threads()} threads on this machine")
+    print("   softmax as a user runs it (F.scaled_dot_product_attention), against InLine's linear form")
     print(f"   {'tokens':>8s} {'softmax ms':>11s} {'InLine ms':>10s} {'ratio':>6s}")
     for side in (14, 28, 56, 80):
         N = side * side
         q, k, v = (torch.randn(1, 3, N, 32) for _ in range(3))
         times = []
-        for fn in (softmax_attention, inline_attention):
+        for fn in (F.scaled_dot_product_attention, inline_attention):
             fn(q, k, v)
             start = time.perf_counter()
             for _ in range(5):
                 fn(q, k, v)
             times.append((time.perf_counter() - start) / 5 * 1e3)
         print(f"   {N:8d} {times[0]:11.2f} {times[1]:10.2f} {times[0] / times[1]:5.1f}x")
-    print("   softmax grows as N^2, InLine as N: the ratio grows with the token count.")
+    print("   softmax grows as N^2, InLine as N: the ratio grows with the token count. Whole models:\n"
+          "   python paper.py speed")
 
 
 if __name__ == '__main__':

@@ -14,15 +14,17 @@ What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README 
   torch.autograd.Function whose backward is written in closed form (the means' gradients vanish, so
   there is no centring term to differentiate). Saved for backward: q, the centred k and v that the
   forward writes anyway (in place of k and v, so no more memory), r, v_mean, the D x D covariance and the
-  (9, N) neighbour table. B, H and N are symbolic: one graph per dtype and head dim serves every batch,
-  head count and token grid; D is a constant, so the channel loops vectorise without remainder loops.
+  (T, N) neighbour table (T = 9 neighbours, or 1 for the plain residual). B, H and N are symbolic: one
+  graph per dtype, head dim and T serves every batch, head count, token grid and dilation; D is a
+  constant, so the channel loops vectorise without remainder loops.
   Inside a torch.compile'd model the math is traced inline.
 - Eq. 5 in centred-covariance form, as inline.py: k and v centred in fp32 before the GEMM, so no sum over
   tokens sees the means. Means and every other sum accumulate in fp32; bf16 GEMMs accumulate in fp32 and
   round once. In fp16 one operand of each sum over tokens is pre-scaled by N^-1/2 (sum_scale), so the
   GEMM outputs stay below fp16's 65504 where the reference's outputs overflow.
-- Eq. 6 as nine gathered multiply-adds along the token axis (precomputed neighbour indices and border
-  masks), fused by inductor with v_mean and the GEMM output into one pass; the backward's transposed
+- Eq. 6 as nine gathered multiply-adds along the token axis (one for the plain residual; a dilation only
+  changes the precomputed neighbour indices and border masks), fused by inductor with v_mean and the
+  GEMM output into one pass; the backward's transposed
   shift and the nine sums for dr likewise. The released B*C-group convolution needs V transposed to
   channel planes and back; a zero-padded shift needed masked loads and measured slower than the gather.
 
@@ -48,33 +50,37 @@ import inline
 # ---------------------------------------------------------------------------------------------------
 # Eq. 6 on the token axis: neighbour t of grid token n sits at n + (dy - 1) * w + (dx - 1)
 
-def neighbourhood(N, grid, device):
-    """index (9, N) int64: token n's neighbour t, clamped into [0, N) so every read is in bounds;
-    masks (9, N, 1) float: 1 where n is on the grid and its neighbour t is too, else 0 (Eq. 6's zero
-    padding). Gathering by index measured faster than shifting a zero-padded copy (no masked loads)."""
+def neighbourhood(N, grid, device, taps=9, dilation=1):
+    """index (T, N) int64: token n's neighbour t, clamped into [0, N) so every read is in bounds;
+    masks (T, N, 1) float: 1 where n is on the grid and its neighbour t is too, else 0 (Eq. 6's zero
+    padding). T = 9: the 3x3 neighbourhood, spread by dilation; T = 1: the token itself (the plain
+    residual). Gathering by index measured faster than shifting a zero-padded copy (no masked loads)."""
     h, w = grid
     with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
         n = torch.arange(N, device=device)
         g = n - (N - h * w)  # grid index; negative for the P leading tokens
         y, x = g.div(w, rounding_mode='floor'), g % w
-        offsets = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]  # row-major, as Eq. 6 counts t
-        index = torch.stack([(n + dy * w + dx).clamp(0, N - 1) for dy, dx in offsets])  # (9, N)
+        steps = (-dilation, 0, dilation) if taps == 9 else (0,)
+        offsets = [(dy, dx) for dy in steps for dx in steps]  # row-major, as Eq. 6 counts t
+        index = torch.stack([(n + dy * w + dx).clamp(0, N - 1) for dy, dx in offsets])  # (T, N)
         masks = torch.stack([(g >= 0) & (y + dy >= 0) & (y + dy < h) & (x + dx >= 0) & (x + dx < w)
-                             for dy, dx in offsets])  # (9, N)
-        return index, masks.float()[:, :, None]  # (9, N), (9, N, 1)
+                             for dy, dx in offsets])  # (T, N)
+        return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
 
 
 _cached_neighbourhood = functools.lru_cache(maxsize=32)(neighbourhood)
 
 
 def neighbours(x, index, flip=False):
-    """The nine gathers x[:, :, index[t]] (B, H, N, D). flip=True gives the opposite offsets (the
-    transposed shift, which Eq. 6's backward needs): offset 8 - t is minus offset t."""
-    return [x[:, :, index[8 - t if flip else t]] for t in range(9)]
+    """The T gathers x[:, :, index[t]] (B, H, N, D). flip=True gives the opposite offsets (the
+    transposed shift, which Eq. 6's backward needs): offset T - 1 - t is minus offset t."""
+    T = index.shape[0]
+    return [x[:, :, index[T - 1 - t if flip else t]] for t in range(T)]
 
 
 # ---------------------------------------------------------------------------------------------------
-# The two halves, each compiled to one graph. r9 (B, H, 9, D) is r with neighbour t before channel.
+# The two halves, each compiled to one graph. r9 (B, H, T, D) is r with neighbour t before channel
+# (T = 9, or 1 for the plain residual; the name keeps Eq. 6's nine).
 
 def wide(x):
     """x in at least fp32: where sums and elementwise math happen."""
@@ -109,7 +115,7 @@ def core_forward(q, k, v, r9, index, masks, scale):
 
 
 def core_backward(do, q, k_c, v_c, r9, index, masks, v_mean, cov, scale):
-    """-> the gradients of q, k, v (B, H, N, D) and of r9 (B, H, 9, D), given do = dLoss/do."""
+    """-> the gradients of q, k, v (B, H, N, D) and of r9 (B, H, T, D), given do = dLoss/do."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
@@ -123,10 +129,10 @@ def core_backward(do, q, k_c, v_c, r9, index, masks, v_mean, cov, scale):
     dr9 = None
     if r9 is not None:
         for t, do_t in enumerate(neighbours(do, index, flip=True)):  # Eq. 6 transposed
-            dv = dv + wide(r9[:, :, t, None]) * masks[8 - t] * wide(do_t)
+            dv = dv + wide(r9[:, :, t, None]) * masks[-1 - t] * wide(do_t)
         v = wide(v_c) + v_mean  # (B, H, N, D), never stored
         dr9 = torch.stack([(wide(do) * masks[t] * v_t).sum(2)
-                           for t, v_t in enumerate(neighbours(v, index))], dim=2).to(r9.dtype)  # (B, H, 9, D)
+                           for t, v_t in enumerate(neighbours(v, index))], dim=2).to(r9.dtype)  # (B, H, T, D)
     return dq, dk, dv.to(dtype), dr9
 
 
@@ -165,11 +171,13 @@ def symbolic_sizes(args, N):
 def signature(f, args):
     """A key for what dynamo's guards on f's graph check: the device, inference flag, head dim D and
     B, H, N as 0, 1 or more (dynamo specialises 0 and 1) of args[0], whose sizes fix every other
-    tensor's; each tensor's dtype; the other arguments (scale, or None where Eq. 6 is off). Were a guard
-    ever to fail under a known key, dynamo would still recompile, correctly, only without our switches."""
+    tensor's but the neighbour count T; each tensor's dtype and the index's T (its only 2-D tensor); the
+    other arguments (scale, or None where Eq. 6 is off). Were a guard ever to fail under a known key,
+    dynamo would still recompile, correctly, only without our switches."""
     x = args[0]  # q, or do: (B, H, N, D)
     return (f.__name__, x.device, x.is_inference(), x.shape[3], *(min(s, 2) for s in x.shape[:3]),
-            *(a.dtype if isinstance(a, torch.Tensor) else a for a in args))
+            *(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
+            *(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
 
 
 _compiled_signatures = set()  # signatures that have a graph: their calls need no switches and no marks
@@ -199,7 +207,7 @@ def run(f, *args):
 
 class InLineCore(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, r, grid, scale):
+    def forward(ctx, q, k, v, r, grid, scale, dilation):
         B, H, N, D = q.shape
         # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
         # need these copies of a model's strided q, k, v views anyway.
@@ -207,8 +215,8 @@ class InLineCore(torch.autograd.Function):
         index = masks = None
         if r is not None:  # built once per shape, except while a whole-model torch.compile traces us
             build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
-            index, masks = build(N, grid, q.device)
-        r9 = r.reshape(B, H, D, 9).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, 9, D)
+            index, masks = build(N, grid, q.device, r.shape[1] // (H * D), dilation)
+        r9 = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
         o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, r9, index, masks, scale)
         ctx.save_for_backward(q, k_c, v_c, r9, index, masks, v_mean, cov)  # freed with ctx under no_grad
         ctx.scale = scale
@@ -221,31 +229,41 @@ class InLineCore(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv, dr9 = run(core_backward, do.contiguous(), q, k_c, v_c, r9, index, masks, v_mean, cov,
                                   ctx.scale)
-        dr = dr9.transpose(-2, -1).reshape(B, 9 * H * D) if dr9 is not None else None  # (B, 9C)
-        return dq, dk, dv, dr, None, None
+        dr = dr9.transpose(-2, -1).reshape(B, -1) if dr9 is not None else None  # (B, T*C)
+        return dq, dk, dv, dr, None, None, None
 
 
-def inline_core_fast(q, k, v, r, grid, scale=None):
+def inline_core_fast(q, k, v, r, grid, scale=None, dilation=1):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w: the same arguments, layout and result as
-    inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, 9C) or None; grid = (h, w).
+    inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, 9C), (B, C) for the plain residual, or
+    None; grid = (h, w); dilation of Eq. 6's 3x3 neighbourhood.
     Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be."""
     B, H, N, D = q.shape
     inline.check_grid(N, grid)
-    if r is not None and r.shape != (B, 9 * H * D):
-        raise ValueError(f"r must be (B, 9C) = {(B, 9 * H * D)}, got {tuple(r.shape)}")
+    if r is not None and r.shape not in ((B, 9 * H * D), (B, H * D)):
+        raise ValueError(f"r must be (B, 9C) = {(B, 9 * H * D)} or, for the plain residual, (B, C) = "
+                         f"{(B, H * D)}, got {tuple(r.shape)}")
     device = q.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
     with torch.autocast(device, enabled=False):
-        return InLineCore.apply(q, k, v, r, tuple(grid), D ** -0.5 if scale is None else scale)
+        return InLineCore.apply(q, k, v, r, tuple(grid), D ** -0.5 if scale is None else scale, dilation)
 
 
 def enable_fast(model, core=inline_core_fast):
-    """Set `.core = core` (the fast one) on every module whose core is the reference; returns how many."""
-    modules = [m for m in model.modules() if getattr(m, 'core', None) is inline.inline_core]
+    """Set `.core = core` (the fast one) on every InLine module whose core is the reference; returns how
+    many. It covers every InLine option (kernel, residual, dilation, nonneg, APE: they change its inputs
+    or its neighbour table). Vanilla linear attention (layout letter L) has no fast path: one warning
+    says so and names how many modules run inline.linear_attention."""
+    modules = [m for m in model.modules() if getattr(m, 'core', None) is inline.inline_core
+               and getattr(m, 'attention', None) == 'inline']
     for m in modules:
         m.core = core
+    linear = sum(getattr(m, 'attention', None) == 'linear' for m in model.modules())
+    if linear:
+        warnings.warn(f"kernels.enable_fast: vanilla linear attention (layout letter L) has no fast path; its "
+                      f"{linear} module(s) run the reference inline.linear_attention", stacklevel=2)
     return len(modules)
 
 

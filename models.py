@@ -8,30 +8,40 @@ checkpoints' keys exactly (../shared/official/keys/<variant>.tsv), so released w
     python models.py                      # every variant: params and GMACs beside the paper's figures
 
     model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')       # a released checkpoint
-    model = create_model('inline_swin_t', layout='LLLS', local_residual=False)  # Table 3's linear baseline
+    python models.py --experiments        # every experiment of the paper (SPEC §6) by name
+
+    model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')       # a released checkpoint
+    model = create_model('inline_swin_t', layout='LLLS', residual='none')       # Table 3's linear baseline
     model = create_model('inline_cswin_t', img_size=(224, 320), num_classes=0)  # non-square features
+    model = create_experiment('t4_window7_no_residual')                         # an ablation by its name
 
 Attention layout, one letter per stage (SPEC §2): I = InLine attention (Eq. 5 + Eq. 6); L = vanilla
 linear attention (division normalisation, relu kernel by default), the paper's baseline; S = softmax
-attention (Swin: shifted windows with relative position bias; CSwin: cross-shaped stripes); M = the
-stage's first k blocks are I and the rest S, with k written after the letters ('IIMS2').
+attention (DeiT: over all tokens; PVT: with spatial reduction; Swin: shifted windows with relative
+position bias; CSwin: cross-shaped stripes); M = the stage's first k blocks are I and the rest S, with k
+written after the letters ('IIMS2'). The other switches (kernel, residual, dilation, nonneg,
+normalise_q; Swin's window and ape) are attention_options' and InLineSwin's; EXPERIMENTS names the
+paper's combinations of them.
 
 Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
 (h, w) the token grid, P leading tokens off the grid (DeiT's class token), nW windows per image,
 (wh, ww) a window, (Hp, Wp) the grid padded to whole windows. Images are (B, 3, *img_size).
 """
+import argparse
 import math
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.init import trunc_normal_
+import torch.utils.checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision.ops import StochasticDepth
 
 import inline
-from inline import InLineAttention, get_kernel, inline_core, residual_mlp, residual_weights
+from inline import InLineAttention
 
 # The authors' figures for each variant at its released size (SPEC §3): params, GMACs, ImageNet top-1.
 RELEASED = {
@@ -78,10 +88,39 @@ def parse_layout(layout, depths, letters):
             for c, depth in zip(stages, depths)]
 
 
-def make_inline(letter, dim, num_heads, kernel, local_residual, **kwargs):
-    """I: InLine attention (identity kernel unless given); L: vanilla linear attention (relu unless given)."""
-    return InLineAttention(dim, num_heads, kernel=kernel or ('identity' if letter == 'I' else 'relu'),
-                           local_residual=local_residual, attention='inline' if letter == 'I' else 'linear', **kwargs)
+ATTENTION_OPTIONS = dict(kernel=None, residual='local', dilation=1, nonneg=False, normalise_q=False,
+                         allow_divergent=False)  # every family's attention switches and their defaults
+
+
+def attention_options(family, options):
+    """The attention switches a family was given, checked and completed with the defaults:
+    kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), dilation,
+    nonneg (I), normalise_q (softmax S of DeiT and PVT), allow_divergent (L with a signed kernel)."""
+    unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
+    if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
+        raise ValueError(f"{family}: window and ape are InLine-Swin's options (the authors' window ablation)")
+    if unknown:
+        raise ValueError(f"{family}: unknown argument(s) {unknown}; allowed are its sizes (the arguments of its "
+                         f"class) and the attention options {list(ATTENTION_OPTIONS)}")
+    return {**ATTENTION_OPTIONS, **options}
+
+
+def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
+    """I: InLine attention (identity kernel unless given); L: vanilla linear attention (relu unless given);
+    S: softmax attention over all tokens (DeiT), with PVT's spatial reduction sr_ratio."""
+    if letter == 'S':
+        return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q=options['normalise_q'], **kwargs)
+    return InLineAttention(dim, num_heads, **inline_options(letter, options), **kwargs)
+
+
+def inline_options(letter, options):
+    """The InLineBase options of an I or L block."""
+    if options['normalise_q']:
+        raise ValueError("normalise_q is an option of softmax attention (layout letter S of DeiT and PVT), "
+                         "not of InLine or linear attention")
+    o = {k: options[k] for k in ('residual', 'dilation', 'nonneg', 'allow_divergent')}
+    return dict(o, kernel=options['kernel'] or ('identity' if letter == 'I' else 'relu'),
+                attention='inline' if letter == 'I' else 'linear')
 
 
 def drop_path_rates(rate, depths):
@@ -104,6 +143,53 @@ class Mlp(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
+
+
+class SoftmaxAttention(nn.Module):
+    """Softmax attention over all tokens, DeiT's (`qkv`) and PVT's (`q`, `kv`, with spatial reduction: keys
+    and values from the map downsampled by a conv of kernel = stride = sr_ratio, then LayerNorm; keys
+    `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours):
+    softmax over L2-normalised queries, so q and a*q (a > 0) get the same weights, scale D^-1/2 as usual."""
+
+    def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False):
+        super().__init__()
+        if dim % num_heads != 0:
+            raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
+        self.num_heads, self.sr_ratio, self.normalise_q = num_heads, sr_ratio, normalise_q
+        if separate_q:
+            self.q = nn.Linear(dim, dim, bias=qkv_bias)
+            self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        else:
+            self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        if sr_ratio > 1:
+            self.sr = nn.Conv2d(dim, dim, sr_ratio, stride=sr_ratio)
+            self.norm = nn.LayerNorm(dim)
+
+    def project(self, x, grid):
+        """x (B, N, C) -> q (B, H, N, D), k and v (B, H, N', D), N' = N / sr_ratio^2 with spatial reduction."""
+        B, N, C = x.shape
+        split = lambda t: t.reshape(B, t.shape[1], self.num_heads, -1).transpose(1, 2)  # noqa: E731
+        if hasattr(self, 'qkv'):
+            return [split(t) for t in self.qkv(x).chunk(3, dim=-1)]
+        kv_input = x
+        if self.sr_ratio > 1:  # PVT's grid has no leading tokens
+            kv_input = self.norm(self.sr(to_map(x, grid)).flatten(2).transpose(1, 2))  # (B, N', C)
+        return [split(self.q(x))] + [split(t) for t in self.kv(kv_input).chunk(2, dim=-1)]
+
+    def forward(self, x, grid):
+        B, N, C = x.shape
+        q, k, v = self.project(x, grid)
+        if self.normalise_q:
+            q = F.normalize(q, dim=-1)
+        o = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, D)
+        return self.proj(o.transpose(1, 2).reshape(B, N, C))
+
+    def weights(self, x, grid):
+        """The explicit attention weights (B, H, N, N') this module applies to x (B, N, C)."""
+        q, k, _ = self.project(x, grid)
+        q = F.normalize(q, dim=-1) if self.normalise_q else q
+        return torch.softmax(q.shape[-1] ** -0.5 * q @ k.transpose(-2, -1), dim=-1)
 
 
 class Block(nn.Module):
@@ -148,8 +234,20 @@ def resize_grid(tokens, old_grid, new_grid, mode):
 
 
 class Backbone(nn.Module):
-    """What the four models share: init, head, timm's classifier API."""
+    """What the four models share: init, head, timm's classifier API, activation checkpointing."""
     family = img_size = None
+    grad_checkpointing = False
+    arch = {}  # the create_model overrides it was built with (create_model fills it)
+
+    def set_grad_checkpointing(self, enable=True):
+        """Recompute each block's activations in the backward instead of storing them (the authors'
+        --use-checkpoint): less memory for the B variants, about one more forward of compute."""
+        self.grad_checkpointing = enable
+
+    def run_block(self, block, x, *args):
+        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(block, x, *args, use_reentrant=False)
+        return block(x, *args)
 
     def init_weights(self):
         """Truncated normal (std .02) for Linear weights, zero biases, LayerNorm ones/zeros (SPEC §2).
@@ -177,7 +275,8 @@ class Backbone(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     def no_weight_decay(self):
-        return set()
+        """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu."""
+        return {name for name, _ in self.named_parameters() if name.endswith('phi.weight')}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -187,18 +286,20 @@ class InLineDeiT(Backbone):
     family = 'deit'
 
     def __init__(self, img_size=224, embed_dim=192, depth=12, num_heads=6, mlp_ratio=4., patch_size=16,
-                 num_classes=1000, drop_path_rate=0.1, layout='I', kernel=None, local_residual=True):
+                 num_classes=1000, drop_path_rate=0.1, layout='I', **attention):
         super().__init__()
+        self.options = attention_options('InLine-DeiT', attention)
+        self.layout = layout
         self.img_size = pair(img_size)
         check_image_size(self.img_size, patch_size, 'InLine-DeiT')
         self.patch_size, self.grid = patch_size, (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.num_features = embed_dim
-        letters = parse_layout(layout, [depth], 'IL')[0]
+        letters = parse_layout(layout, [depth], 'ILS')[0]
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], embed_dim))
         self.patch_embed = PatchEmbed(3, embed_dim, patch_size)
         self.blocks = nn.ModuleList([
-            Block(embed_dim, mlp_ratio, dp, 1e-6, make_inline(c, embed_dim, num_heads, kernel, local_residual))
+            Block(embed_dim, mlp_ratio, dp, 1e-6, make_attention(c, embed_dim, num_heads, self.options))
             for c, dp in zip(letters, drop_path_rates(drop_path_rate, [depth])[0])])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.init_weights()
@@ -216,14 +317,14 @@ class InLineDeiT(Backbone):
         x, grid = self.patch_embed(x)  # (B, h*w, C)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed  # (B, 1 + h*w, C)
         for block in self.blocks:
-            x = block(x, grid)
+            x = self.run_block(block, x, grid)
         return self.norm(x)
 
     def forward_head(self, x):
         return self.head(x[:, 0])  # the class token, (B, C) -> (B, num_classes)
 
     def no_weight_decay(self):
-        return {'pos_embed', 'cls_token'}
+        return super().no_weight_decay() | {'pos_embed', 'cls_token'}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -233,13 +334,15 @@ class InLinePVT(Backbone):
     family = 'pvt'
 
     def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2), num_heads=(2, 4, 10, 16),
-                 mlp_ratios=(8, 8, 4, 4), num_classes=1000, drop_path_rate=0.1, layout='IIII', kernel=None,
-                 local_residual=True):
+                 mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1), num_classes=1000, drop_path_rate=0.1, layout='IIII',
+                 **attention):
         super().__init__()
+        self.options = attention_options('InLine-PVT', attention)
+        self.layout = layout
         self.img_size = pair(img_size)
         check_image_size(self.img_size, 32, 'InLine-PVT')
         self.num_features = embed_dims[-1]
-        layout = parse_layout(layout, depths, 'IL')
+        layout = parse_layout(layout, depths, 'ILS')
         rates = drop_path_rates(drop_path_rate, depths)
         self.grids = [(self.img_size[0] // 2 ** (i + 2), self.img_size[1] // 2 ** (i + 2)) for i in range(4)]
         for i, (h, w) in enumerate(self.grids):  # registered first, so the keys come in the released order
@@ -249,7 +352,7 @@ class InLinePVT(Backbone):
             setattr(self, f'patch_embed{i + 1}', PatchEmbed(in_chans, dim, patch, norm_eps=1e-5))
             setattr(self, f'block{i + 1}', nn.ModuleList([
                 Block(dim, mlp_ratios[i], dp, 1e-6,
-                      make_inline(c, dim, num_heads[i], kernel, local_residual, separate_q=True))
+                      make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i], separate_q=True))
                 for c, dp in zip(layout[i], rates[i])]))
         self.init_weights()
         for i in range(4):
@@ -267,13 +370,13 @@ class InLinePVT(Backbone):
                 pos_embed = resize_grid(pos_embed, self.grids[i], grid, 'bilinear')
             x = x + pos_embed
             for block in getattr(self, f'block{i + 1}'):
-                x = block(x, grid)
+                x = self.run_block(block, x, grid)
             stages.append(to_map(x, grid))
             x = stages[-1]  # (B, C, h, w), the next stage's image
         return stages if return_stages else stages[-1].flatten(2).transpose(1, 2)  # no final norm in PVT
 
-    def no_weight_decay(self):
-        return {f'pos_embed{i + 1}' for i in range(4)}
+    # no_weight_decay: Backbone's alone. The released PVT decays its position embeddings (SPEC §4): its
+    # model exempts only a class token that InLine-PVT does not have.
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -313,14 +416,14 @@ def window_mask(h, w, wh, ww, sh, sw, device):
 
 
 def masked_softmax_attention(q, k, v, scale, bias=None, mask=None):
-    """softmax(s q k^T + bias + mask) v. q, k, v (B*nW, H, N, D); bias (H, N, N); mask (nW, N, N)."""
-    attn = (q * scale) @ k.transpose(-2, -1)  # (B*nW, H, N, N)
-    if bias is not None:
-        attn = attn + bias
-    if mask is not None:
-        nW, N = mask.shape[0], attn.shape[-1]
-        attn = (attn.view(-1, nW, attn.shape[1], N, N) + mask[:, None].to(attn.dtype)).view(-1, attn.shape[1], N, N)
-    return torch.softmax(attn, dim=-1) @ v  # (B*nW, H, N, D)
+    """softmax(s q k^T + bias + mask) v with F.scaled_dot_product_attention, as a user would run it.
+    q, k, v (B*nW, H, N, D); bias (H, N, N); mask (nW, N, N)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # (B*nW, H, N, D)
+    nW = mask.shape[0]
+    add = mask[:, None].to(q.dtype) + (0 if bias is None else bias)  # (nW, 1 or H, N, N), one per window
+    q, k, v = (t.unflatten(0, (-1, nW)) for t in (q, k, v))  # (B, nW, H, N, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=scale).flatten(0, 1)  # (B*nW, H, N, D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -357,15 +460,20 @@ class WindowAttention(nn.Module):
 
 
 class SwinBlock(nn.Module):
-    """Pre-norm block. I/L: InLine (or linear) attention in windows of `window` (None: the whole map),
-    never shifted. S: softmax in `window` x `window` windows, shifted by window/2 when `shift`."""
+    """Pre-norm block. S: softmax in `window` x `window` windows, shifted by window/2 when `shift`.
+    I/L: InLine (or linear) attention in windows of `window` (None: the whole map). Windows smaller than
+    the map are the authors' window ablation (SPEC §2): shifted cyclically by window/2 when `shift`, as
+    Swin's softmax blocks are, but with NO mask, so tokens wrapped across the border attend to each other;
+    every window is its own InLine attention, with its own means, its own Eq. 6 weights from the window's
+    token mean, and its 3x3 neighbourhood zero-padded at the window's edges. ape_tokens: the authors'
+    position embedding inside the attention, one per window size (shared by the stage's windows)."""
 
-    def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, kernel, local_residual):
+    def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, options, ape_tokens=None):
         super().__init__()
         self.letter, self.window, self.shift = letter, window, shift
         self.norm1 = nn.LayerNorm(dim)
         self.attn = (WindowAttention(dim, num_heads, window) if letter == 'S'
-                     else make_inline(letter, dim, num_heads, kernel, local_residual))
+                     else InLineAttention(dim, num_heads, ape_tokens=ape_tokens, **inline_options(letter, options)))
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.drop_path = StochasticDepth(drop_path, 'row')
@@ -379,12 +487,12 @@ class SwinBlock(nn.Module):
 
     def inline_windows(self, x):
         B, h, w, C = x.shape
-        wh, ww = (h, w) if self.window is None else (min(self.window, h), min(self.window, w))
-        if h % wh or w % ww:  # padding would change the token means of Eq. 5, so it is not an option
-            raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows; "
-                             f"use window=None (the whole stage) or an image size that tiles")
+        wh, ww = inline_window(self.window, (h, w))
+        sh = self.window // 2 if self.shift and wh < h else 0  # no shift along an axis one window covers
+        sw = self.window // 2 if self.shift and ww < w else 0
+        x = torch.roll(x, (-sh, -sw), dims=(1, 2))  # the cyclic shift, unmasked (the authors' InLine windows)
         o = self.attn(to_windows(x, wh, ww), (wh, ww))  # (B*nW, wh*ww, C)
-        return from_windows(o, wh, ww, h, w)
+        return torch.roll(from_windows(o, wh, ww, h, w), (sh, sw), dims=(1, 2))  # (B, h, w, C)
 
     def softmax_windows(self, x):
         B, h, w, C = x.shape
@@ -399,6 +507,17 @@ class SwinBlock(nn.Module):
         o = self.attn(to_windows(x, wh, ww), (wh, ww), window_mask(h, w, wh, ww, sh, sw, x.device))  # (B*nW, N, C)
         o = torch.roll(from_windows(o, wh, ww, Hp, Wp), (sh, sw), dims=(1, 2))  # (B, Hp, Wp, C)
         return o[:, :h, :w]  # (B, h, w, C)
+
+
+def inline_window(window, grid):
+    """The (wh, ww) InLine window on an (h, w) stage: the whole stage for None, else window clipped to the
+    stage. Padding would change Eq. 5's token means, so a window must tile the stage."""
+    h, w = grid
+    wh, ww = (h, w) if window is None else (min(window, h), min(window, w))
+    if h % wh or w % ww:
+        raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows; use "
+                         f"window=None (the whole stage), a window that divides the stage, or an image size that tiles")
+    return wh, ww
 
 
 class PatchMerging(nn.Module):
@@ -428,28 +547,51 @@ class SwinStage(nn.Module):
 
 class InLineSwin(Backbone):
     """window: the InLine window; None = the whole stage, which is what every released model has (its
-    window 56 at 224 px, 96 at 384 px, covers stage 1 and so every stage). softmax_window: the S window,
-    7 at 224 px and 12 at 384 px (SPEC: max(7, window / 8))."""
+    window 56 at 224 px, 96 at 384 px, covers stage 1 and so every stage); smaller windows are the window
+    ablation (SwinBlock). softmax_window: the S window, 7 at 224 px and 12 at 384 px (SPEC: max(7, window
+    / 8)). ape: the authors' position embedding inside each InLine or linear attention; None = on exactly
+    when the residual is not the local one, as in the authors' ablations (SPEC §6). The other attention
+    options are attention_options'."""
     family = 'swin'
 
     def __init__(self, img_size=224, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), layout='IIIS',
-                 window=None, softmax_window=7, mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, kernel=None,
-                 local_residual=True):
+                 window=None, softmax_window=7, mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, ape=None,
+                 **attention):
         super().__init__()
         self.img_size = pair(img_size)
         check_image_size(self.img_size, 32, 'InLine-Swin')
-        self.num_features = embed_dim * 8
+        self.options = attention_options('InLine-Swin', attention)
+        self.layout = layout
+        self.ape = self.options['residual'] != 'local' if ape is None else ape
+        if window is not None and not (isinstance(window, int) and window >= 1):
+            raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), got {window!r}")
+        if self.options['normalise_q']:
+            raise ValueError("InLine-Swin: normalise_q is an option of DeiT's and PVT's softmax attention, not of Swin's")
+        self.window, self.num_features = window, embed_dim * 8
         self.patch_embed = PatchEmbed(3, embed_dim, 4, norm_eps=1e-5)
         layout, rates = parse_layout(layout, depths, 'ILSM'), drop_path_rates(drop_path_rate, depths)
         self.layers = nn.ModuleList()
         for i, letters in enumerate(layout):
-            dim = embed_dim * 2 ** i
+            dim, grid = embed_dim * 2 ** i, (self.img_size[0] // 2 ** (i + 2), self.img_size[1] // 2 ** (i + 2))
+            inline_stage = any(c in 'IL' for c in letters)
+            if inline_stage:
+                self.check_window(grid, i)
+            ape_tokens = math.prod(inline_window(window, grid)) if self.ape and inline_stage else None
             blocks = [SwinBlock(dim, num_heads[i], c, softmax_window if c == 'S' else window, j % 2 == 1,
-                                mlp_ratio, rates[i][j], kernel, local_residual) for j, c in enumerate(letters)]
+                                mlp_ratio, rates[i][j], self.options, ape_tokens) for j, c in enumerate(letters)]
             self.layers.append(SwinStage(blocks, PatchMerging(dim) if i < 3 else None))
         self.norm = nn.LayerNorm(self.num_features)
         self.init_weights()
         self.reset_classifier(num_classes)
+
+    def check_window(self, grid, stage):
+        try:
+            inline_window(self.window, grid)
+        except ValueError:
+            fits = [n for n in range(1, max(grid) + 1) if all(s % min(n, s) == 0 for s in grid)]
+            raise ValueError(f"InLine-Swin: InLine window {self.window} does not tile stage {stage + 1} ({grid[0]}x"
+                             f"{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); windows that tile it: "
+                             f"{fits}, or None (the whole stage)") from None
 
     def forward_features(self, x, return_stages=False):
         """(B, 3, H_img, W_img) -> final normalised tokens (B, h*w, 8C), or the four stage outputs
@@ -459,7 +601,7 @@ class InLineSwin(Backbone):
         stages = []
         for layer in self.layers:
             for block in layer.blocks:
-                x = block(x, grid)
+                x = self.run_block(block, x, grid)
             stages.append(to_map(x, grid))
             if layer.downsample is not None:
                 x = layer.downsample(x, grid)  # (B, h*w/4, 2C)
@@ -467,35 +609,30 @@ class InLineSwin(Backbone):
         return stages if return_stages else self.norm(x)
 
     def no_weight_decay(self):
-        return {name for name, _ in self.named_parameters() if name.endswith('relative_position_bias_table')}
+        return super().no_weight_decay() | {name for name, _ in self.named_parameters()
+                                            if name.endswith('relative_position_bias_table')}
 
 
 # ---------------------------------------------------------------------------------------------------
 # InLine-CSwin: cross-shaped windows; every branch adds LePE, a depthwise 3x3 conv of V
 
-class StripeAttention(nn.Module):
+class StripeAttention(inline.InLineBase):
     """One branch of a CSwin block (key attns.i): attention within windows of the map plus LePE.
 
     axis None: one window over the whole map; 0: vertical stripes (full height, `stripe` wide);
     1: horizontal stripes. S: softmax. I/L: InLine (or linear) attention over the whole map, whose
     Eq. 6 weights come from the block input (CSwin's quirk; the other families use the normalised
-    input), built here from inline.py's pure functions; `core` is what kernels.enable_fast replaces.
+    input), with inline.InLineBase's phi, Eq. 5 (or division) and Eq. 6 between CSwin's own projections.
     """
-    core = staticmethod(inline_core)
 
-    def __init__(self, dim, num_heads, letter, stripe=None, axis=None, kernel=None, local_residual=True):
+    def __init__(self, dim, num_heads, letter, stripe=None, axis=None, options=None):
         super().__init__()
         if letter != 'S' and axis is not None:
             raise ValueError("CSwin's InLine branch attends over the whole map (axis=None)")
         self.num_heads, self.letter, self.stripe, self.axis = num_heads, letter, stripe, axis
         self.get_v = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)  # LePE
         if letter != 'S':
-            kernel = kernel or ('identity' if letter == 'I' else 'relu')
-            if letter == 'L' and kernel not in inline.NON_NEGATIVE_KERNELS:
-                raise ValueError(f"vanilla linear attention needs a non-negative kernel "
-                                 f"{inline.NON_NEGATIVE_KERNELS}, got {kernel!r}")
-            self.kernel_function = get_kernel(kernel)
-            self.residual = residual_mlp(dim, num_heads) if local_residual else None
+            self.setup_inline(dim, num_heads, **inline_options(letter, options or ATTENTION_OPTIONS))
 
     def forward(self, q, k, v, x):
         """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of the
@@ -514,13 +651,7 @@ class StripeAttention(nn.Module):
         if self.letter == 'S':
             o = masked_softmax_attention(q, k, v, q.shape[-1] ** -0.5, mask=window_mask(h, w, wh, ww, 0, 0, q.device))
         else:
-            q, k = self.kernel_function(q), self.kernel_function(k)
-            r = residual_weights(self.residual, x) if self.residual is not None else None  # (B, 9C)
-            if self.letter == 'I':
-                o = self.core(q, k, v, r, (h, w))  # Eq. 5 + Eq. 6, (B, H, N, D)
-            else:
-                o = inline.linear_attention(q, k, v)
-                o = o if r is None else inline.add_local_residual(o, v, r, (h, w))  # Eq. 6
+            o = self.attend(q, k, v, x, (h, w))  # Eq. 5 + Eq. 6 over the whole map, (B, H, N, D)
         o = (o + lepe).transpose(1, 2).flatten(2)  # (B*nW, N, C)
         return from_windows(o, wh, ww, Hp, Wp)[:, :h, :w].reshape(B, h * w, C)
 
@@ -529,14 +660,13 @@ class CSwinBlock(nn.Module):
     """LN -> one qkv -> one branch over the whole map (InLine, or when a stripe covers the map) or two
     half-channel, half-head branches over vertical and horizontal stripes -> proj; then the MLP."""
 
-    def __init__(self, dim, num_heads, letter, stripe, grid, mlp_ratio, drop_path, kernel, local_residual):
+    def __init__(self, dim, num_heads, letter, stripe, grid, mlp_ratio, drop_path, options):
         super().__init__()
         self.qkv = nn.Linear(dim, 3 * dim)
         self.norm1 = nn.LayerNorm(dim)
         self.proj = nn.Linear(dim, dim)
         if letter != 'S' or stripe is None or stripe >= max(grid):
-            self.attns = nn.ModuleList([StripeAttention(dim, num_heads, letter, kernel=kernel,
-                                                        local_residual=local_residual)])
+            self.attns = nn.ModuleList([StripeAttention(dim, num_heads, letter, options=options)])
         else:
             self.attns = nn.ModuleList([StripeAttention(dim // 2, num_heads // 2, 'S', stripe, axis)
                                         for axis in (0, 1)])
@@ -578,9 +708,12 @@ class InLineCSwin(Backbone):
     family = 'cswin'
 
     def __init__(self, img_size=224, embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16), layout='IISS',
-                 stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, kernel=None,
-                 local_residual=True):
+                 stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, **attention):
         super().__init__()
+        self.options = attention_options('InLine-CSwin', attention)
+        self.layout = layout
+        if self.options['normalise_q']:
+            raise ValueError("InLine-CSwin: normalise_q is an option of DeiT's and PVT's softmax attention, not of CSwin's")
         self.img_size = pair(img_size)
         check_image_size(self.img_size, 32, 'InLine-CSwin')
         self.num_features = embed_dim * 8
@@ -591,7 +724,7 @@ class InLineCSwin(Backbone):
             dim, grid = embed_dim * 2 ** i, (self.img_size[0] // 2 ** (i + 2), self.img_size[1] // 2 ** (i + 2))
             stripe = stripes[i] if i < 3 else None
             setattr(self, f'stage{i + 1}', nn.ModuleList([
-                CSwinBlock(dim, num_heads[i], c, stripe, grid, mlp_ratio, rates[i][j], kernel, local_residual)
+                CSwinBlock(dim, num_heads[i], c, stripe, grid, mlp_ratio, rates[i][j], self.options)
                 for j, c in enumerate(letters)]))
             if i < 3:
                 setattr(self, f'merge{i + 1}', MergeBlock(dim, 2 * dim))
@@ -608,7 +741,7 @@ class InLineCSwin(Backbone):
         stages = []
         for i in range(4):
             for block in getattr(self, f'stage{i + 1}'):
-                x = block(x, grid)
+                x = self.run_block(block, x, grid)
             stages.append(to_map(x, grid))
             if i < 3:
                 x, grid = getattr(self, f'merge{i + 1}')(x, grid)
@@ -713,11 +846,13 @@ def inline_cswin_b_384(**kw):
 
 def create_model(name, *, checkpoint=None, fast=False, **overrides):
     """Build a registered variant. overrides: img_size (int or (H, W)), num_classes, drop_path_rate,
-    kernel, layout, local_residual, or any size of the family's class. fast: the fused InLine core
-    from kernels.py (an error if it cannot be imported; never a silent fallback)."""
+    layout, the attention options (attention_options; Swin also window and ape), or any size of the
+    family's class; they are kept in model.arch. fast: the fused InLine core from kernels.py (an error if
+    it cannot be imported; never a silent fallback)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     model = MODELS[name](**overrides)
+    model.arch = dict(overrides)
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
     if fast:
@@ -728,6 +863,93 @@ def create_model(name, *, checkpoint=None, fast=False, **overrides):
                               f"use fast=False for the reference path") from e
         kernels.enable_fast(model)
     return model
+
+
+# ---------------------------------------------------------------------------------------------------
+# The paper's experiments (SPEC §6), each a variant and its overrides, by name
+
+class Experiment(NamedTuple):
+    model: str  # a registered variant
+    overrides: dict  # for create_model
+    table: str  # the paper's table or figure: T3, T4, T10, R-res, R-dil, R-nonneg, T1, S
+    reported: str | None  # ImageNet-1K top-1 as the paper reports it
+    ours: bool  # our construction: reported by the paper or rebuttal, but no code was released
+    what: str
+
+
+EXPERIMENTS = {}
+
+
+def experiment(name, model, overrides, table, reported, what, ours=False):
+    EXPERIMENTS[name] = Experiment(model, overrides, table, reported, ours, what)
+
+
+# T3: division (vanilla linear) against subtraction (InLine) with the same kernel, in InLine-Swin-T with
+# global InLine windows, no local residual and therefore the authors' APE (ape=None turns it on)
+T3 = {'relu': ('77.3', '79.8'), 'relu_affine': ('70.2', '80.0'), 'leakyrelu': ('does not converge', None),
+      'identity': ('does not converge', '80.2')}
+for kernel, (linear, inline_) in T3.items():
+    signed = kernel not in inline.NON_NEGATIVE_KERNELS
+    experiment(f't3_linear_{kernel}', 'inline_swin_t',
+               dict(layout='LLLS', kernel=kernel, residual='none', **({'allow_divergent': True} if signed else {})),
+               'T3', linear, f'vanilla linear attention (division), phi = {kernel}, no Eq. 6, APE',
+               ours=kernel == 'relu_affine')
+    experiment(f't3_inline_{kernel}', 'inline_swin_t', dict(kernel=kernel, residual='none'), 'T3', inline_,
+               f'InLine attention (subtraction), phi = {kernel}, no Eq. 6, APE', ours=kernel == 'relu_affine')
+# T4: InLine windows 7^2 .. 56^2 (56 covers stage 1 at 224 px: global), without and with Eq. 6
+for window, without, with_ in ((7, '80.3', '81.6'), (14, '80.4', '82.1'), (28, '80.2', '82.3'), (56, '80.2', '82.4')):
+    experiment(f't4_window{window}_no_residual', 'inline_swin_t', dict(window=window, residual='none'), 'T4', without,
+               f'InLine windows {window}x{window}, shifted on odd blocks, no Eq. 6, APE')
+    experiment(f't4_window{window}_residual', 'inline_swin_t', dict(window=window), 'T4', with_,
+               f'InLine windows {window}x{window}, shifted on odd blocks, with Eq. 6')
+for kernel, reported in (('identity', '82.4'), ('relu', '82.5'), ('leakyrelu', None), ('exp', 'about relu')):
+    experiment(f't10_kernel_{kernel}', 'inline_swin_t', dict(kernel=kernel), 'T10', reported,
+               f'InLine-Swin-T with phi = {kernel}')
+experiment('r_residual_none', 'inline_swin_t', dict(residual='none'), 'R-res', '80.2', 'no residual (APE)')
+experiment('r_residual_plain', 'inline_swin_t', dict(residual='plain'), 'R-res', '80.2',
+           'plain residual o_i += r * v_i, r per channel from the same MLP (C -> C -> C) (APE)', ours=True)
+experiment('r_residual_local', 'inline_swin_t', {}, 'R-res', '82.4', "Eq. 6's local 3x3 residual (released)")
+for dilation, reported in ((1, '82.4'), (2, '81.7'), (3, '80.8'), (4, '80.6')):
+    experiment(f'r_dilation{dilation}', 'inline_swin_t', dict(dilation=dilation), 'R-dil', reported,
+               f"Eq. 6's 3x3 neighbourhood dilated by {dilation}", ours=dilation > 1)
+experiment('r_nonneg', 'inline_swin_t', dict(nonneg=True), 'R-nonneg', '81.7',
+           'every InLine weight >= 0: q, k L2-normalised per head, s = 1/2', ours=True)
+# T1 and S: the softmax originals have their own head counts (DeiT-T 3, PVT 1-2-5-8) and CSwin its own depths
+experiment('t1_softmax', 'inline_deit_t', dict(layout='S', num_heads=3), 'T1', '72.2', 'DeiT-T, softmax (injective)')
+experiment('t1_softmax_normalised_q', 'inline_deit_t', dict(layout='S', num_heads=3, normalise_q=True), 'T1',
+           '70.6 / 69.9', 'DeiT-T, softmax over L2-normalised queries: q and a*q get the same weights', ours=True)
+for size in 'tsml':
+    experiment(f's_pvt_{size}', f'inline_pvt_{size}', dict(layout='SSSS', num_heads=(1, 2, 5, 8)), 'S', None,
+               f'PVT-{size.upper()}: softmax with spatial reduction 8-4-2-1 in the InLine-PVT skeleton')
+for size, reported in (('t', '81.3'), ('s', None), ('b', None)):
+    experiment(f's_swin_{size}', f'inline_swin_{size}', dict(layout='SSSS'), 'S', reported,
+               f"Swin-{size.upper()}: shifted-window softmax in every stage")
+for size, depths, reported in (('t', (1, 2, 21, 1), '82.7'), ('s', (2, 4, 32, 2), None), ('b', (2, 4, 32, 2), None)):
+    experiment(f's_cswin_{size}', f'inline_cswin_{size}', dict(layout='SSSS', depths=depths), 'S', reported,
+               f"CSwin-{size.upper()}: cross-shaped stripe softmax in every stage, CSwin's own depths")
+experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.2', 'DeiT-T: softmax over all tokens')
+
+
+def create_experiment(name, **overrides):
+    """Build a paper experiment by name; overrides win over the experiment's (e.g. a smaller img_size)."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    e = EXPERIMENTS[name]
+    return create_model(e.model, **{**e.overrides, **overrides})
+
+
+def describe(model):
+    """One line: the attention a model was built with, every switch resolved."""
+    o = model.options
+    parts = [f"{model.family}", f"layout {model.layout}",
+             f"kernel {o['kernel'] or 'identity (I) / relu (L)'}", f"residual {o['residual']}"]
+    parts += [f"dilation {o['dilation']}"] * (o['dilation'] > 1) + ['nonneg'] * o['nonneg']
+    parts += ['normalise_q'] * o['normalise_q'] + ['allow_divergent'] * o['allow_divergent']
+    if model.family == 'swin':
+        parts.append('InLine windows: whole stage' if model.window is None else
+                     f'InLine windows {model.window} (shifted on odd blocks, no mask)')
+        parts.append(f"APE {'on' if model.ape else 'off'}")
+    return ', '.join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -798,7 +1020,7 @@ def count_macs(model, img_size=None):
     return counter.get_total_flops() / 2
 
 
-def main():
+def print_released():
     print(f"{'variant':20s} {'img':>4s} {'params':>12s} {'released':>12s} {'GMACs':>8s} {'released':>8s} {'diff':>7s} {'top-1':>6s}")
     for name, (params, gmacs, top1) in RELEASED.items():
         with torch.device('meta'):
@@ -810,5 +1032,20 @@ def main():
     print("GMACs = torch.utils.flop_counter FLOPs / 2 (matmuls and convolutions). Ours are lower by the released\n"
           "code's q.k_mean product alone (N*D per head), which the centred form of Eq. 5 does not need.")
 
+
+def print_experiments():
+    print(f"{'experiment':28s} {'table':8s} {'model':15s} {'params':>11s} {'GMACs':>6s} {'paper top-1':>18s}  what")
+    for name, e in EXPERIMENTS.items():
+        with torch.device('meta'):
+            model = create_experiment(name)
+        params, macs = sum(p.numel() for p in model.parameters()), count_macs(model) / 1e9
+        print(f"{name:28s} {e.table:8s} {e.model:15s} {params:11,d} {macs:6.2f} {e.reported or '-':>18s}  "
+              f"{'(ours) ' if e.ours else ''}{e.what}")
+    print("paper top-1: ImageNet-1K as reported (SPEC §6); (ours): our construction, no code was released.\n"
+          "Train one: torchrun --standalone --nproc_per_node=2 train.py --experiment NAME")
+
+
 if __name__ == '__main__':
-    main()
+    parser = argparse.ArgumentParser(description="The released variants' sizes, or the paper's experiments")
+    parser.add_argument('--experiments', action='store_true', help="list every experiment of the paper (SPEC §6)")
+    print_experiments() if parser.parse_args().experiments else print_released()

@@ -9,6 +9,7 @@ state dict. Tests that need them skip when they are absent (and fail under CI). 
 built on the meta device, where shapes and FLOP counts cost no memory.
 """
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -21,6 +22,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 from torchvision import datasets
 
@@ -52,7 +55,9 @@ def qkv(B, H, N, D, dtype=torch.float64, seed=0):
 @pytest.mark.parametrize('kernel', sorted(inline.KERNELS))
 @pytest.mark.parametrize('N', [49, 197])
 def test_eq5_explicit_equals_linear_form(kernel, N):
-    phi = inline.get_kernel(kernel)
+    phi = inline.get_kernel(kernel, head_dim=32)
+    if isinstance(phi, torch.nn.Module):  # relu_affine: an affine map away from its identity start
+        phi = perturb(phi.double())
     q, k, v = qkv(2, 3, N, 32)
     q, k = phi(q), phi(k)
     w = inline.inline_weights(q, k)
@@ -102,8 +107,9 @@ def test_injectivity(alpha):
 # ---------------------------------------------------------------------------------------------------
 # Eq. 6
 
-def local_residual_slow(v, r, grid):
-    """Eq. 6 by a loop over every token's 3x3 neighbourhood, zero outside the grid."""
+def local_residual_slow(v, r, grid, dilation=1):
+    """Eq. 6 by a loop over every token's 3x3 neighbourhood, neighbour t at (dilation*(t//3 - 1),
+    dilation*(t%3 - 1)) (SPEC §6 R-dil), zero outside the grid."""
     B, H, N, D = v.shape
     h, w = grid
     out = torch.zeros_like(v)
@@ -115,7 +121,7 @@ def local_residual_slow(v, r, grid):
                     for x in range(w):
                         total = 0.0
                         for t in range(9):
-                            yy, xx = y + t // 3 - 1, x + t % 3 - 1
+                            yy, xx = y + dilation * (t // 3 - 1), x + dilation * (t % 3 - 1)
                             if 0 <= yy < h and 0 <= xx < w:
                                 total += r[b, 9 * c + t] * v[b, head, yy * w + xx, j]
                         out[b, head, y * w + x, j] = total
@@ -127,6 +133,26 @@ def test_eq6_against_explicit_loop_on_a_non_square_grid():
     v = qkv(2, 2, 15, 3)[0]
     r = torch.randn(2, 9 * 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(inline.local_residual(v, r, grid), local_residual_slow(v, r, grid), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize('dilation', [2, 3])
+def test_dilated_eq6_against_explicit_loop(dilation):
+    grid = (5, 7)
+    v = qkv(2, 2, 35, 3)[0]
+    r = torch.randn(2, 9 * 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(inline.local_residual(v, r, grid, dilation), local_residual_slow(v, r, grid, dilation),
+                               rtol=0, atol=1e-12)
+
+
+def test_plain_residual_is_r_times_v():
+    """R-res 'plain': one weight per channel, o_i += r * v_i, through the core's Eq. 6 path."""
+    q, k, v = qkv(2, 2, 1 + 12, 4)
+    r = torch.randn(2, 8, dtype=torch.float64)  # (B, C)
+    out = inline.inline_core(q, k, v, r, (3, 4))
+    plain = inline.inline_attention(q, k, v)
+    expected = plain[:, :, 1:] + r.view(2, 2, 1, 4) * v[:, :, 1:]  # channel c = head*D + j
+    torch.testing.assert_close(out[:, :, 1:], expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out[:, :, :1], plain[:, :, :1], rtol=0, atol=0)
 
 
 def test_core_leaves_leading_tokens_without_local_residual():
@@ -169,7 +195,7 @@ def test_linear_baseline_and_no_residual_switches():
     torch.manual_seed(0)
     x = torch.randn(2, 16, 32)
     lin = inline.InLineAttention(32, 2, kernel='relu', attention='linear')
-    no_res = inline.InLineAttention(32, 2, local_residual=False)
+    no_res = inline.InLineAttention(32, 2, residual='none')
     assert lin(x, (4, 4)).shape == x.shape and no_res.residual is None
     assert not any('residual' in name for name, _ in no_res.named_parameters())
     assert no_res(x, (4, 4)).shape == x.shape
@@ -237,6 +263,9 @@ def perturb(module, seed=0):
 # ---------------------------------------------------------------------------------------------------
 # The authors' blocks, reproduced from their weights
 
+DEFAULTS = models.ATTENTION_OPTIONS  # the released models' attention: identity kernel, Eq. 6
+
+
 def golden_block(name, cfg):
     """Our module for a golden case, built from its config."""
     dim, heads = cfg['dim'], cfg['heads']
@@ -244,12 +273,12 @@ def golden_block(name, cfg):
         return inline.InLineAttention(dim, heads, kernel=cfg['kernel'])
     if name.startswith('swin_block'):
         assert cfg['shift'] in (0, cfg['window'] // 2)
-        return models.SwinBlock(dim, heads, cfg['attn'], cfg['window'], cfg['shift'] > 0, cfg['mlp_ratio'], 0., None, True)
+        return models.SwinBlock(dim, heads, cfg['attn'], cfg['window'], cfg['shift'] > 0, cfg['mlp_ratio'], 0., DEFAULTS)
     if name in ('deit_block', 'pvt_block'):
-        attn = models.make_inline('I', dim, heads, None, True, separate_q=name == 'pvt_block')
+        attn = models.make_attention('I', dim, heads, DEFAULTS, separate_q=name == 'pvt_block')
         return models.Block(dim, cfg['mlp_ratio'], 0., cfg['norm_eps'], attn)
     if name.startswith('cswin_block'):
-        return models.CSwinBlock(dim, heads, cfg['attn'], cfg['split'], cfg['grid'], cfg['mlp_ratio'], 0., None, True)
+        return models.CSwinBlock(dim, heads, cfg['attn'], cfg['split'], cfg['grid'], cfg['mlp_ratio'], 0., DEFAULTS)
     raise KeyError(name)
 
 
@@ -307,7 +336,7 @@ def swin_reference(block, x, grid):
                               '7x5-w3-shift-pad'])
 def test_swin_windows_against_global_masked_attention(grid, window, shift):
     torch.manual_seed(0)
-    block = perturb(models.SwinBlock(16, 2, 'S', window, shift, 2., 0., None, True).double())
+    block = perturb(models.SwinBlock(16, 2, 'S', window, shift, 2., 0., DEFAULTS).double())
     x = torch.randn(2, grid[0] * grid[1], 16, dtype=torch.float64)
     torch.testing.assert_close(block(x, grid), swin_reference(block, x, grid), rtol=0, atol=1e-12)
 
@@ -334,7 +363,7 @@ def cswin_reference(block, x, grid):
 @pytest.mark.parametrize('grid,stripe', [((8, 8), 2), ((4, 6), 3), ((5, 7), 2)], ids=['8x8-s2', '4x6-s3-pad', '5x7-s2-pad'])
 def test_cswin_stripes_against_global_masked_attention(grid, stripe):
     torch.manual_seed(0)
-    block = perturb(models.CSwinBlock(16, 2, 'S', stripe, grid, 2., 0., None, True).double())
+    block = perturb(models.CSwinBlock(16, 2, 'S', stripe, grid, 2., 0., DEFAULTS).double())
     assert len(block.attns) == 2
     x = torch.randn(2, grid[0] * grid[1], 16, dtype=torch.float64)
     torch.testing.assert_close(block(x, grid), cswin_reference(block, x, grid), rtol=0, atol=1e-12)
@@ -475,12 +504,12 @@ def test_unknown_name_and_bad_overrides():
 
 def test_layouts_and_ablation_switches():
     """'IIMS2' puts two InLine blocks before Swin-B's stage-3 softmax blocks; L is the linear baseline
-    (relu kernel); local_residual=False removes Eq. 6 everywhere (Table 4)."""
+    (relu kernel); residual='none' removes Eq. 6 everywhere (Table 4)."""
     assert models.parse_layout('IIMS2', [2, 2, 5, 2], 'ILSM')[2] == ['I', 'I', 'S', 'S', 'S']
     swin_b = meta_model('inline_swin_b')
     letters = [block.letter for block in swin_b.layers[2].blocks]
     assert letters == ['I', 'I'] + ['S'] * 16
-    baseline = meta_model('inline_swin_t', layout='LLLS', local_residual=False)
+    baseline = meta_model('inline_swin_t', layout='LLLS', residual='none')
     attns = [m for m in baseline.modules() if isinstance(m, inline.InLineAttention)]
     assert len(attns) == 10 and all(a.attention == 'linear' and a.kernel == 'relu' and a.residual is None for a in attns)
     cswin = meta_model('inline_cswin_t', kernel='relu')
@@ -499,14 +528,202 @@ def test_model_api():
         assert model.no_weight_decay() <= {n for n, _ in model.named_parameters()}
     assert meta_model('inline_deit_t').no_weight_decay() == {'pos_embed', 'cls_token'}
     assert len(meta_model('inline_swin_t').no_weight_decay()) == 2  # the two S blocks' bias tables
-    assert meta_model('inline_pvt_t').no_weight_decay() == {'pos_embed1', 'pos_embed2', 'pos_embed3', 'pos_embed4'}
+    assert meta_model('inline_pvt_t').no_weight_decay() == set()  # PVT decays its position embeddings (SPEC §4)
 
 
 def test_fast_switch_replaces_every_core():
     torch.manual_seed(0)
-    model = models.create_model('inline_cswin_t', fast=True, **SMALL['inline_cswin_t'])
+    with pytest.warns(UserWarning, match='no fast path'):  # its stage-2 L block runs the reference linear attention
+        model = models.create_model('inline_cswin_t', fast=True, **SMALL['inline_cswin_t'])
     cores = [m.core for m in model.modules() if hasattr(m, 'core') and getattr(m, 'letter', 'I') == 'I']
     assert cores and all(core is kernels.inline_core_fast for core in cores)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The paper's experiments (SPEC §6): each switch against an explicit construction
+
+def test_shifted_inline_windows_equal_an_explicit_loop():
+    """SPEC §2: odd blocks roll by window/2 with no mask, so tokens wrapped across the border share a
+    window; each window is its own InLine attention with its own means and Eq. 6 weights."""
+    torch.manual_seed(0)
+    B, (h, w), C, window, shift = 2, (8, 8), 16, 4, 2
+    block = perturb(models.SwinBlock(C, 2, 'I', window, True, 2., 0., DEFAULTS).double())
+    attn = block.attn
+    y = torch.randn(B, h, w, C, dtype=torch.float64)
+    rolled = torch.roll(y, (-shift, -shift), dims=(1, 2))
+    expected = torch.zeros_like(rolled)
+    for i in range(0, h, window):
+        for j in range(0, w, window):
+            x = rolled[:, i:i + window, j:j + window].reshape(B, window * window, C)  # one window, row-major
+            q, k, v = (t.view(B, -1, 2, C // 2).transpose(1, 2) for t in attn.qkv(x).chunk(3, dim=-1))
+            r = inline.residual_weights(attn.residual, x)  # this window's own Eq. 6 weights
+            o = inline.inline_core(q, k, v, r, (window, window)).transpose(1, 2).reshape(B, -1, C)
+            expected[:, i:i + window, j:j + window] = attn.proj(o).view(B, window, window, C)
+    expected = torch.roll(expected, (shift, shift), dims=(1, 2))
+    torch.testing.assert_close(block.inline_windows(y), expected, rtol=0, atol=1e-12)
+    # wrapped: token (0, 0) and token (7, 7) share a window in the shifted block, not in the unshifted one
+    y2 = y.clone()
+    y2[:, 7, 7] += 1.0
+    assert (block.inline_windows(y2) - block.inline_windows(y))[:, 0, 0].abs().max() > 1e-6
+    block.shift = False
+    assert (block.inline_windows(y2) - block.inline_windows(y))[:, 0, 0].abs().max() == 0
+
+
+def test_nonneg_inline_weights_are_non_negative_and_rows_sum_to_one():
+    torch.manual_seed(0)
+    attn = perturb(inline.InLineAttention(32, 2, nonneg=True).double())
+    x = 5 * torch.randn(3, 1 + 36, 32, dtype=torch.float64)  # large inputs: plain InLine goes negative here
+    w = attn.weights(x, (6, 6))
+    assert w.shape == (3, 2, 37, 37) and w.min() >= 0
+    torch.testing.assert_close(w.sum(-1), torch.ones(3, 2, 37, dtype=torch.float64), rtol=0, atol=1e-12)
+    plain = perturb(inline.InLineAttention(32, 2).double())
+    assert plain.weights(x, (6, 6)).min() < 0  # without the switch the same inputs give negative weights
+
+
+def test_normalised_q_softmax_is_not_injective():
+    """T1: softmax over L2-normalised queries gives q and 2q identical weights; plain softmax does not."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 10, 24, dtype=torch.float64)
+    for normalise_q, same in ((True, True), (False, False)):
+        attn = models.SoftmaxAttention(24, 3, normalise_q=normalise_q).double()
+        nn.init.zeros_(attn.qkv.bias)
+        w, w2 = attn.weights(x, (3, 3)), None
+        with torch.no_grad():
+            attn.qkv.weight[:24] *= 2  # q -> 2q, k and v unchanged
+        w2 = attn.weights(x, (3, 3))
+        assert torch.allclose(w, w2, rtol=0, atol=1e-12) == same
+        # the forward applies the same weights
+        q, k, v = attn.project(x, (3, 3))
+        o = (w2 @ v).transpose(1, 2).reshape(2, 10, 24)
+        torch.testing.assert_close(attn(x, (3, 3)), attn.proj(o), rtol=0, atol=1e-12)
+
+
+def test_relu_affine_starts_as_relu_and_trains():
+    torch.manual_seed(0)
+    attn = inline.InLineAttention(16, 2, kernel='relu_affine')
+    x = torch.randn(2, 9, 16)
+    q = torch.randn(2, 2, 9, 8)
+    torch.testing.assert_close(attn.phi(q), torch.relu(q), rtol=0, atol=0)
+    optimizer = torch.optim.SGD(attn.parameters(), lr=0.1)
+    out = attn(x, (3, 3))
+    out.backward(torch.randn_like(out))
+    assert attn.phi.weight.grad.abs().sum() > 0 and attn.phi.bias.grad.abs().sum() > 0
+    optimizer.step()
+    assert not torch.equal(attn.phi.weight, torch.eye(8)) and attn.phi.bias.abs().sum() > 0
+    assert models.InLineDeiT(img_size=32, embed_dim=16, depth=1, num_heads=2, kernel='relu_affine').no_weight_decay() \
+        == {'pos_embed', 'cls_token', 'blocks.0.attn.phi.weight'}  # A starts at the identity: not decayed to zero
+
+
+def test_ape_per_stage_and_window_reaches_qkv_not_the_shortcut():
+    swin = meta_model('inline_swin_t', window=7, residual='none')
+    for i, layer in enumerate(swin.layers):
+        for block in layer.blocks:
+            if block.letter == 'I':
+                assert block.attn.ape.shape == (1, 49, 96 * 2 ** i)  # 7x7 windows in every stage
+    assert meta_model('inline_swin_t', residual='none').layers[0].blocks[0].attn.ape.shape == (1, 56 * 56, 96)
+    assert meta_model('inline_swin_t').layers[0].blocks[0].attn.ape is None  # the released models: none
+    assert meta_model('inline_swin_t', ape=False, residual='none').layers[0].blocks[0].attn.ape is None
+    torch.manual_seed(0)
+    block = perturb(models.SwinBlock(16, 2, 'I', None, False, 2., 0., dict(DEFAULTS, residual='none'),
+                                     ape_tokens=16).double())
+    x = torch.randn(2, 16, 16, dtype=torch.float64)
+    seen = []
+    block.attn.qkv.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    out = block(x, (4, 4))
+    torch.testing.assert_close(seen[0], block.norm1(x) + block.attn.ape)  # the APE reaches q, k and v
+    with torch.no_grad():
+        block.attn.proj.weight.zero_(), block.attn.proj.bias.zero_()  # the attention branch now adds nothing
+        block.attn.ape.add_(1.0)
+    without_attention = block(x, (4, 4))
+    with torch.no_grad():
+        block.attn.ape.zero_()
+    torch.testing.assert_close(block(x, (4, 4)), without_attention, rtol=0, atol=0)  # the shortcut never sees it
+    assert not torch.allclose(out, without_attention)
+
+
+def test_softmax_originals_have_the_known_sizes():
+    """Layout all-S gives each backbone's softmax original: Swin-T 28,288,354 parameters (timm's); the DeiT
+    skeleton with softmax is InLine-DeiT without its residual MLPs; PVT S adds the spatial reductions."""
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(meta_model('inline_swin_t', layout='SSSS')) == 28_288_354
+    deit = meta_model('inline_deit_t')
+    residual = sum(p.numel() for n, p in deit.named_parameters() if '.residual.' in n)
+    assert count(meta_model('inline_deit_t', layout='S')) == count(deit) - residual
+    assert count(meta_model('inline_deit_t', **models.EXPERIMENTS['s_deit_t'].overrides)) == 5_717_416  # DeiT-T's
+    pvt = meta_model('inline_pvt_t', layout='SSSS', num_heads=(1, 2, 5, 8))
+    sr = [b.attn.sr.kernel_size[0] for i in range(1, 4) for b in getattr(pvt, f'block{i}')]
+    assert sr == [8, 8, 4, 4, 2, 2] and not hasattr(pvt.block4[0].attn, 'sr')
+
+
+def tiny_experiment(name, **extra):
+    """An experiment at its real 224 px (so its windows tile as in the paper) but a few channels wide."""
+    e = models.EXPERIMENTS[name]
+    family = e.model.split('_')[1]
+    small = {'deit': dict(embed_dim=24, depth=2), 'pvt': dict(embed_dims=(8, 16, 40, 64), depths=(1, 1, 1, 1)),
+             'swin': dict(embed_dim=8, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8)),
+             'cswin': dict(embed_dim=8, depths=(1, 2, 2, 1))}[family]
+    return models.create_experiment(name, num_classes=3, **small, **extra)
+
+
+@pytest.mark.parametrize('name', list(models.EXPERIMENTS))
+def test_every_experiment_builds_and_trains(name):
+    torch.manual_seed(0)
+    model = tiny_experiment(name)
+    x = torch.randn(1, 3, *model.img_size)
+    out = model(x)
+    assert out.shape == (1, 3) and torch.isfinite(out).all()
+    out.backward(torch.randn_like(out))
+    assert all(p.grad is not None for p in model.parameters())
+    assert models.describe(model).startswith(model.family)
+
+
+def test_experiment_registry_matches_the_spec():
+    e = models.EXPERIMENTS
+    assert e['t4_window7_no_residual'].overrides == dict(window=7, residual='none') and e['t4_window7_no_residual'].reported == '80.3'
+    assert e['t3_linear_relu_affine'].ours and e['t3_linear_relu_affine'].reported == '70.2'
+    assert e['r_dilation3'].reported == '80.8' and e['r_nonneg'].reported == '81.7'
+    assert e['t1_softmax_normalised_q'].reported == '70.6 / 69.9' and e['s_swin_t'].reported == '81.3'
+    model = meta_model('inline_swin_t', **e['t4_window7_no_residual'].overrides)
+    assert model.ape and model.window == 7 and model.layers[0].blocks[1].shift
+    assert 'InLine windows 7 (shifted on odd blocks' in models.describe(model)
+    assert models.create_model('inline_deit_t', img_size=32, embed_dim=16, depth=1, num_heads=2,
+                               layout='S').arch == dict(img_size=32, embed_dim=16, depth=1, num_heads=2, layout='S')
+
+
+def test_experiment_switches_reject_bad_input():
+    with pytest.raises(ValueError, match=r"unknown experiment 't9_nothing'; choose one of t3_linear_relu, "):
+        models.create_experiment('t9_nothing')
+    with pytest.raises(ValueError, match=r"InLine window 5 does not tile stage 1 \(56x56 tokens at 224x224 px\); "
+                                         r"windows that tile it: \[1, 2, 4, 7, 8, 14, 28, 56\]"):
+        meta_model('inline_swin_t', window=5)
+    with pytest.raises(ValueError, match=r"dilation must be a whole number >= 1"):
+        meta_model('inline_swin_t', dilation=0)
+    with pytest.raises(ValueError, match=r"dilation must be .* > 1 only with residual='local'"):
+        meta_model('inline_swin_t', dilation=2, residual='plain')
+    with pytest.raises(ValueError, match=r"layout 'M': need 1 letters from I L S"):
+        meta_model('inline_deit_t', layout='M')
+    with pytest.raises(ValueError, match=r"layout 'IIMI2': need 4 letters from I L S"):
+        meta_model('inline_pvt_t', layout='IIMI2')
+    with pytest.raises(ValueError, match=r"needs a non-negative kernel .* got 'leakyrelu'; pass allow_divergent=True"):
+        meta_model('inline_swin_t', layout='LLLS', kernel='leakyrelu')
+    assert meta_model('inline_swin_t', layout='LLLS', kernel='relu_affine')  # T3's 70.2 row: allowed
+    with pytest.raises(ValueError, match=r"unknown residual 'global'; choose one of \['local', 'plain', 'none'\]"):
+        meta_model('inline_swin_t', residual='global')
+    with pytest.raises(ValueError, match=r"window and ape are InLine-Swin's options"):
+        meta_model('inline_deit_t', window=7)
+    with pytest.raises(ValueError, match=r"normalise_q is an option of softmax attention"):
+        meta_model('inline_deit_t', normalise_q=True)
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['depht'\]"):
+        meta_model('inline_deit_t', depht=3)
+
+
+def test_fast_path_names_what_it_does_not_cover():
+    with pytest.warns(UserWarning, match=r"vanilla linear attention \(layout letter L\) has no fast path; its 2 module"):
+        n = kernels.enable_fast(meta_model('inline_swin_t', layout='LISS'))
+    assert n == 2  # the two I blocks of stage 2
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert kernels.enable_fast(meta_model('inline_swin_t', window=7, residual='plain', nonneg=True)) == 10
 
 
 # ===================================================================================================
@@ -578,14 +795,44 @@ def test_fast_core_bf16_error_within_twice_the_references(shape):
     torch.manual_seed(0)
     grid = shape[3]
     q, k, v, r, do = core_inputs(*shape)
-    truth = run_core(inline.inline_core, q, k, v, r, do, grid, torch.float32)
-    fast = run_core(kernels.inline_core_fast, q, k, v, r, do, grid, torch.bfloat16)
-    reference = run_core(inline.inline_core, q, k, v, r, do, grid, torch.bfloat16)
+    assert_bf16_within_twice_the_references(kernels.inline_core_fast, inline.inline_core, q, k, v, r, do, grid)
+
+
+def assert_bf16_within_twice_the_references(fast_core, reference_core, q, k, v, r, do, grid):
+    """The fast core's bf16 error against the fp32 reference is at most twice the reference's own in bf16,
+    plus one bf16 rounding of the tensor's scale."""
+    truth = run_core(reference_core, q, k, v, r, do, grid, torch.float32)
+    fast = run_core(fast_core, q, k, v, r, do, grid, torch.bfloat16)
+    reference = run_core(reference_core, q, k, v, r, do, grid, torch.bfloat16)
     for name, f, ref, t in zip(NAMES, fast, reference, truth):
         fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
         noise = BF16_ROUNDING * t.abs().max().item()
         print(f"{name}: bf16 error, fast {fast_error:.3e}, reference {reference_error:.3e}, noise {noise:.1e}")
         assert fast_error <= 2 * reference_error + noise, name
+
+
+# Every InLine option the fast core covers: the plain residual (one neighbour, T = 1), a dilated 3x3
+# neighbourhood, and R-nonneg's normalised q, k with s = 1/2 (relu_affine and the APE act before the core)
+FAST_OPTIONS = {'plain-residual': {}, 'dilation3': dict(dilation=3), 'nonneg': dict(scale=0.5)}
+
+
+@pytest.mark.parametrize('dtype', ['fp32', 'bf16'])
+@pytest.mark.parametrize('option', list(FAST_OPTIONS))
+def test_fast_core_covers_every_inline_option(option, dtype):
+    torch.manual_seed(0)
+    B, H, P, grid, D = 2, 3, 1, (6, 7), 32
+    q, k, v, r, do = core_inputs(B, H, P, grid, D)
+    if option == 'plain-residual':
+        r = r[:, :H * D]  # (B, C)
+    if option == 'nonneg':
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    fast, reference = (functools.partial(core, **FAST_OPTIONS[option]) for core in (kernels.inline_core_fast,
+                                                                                   inline.inline_core))
+    if dtype == 'fp32':
+        assert_fp32_close(run_core(fast, q, k, v, r, do, grid, torch.float32),
+                          run_core(reference, q, k, v, r, do, grid, torch.float32))
+    else:
+        assert_bf16_within_twice_the_references(fast, reference, q, k, v, r, do, grid)
 
 
 def test_fast_core_compiles_once_for_every_batch_head_count_and_grid():
@@ -666,7 +913,7 @@ def test_fast_core_rejects_what_the_reference_rejects():
     with pytest.raises(ValueError, match="token grid"):
         kernels.inline_core_fast(q, k, v, torch.randn(2, 9 * 96), (8, 8))
     with pytest.raises(ValueError, match="r must be"):
-        kernels.inline_core_fast(q, k, v, torch.randn(2, 96), (7, 7))
+        kernels.inline_core_fast(q, k, v, torch.randn(2, 5 * 96), (7, 7))  # neither (B, 9C) nor (B, C)
 
 
 def test_no_silent_fallback_when_compilation_fails(monkeypatch):
@@ -733,9 +980,9 @@ FAST_SMALL = {  # one small variant per family; every InLine attention has at le
 }
 
 
-def assert_fast_model_equals_reference(name, compile_fast=False):
+def assert_fast_model_equals_reference(name, compile_fast=False, **switches):
     torch.manual_seed(0)
-    config = dict(FAST_SMALL[name], num_classes=5, drop_path_rate=0.0)
+    config = dict(FAST_SMALL[name], num_classes=5, drop_path_rate=0.0, **switches)
     reference = models.create_model(name, **config)
     fast = models.create_model(name, fast=True, **config)
     fast.load_state_dict(reference.state_dict())
@@ -754,6 +1001,11 @@ def assert_fast_model_equals_reference(name, compile_fast=False):
 @pytest.mark.parametrize('name', list(FAST_SMALL))
 def test_fast_model_equals_reference_model(name):
     assert_fast_model_equals_reference(name)
+
+
+def test_fast_model_with_the_ablation_switches():
+    """Shifted 2x2 InLine windows, a learnable kernel and a dilated Eq. 6, all in one model."""
+    assert_fast_model_equals_reference('inline_swin_t', window=2, kernel='relu_affine', dilation=2)
 
 
 def test_fast_core_inside_a_compiled_model():
