@@ -1040,8 +1040,8 @@ def command(args, nproc=1):
     return (launcher if nproc > 1 else [sys.executable]) + [TRAIN, *args]
 
 
-def run_train(args, nproc=1, ok=True, timeout=600):
-    result = subprocess.run(command(args, nproc), capture_output=True, text=True, timeout=timeout)
+def run_train(args, nproc=1, ok=True, timeout=600, cwd=None):
+    result = subprocess.run(command(args, nproc), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if ok and result.returncode != 0:
         raise AssertionError(f'train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n'
                              f'{result.stderr[-3000:]}')
@@ -1233,6 +1233,9 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
     'lr-too-big': (['--lr', '3'], '--lr 3.0 is out of range'),
     'eval-without-checkpoint': (['--eval'], '--eval needs --checkpoint'),
     'missing-checkpoint': (['--eval', '--checkpoint', 'no/such/file.pt'], 'no checkpoint at no/such/file.pt'),
+    'unknown-experiment': (['--experiment', 'nope'], 'unknown experiment nope; choose one of t3_linear_relu'),
+    'model-kwargs': (['--model-kwargs', 'depths'], '--model-kwargs takes KEY=VALUE pairs'),
+    'model-kwargs-img-size': (['--model-kwargs', 'img_size=64'], '--model-kwargs img_size: train.py sets it'),
 }
 
 
@@ -1446,3 +1449,59 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path):
 def test_an_error_under_torchrun_prints_once(tmp_path):
     result = run_train(SYNTHETIC_ARGS + ['--output-dir', str(tmp_path), '--lr', '3'], nproc=2, ok=False)
     assert result.returncode != 0 and result.stderr.count('--lr 3.0 is out of range') == 1, result.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------ the paper's ablations
+# t4_window7_no_residual in miniature: windows of 7 tokens tile 224 px stages (56-28-14-7), one block per stage
+ABLATION = ['--experiment', 't4_window7_no_residual', '--model-kwargs', 'depths=(1,1,1,1)', 'embed_dim=16',
+            'num_heads=(1,1,2,2)', '--attention-impl', 'reference', '--synthetic-train', '16', '--synthetic-val', '8',
+            '--threads', '1']
+
+
+def test_architecture_flags_and_experiments_resolve():
+    run = resolved(['--experiment', 't4_window7_no_residual', '--window', '14', '--kernel', 'relu', '--no-ape',
+                    '--model-kwargs', 'embed_dim=48', 'depths=(1,1,2,1)', 'layout=IIIS'])
+    assert run.args.model == 'inline_swin_t'
+    assert run.arch == dict(window=14, residual='none', kernel='relu', ape=False, embed_dim=48, depths=(1, 1, 2, 1),
+                            layout='IIIS')  # the experiment's residual, the flags' window over its 7
+    assert run.args.output_dir == os.path.join(
+        'runs', 't4_window7_no_residual-apeFalse-depths1.1.2.1-embed_dim48-kernelrelu-layoutIIIS-window14-synthetic')
+    # the synthetic task: Swin's InLine windows smaller than its stages at 224 px, where they tile them
+    assert (resolved(['--experiment', 't4_window7_residual']).args.img_size, run.args.batch_size) == (224, 8)
+    assert resolved(['--experiment', 't4_window56_residual']).args.img_size == 32
+    assert resolved(['--experiment', 's_swin_t', '--data-path', 'imagenet']).args.drop_path == 0.2  # Swin-T's row
+
+
+def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_path):
+    run_train(ABLATION + ['--epochs', '1'], cwd=tmp_path)
+    output_dir = tmp_path / 'runs' / 't4_window7_no_residual-depths1.1.1.1-embed_dim16-num_heads1.1.2.2-synthetic'
+    path = str(output_dir / 'checkpoint.pt')
+    arch = dict(window=7, residual='none', depths=(1, 1, 1, 1), embed_dim=16, num_heads=(1, 1, 2, 2))
+    assert arch.items() <= load_checkpoint_file(path)['arch'].items()
+    result = run_train(['--resume', path, '--epochs', '2', '--threads', '1'], cwd=tmp_path)  # no architecture flags
+    assert 'resumed from' in result.stdout and 'InLine windows 7' in result.stdout
+    log = metrics(str(output_dir))
+    assert [e['epoch'] for e in log] == [1, 2] and all(e['arch']['window'] == 7 for e in log)
+    result = run_train(['--eval', '--checkpoint', path, '--attention-impl', 'reference', '--threads', '1'])
+    assert printed(result.stdout, 'eval model: ')['loss'] == pytest.approx(log[-1]['val_loss'], rel=1e-6)
+    result = run_train(['--eval', '--checkpoint', path, '--window', '14', '--threads', '1'], ok=False)
+    assert result.returncode != 0 and 'this run asks for window=14. They differ in window' in result.stderr
+
+
+def test_grad_checkpointing_keeps_the_gradients():
+    torch.manual_seed(0)
+    name = 'inline_swin_t'
+    model = perturb(models.create_model(name, drop_path_rate=0.1, **SMALL[name]))
+    x = torch.randn(2, 3, *SMALL[name]['img_size'])
+    upstream = torch.randn(2, model.num_classes)
+
+    def gradients(enable):
+        model.set_grad_checkpointing(enable)
+        model.zero_grad()
+        torch.manual_seed(1)  # the same drop path draws
+        model(x).backward(upstream)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+    without, with_ = gradients(False), gradients(True)
+    assert all(torch.equal(without[n], with_[n]) for n in without)
+    run = resolved(['--model', name, '--img-size', '64', '--attention-impl', 'reference', '--grad-checkpoint'])
+    assert train.build_model(run, num_classes=10).grad_checkpointing

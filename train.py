@@ -22,6 +22,7 @@ the same command resumes from it (--resume FILE names another); SIGTERM saves an
 the current epoch, and the rerun ends with the same weights as a run never interrupted (fixed seed, CPU).
 """
 import argparse
+import ast
 import contextlib
 import io
 import json
@@ -29,6 +30,7 @@ import math
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import sys
@@ -82,12 +84,15 @@ NO_EVAL_CROP = ('inline_swin_b_384',)  # its config's TEST.CROP is False: resize
 # of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
 SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr=1e-5, min_lr=1e-5, cooldown_epochs=0,
                  weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0,
-                 mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0)
-SYNTHETIC_TRAIN, SYNTHETIC_VAL = 12_800, 2_000
+                 mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
+                 synthetic_train=12_800, synthetic_val=2_000)
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with the mean colour
 BICUBIC = T.InterpolationMode.BICUBIC
+TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
 EMA_KEYS = ('model_ema', 'state_dict_ema')  # ours; the authors' CSwin files
+ARCH_FLAGS = ('layout', 'kernel', 'residual', 'dilation', 'window', 'ape', 'nonneg', 'normalise_q')
+RUN_KEYS = {'img_size': 'img-size', 'num_classes': 'data-path', 'drop_path_rate': 'drop-path'}  # and their flags
 
 
 def get_args_parser():
@@ -95,7 +100,20 @@ def get_args_parser():
                                 epilog='Flags without a default take the recipe\'s value (printed at start).')
     a = p.add_argument
     a('--model', choices=sorted(models.MODELS), metavar='NAME',
-      help=f'variant (SPEC §3; default: the checkpoint\'s, else inline_swin_t): {", ".join(models.MODELS)}')
+      help=f'variant (SPEC §3; default: the experiment\'s or checkpoint\'s, else inline_swin_t): {", ".join(models.MODELS)}')
+    a('--experiment', metavar='NAME', help='one of the paper\'s experiments (SPEC §6; `python models.py --experiments` '
+      'lists them): its model and overrides, under which the flags below win')
+    a('--layout', help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
+    a('--kernel', help='phi of the I and L blocks: identity, relu, leakyrelu, exp, relu_affine')
+    a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
+    a('--dilation', type=int, help='dilation of Eq. 6\'s 3x3 neighbourhood')
+    a('--window', type=int, help='Swin: InLine window side in tokens (default: the whole stage, as released)')
+    a('--ape', action=argparse.BooleanOptionalAction,
+      help='Swin: the authors\' absolute position embedding in InLine attention (default: on without Eq. 6)')
+    a('--nonneg', action=argparse.BooleanOptionalAction, help='InLine weights forced >= 0 (R-nonneg)')
+    a('--normalise-q', action=argparse.BooleanOptionalAction, help='softmax over L2-normalised queries (T1)')
+    a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
+      help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
     a('--data-path', help='ImageFolder root with train/ and val/; without it, the built-in synthetic task')
     a('--img-size', type=int, help='input side in pixels (default: the variant\'s own; 32 for the synthetic task)')
     a('--attention-impl', default='fast', choices=['fast', 'reference'],
@@ -103,8 +121,8 @@ def get_args_parser():
     a('--drop-path', type=float, help='stochastic depth rate')
     a('--finetune', help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
     a('--grad-checkpoint', action='store_true', help='recompute each block in the backward: less memory, slower')
-    a('--synthetic-train', type=int, default=SYNTHETIC_TRAIN, help='synthetic training images per epoch')
-    a('--synthetic-val', type=int, default=SYNTHETIC_VAL, help='synthetic validation images')
+    a('--synthetic-train', type=int, help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
+    a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
     a('--epochs', type=int, help='epochs of the cosine schedule (cool-down epochs come on top)')
     a('--batch-size', type=int, help='per-process batch size (images)')
     a('--accum-steps', type=int, help='gradient accumulation steps (default: enough for the recipe\'s total batch)')
@@ -131,8 +149,8 @@ def get_args_parser():
     a('--compile', action='store_true', help='torch.compile the model for training')
     a('--workers', type=int, help='data-loading processes per training process')
     a('--threads', type=int, help='CPU threads per process (default: this node\'s cores shared out among them)')
-    a('--seed', type=int, default=0)
-    a('--output-dir', help='checkpoints and metrics.jsonl (default: runs/<model>-<data>)')
+    a('--seed', type=int, help='the seed of every random stream (0)')
+    a('--output-dir', help='checkpoints and metrics.jsonl (default: runs/<experiment or model>[-<overrides>]-<data>)')
     a('--resume', help='checkpoint to resume from (default: OUTPUT_DIR/checkpoint.pt if it exists)')
     a('--eval', action='store_true', help='only evaluate --checkpoint on the validation set')
     a('--checkpoint', help='weights to evaluate: ours, or the authors\' released file')
@@ -269,10 +287,6 @@ class RandAugment(nn.Module):
         return img
 
 
-def to_tensor():
-    return [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
-
-
 def train_transform(args):
     """The released training augmentation (SPEC §4); RandAugment works on PIL images, as timm's."""
     t = [T.RandomResizedCrop(args.img_size, interpolation=BICUBIC), T.RandomHorizontalFlip()]
@@ -281,14 +295,14 @@ def train_transform(args):
     elif args.color_jitter > 0:
         t.append(T.ColorJitter(args.color_jitter, args.color_jitter, args.color_jitter))
     erase = [T.RandomErasing(args.random_erase, value='random')] if args.random_erase > 0 else []
-    return T.Compose(t + to_tensor() + erase)
+    return T.Compose(t + TO_TENSOR + erase)
 
 
 def eval_transform(img_size, crop=True):
     """SPEC §4: resize to a square of int(img * 256 / 224), aspect not kept, then the centre img x img; without
     crop (inline_swin_b_384) straight to img x img. Bicubic."""
     side = int(img_size * 256 / 224) if crop else img_size
-    return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + to_tensor())
+    return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + TO_TENSOR)
 
 
 def load_rgb(path):
@@ -299,35 +313,29 @@ def load_rgb(path):
         raise RuntimeError(f'cannot decode image {path}: {e}') from None
 
 
-def image_folders(args):
-    """ROOT/train and ROOT/val as ImageFolders with the released transforms."""
-    root = args.data_path
-    for split in ('train', 'val'):
-        if not os.path.isdir(os.path.join(root, split)):
-            fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
-    found = []
+def load_data(args):
+    """(training set, validation set): ROOT/train and ROOT/val as ImageFolders with the released transforms, or
+    without --data-path the synthetic task."""
+    if args.data_path is None:
+        train_set = SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True)
+        val_set = SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False)
+        print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), {args.img_size} '
+               f'px, {len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
+        return train_set, val_set
+    found, root = [], args.data_path
     for split, transform in (('train', train_transform(args)),
                              ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
+        if not os.path.isdir(os.path.join(root, split)):
+            fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
         try:
             found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
         except FileNotFoundError as e:
             fail(f'no images in {os.path.join(root, split)}: {e}')
-    if found[0].classes != found[1].classes:
-        fail(f'train/ has {len(found[0].classes)} classes and val/ has {len(found[1].classes)}; they must match')
-    return found
-
-
-def load_data(args):
-    """(training set, validation set): ImageFolders with --data-path, else the synthetic task."""
-    if args.data_path:
-        train_set, val_set = image_folders(args)
-        print0(f'data: {args.data_path}, {len(train_set.classes)} classes, {len(train_set):,} training and '
-               f'{len(val_set):,} validation images, {args.img_size} px')
-        return train_set, val_set
-    train_set = SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True)
-    val_set = SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False)
-    print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), {args.img_size} px, '
-           f'{len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
+    train_set, val_set = found
+    if train_set.classes != val_set.classes:
+        fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; they must match')
+    print0(f'data: {root}, {len(train_set.classes)} classes, {len(train_set):,} training and {len(val_set):,} '
+           f'validation images, {args.img_size} px')
     return train_set, val_set
 
 
@@ -352,6 +360,8 @@ class Run:
     device: torch.device = torch.device('cpu')
     total_batch: int = 0  # images per optimizer step
     amp_given: bool = False  # --amp on the command line: validation uses it too
+    arch: dict = None  # the model's create_model overrides besides RUN_KEYS (models' model.arch)
+    name: str = ''  # the experiment or model and the overrides beyond its own, short: the output folder's name
     saved: dict = None  # --eval's checkpoint, or the one to resume from
     saved_path: str = None
 
@@ -363,20 +373,87 @@ class Run:
         return torch.autocast(self.device.type, dtype=dtype)
 
 
+def model_kwargs(args):
+    """--model-kwargs KEY=VALUE ... and the named architecture flags given, as create_model overrides."""
+    kwargs = {}
+    for item in args.model_kwargs or []:
+        key, sep, value = item.partition('=')
+        if not sep or not key.isidentifier():
+            fail(f'--model-kwargs takes KEY=VALUE pairs (e.g. depths=(1,1,2,1) embed_dim=48), not {item!r}')
+        if key in RUN_KEYS:
+            fail(f'--model-kwargs {key}: train.py sets it; use --{RUN_KEYS[key]}')
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):  # not a Python literal: a string such as layout=IISS
+            kwargs[key] = value
+    return {**kwargs, **{k: getattr(args, k) for k in ARCH_FLAGS if getattr(args, k) is not None}}
+
+
+def resolve_architecture(run):
+    """The model and its overrides (run.arch): a checkpoint's (eval, resume), which the flags given must agree
+    with; else --experiment's, under which the flags given win."""
+    args, saved = run.args, (run.saved or {}).get('args', {})
+    given_experiment = args.experiment
+    mine = ('amp', 'workers', 'threads', 'finetune', 'resume') + ('data_path',) * args.eval  # this invocation's
+    for key, value in saved.items():  # flags left unset: a resumed run goes on as it was, an eval sees what it saw
+        if getattr(args, key, False) is None and key not in mine:
+            setattr(args, key, value)
+    if args.experiment is not None and args.experiment not in models.EXPERIMENTS:
+        fail(f'unknown experiment {args.experiment}; choose one of {", ".join(models.EXPERIMENTS)}')
+    experiment = models.EXPERIMENTS.get(args.experiment)
+    base, flags = (experiment.overrides if experiment else {}), model_kwargs(args)
+    if run.saved is not None and 'arch' in run.saved:  # ours: rebuilt as it was saved
+        run.arch = architecture(run.saved['arch'])
+        refuse_other_architecture(run, {**(base if given_experiment else {}), **flags})
+    else:
+        won = [f'{k}={v!r} (its {base[k]!r})' for k, v in flags.items() if base.get(k, v) != v]
+        if won:
+            print0(f'the flags given win over experiment {args.experiment}: {", ".join(won)}')
+        run.arch = {**base, **flags}
+    args.model = args.model or (experiment.model if experiment else 'inline_swin_t')
+    name = args.experiment or args.model
+    if experiment and args.model != experiment.model:
+        print0(f'--model {args.model} wins over experiment {args.experiment}\'s {experiment.model}')
+        name += f'-{args.model}'
+    summary = [re.sub(r'[^\w.]+', '', f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
+               for k, v in sorted(run.arch.items()) if k not in base or base[k] != v]
+    run.name = '-'.join([name] + summary)  # the output folder's, without the data
+
+
+def refuse_other_architecture(run, wanted):
+    """Stop if the checkpoint's architecture differs from the one asked for, naming what differs."""
+    differ = sorted(k for k in wanted if wanted[k] != run.arch.get(k))
+    if differ:
+        fail(f'{run.saved_path} holds a model built with {run.arch}; this run asks for ' +
+             ', '.join(f'{k}={wanted[k]!r}' if wanted[k] is not None else f'no {k}' for k in differ) +
+             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue or evaluate the '
+             'model as it was built, or give another --output-dir')
+
+
+def architecture(arch):
+    """A model.arch without what train.py sets for the run (image size, classes, drop path)."""
+    return {k: v for k, v in arch.items() if k not in RUN_KEYS}
+
+
 def resolve(run):
     """Fill every flag left unset: the model and image size from the checkpoint (eval, resume), then SPEC §4's
     row for --model with --data-path or the synthetic recipe without it; set the total batch."""
-    args, synthetic, saved_args = run.args, run.args.data_path is None, (run.saved or {}).get('args', {})
-    args.model = args.model or saved_args.get('model', 'inline_swin_t')
-    args.img_size = args.img_size or saved_args.get('img_size')
+    resolve_architecture(run)
+    args, synthetic = run.args, run.args.data_path is None
     if args.img_size is None and (not synthetic or args.throughput):
         with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
             args.img_size = models.create_model(args.model).img_size[0]  # (H, W); the released sizes are square
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
     recipe = SYNTHETIC if synthetic else {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))}
+    if args.img_size is None and (run.arch.get('window') or 56) < 56:
+        # Swin's InLine windows smaller than the stage (T4: 7, 14, 28) at the paper's 224 px, the one size below
+        # 448 where they tile every stage they are smaller than (56-28-14-7 tokens): models.py refuses a window
+        # that does not tile its stage (padding would change Eq. 5's means), and at 32 px every window would
+        # cover its whole stage. 8 images per process keep a 224 px step to a few GB and seconds on a CPU.
+        args.img_size, recipe = 224, dict(recipe, batch_size=8)
     if args.img_size is None:
         args.img_size = 64 if family == 'deit' else 32  # DeiT's 16 px patches: a 4x4 token grid
-    for key, value in recipe.items():
+    for key, value in {**recipe, 'seed': 0}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.accum_steps is None:
@@ -392,9 +469,9 @@ def resolve(run):
         args.amp = 'bf16' if native_bf16 else 'fp16' if run.device.type == 'cuda' else 'fp32'
     if args.workers is None:
         args.workers = 0 if synthetic else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
-    if args.output_dir is None:
+    if args.output_dir is None:  # named after the architecture, so that two ablations never resume into each other
         data = 'synthetic' if synthetic else os.path.basename(os.path.normpath(args.data_path))
-        args.output_dir = os.path.join('runs', f'{args.model}-{data}')
+        args.output_dir = os.path.join('runs', f'{run.name}-{data}')
     check_args(args)
 
 
@@ -448,6 +525,8 @@ def setup(args):
     latest = os.path.join(args.output_dir, 'checkpoint.pt')
     if run.saved is None and not args.eval and os.path.exists(latest):  # rerunning a command resumes it
         open_checkpoint(run, latest)
+        asked, run.arch = run.arch, architecture(run.saved.get('arch', {}))
+        refuse_other_architecture(run, {**dict.fromkeys(run.arch), **asked})
     print0(f'args: {json.dumps(vars(args))}')
     return run
 
@@ -456,14 +535,16 @@ def setup(args):
 def build_model(run, num_classes):
     """The variant at the run's image size and drop path, with the fast core unless --attention-impl reference."""
     args = run.args
-    overrides = {k: v for k, v in (('img_size', args.img_size), ('drop_path_rate', args.drop_path)) if v is not None}
+    if run.saved and run.saved.get('num_classes', num_classes) != num_classes:
+        fail(f'{run.saved_path} has {run.saved["num_classes"]} classes; the data has {num_classes}')
+    overrides = dict(run.arch, img_size=args.img_size, drop_path_rate=args.drop_path)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     try:
         model = models.create_model(args.model, fast=args.attention_impl == 'fast', num_classes=num_classes,
                                     **overrides)
     except ImportError as e:
         fail(f'the fast attention path is unavailable ({e}); pass --attention-impl reference')
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         fail(f'cannot build {args.model} with {overrides}: {e}')
     if args.finetune:  # the 384 px fine-tunes start from the 224 px weights, the EMA where there is one (SPEC §4)
         saved = read_checkpoint(args.finetune)
@@ -474,14 +555,19 @@ def build_model(run, num_classes):
         model.set_grad_checkpointing(True)
     print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, '
            f'{args.img_size} px, attention {args.attention_impl}, amp {args.amp}, device {run.device} x {run.world}')
+    if args.experiment:
+        e = models.EXPERIMENTS[args.experiment]
+        print0(f'experiment: {args.experiment} ({e.table}, reported {e.reported}{", our construction" * e.ours}): '
+               f'{e.what}')
+    print0(f'architecture: {models.describe(model)}; overrides {model.arch}')
     return model.to(run.device)
 
 
 def build_optimizer(model, args, total_batch):
-    """AdamW without weight decay on 1-D parameters (biases, norms) and the model's no_weight_decay() names, except
-    PVT's position embeddings: the released trainer decays them (SPEC §4)."""
-    pvt = args.model.split('_')[1] == 'pvt'
-    skip = {n for n in model.no_weight_decay() if not (pvt and n.startswith('pos_embed'))}
+    """AdamW without weight decay on 1-D parameters (biases, norms) and the model's no_weight_decay() names (DeiT's
+    position embedding and class token, Swin's relative position bias tables; PVT's position embeddings are
+    decayed, SPEC §4)."""
+    skip = model.no_weight_decay()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -586,11 +672,6 @@ def load_weights(model, saved, key, path):
         fail(f'cannot load {path} ({key}): {e}')
 
 
-def check_classes(saved, path, num_classes):
-    if saved.get('num_classes', num_classes) != num_classes:
-        fail(f'{path} has {saved["num_classes"]} classes; the data has {num_classes}')
-
-
 # --------------------------------------------------------------------------------------- train and eval
 @dataclass
 class Training:
@@ -692,7 +773,6 @@ def val_loader(run, val_set):
 
 def evaluate_checkpoint(run, model, val_set):
     """--eval: the file's weights, then its EMA weights where it has them (ours or the authors' CSwin)."""
-    check_classes(run.saved, run.saved_path, len(val_set.classes))
     loader = val_loader(run, val_set)
     for key in ('model', *(k for k in EMA_KEYS if run.saved.get(k) is not None)):
         load_weights(model, run.saved, key, run.saved_path)
@@ -741,16 +821,15 @@ def prepare_training(run, raw, train_set):
     t = Training(model, raw, optimizer, scheduler, scaler, ema, build_mix(args, num_classes), criterion,
                  steps_per_epoch)
     if run.saved is not None:
-        resume(run, t, num_classes)
+        resume(run, t)
     else:
         torch.manual_seed(args.seed + run.rank)  # augmentation, Mixup/CutMix and drop path differ between ranks
     return t, sampler, loader
 
 
-def resume(run, t, num_classes):
+def resume(run, t):
     """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, EMA, log and random streams."""
     saved, path, args = run.saved, run.saved_path, run.args
-    check_classes(saved, path, num_classes)
     try:
         t.raw.load_state_dict(saved['model'])
         t.optimizer.load_state_dict(saved['optimizer'])
@@ -798,7 +877,7 @@ def save_checkpoint(run, t, is_best=False):
                      'model_ema': t.ema.module.state_dict() if t.ema else None,
                      'ema_updates': int(t.ema.n_averaged) if t.ema else 0, 'epoch': t.epoch, 'step': t.step,
                      'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
-                     'args': vars(run.args), 'num_classes': t.raw.num_classes},
+                     'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes},
                     os.path.join(run.args.output_dir, 'checkpoint.pt'))
     publish(run, t, is_best)
 
@@ -840,7 +919,8 @@ def fit(run, raw, train_set, val_set):
                    'rerun to continue')
             return
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0], 'images_per_s': speed,
-                 **{f'val_{k}': v for k, v in evaluate(run, raw, val).items()}}
+                 **{f'val_{k}': v for k, v in evaluate(run, raw, val).items()},
+                 'experiment': args.experiment, 'arch': json.loads(json.dumps(raw.arch))}  # as metrics.jsonl has it
         if t.ema is not None:
             entry.update({f'ema_val_{k}': v for k, v in evaluate(run, t.ema.module, val).items()})
         acc = entry['ema_val_acc1' if t.ema is not None else 'val_acc1']  # CSwin reports its EMA (SPEC §4)
