@@ -100,9 +100,10 @@ def get_args_parser():
                                 epilog='Flags without a default take the recipe\'s value (printed at start).')
     a = p.add_argument
     a('--model', choices=sorted(models.MODELS), metavar='NAME',
-      help=f'variant (SPEC §3; default: the experiment\'s or checkpoint\'s, else inline_swin_t): {", ".join(models.MODELS)}')
-    a('--experiment', metavar='NAME', help='one of the paper\'s experiments (SPEC §6; `python models.py --experiments` '
-      'lists them): its model and overrides, under which the flags below win')
+      help=f'variant (SPEC §3; default: the experiment\'s or the checkpoint\'s, else inline_swin_t): '
+           f'{", ".join(models.MODELS)}')
+    a('--experiment', metavar='NAME', help='one of the paper\'s experiments (SPEC §6; `python models.py '
+      '--experiments` lists them): its model and overrides, under which the flags below win')
     a('--layout', help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
     a('--kernel', help='phi of the I and L blocks: identity, relu, leakyrelu, exp, relu_affine')
     a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
@@ -115,7 +116,8 @@ def get_args_parser():
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
       help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
     a('--data-path', help='ImageFolder root with train/ and val/; without it, the built-in synthetic task')
-    a('--img-size', type=int, help='input side in pixels (default: the variant\'s own; 32 for the synthetic task)')
+    a('--img-size', type=int, help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
+      'DeiT 64, Swin with InLine windows smaller than the stage 224)')
     a('--attention-impl', default='fast', choices=['fast', 'reference'],
       help='the InLine core: kernels.py (fast) or inline.py (reference)')
     a('--drop-path', type=float, help='stochastic depth rate')
@@ -323,10 +325,11 @@ def load_data(args):
                f'px, {len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
         return train_set, val_set
     found, root = [], args.data_path
-    for split, transform in (('train', train_transform(args)),
-                             ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
+    for split in ('train', 'val'):
         if not os.path.isdir(os.path.join(root, split)):
             fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
+    for split, transform in (('train', train_transform(args)),
+                             ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
         try:
             found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
         except FileNotFoundError as e:
@@ -457,7 +460,8 @@ def resolve(run):
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.accum_steps is None:
-        args.accum_steps = 1 if synthetic else max(1, round(recipe['batch_size'] * PROCESSES / (args.batch_size * run.world)))
+        wanted = recipe['batch_size'] * PROCESSES  # the released total batch
+        args.accum_steps = 1 if synthetic else max(1, round(wanted / args.batch_size / run.world))
     run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
         args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and not synthetic else 0.0
