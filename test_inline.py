@@ -8,25 +8,31 @@ models with their weights, float64 inputs and outputs; keys/<variant>.tsv, every
 state dict. Tests that need them skip when they are absent (and fail under CI). Big models are only
 built on the meta device, where shapes and FLOP counts cost no memory.
 """
+import argparse
 import functools
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageEnhance, ImageOps
+from torchvision import datasets
 
 import inline
 import kernels
 import models
+import paper
+import train
 
 OFFICIAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'shared', 'official')
 GOLDEN_PATH = os.environ.get('INLINE_GOLDEN', os.path.join(OFFICIAL, 'golden_blocks.pt'))
@@ -1036,8 +1042,8 @@ def command(args, nproc=1):
     return (launcher if nproc > 1 else [sys.executable]) + [TRAIN, *args]
 
 
-def train(args, nproc=1, ok=True, timeout=600):
-    result = subprocess.run(command(args, nproc), capture_output=True, text=True, timeout=timeout)
+def run_train(args, nproc=1, ok=True, timeout=600, cwd=None):
+    result = subprocess.run(command(args, nproc), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if ok and result.returncode != 0:
         raise AssertionError(f'train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n'
                              f'{result.stderr[-3000:]}')
@@ -1062,7 +1068,7 @@ def load_checkpoint_file(path):
 def two_process_run(tmp_path_factory):
     """Two processes under torchrun, two epochs of the synthetic task; shared by the tests below."""
     output_dir = str(tmp_path_factory.mktemp('run'))
-    result = train(SYNTHETIC_ARGS + ['--output-dir', output_dir], nproc=2)
+    result = run_train(SYNTHETIC_ARGS + ['--output-dir', output_dir], nproc=2)
     return output_dir, result
 
 
@@ -1083,7 +1089,7 @@ def test_two_processes_train_and_write_checkpoints(two_process_run):
 
 def test_eval_reproduces_the_logged_accuracy(two_process_run):
     output_dir, _ = two_process_run
-    result = train(SYNTHETIC_ARGS + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')], nproc=2)
+    result = run_train(SYNTHETIC_ARGS + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')], nproc=2)
     evaluated, logged = printed(result.stdout, 'eval model: '), metrics(output_dir)[-1]
     assert evaluated['images'] == 21
     assert evaluated['acc1'] == logged['val_acc1'] and evaluated['acc5'] == logged['val_acc5']
@@ -1098,7 +1104,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(two_process_run, tm
     path = str(tmp_path / 'checkpoint.pt')
     torch.save(ckpt, path)
     digest = hashlib.sha256(open(path, 'rb').read()).hexdigest()
-    result = train(TINY_ARGS + ['--synthetic-train', '48', '--synthetic-val', '21', '--epochs', '3',
+    result = run_train(TINY_ARGS + ['--synthetic-train', '48', '--synthetic-val', '21', '--epochs', '3',
                            '--output-dir', str(tmp_path)], ok=False)
     assert result.returncode != 0 and 'the loss is not finite' in result.stderr
     assert hashlib.sha256(open(path, 'rb').read()).hexdigest() == digest
@@ -1106,10 +1112,13 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(two_process_run, tm
 
 @pytest.mark.parametrize('mode', ['--eval', '--resume'])
 def test_checkpoint_of_another_model_is_refused(two_process_run, mode, tmp_path):
+    """--eval's case runs under torchrun, where the error must print once, not once per process."""
     path = os.path.join(two_process_run[0], 'checkpoint.pt')
     args = SYNTHETIC_ARGS + ['--model', 'inline_pvt_t', '--output-dir', str(tmp_path)]
-    result = train(args + ([mode, '--checkpoint', path] if mode == '--eval' else [mode, path]), ok=False)
-    assert result.returncode != 0 and 'is a checkpoint of inline_deit_t, not of --model inline_pvt_t' in result.stderr
+    result = run_train(args + ([mode, '--checkpoint', path] if mode == '--eval' else [mode, path]), ok=False,
+                       nproc=2 if mode == '--eval' else 1)
+    message = 'is a checkpoint of inline_deit_t, not of --model inline_pvt_t'
+    assert result.returncode != 0 and result.stderr.count(message) == 1, result.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------- nothing is lost
@@ -1147,7 +1156,7 @@ def interrupt(args, output_dir, sig):
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
     output_dir = str(tmp_path_factory.mktemp('uninterrupted'))
-    train(RESUMABLE + ['--output-dir', output_dir], nproc=2)
+    run_train(RESUMABLE + ['--output-dir', output_dir], nproc=2)
     return output_dir
 
 
@@ -1157,7 +1166,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_pa
     output = interrupt(RESUMABLE + ['--output-dir', interrupted], interrupted, sig)
     if sig == signal.SIGTERM:  # saved where it stopped, mid-epoch
         assert 'SIGTERM: saved' in output and load_checkpoint_file(os.path.join(interrupted, 'checkpoint.pt'))['step'] > 0
-    result = train(RESUMABLE + ['--output-dir', interrupted], nproc=2)  # the same command, rerun
+    result = run_train(RESUMABLE + ['--output-dir', interrupted], nproc=2)  # the same command, rerun
     assert 'resumed from' in result.stdout
     expected, got = final_weights(reference), final_weights(interrupted)
     assert expected.keys() == got.keys()
@@ -1187,16 +1196,16 @@ def test_image_folder_trains_and_evaluates(tmp_path):
     # the released recipe (RandAugment, Mixup/CutMix, random erasing, ...) at a tiny scale: 2 steps of 2 x 4 images
     args = TINY_ARGS + ['--data-path', root, '--batch-size', '4', '--accum-steps', '2', '--epochs', '2',
                    '--warmup-epochs', '1', '--workers', '1', '--output-dir', output_dir]
-    result = train(args)
+    result = run_train(args)
     assert 'released ImageNet-1K recipe' in result.stdout
     log = metrics(output_dir)
     assert len(log) == 2 and log[-1]['val_images'] == 6
-    result = train(args + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')])
+    result = run_train(args + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')])
     assert printed(result.stdout, 'eval model: ')['acc1'] == log[-1]['val_acc1']
 
 
 def test_throughput_prints_images_per_second():
-    result = train(TINY_ARGS + ['--throughput', '--batch-size', '2'])
+    result = run_train(TINY_ARGS + ['--throughput', '--batch-size', '2'])
     assert 'throughput:' in result.stdout and 'images/s' in result.stdout
 
 
@@ -1229,6 +1238,9 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
     'lr-too-big': (['--lr', '3'], '--lr 3.0 is out of range'),
     'eval-without-checkpoint': (['--eval'], '--eval needs --checkpoint'),
     'missing-checkpoint': (['--eval', '--checkpoint', 'no/such/file.pt'], 'no checkpoint at no/such/file.pt'),
+    'unknown-experiment': (['--experiment', 'nope'], 'unknown experiment nope; choose one of t3_linear_relu'),
+    'model-kwargs': (['--model-kwargs', 'depths'], '--model-kwargs takes KEY=VALUE pairs'),
+    'model-kwargs-img-size': (['--model-kwargs', 'img_size=64'], '--model-kwargs img_size: train.py sets it'),
 }
 
 
@@ -1238,21 +1250,276 @@ def test_bad_input_gets_a_clear_error(case, tmp_path):
     extra, message = BAD[case]
     if isinstance(extra, str):
         extra = bad_data(str(tmp_path / 'data'), extra)
-    result = train(SYNTHETIC_ARGS + ['--output-dir', str(tmp_path / 'run')] + extra, ok=False)
+    result = run_train(SYNTHETIC_ARGS + ['--output-dir', str(tmp_path / 'run')] + extra, ok=False)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-2000:]
     if case == 'undecodable':
         assert 'broken.png' in result.stderr
 
 
+# ------------------------------------------------------------------------------ the recipe, in process
+# SPEC §4's table as the SPEC writes it: batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down,
+# weight decay, clip (None: off), drop path; and the peak lr per 512 images
+SPEC_RECIPE = {
+    'inline_deit_t': (512, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
+    'inline_deit_s': (128, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
+    'inline_deit_b': (64, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
+    'inline_pvt_t': (128, 300, (5, 1e-6), 1e-5, 10, 0.05, None, 0.1, 5e-4),
+    'inline_pvt_s': (128, 300, (5, 1e-6), 1e-5, 10, 0.05, None, 0.1, 5e-4),
+    'inline_pvt_m': (128, 300, (5, 1e-6), 1e-5, 10, 0.05, 1.0, 0.3, 5e-4),
+    'inline_pvt_l': (64, 300, (5, 1e-6), 1e-5, 10, 0.05, 1.0, 0.3, 5e-4),
+    'inline_swin_t': (128, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.2, 5e-4),
+    'inline_swin_s': (128, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.3, 5e-4),
+    'inline_swin_b': (64, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.5, 5e-4),
+    'inline_swin_b_384': (32, 30, (5, 2e-8), 2e-7, 0, 1e-8, 5.0, 0.5, 2e-5),
+    'inline_cswin_t': (128, 300, (20, 1e-6), 1e-5, 10, 0.05, None, 0.2, 5e-4),
+    'inline_cswin_s': (128, 300, (20, 1e-6), 1e-5, 10, 0.05, None, 0.4, 5e-4),
+    'inline_cswin_b': (64, 300, (20, 1e-6), 1e-5, 10, 0.1, None, 0.5, 5e-4),
+    'inline_cswin_b_384': (32, 20, (0, 5e-6), 5e-7, 10, 1e-8, None, 0.7, 5e-6),
+}
+
+
+def resolved(argv, world=1):
+    """train.py's flags as setup() resolves them, in this process, with `world` processes."""
+    run = train.Run(train.get_args_parser().parse_args(argv), world=world)
+    if run.args.checkpoint or run.args.resume:
+        train.open_checkpoint(run, run.args.checkpoint or run.args.resume)
+    train.resolve(run)
+    return run
+
+
+def refused(argv, capsys):
+    """What train.py says when it refuses argv (in this process)."""
+    with pytest.raises(SystemExit):
+        resolved(argv)
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize('name', list(SPEC_RECIPE))
+def test_recipe_is_the_spec_table(name):
+    batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = SPEC_RECIPE[name]
+    for world, accum in ((8, 1), (2, 4)):  # 8 processes as the authors ran it; 2 accumulate to the same total batch
+        run = resolved(['--model', name, '--data-path', 'imagenet'], world)
+        a = run.args
+        assert (a.batch_size, a.accum_steps, run.total_batch) == (batch, accum, batch * 8)
+        assert (a.lr, a.epochs, a.warmup_epochs, a.warmup_lr, a.min_lr, a.cooldown_epochs) == (
+            lr, epochs, warmup, warmup_lr, min_lr, cooldown)
+        assert (a.weight_decay, a.clip_grad or None, a.drop_path) == (wd, clip, drop_path)
+        # shared by every variant (SPEC §4); the EMA is CSwin's, 0.9996 per step at a total batch of 4096
+        assert (a.label_smoothing, a.mixup, a.cutmix, a.mixup_switch_prob, a.random_erase) == (0.1, 0.8, 1.0, 0.5, 0.25)
+        assert (a.randaug_n, a.randaug_m, a.randaug_mstd) == (2, 9, 0.5)
+        assert a.ema_decay == (pytest.approx(0.9996 ** (batch * 8 / 4096)) if 'cswin' in name else 0)
+        assert a.img_size == (384 if name.endswith('_384') else 288 if name == 'inline_deit_s' else
+                              448 if name == 'inline_deit_b' else 224)
+
+
+@pytest.mark.parametrize('name', TINY)
+def test_weight_decay_groups(name):
+    """SPEC §4: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative position bias
+    tables; PVT's position embeddings are decayed."""
+    model = models.create_model(name, **SMALL[name])
+    run = resolved(['--model', name, '--data-path', 'imagenet'])
+    optimizer = train.build_optimizer(model, run.args, run.total_batch)
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = {g['weight_decay']: {names[id(p)] for p in g['params']} for g in optimizer.param_groups}
+    exempt = {'inline_deit_t': {'pos_embed', 'cls_token'}}.get(name, set())
+    expected = {n for n, p in model.named_parameters()
+                if p.ndim <= 1 or n in exempt or n.endswith('relative_position_bias_table')}
+    assert got[0.0] == expected and got[0.05] == set(names.values()) - expected
+    if name == 'inline_pvt_t':
+        assert {f'pos_embed{i}' for i in range(1, 5)} <= got[0.05]
+
+
+def test_validation_runs_in_fp32_unless_amp_is_given():
+    run = resolved([])
+    run.args.amp = 'bf16'  # as resolved on a machine with native bf16
+    with run.autocast(training=True):
+        assert torch.is_autocast_enabled('cpu') and torch.get_autocast_dtype('cpu') == torch.bfloat16
+    with run.autocast(training=False):
+        assert not torch.is_autocast_enabled('cpu')
+    with resolved(['--amp', 'bf16']).autocast(training=False):
+        assert torch.is_autocast_enabled('cpu')
+
+
+@pytest.mark.parametrize('size,crop,side', [(32, True, 36), (384, True, 438), (384, False, 384)],
+                         ids=['32px', 'cswin_b_384', 'swin_b_384'])
+def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
+    """SPEC §4: a square of int(img * 256/224), the aspect not kept, bicubic, then the centre img x img."""
+    g = torch.Generator().manual_seed(0)
+    img = Image.fromarray(torch.randint(0, 256, (size + 17, size + 40, 3), generator=g, dtype=torch.uint8).numpy())
+    square = torch.from_numpy(np.array(img.resize((side, side), Image.BICUBIC))).permute(2, 0, 1) / 255
+    top = (side - size) // 2
+    expected = (square[:, top:top + size, top:top + size] - torch.tensor(train.MEAN)[:, None, None]) / \
+        torch.tensor(train.STD)[:, None, None]
+    torch.testing.assert_close(train.eval_transform(size, crop)(img), expected)
+    assert train.NO_EVAL_CROP == ('inline_swin_b_384',)  # inline_cswin_b_384 crops
+
+
+# timm's rand-m9-mstd0.5-inc1 as SPEC §4 writes it, at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations,
+# as timm calls them, with the SPEC's magnitude formulas; geometric ops bicubic, filled with the mean colour
+FILL = (124, 116, 104)
+RANDAUG_FORMULAS = {
+    'AutoContrast': lambda img, s: ImageOps.autocontrast(img),
+    'Equalize': lambda img, s: ImageOps.equalize(img),
+    'Invert': lambda img, s: ImageOps.invert(img),
+    'Rotate': lambda img, s: img.rotate(s * 27, resample=Image.BICUBIC, fillcolor=FILL),  # 30 f degrees
+    'PosterizeIncreasing': lambda img, s: Image.fromarray(np.asarray(img) & 0b10000000),  # 4 - int(4 f) = 1 bit
+    'SolarizeIncreasing': lambda img, s: Image.fromarray(np.where(np.asarray(img) >= 26, 255 - np.asarray(img),
+                                                                  np.asarray(img)).astype(np.uint8)),  # 256 - int(256 f)
+    'SolarizeAdd': lambda img, s: Image.fromarray(np.where(np.asarray(img) < 128, np.minimum(
+        np.asarray(img).astype(int) + 99, 255), np.asarray(img)).astype(np.uint8)),  # int(110 f) = 99
+    'ColorIncreasing': lambda img, s: ImageEnhance.Color(img).enhance(1 + s * 0.81),  # 1 +- 0.9 f
+    'ContrastIncreasing': lambda img, s: ImageEnhance.Contrast(img).enhance(1 + s * 0.81),
+    'BrightnessIncreasing': lambda img, s: ImageEnhance.Brightness(img).enhance(1 + s * 0.81),
+    'SharpnessIncreasing': lambda img, s: ImageEnhance.Sharpness(img).enhance(1 + s * 0.81),
+    # PIL's affine maps each output pixel (x, y) to the input pixel (a x + b y + c, d x + e y + f)
+    'ShearX': lambda img, s: img.transform(img.size, Image.AFFINE, (1, s * 0.27, 0, 0, 1, 0), Image.BICUBIC,
+                                           fillcolor=FILL),  # 0.3 f
+    'ShearY': lambda img, s: img.transform(img.size, Image.AFFINE, (1, 0, 0, s * 0.27, 1, 0), Image.BICUBIC,
+                                           fillcolor=FILL),
+    'TranslateXRel': lambda img, s: img.transform(img.size, Image.AFFINE, (1, 0, s * 0.405 * img.width, 0, 1, 0),
+                                                  Image.BICUBIC, fillcolor=FILL),  # 0.45 f of the side
+    'TranslateYRel': lambda img, s: img.transform(img.size, Image.AFFINE, (1, 0, 0, 0, 1, s * 0.405 * img.height),
+                                                  Image.BICUBIC, fillcolor=FILL),
+}
+
+
+@pytest.mark.parametrize('sign', [1, -1])
+@pytest.mark.parametrize('name', list(RANDAUG_FORMULAS))
+def test_randaugment_op_is_its_formula(name, sign):
+    g = torch.Generator().manual_seed(0)  # values short of 0 and 255 and enough pixels for Equalize: every op acts
+    img = Image.fromarray(torch.randint(30, 220, (40, 50, 3), generator=g, dtype=torch.uint8).numpy())
+    got = np.asarray(train.RANDAUG_OPS[name](img, 0.9, sign)).astype(int)
+    expected = np.asarray(RANDAUG_FORMULAS[name](img, sign)).astype(int)
+    assert got.shape == expected.shape and (got != np.asarray(img)).any()
+    assert (got == expected).all(), f'{(got != expected).sum()} of {got.size} values differ'
+
+
+def test_randaugment_posterize_at_magnitude_10_is_black():
+    img = Image.new('RGB', (5, 4), (200, 100, 50))
+    assert not np.asarray(train.RANDAUG_OPS['PosterizeIncreasing'](img, 1.0, 1)).any()
+
+
+def test_randaugment_policy(monkeypatch):
+    """Two ops per image, uniformly with replacement from SPEC §4's fifteen, each applied with probability 0.5 at
+    its own magnitude N(9, 0.5) clipped to [0, 10], in either direction."""
+    assert list(train.RANDAUG_OPS) == list(RANDAUG_FORMULAS)
+    calls = []
+    monkeypatch.setattr(train, 'RANDAUG_OPS', {name: lambda img, f, s, name=name: calls.append((name, f, s)) or img
+                                               for name in RANDAUG_FORMULAS})
+    torch.manual_seed(0)
+    augment, images = train.RandAugment(2, 9, 0.5), 6000
+    for _ in range(images):
+        augment(None)
+    n = len(calls)  # binomial(2 x 6000, 0.5): mean 6000, std 55
+    assert abs(n - images) < 5 * 55
+    counts = torch.tensor([sum(c[0] == name for c in calls) for name in RANDAUG_FORMULAS], dtype=torch.float64)
+    assert (counts - n / 15).abs().max() < 5 * (n / 15) ** 0.5  # uniform over the fifteen
+    m = torch.tensor([10 * c[1] for c in calls])
+    assert 0 <= m.min() and m.max() == 10  # clipped: about 2% of the draws pass 10
+    assert abs(m.mean() - 9) < 0.05 and 0.4 < m.std() < 0.5  # the clip at 10 trims the std of 0.5 a little
+    assert abs(sum(c[2] for c in calls)) < 5 * n ** 0.5 and {c[2] for c in calls} == {1, -1}
+
+
+def test_finetune_starts_from_the_ema_weights(tmp_path):
+    """The 384 px CSwin fine-tune starts from the 224 px EMA weights (SPEC §4): --finetune takes a file's EMA."""
+    source = perturb(models.create_model('inline_deit_t', img_size=32, num_classes=10))
+    ema = {k: v + 1 for k, v in source.state_dict().items()}
+    path = str(tmp_path / 'authors.pth')
+    torch.save({'model': source.state_dict(), 'state_dict_ema': ema}, path)
+    run = resolved(['--model', 'inline_deit_t', '--img-size', '32', '--attention-impl', 'reference', '--finetune', path])
+    model = train.build_model(run, num_classes=10)
+    assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
+
+
+def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
+    """The authors' CSwin file: {'model', 'state_dict_ema'} and their yacs config, which weights_only=True refuses.
+    Refused with a line that strips it; stripped, evaluated with its weights and then its EMA weights, each giving
+    the loss computed here from the eval transform and the model."""
+    torch.manual_seed(0)
+    root = str(tmp_path / 'data')
+    write_image_folder(root, {'train': 1, 'val': 3})
+    small = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(2, 2, 4, 4))
+    model = perturb(models.create_model('inline_cswin_t', img_size=32, num_classes=2, **small))
+    ema = perturb(models.create_model('inline_cswin_t', img_size=32, num_classes=2, **small), seed=1)
+    path = str(tmp_path / 'inline_cswin_t.pth')
+    torch.save({'model': model.state_dict(), 'state_dict_ema': ema.state_dict(), 'config': argparse.Namespace()}, path)
+    args = ['--model', 'inline_cswin_t', '--model-kwargs', 'embed_dim=16', 'depths=(1,1,1,1)', 'num_heads=(2,2,4,4)',
+            '--img-size', '32', '--attention-impl', 'reference', '--threads', '1', '--eval', '--checkpoint', path]
+    error = refused(args + ['--data-path', root], capsys)
+    assert 'weights_only=True' in error
+    strip = next(line for line in error.splitlines() if line.startswith('python -c '))
+    subprocess.run([sys.executable, '-c', strip[len('python -c '):].strip('"')], check=True)
+    args[-1] = str(tmp_path / 'inline_cswin_t.weights.pth')
+    error = refused(args, capsys)  # not one of our synthetic runs
+    assert '--eval of' in error and 'needs --data-path' in error
+    result = run_train(args + ['--data-path', root])
+    val = datasets.ImageFolder(os.path.join(root, 'val'), train.eval_transform(32))
+    x, y = torch.stack([img for img, _ in val]), torch.tensor([label for _, label in val])
+    for prefix, module in (('eval model: ', model), ('eval ema: ', ema)):
+        with torch.no_grad():
+            expected = torch.nn.functional.cross_entropy(module.eval()(x), y).item()
+        assert printed(result.stdout, prefix)['loss'] == pytest.approx(expected, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------ the paper's ablations
+# t4_window7_no_residual in miniature: windows of 7 tokens tile 224 px stages (56-28-14-7), one block per stage
+ABLATION = ['--experiment', 't4_window7_no_residual', '--model-kwargs', 'depths=(1,1,1,1)', 'embed_dim=16',
+            'num_heads=(1,1,2,2)', '--attention-impl', 'reference', '--synthetic-train', '16', '--synthetic-val', '8',
+            '--threads', '1']
+
+
+def test_architecture_flags_and_experiments_resolve():
+    run = resolved(['--experiment', 't4_window7_no_residual', '--window', '14', '--kernel', 'relu', '--no-ape',
+                    '--model-kwargs', 'embed_dim=48', 'depths=(1,1,2,1)', 'layout=IIIS'])
+    assert run.args.model == 'inline_swin_t'
+    assert run.arch == dict(window=14, residual='none', kernel='relu', ape=False, embed_dim=48, depths=(1, 1, 2, 1),
+                            layout='IIIS')  # the experiment's residual, the flags' window over its 7
+    assert run.args.output_dir == os.path.join(
+        'runs', 't4_window7_no_residual-apeFalse-depths1.1.2.1-embed_dim48-kernelrelu-layoutIIIS-window14-synthetic')
+    # the synthetic task: Swin's InLine windows smaller than its stages at 224 px, where they tile them
+    assert (resolved(['--experiment', 't4_window7_residual']).args.img_size, run.args.batch_size) == (224, 8)
+    assert resolved(['--experiment', 't4_window56_residual']).args.img_size == 32
+    assert resolved(['--experiment', 's_swin_t', '--data-path', 'imagenet']).args.drop_path == 0.2  # Swin-T's row
+
+
+def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_path, capsys):
+    run_train(ABLATION + ['--epochs', '1'], cwd=tmp_path)
+    output_dir = tmp_path / 'runs' / 't4_window7_no_residual-depths1.1.1.1-embed_dim16-num_heads1.1.2.2-synthetic'
+    path = str(output_dir / 'checkpoint.pt')
+    arch = dict(window=7, residual='none', depths=(1, 1, 1, 1), embed_dim=16, num_heads=(1, 1, 2, 2))
+    assert arch.items() <= load_checkpoint_file(path)['arch'].items()
+    result = run_train(['--resume', path, '--epochs', '2', '--threads', '1'], cwd=tmp_path)  # no architecture flags
+    assert 'resumed from' in result.stdout and 'InLine windows 7' in result.stdout
+    log = metrics(str(output_dir))
+    assert [e['epoch'] for e in log] == [1, 2] and all(e['arch']['window'] == 7 for e in log)
+    result = run_train(['--eval', '--checkpoint', path, '--attention-impl', 'reference', '--threads', '1'])
+    assert printed(result.stdout, 'eval model: ')['loss'] == pytest.approx(log[-1]['val_loss'], rel=1e-6)
+    assert 'this run asks for window=14. They differ in window' in refused(['--eval', '--checkpoint', path,
+                                                                             '--window', '14'], capsys)
+
+
+def test_grad_checkpointing_keeps_the_gradients():
+    torch.manual_seed(0)
+    name = 'inline_swin_t'
+    model = perturb(models.create_model(name, drop_path_rate=0.1, **SMALL[name]))
+    x = torch.randn(2, 3, *SMALL[name]['img_size'])
+    upstream = torch.randn(2, model.num_classes)
+
+    def gradients(enable):
+        model.set_grad_checkpointing(enable)
+        model.zero_grad()
+        torch.manual_seed(1)  # the same drop path draws
+        model(x).backward(upstream)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+    without, with_ = gradients(False), gradients(True)
+    assert all(torch.equal(without[n], with_[n]) for n in without)
+    run = resolved(['--model', name, '--img-size', '64', '--attention-impl', 'reference', '--grad-checkpoint'])
+    assert train.build_model(run, num_classes=10).grad_checkpointing
+
+
 # ---------------------------------------------------------------------------------------------------
 # paper.py: every subcommand runs, draws a valid PNG, and computes what it claims
-
-import argparse  # noqa: E402  (here, beside the tests of paper.py: nothing above needs them)
-import re  # noqa: E402
-
-import paper  # noqa: E402
-
 
 def assert_png(path, min_size=(100, 100)):
     """The file decodes as an RGB PNG of at least min_size (width, height)."""

@@ -1,19 +1,18 @@
-"""Train and evaluate the InLine backbones: plain DDP, the authors' recipe, runnable anywhere, resumable.
+"""Train and evaluate the InLine backbones: plain DDP, the authors' recipe to the letter, resumable.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. The recipe is the released one (SPEC §4) with --data-path, and a small recipe for the
-built-in synthetic task without it.
+arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (SPEC §4; VARIANTS below is its table);
+without it, a small recipe for a built-in synthetic task.
 
 The main job: no dataset, no download; on a 2-core CPU it reaches >= 90% validation accuracy in about 10 min
     torchrun --standalone --nproc_per_node=2 train.py --model inline_swin_t
 
-ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>) with the released recipe (total batch 1024;
-fewer GPUs reach it by gradient accumulation, printed at start):
+ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs (total batch =
+the variant's per-process batch x 8; fewer processes reach it by gradient accumulation, printed at start):
     torchrun --standalone --nproc_per_node=8 train.py --model inline_swin_t --data-path DIR
-    # two nodes: run on each, HOST being the first node's address
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-id=inline --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
-        train.py --model inline_swin_t --data-path DIR --batch-size 64
-Evaluate a checkpoint (ours, or the authors' released file): top-1, top-5 and loss on DIR/val
+    # the 384 px variants fine-tune from the 224 px weights (from their EMA where the file has one: CSwin)
+    torchrun --standalone --nproc_per_node=8 train.py --model inline_cswin_b_384 --data-path DIR --finetune FILE
+Evaluate a checkpoint, ours or the authors' released file (and its EMA weights where it has them):
     torchrun --standalone --nproc_per_node=8 train.py --model inline_swin_t --data-path DIR --eval --checkpoint FILE
 Inference throughput (images/s of one process, at the model's released image size):
     python train.py --model inline_swin_t --throughput --batch-size 64
@@ -23,15 +22,21 @@ the same command resumes from it (--resume FILE names another); SIGTERM saves an
 the current epoch, and the rerun ends with the same weights as a run never interrupted (fixed seed, CPU).
 """
 import argparse
+import ast
 import contextlib
+import io
 import json
 import math
 import os
+import pickle
 import random
+import re
 import shutil
 import signal
+import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,59 +47,93 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchvision import datasets
 from torchvision.transforms import v2 as T
+from torchvision.transforms.v2 import functional as F
 from tqdm import tqdm
 
 import models
 
-# The released recipe, SPEC §4. Learning rates are per 512 images of total batch and scale linearly with it.
-RELEASED = dict(epochs=300, batch_size=128, total_batch=1024, lr=5e-4, warmup_lr=5e-7, min_lr=5e-6,
-                warmup_epochs=20, cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, label_smoothing=0.1,
-                mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9, randaug_mstd=0.5,
-                color_jitter=0.4, random_erase=0.25, ema=False)
-FAMILY = {'pvt': dict(warmup_epochs=5, warmup_lr=1e-6, min_lr=1e-5, cooldown_epochs=10, clip_grad=0.0),
-          'cswin': dict(warmup_lr=1e-6, min_lr=1e-5, cooldown_epochs=10, clip_grad=0.0, ema=True)}
-# The 384 px variants are fine-tuned from the 224 px weights (--finetune FILE). SPEC §4 gives their epochs, lr
-# and weight decay; the warm-up (5 epochs) and the warm-up/minimum rates (lr/1000, lr/100) are Swin's
-# fine-tuning config, which the SPEC is silent on.
-VARIANT = {'inline_pvt_m': dict(clip_grad=1.0), 'inline_pvt_l': dict(clip_grad=1.0),
-           'inline_cswin_b': dict(weight_decay=0.1),
-           'inline_swin_b_384': dict(epochs=30, lr=2e-5, warmup_lr=2e-8, min_lr=2e-7, warmup_epochs=5,
-                                     weight_decay=1e-8),
-           'inline_cswin_b_384': dict(epochs=20, lr=5e-6, warmup_lr=5e-9, min_lr=5e-8, warmup_epochs=5,
-                                      cooldown_epochs=0, weight_decay=1e-8)}
+# ------------------------------------------------------------------------------------------------- recipe
+# SPEC §4's table, one row per variant. Learning rates are per 512 images of total batch and scale linearly with
+# it; the total batch is the per-process batch x 8 processes (the authors launched 8). clip 0: none.
+COLUMNS = ('batch_size', 'lr', 'epochs', 'warmup_epochs', 'warmup_lr', 'min_lr', 'cooldown_epochs', 'weight_decay',
+           'clip_grad', 'drop_path')
+VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
+    'inline_deit_t':      (512, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
+    'inline_deit_s':      (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
+    'inline_deit_b':      (64, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
+    'inline_pvt_t':       (128, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
+    'inline_pvt_s':       (128, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
+    'inline_pvt_m':       (128, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 1.0, 0.3),
+    'inline_pvt_l':       (64, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 1.0, 0.3),
+    'inline_swin_t':      (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.2),
+    'inline_swin_s':      (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.3),
+    'inline_swin_b':      (64, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.5),
+    'inline_swin_b_384':  (32, 2e-5, 30, 5, 2e-8, 2e-7, 0, 1e-8, 5.0, 0.5),
+    'inline_cswin_t':     (128, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.05, 0.0, 0.2),
+    'inline_cswin_s':     (128, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.05, 0.0, 0.4),
+    'inline_cswin_b':     (64, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.1, 0.0, 0.5),
+    'inline_cswin_b_384': (32, 5e-6, 20, 0, 5e-6, 5e-7, 10, 1e-8, 0.0, 0.7),
+}
+PROCESSES = 8  # the total batch is the table's batch x 8
+# shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in the released runs
+RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
+                randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
+EMA_FAMILIES = ('cswin',)  # decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
+NO_EVAL_CROP = ('inline_swin_b_384',)  # its config's TEST.CROP is False: resized straight to 384 x 384
 # The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed and none
 # of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
-SYNTHETIC = dict(epochs=5, batch_size=128, total_batch=None, lr=2e-3, warmup_lr=1e-5, min_lr=1e-5,
-                 warmup_epochs=0.5, cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, label_smoothing=0.1,
-                 mixup=0.0, cutmix=0.0, mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0,
-                 color_jitter=0.0, random_erase=0.0, ema=False, drop_path=0.0)
-SYNTHETIC_TRAIN, SYNTHETIC_VAL = 12_800, 2_000
+SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr=1e-5, min_lr=1e-5, cooldown_epochs=0,
+                 weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0,
+                 mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
+                 synthetic_train=12_800, synthetic_val=2_000)
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with the mean colour
+BICUBIC = T.InterpolationMode.BICUBIC
+TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
+EMA_KEYS = ('model_ema', 'state_dict_ema')  # ours; the authors' CSwin files
+ARCH_FLAGS = ('layout', 'kernel', 'residual', 'dilation', 'window', 'ape', 'nonneg', 'normalise_q')
+RUN_KEYS = {'img_size': 'img-size', 'num_classes': 'data-path', 'drop_path_rate': 'drop-path'}  # and their flags
 
 
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0],
                                 epilog='Flags without a default take the recipe\'s value (printed at start).')
     a = p.add_argument
-    a('--model', default='inline_swin_t', choices=sorted(models.MODELS), metavar='NAME',
-      help=f'variant (SPEC §3): {", ".join(models.MODELS)}')
+    a('--model', choices=sorted(models.MODELS), metavar='NAME',
+      help=f'variant (SPEC §3; default: the experiment\'s or the checkpoint\'s, else inline_swin_t): '
+           f'{", ".join(models.MODELS)}')
+    a('--experiment', metavar='NAME', help='one of the paper\'s experiments (SPEC §6; `python models.py '
+      '--experiments` lists them): its model and overrides, under which the flags below win')
+    a('--layout', help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
+    a('--kernel', help='phi of the I and L blocks: identity, relu, leakyrelu, exp, relu_affine')
+    a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
+    a('--dilation', type=int, help='dilation of Eq. 6\'s 3x3 neighbourhood')
+    a('--window', type=int, help='Swin: InLine window side in tokens (default: the whole stage, as released)')
+    a('--ape', action=argparse.BooleanOptionalAction,
+      help='Swin: the authors\' absolute position embedding in InLine attention (default: on without Eq. 6)')
+    a('--nonneg', action=argparse.BooleanOptionalAction, help='InLine weights forced >= 0 (R-nonneg)')
+    a('--normalise-q', action=argparse.BooleanOptionalAction, help='softmax over L2-normalised queries (T1)')
+    a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
+      help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
     a('--data-path', help='ImageFolder root with train/ and val/; without it, the built-in synthetic task')
-    a('--img-size', type=int, help='input side in pixels (default: the variant\'s own; 32 for the synthetic task)')
+    a('--img-size', type=int, help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
+      'DeiT 64, Swin with InLine windows smaller than the stage 224)')
     a('--attention-impl', default='fast', choices=['fast', 'reference'],
       help='the InLine core: kernels.py (fast) or inline.py (reference)')
-    a('--drop-path', type=float, help='stochastic depth rate (default: the variant\'s own)')
-    a('--finetune', help='initial weights (e.g. 224 px weights for a 384 px variant)')
-    a('--synthetic-train', type=int, default=SYNTHETIC_TRAIN, help='synthetic training images per epoch')
-    a('--synthetic-val', type=int, default=SYNTHETIC_VAL, help='synthetic validation images')
+    a('--drop-path', type=float, help='stochastic depth rate')
+    a('--finetune', help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
+    a('--grad-checkpoint', action='store_true', help='recompute each block in the backward: less memory, slower')
+    a('--synthetic-train', type=int, help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
+    a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
     a('--epochs', type=int, help='epochs of the cosine schedule (cool-down epochs come on top)')
     a('--batch-size', type=int, help='per-process batch size (images)')
-    a('--accum-steps', type=int, help='gradient accumulation steps (default: enough for the total batch, 1024)')
+    a('--accum-steps', type=int, help='gradient accumulation steps (default: enough for the recipe\'s total batch)')
     a('--lr', type=float, help='peak learning rate per 512 images of total batch')
     a('--warmup-lr', type=float, help='learning rate at the start of warm-up, per 512 images')
     a('--min-lr', type=float, help='learning rate at the end of the cosine and in the cool-down, per 512 images')
     a('--warmup-epochs', type=float, help='linear warm-up (epochs)')
     a('--cooldown-epochs', type=int, help='epochs at --min-lr after the cosine')
-    a('--weight-decay', type=float, help='AdamW weight decay (none on biases, norms, embeddings, tables)')
+    a('--weight-decay', type=float, help='AdamW weight decay (none on 1-D parameters and the model\'s exemptions)')
     a('--clip-grad', type=float, help='gradient norm clipping (0: off)')
     a('--label-smoothing', type=float)
     a('--mixup', type=float, help='Mixup alpha (0: off)')
@@ -102,16 +141,18 @@ def get_args_parser():
     a('--mixup-switch-prob', type=float, help='probability of CutMix rather than Mixup when both are on')
     a('--randaug-n', type=int, help='RandAugment operations per image (0: off)')
     a('--randaug-m', type=int, help='RandAugment magnitude, 0..10')
-    a('--randaug-mstd', type=float, help='std of the per-image RandAugment magnitude')
+    a('--randaug-mstd', type=float, help='std of each operation\'s RandAugment magnitude')
     a('--color-jitter', type=float, help='colour jitter strength (used only when RandAugment is off, as in timm)')
     a('--random-erase', type=float, help='random erasing probability (random per-pixel values)')
     a('--ema-decay', type=float, help='EMA decay per optimizer step, 0: off (CSwin: 0.9996^(total batch/4096))')
-    a('--amp', choices=['bf16', 'fp16', 'fp32'], help='autocast dtype (default: bf16 where native, else fp16 or fp32)')
+    a('--amp', choices=['bf16', 'fp16', 'fp32'],
+      help='autocast dtype (default: training in bf16 where native, else fp16 on CUDA, else fp32; validation in '
+           'fp32, as the released runs; given, it applies to validation too)')
     a('--compile', action='store_true', help='torch.compile the model for training')
     a('--workers', type=int, help='data-loading processes per training process')
     a('--threads', type=int, help='CPU threads per process (default: this node\'s cores shared out among them)')
-    a('--seed', type=int, default=0)
-    a('--output-dir', help='checkpoints and metrics.jsonl (default: runs/<model>-<data>)')
+    a('--seed', type=int, help='the seed of every random stream (0)')
+    a('--output-dir', help='checkpoints and metrics.jsonl (default: runs/<experiment or model>[-<overrides>]-<data>)')
     a('--resume', help='checkpoint to resume from (default: OUTPUT_DIR/checkpoint.pt if it exists)')
     a('--eval', action='store_true', help='only evaluate --checkpoint on the validation set')
     a('--checkpoint', help='weights to evaluate: ours, or the authors\' released file')
@@ -119,13 +160,20 @@ def get_args_parser():
     return p
 
 
-def fail(message):
-    raise SystemExit(f'error: {message}')
+def is_rank0():
+    return int(os.environ.get('RANK', 0)) == 0
 
 
 def print0(*args):
-    if int(os.environ.get('RANK', 0)) == 0:
+    if is_rank0():
         print(*args, flush=True)
+
+
+def fail(message):
+    """Stop on bad input. Every rank checks the same arguments and files and meets the same error; rank 0 says it."""
+    if is_rank0():
+        print(f'error: {message}', file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 # --------------------------------------------------------------------------------------------------- data
@@ -183,19 +231,80 @@ class SyntheticShapes(Dataset):
         bg = (fg + 0.3 + 0.4 * torch.rand(3, generator=g)) % 1  # every channel differs from fg by >= 0.3
         img = bg[:, None, None] + mask * (fg - bg)[:, None, None]  # (3, S, S)
         img = img + 0.08 * uniform() * torch.randn((3, S, S), generator=g)
-        return T.functional.normalize((img.clamp(0, 1)), MEAN, STD), label
+        return F.normalize((img.clamp(0, 1)), MEAN, STD), label
 
 
-class RandAugment(T.RandAugment):
-    """torchvision's RandAugment with timm's per-image magnitude noise ('rand-m9-mstd0.5'). With 11 bins,
-    magnitude m is m/10 of each operation's range, timm's scale; timm draws a continuous magnitude, we round."""
-    def __init__(self, num_ops, magnitude, std, **kwargs):
-        super().__init__(num_ops, magnitude, num_magnitude_bins=11, **kwargs)
-        self.mean, self.std = magnitude, std
+def affine(img, shear=(0.0, 0.0), translate=(0.0, 0.0)):
+    """timm's shear and translation, PIL's affine map about the top-left corner: output pixel (x, y) reads input
+    (x + shear_x * y + translate_x, y + shear_y * x + translate_y). torchvision takes the shear as an angle and the
+    translation as where the content moves, hence atan and the minus."""
+    return F.affine(img, angle=0.0, translate=[-t for t in translate], scale=1.0, center=[0, 0], interpolation=BICUBIC,
+                    shear=[math.degrees(math.atan(s)) for s in shear], fill=FILL)
 
-    def forward(self, *inputs):
-        self.magnitude = int(round(min(max(self.mean + self.std * torch.randn(()).item(), 0), 10)))
-        return super().forward(*inputs)
+
+def posterize(img, bits):
+    """Keep each channel's top `bits` bits; 0 bits is black, which PIL's posterize refuses to compute."""
+    return F.posterize(img, bits) if bits > 0 else img.point(lambda _: 0)
+
+
+def solarize_add(img, add):
+    """timm's SolarizeAdd: pixels below 128 brightened by `add`, saturating at 255."""
+    return img.point([min(255, i + add) if i < 128 else i for i in range(256)] * len(img.getbands()))
+
+
+# timm's RandAugment ops for 'inc1' (SPEC §4), on PIL images as timm's: (image, f = magnitude / 10, sign) -> image
+RANDAUG_OPS = {
+    'AutoContrast': lambda img, f, s: F.autocontrast(img),
+    'Equalize': lambda img, f, s: F.equalize(img),
+    'Invert': lambda img, f, s: F.invert(img),
+    'Rotate': lambda img, f, s: F.rotate(img, s * 30 * f, BICUBIC, fill=FILL),
+    'PosterizeIncreasing': lambda img, f, s: posterize(img, 4 - int(4 * f)),
+    'SolarizeIncreasing': lambda img, f, s: F.solarize(img, 256 - int(256 * f)),
+    'SolarizeAdd': lambda img, f, s: solarize_add(img, int(110 * f)),
+    'ColorIncreasing': lambda img, f, s: F.adjust_saturation(img, 1 + s * 0.9 * f),
+    'ContrastIncreasing': lambda img, f, s: F.adjust_contrast(img, 1 + s * 0.9 * f),
+    'BrightnessIncreasing': lambda img, f, s: F.adjust_brightness(img, 1 + s * 0.9 * f),
+    'SharpnessIncreasing': lambda img, f, s: F.adjust_sharpness(img, 1 + s * 0.9 * f),
+    'ShearX': lambda img, f, s: affine(img, shear=(s * 0.3 * f, 0)),
+    'ShearY': lambda img, f, s: affine(img, shear=(0, s * 0.3 * f)),
+    'TranslateXRel': lambda img, f, s: affine(img, translate=(s * 0.45 * f * img.width, 0)),
+    'TranslateYRel': lambda img, f, s: affine(img, translate=(0, s * 0.45 * f * img.height)),
+}
+
+
+class RandAugment(nn.Module):
+    """timm's RandAugment 'rand-m9-mstd0.5-inc1' (SPEC §4; torchvision's RandAugment is another policy): num_ops
+    operations drawn uniformly with replacement, each applied with probability 0.5 at its own magnitude
+    m ~ N(magnitude, std) clipped to [0, 10], in a random direction."""
+    def __init__(self, num_ops, magnitude, std, prob=0.5):
+        super().__init__()
+        self.num_ops, self.magnitude, self.std, self.prob = num_ops, magnitude, std, prob
+
+    def forward(self, img):
+        names = list(RANDAUG_OPS)
+        for i in torch.randint(len(names), (self.num_ops,)).tolist():
+            if torch.rand(()) < self.prob:
+                m = min(max(self.magnitude + self.std * torch.randn(()).item(), 0.0), 10.0)
+                img = RANDAUG_OPS[names[i]](img, m / 10, 1 if torch.rand(()) < 0.5 else -1)
+        return img
+
+
+def train_transform(args):
+    """The released training augmentation (SPEC §4); RandAugment works on PIL images, as timm's."""
+    t = [T.RandomResizedCrop(args.img_size, interpolation=BICUBIC), T.RandomHorizontalFlip()]
+    if args.randaug_n > 0:
+        t.append(RandAugment(args.randaug_n, args.randaug_m, args.randaug_mstd))
+    elif args.color_jitter > 0:
+        t.append(T.ColorJitter(args.color_jitter, args.color_jitter, args.color_jitter))
+    erase = [T.RandomErasing(args.random_erase, value='random')] if args.random_erase > 0 else []
+    return T.Compose(t + TO_TENSOR + erase)
+
+
+def eval_transform(img_size, crop=True):
+    """SPEC §4: resize to a square of int(img * 256 / 224), aspect not kept, then the centre img x img; without
+    crop (inline_swin_b_384) straight to img x img. Bicubic."""
+    side = int(img_size * 256 / 224) if crop else img_size
+    return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + TO_TENSOR)
 
 
 def load_rgb(path):
@@ -206,38 +315,31 @@ def load_rgb(path):
         raise RuntimeError(f'cannot decode image {path}: {e}') from None
 
 
-def image_folders(root):
-    """ROOT/train and ROOT/val as ImageFolders; their transforms are set once the image size is known."""
+def load_data(args):
+    """(training set, validation set): ROOT/train and ROOT/val as ImageFolders with the released transforms, or
+    without --data-path the synthetic task."""
+    if args.data_path is None:
+        train_set = SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True)
+        val_set = SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False)
+        print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), {args.img_size} '
+               f'px, {len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
+        return train_set, val_set
+    found, root = [], args.data_path
     for split in ('train', 'val'):
         if not os.path.isdir(os.path.join(root, split)):
             fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
-    found = []
-    for split in ('train', 'val'):
+    for split, transform in (('train', train_transform(args)),
+                             ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
         try:
-            found.append(datasets.ImageFolder(os.path.join(root, split), loader=load_rgb))
+            found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
         except FileNotFoundError as e:
             fail(f'no images in {os.path.join(root, split)}: {e}')
-    if found[0].classes != found[1].classes:
-        fail(f'train/ has {len(found[0].classes)} classes and val/ has {len(found[1].classes)}; they must match')
-    return found
-
-
-def image_transforms(args):
-    """The released training and evaluation transforms (SPEC §4)."""
-    bicubic = T.InterpolationMode.BICUBIC
-    train = [T.RandomResizedCrop(args.img_size, interpolation=bicubic), T.RandomHorizontalFlip()]
-    if args.randaug_n > 0:  # timm applies colour jitter only without RandAugment; the released runs had RandAugment
-        train.append(RandAugment(args.randaug_n, args.randaug_m, args.randaug_mstd, interpolation=bicubic,
-                                 fill=[round(255 * m) for m in MEAN]))
-    elif args.color_jitter > 0:
-        train.append(T.ColorJitter(args.color_jitter, args.color_jitter, args.color_jitter))
-    to_tensor = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
-    train += to_tensor + ([T.RandomErasing(args.random_erase, value='random')] if args.random_erase > 0 else [])
-    # evaluation: the shorter side to img/0.875 (aspect kept, as in the released code), then a square centre crop;
-    # the 384 px fine-tunes resize straight to a 384 x 384 square
-    val = ([T.Resize((args.img_size, args.img_size), bicubic)] if args.model.endswith('_384') else
-           [T.Resize(int(args.img_size / 0.875), bicubic), T.CenterCrop(args.img_size)]) + to_tensor
-    return T.Compose(train), T.Compose(val)
+    train_set, val_set = found
+    if train_set.classes != val_set.classes:
+        fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; they must match')
+    print0(f'data: {root}, {len(train_set.classes)} classes, {len(train_set):,} training and {len(val_set):,} '
+           f'validation images, {args.img_size} px')
+    return train_set, val_set
 
 
 class ResumableSampler(DistributedSampler):
@@ -251,32 +353,130 @@ class ResumableSampler(DistributedSampler):
         return super().__len__() - self.start
 
 
-# ------------------------------------------------------------------------------------------------- recipe
-def apply_recipe(args, family, world, device):
-    """Fill every flag left unset from the recipe; return the total batch (images per optimizer step)."""
-    synthetic = args.data_path is None
-    recipe = SYNTHETIC if synthetic else {**RELEASED, **FAMILY.get(family, {}), **VARIANT.get(args.model, {})}
-    if synthetic and args.img_size is None and not args.throughput:  # throughput: at the variant's own size
+# ---------------------------------------------------------------------------------------- resolving a run
+@dataclass
+class Run:
+    """What every part of a run shares: the resolved flags, where it runs, and the checkpoint it starts from."""
+    args: argparse.Namespace
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device('cpu')
+    total_batch: int = 0  # images per optimizer step
+    amp_given: bool = False  # --amp on the command line: validation uses it too
+    arch: dict = None  # the model's create_model overrides besides RUN_KEYS (models' model.arch)
+    name: str = ''  # the experiment or model and the overrides beyond its own, short: the output folder's name
+    saved: dict = None  # --eval's checkpoint, or the one to resume from
+    saved_path: str = None
+
+    def autocast(self, training):
+        """Training in --amp's dtype; validation in fp32 (SPEC §4) unless --amp was given."""
+        dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(self.args.amp)
+        if dtype is None or not (training or self.amp_given):
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+
+def model_kwargs(args):
+    """--model-kwargs KEY=VALUE ... and the named architecture flags given, as create_model overrides."""
+    kwargs = {}
+    for item in args.model_kwargs or []:
+        key, sep, value = item.partition('=')
+        if not sep or not key.isidentifier():
+            fail(f'--model-kwargs takes KEY=VALUE pairs (e.g. depths=(1,1,2,1) embed_dim=48), not {item!r}')
+        if key in RUN_KEYS:
+            fail(f'--model-kwargs {key}: train.py sets it; use --{RUN_KEYS[key]}')
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):  # not a Python literal: a string such as layout=IISS
+            kwargs[key] = value
+    return {**kwargs, **{k: getattr(args, k) for k in ARCH_FLAGS if getattr(args, k) is not None}}
+
+
+def resolve_architecture(run):
+    """The model and its overrides (run.arch): a checkpoint's (eval, resume), which the flags given must agree
+    with; else --experiment's, under which the flags given win."""
+    args, saved = run.args, (run.saved or {}).get('args', {})
+    given_experiment = args.experiment
+    mine = ('amp', 'workers', 'threads', 'finetune', 'resume') + ('data_path',) * args.eval  # this invocation's
+    for key, value in saved.items():  # flags left unset: a resumed run goes on as it was, an eval sees what it saw
+        if getattr(args, key, False) is None and key not in mine:
+            setattr(args, key, value)
+    if args.experiment is not None and args.experiment not in models.EXPERIMENTS:
+        fail(f'unknown experiment {args.experiment}; choose one of {", ".join(models.EXPERIMENTS)}')
+    experiment = models.EXPERIMENTS.get(args.experiment)
+    base, flags = (experiment.overrides if experiment else {}), model_kwargs(args)
+    if run.saved is not None and 'arch' in run.saved:  # ours: rebuilt as it was saved
+        run.arch = architecture(run.saved['arch'])
+        refuse_other_architecture(run, {**(base if given_experiment else {}), **flags})
+    else:
+        won = [f'{k}={v!r} (its {base[k]!r})' for k, v in flags.items() if base.get(k, v) != v]
+        if won:
+            print0(f'the flags given win over experiment {args.experiment}: {", ".join(won)}')
+        run.arch = {**base, **flags}
+    args.model = args.model or (experiment.model if experiment else 'inline_swin_t')
+    name = args.experiment or args.model
+    if experiment and args.model != experiment.model:
+        print0(f'--model {args.model} wins over experiment {args.experiment}\'s {experiment.model}')
+        name += f'-{args.model}'
+    summary = [re.sub(r'[^\w.]+', '', f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
+               for k, v in sorted(run.arch.items()) if k not in base or base[k] != v]
+    run.name = '-'.join([name] + summary)  # the output folder's, without the data
+
+
+def refuse_other_architecture(run, wanted):
+    """Stop if the checkpoint's architecture differs from the one asked for, naming what differs."""
+    differ = sorted(k for k in wanted if wanted[k] != run.arch.get(k))
+    if differ:
+        fail(f'{run.saved_path} holds a model built with {run.arch}; this run asks for ' +
+             ', '.join(f'{k}={wanted[k]!r}' if wanted[k] is not None else f'no {k}' for k in differ) +
+             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue or evaluate the '
+             'model as it was built, or give another --output-dir')
+
+
+def architecture(arch):
+    """A model.arch without what train.py sets for the run (image size, classes, drop path)."""
+    return {k: v for k, v in arch.items() if k not in RUN_KEYS}
+
+
+def resolve(run):
+    """Fill every flag left unset: the model and image size from the checkpoint (eval, resume), then SPEC §4's
+    row for --model with --data-path or the synthetic recipe without it; set the total batch."""
+    resolve_architecture(run)
+    args, synthetic = run.args, run.args.data_path is None
+    if args.img_size is None and (not synthetic or args.throughput):
+        with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
+            args.img_size = models.create_model(args.model).img_size[0]  # (H, W); the released sizes are square
+    family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
+    recipe = SYNTHETIC if synthetic else {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))}
+    if args.img_size is None and (run.arch.get('window') or 56) < 56:
+        # Swin's InLine windows smaller than the stage (T4: 7, 14, 28) at the paper's 224 px, the one size below
+        # 448 where they tile every stage they are smaller than (56-28-14-7 tokens): models.py refuses a window
+        # that does not tile its stage (padding would change Eq. 5's means), and at 32 px every window would
+        # cover its whole stage. 8 images per process keep a 224 px step to a few GB and seconds on a CPU.
+        args.img_size, recipe = 224, dict(recipe, batch_size=8)
+    if args.img_size is None:
         args.img_size = 64 if family == 'deit' else 32  # DeiT's 16 px patches: a 4x4 token grid
-    for key, value in recipe.items():
-        if key in vars(args) and getattr(args, key) is None:
+    for key, value in {**recipe, 'seed': 0}.items():
+        if getattr(args, key) is None:
             setattr(args, key, value)
     if args.accum_steps is None:
-        args.accum_steps = 1 if synthetic else max(1, round(recipe['total_batch'] / max(args.batch_size * world, 1)))
-    total_batch = args.batch_size * world * args.accum_steps
+        wanted = recipe['batch_size'] * PROCESSES  # the released total batch
+        args.accum_steps = 1 if synthetic else max(1, round(wanted / args.batch_size / run.world))
+    run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
-        args.ema_decay = 0.9996 ** (total_batch / 4096) if recipe['ema'] else 0.0
+        args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and not synthetic else 0.0
+    run.amp_given = args.amp is not None
     if args.amp is None:
         cpu_has = lambda f: getattr(torch.cpu, f, lambda: False)()  # noqa: E731  (private, so guarded)
-        native_bf16 = (torch.cuda.is_bf16_supported() if device.type == 'cuda' else
+        native_bf16 = (torch.cuda.is_bf16_supported() if run.device.type == 'cuda' else
                        cpu_has('_is_avx512_bf16_supported') or cpu_has('_is_amx_tile_supported'))
-        args.amp = 'bf16' if native_bf16 else 'fp16' if device.type == 'cuda' else 'fp32'
+        args.amp = 'bf16' if native_bf16 else 'fp16' if run.device.type == 'cuda' else 'fp32'
     if args.workers is None:
         args.workers = 0 if synthetic else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
-    if args.output_dir is None:
+    if args.output_dir is None:  # named after the architecture, so that two ablations never resume into each other
         data = 'synthetic' if synthetic else os.path.basename(os.path.normpath(args.data_path))
-        args.output_dir = os.path.join('runs', f'{args.model}-{data}')
-    return total_batch
+        args.output_dir = os.path.join('runs', f'{run.name}-{data}')
+    check_args(args)
 
 
 def check_args(args):
@@ -290,14 +490,87 @@ def check_args(args):
                               ('random_erase', 0 <= args.random_erase <= 1, 'in [0, 1]')):
         if not ok:
             fail(f'--{name.replace("_", "-")} {getattr(args, name)} is out of range: it must be {allowed}')
+
+
+def open_checkpoint(run, path):
+    """Read the checkpoint the run starts from, before anything is built, and refuse one that does not fit the
+    flags. Ours record their arguments; the authors' do not."""
+    args = run.args
+    saved = read_checkpoint(path)
+    saved_args = saved.get('args')
+    if args.eval and args.data_path is None and (saved_args is None or saved_args['data_path'] is not None):
+        fail(f'--eval of {path} needs --data-path DIR: only checkpoints of our synthetic runs evaluate without data')
+    if saved_args and args.model not in (None, saved_args['model']):
+        fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
+    run.saved, run.saved_path = saved, path
+
+
+def setup(args):
+    """Rank, world size and device from torchrun's environment (a plain `python train.py` is rank 0 of 1); the
+    checkpoint to start from; every flag resolved."""
+    rank, world, local_rank = (int(os.environ.get(k, 0)) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'))
+    run = Run(args, rank, max(world, 1))
+    if torch.cuda.is_available():
+        run.device = torch.device('cuda', local_rank)
+        torch.cuda.set_device(run.device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # for --amp fp32
+    else:
+        local = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+        torch.set_num_threads(args.threads or max(1, cpu_count() // local))
+    if run.world > 1:
+        dist.init_process_group('nccl' if run.device.type == 'cuda' else 'gloo')
     if args.eval and not args.checkpoint:
         fail('--eval needs --checkpoint FILE')
     if args.checkpoint and not args.eval:
         fail('--checkpoint is for --eval; continue training with --resume, start from weights with --finetune')
+    if args.checkpoint or args.resume:
+        open_checkpoint(run, args.checkpoint or args.resume)
+    resolve(run)
+    latest = os.path.join(args.output_dir, 'checkpoint.pt')
+    if run.saved is None and not args.eval and os.path.exists(latest):  # rerunning a command resumes it
+        open_checkpoint(run, latest)
+        asked, run.arch = run.arch, architecture(run.saved.get('arch', {}))
+        refuse_other_architecture(run, {**dict.fromkeys(run.arch), **asked})
+    print0(f'args: {json.dumps(vars(args))}')
+    return run
+
+
+# ---------------------------------------------------------------------------------- model and optimizer
+def build_model(run, num_classes):
+    """The variant at the run's image size and drop path, with the fast core unless --attention-impl reference."""
+    args = run.args
+    if run.saved and run.saved.get('num_classes', num_classes) != num_classes:
+        fail(f'{run.saved_path} has {run.saved["num_classes"]} classes; the data has {num_classes}')
+    overrides = dict(run.arch, img_size=args.img_size, drop_path_rate=args.drop_path)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    try:
+        model = models.create_model(args.model, fast=args.attention_impl == 'fast', num_classes=num_classes,
+                                    **overrides)
+    except ImportError as e:
+        fail(f'the fast attention path is unavailable ({e}); pass --attention-impl reference')
+    except (ValueError, TypeError) as e:
+        fail(f'cannot build {args.model} with {overrides}: {e}')
+    if args.finetune:  # the 384 px fine-tunes start from the 224 px weights, the EMA where there is one (SPEC §4)
+        saved = read_checkpoint(args.finetune)
+        key = next((k for k in EMA_KEYS if saved.get(k) is not None), 'model')
+        load_weights(model, saved, key, args.finetune)
+        print0(f'initial weights: {args.finetune} ({key})')
+    if args.grad_checkpoint:
+        model.set_grad_checkpointing(True)
+    print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, '
+           f'{args.img_size} px, attention {args.attention_impl}, amp {args.amp}, device {run.device} x {run.world}')
+    if args.experiment:
+        e = models.EXPERIMENTS[args.experiment]
+        print0(f'experiment: {args.experiment} ({e.table}, reported {e.reported}{", our construction" * e.ours}): '
+               f'{e.what}')
+    print0(f'architecture: {models.describe(model)}; overrides {model.arch}')
+    return model.to(run.device)
 
 
 def build_optimizer(model, args, total_batch):
-    """AdamW without weight decay on 1-D parameters (biases, norms) and the model's no_weight_decay() names."""
+    """AdamW without weight decay on 1-D parameters (biases, norms) and the model's no_weight_decay() names (DeiT's
+    position embedding and class token, Swin's relative position bias tables; PVT's position embeddings are
+    decayed, SPEC §4)."""
     skip = model.no_weight_decay()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -332,29 +605,9 @@ def build_mix(args, num_classes):
     return mixup or cutmix
 
 
-# ------------------------------------------------------------------------------------ distributed, files
+# ----------------------------------------------------------------------------------------- files, ranks
 def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
-
-
-def world_size():
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def setup_distributed(threads=None):
-    """Rank, world size and device from torchrun's environment; a plain `python train.py` is rank 0 of 1."""
-    rank, world, local_rank = (int(os.environ.get(k, 0)) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'))
-    world = max(world, 1)
-    if torch.cuda.is_available():
-        device = torch.device('cuda', local_rank)
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # for --amp fp32
-    else:
-        device = torch.device('cpu')
-        torch.set_num_threads(threads or max(1, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1))))
-    if world > 1:
-        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
-    return rank, world, device
 
 
 def rng_state():
@@ -391,296 +644,311 @@ def link_atomic(src, dst):
     os.replace(dst + '.tmp', dst)
 
 
-def load_file(path):
+def read_checkpoint(path):
+    """torch.load with weights_only=True, which never runs code from the file. A file that also holds other
+    Python objects (the authors' training files keep their yacs config) is refused with a line that strips it."""
     if not os.path.isfile(path):
         fail(f'no checkpoint at {path}')
     try:
         return torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e:
+        stripped = os.path.splitext(path)[0] + '.weights.pth'
+        fail(f'{path} holds Python objects besides weights (such as the authors\' yacs config), which '
+             f'torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\nIf you trust '
+             'the file, keep only its weights once:\npython -c "import torch; c = torch.load('
+             f'{path!r}, map_location=\'cpu\', weights_only=False); torch.save({{k: c[k] for k in (\'model\', '
+             f'{", ".join(map(repr, EMA_KEYS))}) if k in c}}, {stripped!r})"\nand pass {stripped} instead.')
     except Exception as e:
         fail(f'cannot read checkpoint {path}: {e}')
 
 
-def check_checkpoint(ckpt, path, args, num_classes):
-    """A checkpoint of ours records its model and classes; refuse one that does not fit this run."""
-    saved = ckpt.get('args', {}).get('model')
-    if saved is not None and saved != args.model:
-        fail(f'{path} is a checkpoint of {saved}, not of --model {args.model}')
-    if ckpt.get('num_classes', num_classes) != num_classes:
-        fail(f'{path} has {ckpt["num_classes"]} classes; the data has {num_classes}')
+def load_weights(model, saved, key, path):
+    """saved[key] into model with models.load_checkpoint's checks (strict on parameters, resized for another image
+    size). It reads the 'model' entry of a file, so another entry (an EMA) goes to it as such, through memory."""
+    source = path
+    if key != 'model':
+        source = io.BytesIO()
+        torch.save({'model': saved[key]}, source)
+        source.seek(0)
+    try:
+        models.load_checkpoint(model, source)
+    except RuntimeError as e:
+        fail(f'cannot load {path} ({key}): {e}')
 
 
 # --------------------------------------------------------------------------------------- train and eval
-def train_one_epoch(model, raw_model, ema, loader, mix, criterion, optimizer, scheduler, scaler, autocast, args,
-                    epoch, stop):
-    """One pass over the loader; returns (mean loss, images/s, optimizer steps done, stopped by SIGTERM).
-    model is what runs (DDP-wrapped, compiled); raw_model the plain module it wraps."""
-    model.train()
-    device, steps, world = next(raw_model.parameters()).device, len(loader) // args.accum_steps, world_size()
-    total_batch = args.batch_size * world * args.accum_steps
-    bar = tqdm(total=steps, desc=f'epoch {epoch + 1}/{args.epochs + args.cooldown_epochs}', leave=False,
-               disable=int(os.environ.get('RANK', 0)) != 0, mininterval=1.0, dynamic_ncols=True)
+@dataclass
+class Training:
+    """What fit() builds once and every epoch uses; a checkpoint holds all of it."""
+    model: nn.Module  # what runs: compiled and DDP-wrapped as asked
+    raw: nn.Module  # the plain module that model wraps, whose weights are saved
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    ema: AveragedModel  # None: no EMA
+    mix: nn.Module  # Mixup/CutMix, or None
+    criterion: nn.Module
+    steps_per_epoch: int
+    epoch: int = 0  # the next epoch to run
+    step: int = 0  # optimizer steps already done in it (non-zero only after SIGTERM)
+    best_acc: float = -1.0
+    log: list = field(default_factory=list)
+
+
+def train_one_epoch(run, t, loader, epoch, stop):
+    """One pass over the loader; returns (mean loss, images/s, optimizer steps done, stopped by SIGTERM)."""
+    args, device = run.args, run.device
+    t.model.train()
+    bar = tqdm(total=t.steps_per_epoch - t.step, desc=f'epoch {epoch + 1}/{args.epochs + args.cooldown_epochs}',
+               leave=False, disable=run.rank != 0, mininterval=1.0, dynamic_ncols=True)
     losses, step, micro_loss, stopped, start = [], 0, 0.0, False, time.perf_counter()
     for i, (x, y) in enumerate(loader):
-        if step == steps:  # the last incomplete accumulation group is dropped
+        if step == t.steps_per_epoch - t.step:  # the last incomplete accumulation group is dropped
             break
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if mix is not None:
-            x, y = mix(x, y)  # y becomes (B, classes) soft targets
+        if t.mix is not None:
+            x, y = t.mix(x, y)  # y becomes (B, classes) soft targets
         last_micro = (i + 1) % args.accum_steps == 0
-        sync = model.no_sync() if world > 1 and not last_micro else contextlib.nullcontext()
-        with sync:
-            with autocast:
-                loss = criterion(model(x), y) / args.accum_steps
-            scaler.scale(loss).backward()
+        with t.model.no_sync() if run.world > 1 and not last_micro else contextlib.nullcontext():
+            with run.autocast(training=True):
+                loss = t.criterion(t.model(x), y) / args.accum_steps
+            t.scaler.scale(loss).backward()
         micro_loss += loss.item()
         if not last_micro:
             continue
         # one small all-reduce per step: the mean loss, and whether any rank saw a bad loss or a SIGTERM
         flags = torch.tensor([micro_loss, not math.isfinite(micro_loss), stop.is_set()], device=device)
-        if world > 1:
+        if run.world > 1:
             dist.all_reduce(flags)
         if flags[1] > 0:
             latest = os.path.join(args.output_dir, 'checkpoint.pt')
             kept = f'the last good checkpoint, {latest}, is untouched' if os.path.exists(latest) else 'nothing saved'
             bar.close()
-            fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step {step + 1}; stopped, {kept}. '
-                 'Try a lower --lr, --clip-grad, or --amp fp32.')
+            fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step {t.step + step + 1}; stopped, '
+                 f'{kept}. Try a lower --lr, --clip-grad, or --amp fp32.')
         if args.clip_grad > 0:
-            scaler.unscale_(optimizer)
-            nn.utils.clip_grad_norm_(raw_model.parameters(), args.clip_grad)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if ema is not None:
-            ema.update_parameters(raw_model)
-        losses.append(flags[0].item() / world)
+            t.scaler.unscale_(t.optimizer)
+            nn.utils.clip_grad_norm_(t.raw.parameters(), args.clip_grad)
+        t.scaler.step(t.optimizer)
+        t.scaler.update()
+        t.optimizer.zero_grad(set_to_none=True)
+        t.scheduler.step()
+        if t.ema is not None:
+            t.ema.update_parameters(t.raw)
+        losses.append(flags[0].item() / run.world)
         step, micro_loss = step + 1, 0.0
-        speed = step * total_batch / (time.perf_counter() - start)
-        bar.set_postfix(loss=f'{losses[-1]:.3f}', lr=f'{scheduler.get_last_lr()[0]:.2e}', img_s=f'{speed:.0f}',
+        speed = step * run.total_batch / (time.perf_counter() - start)
+        bar.set_postfix(loss=f'{losses[-1]:.3f}', lr=f'{t.scheduler.get_last_lr()[0]:.2e}', img_s=f'{speed:.0f}',
                         refresh=False)
         bar.update()
         if flags[2] > 0:
             stopped = True
             break
     bar.close()
-    speed = step * total_batch / max(time.perf_counter() - start, 1e-9)
+    speed = step * run.total_batch / max(time.perf_counter() - start, 1e-9)
     return sum(losses) / max(len(losses), 1), speed, step, stopped
 
 
 @torch.no_grad()
-def evaluate(model, loader, autocast):
+def evaluate(run, model, loader):
     """Loss, top-1 and top-5 over the whole validation set; each rank holds a disjoint slice, summed here."""
     model.eval()
-    device = next(model.parameters()).device
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, images
+    totals = torch.zeros(4, dtype=torch.float64, device=run.device)  # loss sum, top-1 hits, top-5 hits, images
     for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast:
+        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        with run.autocast(training=False):
             logits = model(x).float()
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices  # (B, 5)
         hits = top5 == y[:, None]
         totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction='sum').double(),
                                hits[:, 0].sum().double(), hits.any(1).sum().double(), totals.new_tensor(len(y))])
-    if world_size() > 1:
+    if run.world > 1:
         dist.all_reduce(totals)
     loss, top1, top5, n = totals.tolist()
     return {'loss': loss / n, 'acc1': 100 * top1 / n, 'acc5': 100 * top5 / n, 'images': int(n)}
 
 
+def val_loader(run, val_set):
+    """Every validation image exactly once across ranks: rank r takes images r, r + world, ... (no padding)."""
+    subset = Subset(val_set, range(run.rank, len(val_set), run.world))
+    return DataLoader(subset, run.args.batch_size, num_workers=run.args.workers,
+                      pin_memory=run.device.type == 'cuda', generator=torch.Generator())
+
+
+def evaluate_checkpoint(run, model, val_set):
+    """--eval: the file's weights, then its EMA weights where it has them (ours or the authors' CSwin)."""
+    loader = val_loader(run, val_set)
+    for key in ('model', *(k for k in EMA_KEYS if run.saved.get(k) is not None)):
+        load_weights(model, run.saved, key, run.saved_path)
+        result = evaluate(run, model, loader)
+        print0(f'eval {"model" if key == "model" else "ema"}: {json.dumps(result)}')
+    if run.saved.get('log'):
+        print0('logged when saved: ' + json.dumps(run.saved['log'][-1]))
+
+
 @torch.no_grad()
-def measure_throughput(model, args, device, autocast, warmup=10, timed=30):
+def measure_throughput(run, model, warmup=10, timed=30):
     """Inference images/s on random input: `warmup` batches (compilation included), then `timed` batches."""
+    args = run.args
     model.eval()
-    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=device)
+    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=run.device)
+    sync = torch.cuda.synchronize if run.device.type == 'cuda' else lambda: None
     for i in range(warmup + timed):
         if i == warmup:
-            if device.type == 'cuda':
-                torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
-        with autocast:
+        with run.autocast(training=True):
             model(x)
-    if device.type == 'cuda':
-        torch.cuda.synchronize()
-    return timed * args.batch_size / (time.perf_counter() - start)
+    sync()
+    speed = timed * args.batch_size / (time.perf_counter() - start)
+    print0(f'throughput: {speed:.1f} images/s (one process, batch {args.batch_size}, {args.img_size} px, {args.amp})')
+
+
+def prepare_training(run, raw, train_set):
+    """The sampler, loader, optimizer, schedule, scaler, EMA and loss, restored from the checkpoint to resume."""
+    args, num_classes = run.args, len(train_set.classes)
+    sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
+                        pin_memory=run.device.type == 'cuda', generator=torch.Generator())
+    steps_per_epoch = len(loader) // args.accum_steps
+    if steps_per_epoch == 0:
+        fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} accumulation steps exceeds '
+             f'the {len(train_set):,} training images')
+    optimizer = build_optimizer(raw, args, run.total_batch)
+    model = torch.compile(raw) if args.compile else raw
+    if run.world > 1:
+        model = DDP(model, device_ids=[run.device.index] if run.device.type == 'cuda' else None)
+    scheduler = build_scheduler(optimizer, args, run.total_batch, steps_per_epoch)
+    scaler = torch.amp.GradScaler(run.device.type, enabled=args.amp == 'fp16')
+    ema = AveragedModel(raw, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay)) if args.ema_decay > 0 else None
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    t = Training(model, raw, optimizer, scheduler, scaler, ema, build_mix(args, num_classes), criterion,
+                 steps_per_epoch)
+    if run.saved is not None:
+        resume(run, t)
+    else:
+        torch.manual_seed(args.seed + run.rank)  # augmentation, Mixup/CutMix and drop path differ between ranks
+    return t, sampler, loader
+
+
+def resume(run, t):
+    """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, EMA, log and random streams."""
+    saved, path, args = run.saved, run.saved_path, run.args
+    try:
+        t.raw.load_state_dict(saved['model'])
+        t.optimizer.load_state_dict(saved['optimizer'])
+    except (RuntimeError, ValueError, KeyError) as e:
+        fail(f'cannot resume from {path}: {e}')
+    t.scheduler.load_state_dict(saved['scheduler'])
+    t.scaler.load_state_dict(saved['scaler'])
+    if t.ema is not None and saved.get('model_ema') is not None:
+        t.ema.module.load_state_dict(saved['model_ema'])
+        t.ema.n_averaged.fill_(saved['ema_updates'])
+    t.epoch, t.step, t.best_acc, t.log = saved['epoch'], saved['step'], saved['best_acc1'], saved['log']
+    if len(saved['rng']) == run.world:
+        set_rng_state(saved['rng'][run.rank])
+    else:
+        print0(f'warning: saved with {len(saved["rng"])} processes, now {run.world}; random streams differ')
+    changed = sorted(k for k, v in saved['args'].items()
+                     if vars(args).get(k) != v and k not in ('resume', 'workers', 'threads', 'output_dir'))
+    print0(f'resumed from {path}: epoch {t.epoch + 1}, step {t.step}' +
+           (f' (changed since saved: {", ".join(changed)})' if changed else ''))
+    if path == os.path.join(args.output_dir, 'checkpoint.pt'):
+        publish(run, t, saved.get('is_best', False))
+
+
+def publish(run, t, is_best):
+    """best.pt and metrics.jsonl follow checkpoint.pt (redone on resume, in case a kill came in between)."""
+    if run.rank != 0:
+        return
+    out = run.args.output_dir
+    if is_best:
+        link_atomic(os.path.join(out, 'checkpoint.pt'), os.path.join(out, 'best.pt'))
+    metrics = os.path.join(out, 'metrics.jsonl')  # rewritten whole: always the checkpoint's log
+    with open(metrics + '.tmp', 'w') as f:
+        f.writelines(json.dumps(e) + '\n' for e in t.log)
+    os.replace(metrics + '.tmp', metrics)
+
+
+def save_checkpoint(run, t, is_best=False):
+    """Everything a rerun needs to continue exactly, with every rank's random generators."""
+    states = [rng_state()] * run.world
+    if run.world > 1:
+        dist.all_gather_object(states, rng_state())
+    if run.rank == 0:
+        save_atomic({'model': t.raw.state_dict(), 'optimizer': t.optimizer.state_dict(),
+                     'scheduler': t.scheduler.state_dict(), 'scaler': t.scaler.state_dict(),
+                     'model_ema': t.ema.module.state_dict() if t.ema else None,
+                     'ema_updates': int(t.ema.n_averaged) if t.ema else 0, 'epoch': t.epoch, 'step': t.step,
+                     'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
+                     'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes},
+                    os.path.join(run.args.output_dir, 'checkpoint.pt'))
+    publish(run, t, is_best)
+
+
+def print_recipe(run, t):
+    args, epochs = run.args, run.args.epochs + run.args.cooldown_epochs
+    recipe = ('synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)'
+              if args.data_path is None else f'released ImageNet-1K recipe for {args.model} (SPEC §4)')
+    print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
+           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
+           f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
+    print0(f'schedule: {epochs} epochs ({args.epochs} cosine with {args.warmup_epochs} of warm-up, then '
+           f'{args.cooldown_epochs} cool-down) x {t.steps_per_epoch} steps of {run.total_batch} images '
+           f'({args.batch_size} per process x {run.world} processes x {args.accum_steps} accumulation steps); '
+           f'peak lr {args.lr * run.total_batch / 512:.3g}, weight decay {args.weight_decay}')
+
+
+def fit(run, raw, train_set, val_set):
+    """Train epoch after epoch, validating and saving after each; SIGTERM saves mid-epoch and stops."""
+    args = run.args
+    t, sampler, loader = prepare_training(run, raw, train_set)
+    val = val_loader(run, val_set)
+    print_recipe(run, t)
+    os.makedirs(args.output_dir, exist_ok=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    epochs, start = args.epochs + args.cooldown_epochs, time.perf_counter()
+    for epoch in range(t.epoch, epochs):
+        sampler.set_epoch(epoch)
+        sampler.start = t.step * args.accum_steps * args.batch_size
+        if isinstance(train_set, SyntheticShapes):
+            train_set.set_epoch(epoch)
+        loader.generator.manual_seed(hash((args.seed, epoch, run.rank)) % 2**62)  # worker seeds
+        loss, speed, steps, stopped = train_one_epoch(run, t, loader, epoch, stop)
+        if stopped:
+            t.step += steps
+            save_checkpoint(run, t)
+            print0(f'SIGTERM: saved {args.output_dir}/checkpoint.pt at epoch {epoch + 1}, step {t.step}; '
+                   'rerun to continue')
+            return
+        entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0], 'images_per_s': speed,
+                 **{f'val_{k}': v for k, v in evaluate(run, raw, val).items()},
+                 'experiment': args.experiment, 'arch': json.loads(json.dumps(raw.arch))}  # as metrics.jsonl has it
+        if t.ema is not None:
+            entry.update({f'ema_val_{k}': v for k, v in evaluate(run, t.ema.module, val).items()})
+        acc = entry['ema_val_acc1' if t.ema is not None else 'val_acc1']  # CSwin reports its EMA (SPEC §4)
+        is_best, t.best_acc = acc > t.best_acc, max(acc, t.best_acc)
+        t.log.append(entry)
+        t.epoch, t.step = epoch + 1, 0
+        save_checkpoint(run, t, is_best)
+        print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}  val loss {entry["val_loss"]:.4f}  acc@1 '
+               f'{entry["val_acc1"]:.2f}  acc@5 {entry["val_acc5"]:.2f}' +
+               (f'  ema acc@1 {entry["ema_val_acc1"]:.2f}' if t.ema else '') +
+               f'  lr {entry["lr"]:.2e}  {speed:.0f} img/s  {time.perf_counter() - start:.0f} s')
+    print0(f'done: best acc@1 {t.best_acc:.2f}; checkpoints and metrics.jsonl in {args.output_dir}')
 
 
 def main(args):
-    rank, world, device = setup_distributed(args.threads)
-    family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
-    total_batch = apply_recipe(args, family, world, device)
-    check_args(args)
-    synthetic = args.data_path is None
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16 if args.amp == 'bf16' else torch.float16,
-                              enabled=args.amp != 'fp32')
-    if args.throughput:  # no data: the released 1000-class head
-        num_classes = 1000
-    else:
-        if synthetic:
-            train_set = SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True)
-            val_set = SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False)
-        else:
-            train_set, val_set = image_folders(args.data_path)
-        num_classes = len(train_set.classes)
-
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    overrides = {k: v for k, v in (('img_size', args.img_size), ('drop_path_rate', args.drop_path)) if v is not None}
-    try:
-        raw_model = models.create_model(args.model, checkpoint=args.finetune, fast=args.attention_impl == 'fast',
-                                        num_classes=num_classes, **overrides).to(device)
-    except ImportError as e:
-        fail(f'the fast attention path is unavailable ({e}); pass --attention-impl reference')
-    except ValueError as e:
-        fail(f'cannot build {args.model} with {overrides}: {e}')
-    args.img_size = args.img_size or raw_model.img_size[0]  # (H, W); the released sizes are square
-    print0(f'args: {json.dumps(vars(args))}')
-    print0(f'model: {args.model}, {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M parameters, '
-           f'{args.img_size} px, attention {args.attention_impl}, amp {args.amp}, device {device} x {world}')
-    if args.throughput:
-        speed = measure_throughput(raw_model, args, device, autocast)
-        print0(f'throughput: {speed:.1f} images/s (one process, batch {args.batch_size}, {args.img_size} px, '
-               f'{args.amp})')
-        return
-    if not synthetic:
-        train_set.transform, val_set.transform = image_transforms(args)
-
-    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world)), args.batch_size,  # no padding
-                            num_workers=args.workers, pin_memory=device.type == 'cuda', generator=torch.Generator())
-    if synthetic:
-        print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), {args.img_size} px, '
-               f'{len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
-    else:
-        print0(f'data: {args.data_path}, {len(train_set.classes)} classes, {len(train_set):,} training and '
-               f'{len(val_set):,} validation images, {args.img_size} px')
+    run = setup(args)
+    if args.throughput:  # random input, the released 1000-class head
+        return measure_throughput(run, build_model(run, num_classes=1000))
+    train_set, val_set = load_data(args)
+    model = build_model(run, num_classes=len(val_set.classes))
     if args.eval:
-        ckpt = load_file(args.checkpoint)
-        check_checkpoint(ckpt, args.checkpoint, args, num_classes)
-        try:  # ours or the authors' layout; models.py checks the keys and resizes for another image size
-            models.load_checkpoint(raw_model, args.checkpoint)
-        except RuntimeError as e:
-            fail(str(e))
-        print0('eval model: ' + json.dumps(evaluate(raw_model, val_loader, autocast)))
-        if ckpt.get('model_ema') is not None:
-            raw_model.load_state_dict(ckpt['model_ema'])
-            print0('eval ema: ' + json.dumps(evaluate(raw_model, val_loader, autocast)))
-        if ckpt.get('log'):
-            print0('logged when saved: ' + json.dumps(ckpt['log'][-1]))
-        return
-
-    sampler = ResumableSampler(train_set, world, rank, shuffle=True, seed=args.seed, drop_last=True)
-    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
-                              pin_memory=device.type == 'cuda', generator=torch.Generator())
-    steps_per_epoch = len(train_loader) // args.accum_steps
-    if steps_per_epoch == 0:
-        fail(f'--batch-size {args.batch_size} x {world} processes x {args.accum_steps} accumulation steps exceeds '
-             f'the {len(train_set):,} training images')
-    optimizer = build_optimizer(raw_model, args, total_batch)
-    scheduler = build_scheduler(optimizer, args, total_batch, steps_per_epoch)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == 'fp16')
-    ema = AveragedModel(raw_model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay)) if args.ema_decay > 0 else None
-    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    mix = build_mix(args, num_classes)
-    model = torch.compile(raw_model) if args.compile else raw_model
-    if world > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == 'cuda' else None)
-    epochs = args.epochs + args.cooldown_epochs
-    recipe = ('synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)' if synthetic
-              else f'released ImageNet-1K recipe for {family} (SPEC §4)')
-    drop_path = "the variant's" if args.drop_path is None else args.drop_path
-    print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
-           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {drop_path}, '
-           f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
-    print0(f'schedule: {epochs} epochs ({args.epochs} cosine with {args.warmup_epochs} of warm-up, then '
-           f'{args.cooldown_epochs} cool-down) x {steps_per_epoch} steps of {total_batch} images ({args.batch_size} '
-           f'per process x {world} processes x {args.accum_steps} accumulation steps); peak lr '
-           f'{args.lr * total_batch / 512:.3g}, weight decay {args.weight_decay}')
-
-    os.makedirs(args.output_dir, exist_ok=True)
-    latest, best_path = os.path.join(args.output_dir, 'checkpoint.pt'), os.path.join(args.output_dir, 'best.pt')
-
-    def publish(is_best):
-        """best.pt and metrics.jsonl follow checkpoint.pt (redone on resume, in case a kill came in between)."""
-        if rank == 0:
-            if is_best:
-                link_atomic(latest, best_path)
-            metrics = os.path.join(args.output_dir, 'metrics.jsonl')  # rewritten whole: always the checkpoint's log
-            with open(metrics + '.tmp', 'w') as f:
-                f.writelines(json.dumps(e) + '\n' for e in log)
-            os.replace(metrics + '.tmp', metrics)
-
-    def checkpoint(epoch, step, is_best=False):
-        """Everything a rerun needs to continue exactly: `epoch` is the next to run, `step` the optimizer steps
-        already done in it (non-zero only after SIGTERM), `rng` every rank's random generators."""
-        states = [rng_state()] * world
-        if world > 1:
-            dist.all_gather_object(states, rng_state())
-        if rank == 0:
-            save_atomic({'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
-                         'scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(),
-                         'model_ema': ema.module.state_dict() if ema else None,
-                         'ema_updates': int(ema.n_averaged) if ema else 0, 'epoch': epoch, 'step': step,
-                         'best_acc1': best_acc, 'is_best': is_best, 'log': log, 'rng': states, 'args': vars(args),
-                         'num_classes': num_classes}, latest)
-        publish(is_best)
-
-    start_epoch, start_step, best_acc, log = 0, 0, -1.0, []
-    resume = args.resume or (latest if os.path.exists(latest) else None)
-    if resume:
-        ckpt = load_file(resume)
-        check_checkpoint(ckpt, resume, args, num_classes)
-        try:
-            raw_model.load_state_dict(ckpt['model'])
-            optimizer.load_state_dict(ckpt['optimizer'])
-        except (RuntimeError, ValueError, KeyError) as e:
-            fail(f'cannot resume from {resume}: {e}')
-        scheduler.load_state_dict(ckpt['scheduler'])
-        scaler.load_state_dict(ckpt['scaler'])
-        if ema is not None and ckpt.get('model_ema') is not None:
-            ema.module.load_state_dict(ckpt['model_ema'])
-            ema.n_averaged.fill_(ckpt['ema_updates'])
-        start_epoch, start_step, best_acc, log = ckpt['epoch'], ckpt['step'], ckpt['best_acc1'], ckpt['log']
-        if len(ckpt['rng']) == world:
-            set_rng_state(ckpt['rng'][rank])
-        else:
-            print0(f'warning: saved with {len(ckpt["rng"])} processes, now {world}; random streams differ')
-        changed = sorted(k for k, v in ckpt['args'].items() if vars(args).get(k) != v and k not in
-                         ('resume', 'workers', 'threads', 'output_dir'))
-        print0(f'resumed from {resume}: epoch {start_epoch + 1}, step {start_step}' +
-               (f' (changed since saved: {", ".join(changed)})' if changed else ''))
-        if resume == latest:
-            publish(ckpt.get('is_best', False))
+        evaluate_checkpoint(run, model, val_set)
     else:
-        torch.manual_seed(args.seed + rank)  # augmentation, Mixup/CutMix and drop path differ between ranks
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-
-    run_start = time.perf_counter()
-    for epoch in range(start_epoch, epochs):
-        sampler.set_epoch(epoch)
-        sampler.start = start_step * args.accum_steps * args.batch_size
-        if synthetic:
-            train_set.set_epoch(epoch)
-        train_loader.generator.manual_seed(hash((args.seed, epoch, rank)) % 2**62)  # worker seeds
-        loss, speed, steps, stopped = train_one_epoch(model, raw_model, ema, train_loader, mix, criterion, optimizer,
-                                                      scheduler, scaler, autocast, args, epoch, stop)
-        if stopped:
-            checkpoint(epoch, start_step + steps)
-            print0(f'SIGTERM: saved {latest} at epoch {epoch + 1}, step {start_step + steps}; rerun to continue')
-            return
-        start_step = 0
-        val = evaluate(raw_model, val_loader, autocast)
-        entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': scheduler.get_last_lr()[0], 'images_per_s': speed,
-                 **{f'val_{k}': v for k, v in val.items()}}
-        if ema is not None:
-            entry.update({f'ema_val_{k}': v for k, v in evaluate(ema.module, val_loader, autocast).items()})
-        acc = entry['ema_val_acc1' if ema is not None else 'val_acc1']  # CSwin reports its EMA (SPEC §4)
-        is_best, best_acc = acc > best_acc, max(acc, best_acc)
-        log.append(entry)
-        checkpoint(epoch + 1, 0, is_best)
-        print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}  val loss {val["loss"]:.4f}  acc@1 {val["acc1"]:.2f}'
-               f'  acc@5 {val["acc5"]:.2f}' + (f'  ema acc@1 {entry["ema_val_acc1"]:.2f}' if ema else '') +
-               f'  lr {entry["lr"]:.2e}  {speed:.0f} img/s  {time.perf_counter() - run_start:.0f} s')
-    print0(f'done: best acc@1 {best_acc:.2f}; checkpoints and metrics.jsonl in {args.output_dir}')
+        fit(run, model, train_set, val_set)
 
 
 if __name__ == '__main__':
