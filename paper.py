@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -330,7 +331,8 @@ def train_runs(runs, jobs=1, desc='training'):
     todo = [p for p, (_, epochs) in runs.items() if run_state(p, epochs) is None]
     if len(todo) < len(runs):
         print(f'{len(runs) - len(todo)} of {len(runs)} runs already finished (cached under their folders)')
-    running, bar = {}, tqdm(total=len(todo), desc=desc, dynamic_ncols=True)
+    count, cpu_before = len(todo), children_cpu_s()
+    running, bar = {}, tqdm(total=count, desc=desc, dynamic_ncols=True)
     while todo or running:
         while todo and len(running) < jobs:
             path = todo.pop(0)
@@ -350,12 +352,22 @@ def train_runs(runs, jobs=1, desc='training'):
             with open(os.path.join(path, 'diverged'), 'w') as f:
                 f.write(tail[tail.rfind('error:'):])
         elif proc.returncode or run_state(path, runs[path][1]) != 'done':
-            for p, (other, other_log) in running.items():
+            for other, _ in running.values():
                 other.terminate()  # train.py saves on SIGTERM; a rerun resumes them
             train.fail(f'train.py failed (exit {proc.returncode}) in {path}; its log ends:\n{tail}')
         bar.update()
     bar.close()
+    if count:  # CPU time hardly depends on what else the machine runs; wall time does
+        cpu = children_cpu_s() - cpu_before
+        print(f'{count} train.py runs took {cpu / 60:.1f} CPU-minutes ({cpu / 60 / count:.1f} per run): '
+              f'about {cpu / 60 / (threads * jobs):.1f} min of wall time on {threads * jobs} cores of their own')
     return {p: run_state(p, epochs) for p, (_, epochs) in runs.items()}
+
+
+def children_cpu_s():
+    """User + system CPU seconds of every finished child process so far (the train.py runs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def wait_any(running):
@@ -848,17 +860,18 @@ def cmd_ablations(args):
         holds = verdict(result[name], result[ref], paper, paper_ref) if ref else '(reference)'
         ours = (f'{m:.1f} ± {s:.1f}' if n > 1 else f'{m:.1f}') + (f' ({diverged} of {n} diverged)' if diverged else '')
         rows.append([e.table, name + (' *' if e.ours else ''), ours, e.reported or '—', ref or '', holds])
-        if ref:
-            panels.setdefault(e.table, []).append((name, m - result[ref][0], 2 * s if n > 1 else None,
-                                                   paper - paper_ref if None not in (paper, paper_ref) and
-                                                   math.isfinite(paper - paper_ref) else None))
+        if ref:  # the difference from the reference row, its noise as verdict() measures it, the paper's
+            _, sr, nr, _ = result[ref]
+            panels.setdefault(e.table, []).append((
+                name, m - result[ref][0], 2 * math.sqrt(s ** 2 / n + sr ** 2 / nr) if min(n, nr) > 1 else None,
+                paper - paper_ref if None not in (paper, paper_ref) and math.isfinite(paper - paper_ref) else None))
     print(f'\nAblations on the miniature (64 px synthetic task, {args.epochs} epochs x {args.train_images} images, '
           f'seeds {list(seeds)}): final-epoch validation top-1 (%), mean ± std over seeds, beside the paper\'s '
           f'ImageNet-1K top-1. * our construction (no released code). A diverged run counts at chance (10%).\n')
     print_table(['table', 'experiment', 'top-1 here', 'paper (ImageNet)', 'compared with', "paper's ordering holds"],
                 rows)
     charts(args.png or os.path.join(args.out, 'ablations.png'), [dict(  # each row against its reference row
-        series=[('here (synthetic), +- 2 std', xs, [d for _, d, _, _ in entries],
+        series=[('here (synthetic), +- 2 SE', xs, [d for _, d, _, _ in entries],
                  [e for _, _, e, _ in entries] if all(e is not None for _, _, e, _ in entries) else None),
                 ('paper (ImageNet)', xs, [p for _, _, _, p in entries], None)],
         title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
