@@ -7,7 +7,7 @@ result as inline.inline_core, the reference it replaces; `enable_fast(model)` sw
 
     python kernels.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python kernels.py --bench --json          # the same, one JSON object per case
-    python kernels.py --bench --model-step    # also a whole InLine-Swin-T training step, fp32 and bf16
+    (a whole-model training step, reference against fast core: python paper.py speed --model-step)
 
 What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README has the figures):
 - One torch.compile'd graph for the forward and one for the backward, called from a
@@ -366,51 +366,10 @@ def bench_case(name, dtype, device):
     return row
 
 
-def free_core(q, k, v, r, grid, scale=None):
-    """A stand-in for the core that costs nothing, o = v: a step with it is as fast as any core can make it
-    (the projections, r and everything else still run)."""
-    return v
-
-
-def bench_model_step(dtype, device, batch=8):
-    """One training step of InLine-Swin-T at 224 px (forward, loss, backward): reference, fast path, fast path
-    under whole-model torch.compile, and every InLine core replaced by free_core (the bound: Amdahl's law)."""
-    import models
-    gen = torch.Generator(device).manual_seed(0)
-    x = torch.randn(batch, 3, 224, 224, generator=gen, device=device)
-    y = torch.randint(0, 1000, (batch,), generator=gen, device=device)
-    reference = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
-    fast = models.create_model('inline_swin_t', drop_path_rate=0.0, fast=True).to(device)
-    fast.load_state_dict(reference.state_dict())
-    free = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
-    free.load_state_dict(reference.state_dict())
-    enable_fast(free, core=free_core)
-
-    def step(model):
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    compiled = torch.compile(fast)
-    ms = time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
-                           'fast_compiled': lambda: step(compiled), 'free_core': lambda: step(free)},
-                          device, budget_s=60, max_rounds=15)
-    return dict(case=f'swin_t_train_step_b{batch}', dtype=str(dtype).replace('torch.', ''),
-                reference_step_ms=round(statistics.median(ms['reference']), 1),
-                fast_step_ms=round(statistics.median(ms['fast']), 1),
-                fast_compiled_step_ms=round(statistics.median(ms['fast_compiled']), 1),
-                free_core_step_ms=round(statistics.median(ms['free_core']), 1),
-                speedup=round(paired_ratio(ms, 'reference', 'fast'), 2),
-                compiled_speedup=round(paired_ratio(ms, 'reference', 'fast_compiled'), 2),
-                free_core_speedup=round(paired_ratio(ms, 'reference', 'free_core'), 2))
-
-
 def main():
     parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
     parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
-    parser.add_argument('--model-step', action='store_true', help="also time an InLine-Swin-T training step")
     parser.add_argument('--cases', default=','.join(CASES), help="comma-separated subset of " + ', '.join(CASES))
     parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
@@ -439,17 +398,6 @@ def main():
                       f"{row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | {row['sdpa_fwd_ms']:8.1f} "
                       f"{row['sdpa_fwdbwd_ms']:8.1f} | {row['floor_fwdbwd_ms']:7.1f} {row['fwdbwd_over_floor']:5.2f}x | "
                       f"{row['fast_peak_mb']:6.1f}", flush=True)
-    if args.model_step:
-        for dtype in dtypes:
-            row = bench_model_step(dtype, device)
-            if args.json:
-                print(json.dumps(row), flush=True)
-            else:
-                print(f"{row['case']} {row['dtype']}: reference {row['reference_step_ms']:.0f} ms, fast "
-                      f"{row['fast_step_ms']:.0f} ms ({row['speedup']:.2f}x), fast + torch.compile "
-                      f"{row['fast_compiled_step_ms']:.0f} ms ({row['compiled_speedup']:.2f}x); a core costing "
-                      f"nothing {row['free_core_step_ms']:.0f} ms ({row['free_core_speedup']:.2f}x, the bound)", flush=True)
-
 
 if __name__ == '__main__':
     main()

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from torchvision import datasets
 import inline
 import kernels
 import models
+import paper
 import train
 
 OFFICIAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'shared', 'official')
@@ -1527,3 +1529,192 @@ def test_grad_checkpointing_keeps_the_gradients():
     assert all(torch.equal(without[n], with_[n]) for n in without)
     run = resolved(['--model', name, '--img-size', '64', '--attention-impl', 'reference', '--grad-checkpoint'])
     assert train.build_model(run, num_classes=10).grad_checkpointing
+
+
+# ---------------------------------------------------------------------------------------------------
+# paper.py: every subcommand runs, draws a valid PNG, and computes what it claims
+
+def assert_png(path, min_size=(100, 100)):
+    """The file decodes as an RGB PNG of at least min_size (width, height)."""
+    with Image.open(path) as img:
+        img.load()  # decodes every pixel: a truncated file fails here
+        assert img.format == 'PNG' and img.mode == 'RGB', (img.format, img.mode)
+        assert img.width >= min_size[0] and img.height >= min_size[1], img.size
+
+
+def test_paper_injectivity_finds_identical_rows_for_linear_only(tmp_path):
+    groups = paper.main(['injectivity', '--out', str(tmp_path)])
+    # q, 2q, 3q, 4q (rows 0-3) share their weights under division; no other pair of rows does, anywhere
+    assert groups == {'softmax': [], 'linear (relu)': [[0, 1, 2, 3]], 'linear (relu_affine)': [[0, 1, 2, 3]],
+                      'InLine (identity)': []}
+    assert_png(tmp_path / 'injectivity.png', (800, 400))
+
+
+def tiny_deit_checkpoint(path, layout='I', **overrides):
+    """A train.py-format checkpoint of an untrained tiny DeiT: 64 px, 8 px patches, an 8x8 grid, 2 blocks."""
+    torch.manual_seed(0)
+    model = models.create_model('inline_deit_t', img_size=64, patch_size=8, depth=2, embed_dim=32, num_heads=1,
+                                num_classes=10, layout=layout, **overrides)
+    torch.save({'model': model.state_dict(), 'arch': model.arch, 'args': {'model': 'inline_deit_t'}}, path)
+    return str(path)
+
+
+def test_paper_locality_of_known_patterns_equals_the_hand_count():
+    """Weights replaced by patterns whose 3x3 mass is known: on the token itself (1), uniform over all N = 17
+    tokens of a 4x4 grid + class token (per axis 2, 3, 3, 2 neighbours: 6.25 / 17 on average), all on the class
+    token (0), half on the token itself and half two columns away, outside its 3x3 (0.5 where that token exists)."""
+    torch.manual_seed(0)
+    model = models.create_model('inline_deit_t', img_size=64, depth=4, embed_dim=32, num_heads=2, num_classes=10)
+    N = 17
+
+    def pattern(kind):
+        def weights(x, grid):
+            w = torch.zeros(x.shape[0], 2, N, N)
+            if kind == 'self':
+                w[..., range(N), range(N)] = 1
+            elif kind == 'uniform':
+                w[:] = 1 / N
+            elif kind == 'class token':
+                w[..., 0] = 1
+            else:  # grid token i = 1 + 4y + x: half on itself, half on (y, x + 2) if it exists
+                for i in range(1, N):
+                    w[..., i, i] = 0.5
+                    if (i - 1) % 4 < 2:
+                        w[..., i, i + 2] = 0.5
+            return w
+        return weights
+
+    for block, kind in zip(model.blocks, ['self', 'uniform', 'class token', 'half']):
+        block.attn.weights = pattern(kind)
+    masses = [paper.local_mass(w, model.grid) for w in paper.attention_weights(model.eval(), torch.randn(2, 3, 64, 64))]
+    assert masses == pytest.approx([1.0, 6.25 / 17, 0.0, 0.5], abs=1e-6)
+
+
+def test_paper_locality_and_maps_commands(tmp_path):
+    """Untrained softmax attention (weights init std .02, so q.k ~ 0) is close to uniform: its 3x3 mass is near
+    the uniform line the command prints. Both commands draw their PNG."""
+    softmax = tiny_deit_checkpoint(tmp_path / 'softmax.pt', layout='S')
+    ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
+    results, uniform = paper.main(['locality', '--checkpoints', f'softmax={softmax}', f'InLine={ours}',
+                                   '--images', '4', '--out', str(tmp_path)])
+    assert len(results['softmax']) == len(results['InLine']) == 2
+    assert uniform == pytest.approx((22 / 8) ** 2 / 65)  # per axis (2 + 6 x 3 + 2) / 8 neighbours on an 8-wide grid
+    assert results['softmax'] == pytest.approx([uniform] * 2, abs=2e-3)
+    assert_png(tmp_path / 'locality.png', (500, 300))
+    rows = paper.main(['maps', '--checkpoints', f'softmax={softmax}', f'InLine={ours}', '--queries', '0,0', '7,7',
+                       '--out', str(tmp_path)])
+    assert [label for label, _ in rows] == ['softmax, layer 1', 'softmax, layer 2', 'InLine, layer 1', 'InLine, layer 2']
+    assert_png(tmp_path / 'maps.png', (400, 500))
+
+
+def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
+    ours = tiny_deit_checkpoint(tmp_path / 'inline.pt')
+    (tmp_path / 'broken.png').write_bytes(b'not an image')
+    swin = models.create_model('inline_swin_t', img_size=64, embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
+                               num_classes=10)
+    torch.save({'model': swin.state_dict(), 'arch': swin.arch, 'args': {'model': 'inline_swin_t'}}, tmp_path / 'swin.pt')
+    torch.save({'weights': 1}, tmp_path / 'other.pt')
+    for argv, message in [
+            (['maps', '--checkpoints', ours, '--image', str(tmp_path / 'broken.png')], 'cannot read image .*broken.png'),
+            (['locality', '--checkpoints', str(tmp_path / 'swin.pt')], 'needs an isotropic DeiT'),
+            (['locality', '--checkpoints', str(tmp_path / 'other.pt')], 'not a checkpoint written by train.py'),
+            (['locality', '--checkpoints', str(tmp_path / 'none.pt')], 'no checkpoint at'),
+            (['maps', '--checkpoints', ours, '--queries', '8,0'], '--queries must lie on the 8x8 token grid'),
+            (['ablations', '--only', 'no_such_experiment'], 'unknown experiments')]:
+        with pytest.raises(SystemExit):
+            paper.main(argv + ['--out', str(tmp_path)])
+        assert re.search('error: .*' + message, capsys.readouterr().err), argv
+
+
+def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, capsys):
+    """The speed command on tiny DeiTs (the real points are minutes each on a CPU): one row per point, dtype and
+    device, cached; and a softmax that builds its N x N weights explicitly is refused."""
+    tiny = dict(depth=1, embed_dim=32, num_heads=1, num_classes=10)
+    monkeypatch.setattr(paper, 'SPEED', {'F5b': ('window', (32,), {}), 'F5c': ('image size', (32, 64), {64: 2.0})})
+    monkeypatch.setattr(paper, 'speed_models', lambda figure, point, device: [
+        models.create_model('inline_deit_t', img_size=point, layout=c, **tiny).eval() for c in 'SI'])
+    monkeypatch.setattr(paper, 'speed_point', lambda *a, real=paper.speed_point, **k: calls.append(a) or real(*a, **k))
+    calls = []
+    rows = paper.main(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
+    assert [(r['figure'], r['point'], r['dtype']) for r in rows] == [
+        (f, p, d) for d in ('float32', 'bfloat16') for f, p in (('F5b', 32), ('F5c', 32), ('F5c', 64))]
+    assert all(r['softmax_img_s'] > 0 and r['inline_img_s'] > 0 and r['speedup'] > 0 for r in rows)
+    assert_png(tmp_path / 'speed.png', (800, 300))
+    paper.main(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
+    assert len(calls) == 6  # the second run read every point from the cache
+
+    class Explicit(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x @ x.transpose(-2, -1), dim=-1) @ x
+    with pytest.raises(SystemExit):
+        paper.check_sdpa(Explicit(), torch.randn(1, 4, 8))
+    assert 'only through F.scaled_dot_product_attention' in capsys.readouterr().err
+
+
+def fake_run(path, accs, epochs):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
+        f.writelines(json.dumps({'epoch': e + 1, 'val_acc1': acc}) + '\n' for e, acc in enumerate(accs[:epochs]))
+
+
+def test_paper_ablations_reuse_finished_runs_and_train_the_rest(tmp_path, monkeypatch):
+    """Finished runs are read, not retrained; an unfinished one is handed to train.py, with the experiment's
+    miniature on its command line; the table compares each row with its reference."""
+    chosen = {n: models.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q')}
+    monkeypatch.setattr(paper, 'experiments', lambda: chosen)
+    args = ['ablations', '--only', *chosen, '--seeds', '2', '--epochs', '2', '--train-images', '64', '--jobs', '1',
+            '--out', str(tmp_path)]
+    launched = []
+
+    class Popen:  # train.py stand-in: records the command line, writes a finished run
+        def __init__(self, argv, **kwargs):
+            launched.append(argv)
+            fake_run(argv[argv.index('--output-dir') + 1], [50.0, 60.0], 2)
+            self.returncode = 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(paper.subprocess, 'Popen', Popen)
+    ns = argparse.Namespace(epochs=2, train_images=64)
+    argv0 = paper.ablation_argv('t1_softmax', chosen['t1_softmax'], 0, ns)
+    for seed, acc in ((0, 70.0), (1, 72.0)):  # softmax: both seeds already finished
+        fake_run(paper.run_dir(str(tmp_path), f't1_softmax-seed{seed}',
+                               paper.ablation_argv('t1_softmax', chosen['t1_softmax'], seed, ns)), [1.0, acc], 2)
+    rows = paper.main(args)
+    assert len(launched) == 2 and all('t1_softmax_normalised_q' in a for a in launched)  # only the unfinished
+    assert argv0[:2] == ['--experiment', 't1_softmax'] and 'num_heads=1' in argv0  # 3 heads x 1/3: head dim 64
+    assert rows == [['T1', 't1_softmax', '71.0 ± 1.4', '72.2', '', '(reference)'],
+                    ['T1', 't1_softmax_normalised_q *', '60.0 ± 0.0', '70.6 / 69.9', 't1_softmax', 'yes']]
+    assert_png(tmp_path / 'ablations.png', (300, 200))
+    launched.clear()
+    paper.main(args)
+    assert launched == []  # everything cached now
+
+
+def test_paper_every_ablation_miniature_builds_and_runs():
+    """Each experiment's miniature (its overrides and the family's sizes) is a valid model on 64 px images, so a
+    full ablation run cannot fail hours in; and the experiments that are one model share one configuration."""
+    torch.manual_seed(0)
+    chosen = paper.experiments()
+    for name, e in chosen.items():
+        model = models.create_model(e.model, img_size=paper.MINI_IMG, num_classes=10,
+                                    **{**e.overrides, **paper.mini_kwargs(e)})
+        assert model(torch.randn(1, 3, 64, 64)).shape == (1, 10), name
+    keys = {name: paper.config_key(e) for name, e in chosen.items()}
+    assert keys['r_residual_local'] == keys['t10_kernel_identity'] == keys['inline_swin_t'] == keys['r_dilation1']
+    assert keys['t4_window56_no_residual'] == keys['r_residual_none'] == keys['t3_inline_identity']
+    assert keys['t4_window28_residual'] != keys['t4_window56_residual'] != keys['t4_window56_no_residual']
+    assert paper.mini_kwargs(chosen['t4_window7_residual'])['window'] == 2  # 7/56 of the 16x16 stage 1
+
+
+@pytest.mark.parametrize('ours,ref,paper_,paper_ref,expected', [
+    ((60, 1, 3, 0), (70, 1, 3, 0), 70.6, 72.2, 'yes'),  # lower here and in the paper, beyond 2 SE (1.6)
+    ((73, 1, 3, 0), (70, 1, 3, 0), 70.6, 72.2, 'no'),
+    ((69.5, 1, 3, 0), (70, 1, 3, 0), 70.6, 72.2, 'within noise'),
+    ((69.5, 1, 3, 0), (70, 1, 3, 0), 80.2, 80.2, 'yes'),  # a tie in the paper, within noise here
+    ((60, 1, 3, 0), (70, 1, 3, 0), 80.2, 80.3, 'no'),
+    ((60, float('nan'), 1, 0), (70, float('nan'), 1, 0), 70.6, 72.2, 'yes (1 seed)'),
+    ((60, 1, 3, 0), (70, 1, 3, 0), None, 72.2, '—')])
+def test_paper_ordering_verdict(ours, ref, paper_, paper_ref, expected):
+    assert paper.verdict(ours, ref, paper_, paper_ref) == expected

@@ -1,0 +1,918 @@
+"""The paper's figures and tables, rerun small on one machine, with pictures.
+
+InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
+arXiv 2412.06590. One subcommand per experiment of SPEC §6. Each prints a table (markdown, for the README),
+draws a PNG (OUT/<subcommand>.png, or --png PATH) and keeps what it has finished under OUT (default
+runs/paper/), so a rerun resumes where the last one stopped.
+
+    python paper.py injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
+    python paper.py locality               # F4: attention mass on the 3x3 neighbourhood, per layer
+    python paper.py maps                   # F3: attention maps of a few query tokens, laid over an image
+    python paper.py speed [--quick]        # F5b, F5c: images/s against window and resolution
+    python paper.py speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
+    python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
+
+locality and maps train their three small DeiT-like models with train.py on first use (cached); ablations
+trains every experiment of models.EXPERIMENTS the same way. Nothing here trains by itself: every run is a
+`python train.py ...` subprocess, the project's one training loop.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw, ImageFont
+from torchvision.transforms import functional as TF
+from tqdm import tqdm
+
+import inline
+import kernels
+import models
+import train
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output: markdown tables and PNG pictures, drawn with Pillow (which torchvision brings). One place for all
+# drawing: heat-map cells, line/dot charts, image tiles.
+
+PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127)]
+MARK = (230, 0, 120)  # identical rows, query tokens
+
+
+def print_table(header, rows):
+    """A markdown table, so what is printed can be pasted into the README as it is."""
+    print('| ' + ' | '.join(header) + ' |')
+    print('|' + '---|' * len(header))
+    for row in rows:
+        print('| ' + ' | '.join(str(c) for c in row) + ' |')
+
+
+def font(size=13):
+    return ImageFont.load_default(size=size)
+
+
+def diverging(t):
+    """t in [-1, 1] -> RGB: blue for negative, white at 0, red for positive."""
+    t = max(-1.0, min(1.0, t))
+    end = (178, 24, 43) if t >= 0 else (33, 102, 172)
+    return tuple(round(255 + abs(t) * (e - 255)) for e in end)
+
+
+def save_png(img, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    img.save(path, format='PNG', optimize=True)
+    print(f'picture: {path} ({img.width}x{img.height})')
+
+
+def nice_ticks(lo, hi, n=5):
+    """About n round numbers spanning [lo, hi]."""
+    raw = (hi - lo) / max(n - 1, 1)
+    step = 10 ** math.floor(math.log10(raw))
+    step *= next(m for m in (1, 2, 5, 10) if m * step >= raw)
+    return [i * step for i in range(math.floor(lo / step), math.ceil(hi / step) + 1)]
+
+
+def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log_x=False, hlines=(), lines=True):
+    """A line (or, lines=False, dot) chart in box = (left, top, right, bottom) of draw.
+
+    series: [(label, xs, ys, errs or None)]; hlines: [(label, y)] drawn dashed; xticks the x positions to
+    label with xlabels (default the numbers themselves). Errors are drawn as vertical bars (+- err)."""
+    left, top, right, bottom = box
+    x0, y0, x1, y1 = left + 58, top + 26, right - 10, bottom - 44  # the plotting area
+    ys = [y + s * (e or 0) for _, _, values, errs in series for y, e in zip(values, errs or [0] * len(values))
+          for s in (-1, 1) if y is not None and math.isfinite(y)] + [y for _, y in hlines]
+    lo, hi = min(ys), max(ys)
+    pad = 0.08 * (hi - lo or abs(hi) or 1)
+    yt = nice_ticks(lo - pad if lo < 0 else max(lo - pad, 0), hi + pad)  # no negative axis for positive data
+    lo, hi = yt[0], yt[-1]
+    fx = (lambda x: math.log(x)) if log_x else (lambda x: x)
+    xa, xb = fx(min(xticks)), fx(max(xticks))
+    xspan = (xb - xa) or 1
+    margin = 0.06 * xspan if not lines else 0.0
+    px = lambda x: x0 + (fx(x) - xa + margin) / (xspan + 2 * margin) * (x1 - x0)  # noqa: E731
+    py = lambda y: y1 - (y - lo) / (hi - lo) * (y1 - y0)  # noqa: E731
+    draw.text(((left + right) / 2, top + 4), title, fill='black', font=font(14), anchor='ma')
+    for y in yt:
+        draw.line([(x0, py(y)), (x1, py(y))], fill=(225, 225, 225))
+        draw.text((x0 - 6, py(y)), f'{y:g}', fill='black', font=font(11), anchor='rm')
+    for x, label in zip(xticks, xlabels or [f'{x:g}' for x in xticks]):
+        draw.line([(px(x), y1), (px(x), y1 + 4)], fill='black')
+        draw.text((px(x), y1 + 6), str(label), fill='black', font=font(11), anchor='ma')
+    draw.rectangle([x0, y0, x1, y1], outline='black')
+    draw.text(((x0 + x1) / 2, bottom - 4), xlabel, fill='black', font=font(12), anchor='md')
+    draw.text((x0 - 50, y0 - 6), ylabel, fill='black', font=font(11), anchor='ld')
+    for (label, y), dash in zip(hlines, range(len(hlines))):
+        for xs in range(int(x0), int(x1), 12):
+            draw.line([(xs, py(y)), (min(xs + 6, x1), py(y))], fill=(90, 90, 90), width=2)
+        draw.text((x1 - 4, py(y) - 3), label, fill=(90, 90, 90), font=font(11), anchor='rd')
+    for i, (label, xs, values, errs) in enumerate(series):
+        c = PALETTE[i % len(PALETTE)]
+        points = [(px(x), py(y)) for x, y in zip(xs, values) if y is not None and math.isfinite(y)]
+        if lines and len(points) > 1:
+            draw.line(points, fill=c, width=2)
+        for j, (x, y) in enumerate(zip(xs, values)):
+            if y is None or not math.isfinite(y):
+                continue
+            if errs and errs[j]:
+                draw.line([(px(x), py(y - errs[j])), (px(x), py(y + errs[j]))], fill=c, width=2)
+            draw.ellipse([px(x) - 4, py(y) - 4, px(x) + 4, py(y) + 4], fill=c)
+        draw.rectangle([x0 + 8, y0 + 8 + 16 * i, x0 + 20, y0 + 18 + 16 * i], fill=c)
+        draw.text((x0 + 25, y0 + 13 + 16 * i), label, fill='black', font=font(11), anchor='lm')
+
+
+def charts(path, panels, cols, size):
+    """Several charts side by side in one PNG: panels are chart()'s keyword arguments, size one panel's."""
+    W, H = size
+    img = Image.new('RGB', (min(cols, len(panels)) * W, math.ceil(len(panels) / cols) * H), 'white')
+    draw = ImageDraw.Draw(img)
+    for i, panel in enumerate(panels):
+        chart(draw, ((i % cols) * W, (i // cols) * H, (i % cols + 1) * W, (i // cols + 1) * H), **panel)
+    save_png(img, path)
+
+
+def heatmaps(path, matrices, groups, labels, caption, cell=46):
+    """One heat map per matrix {title: (rows, cols)}, a number in every cell, a shared colour scale; the row
+    groups {title: [[i, j, ...]]} outlined and bracketed."""
+    pad_left, pad_top = 40, 46
+    vmax = max(w.abs().max().item() for w in matrices.values())
+    R, C = next(iter(matrices.values())).shape
+    panel_w, panel_h = pad_left + C * cell + 40, pad_top + R * cell + 10
+    img = Image.new('RGB', (panel_w * len(matrices) + 10, panel_h + 30), 'white')
+    draw = ImageDraw.Draw(img)
+    for p, (name, w) in enumerate(matrices.items()):
+        ox = 10 + p * panel_w
+        draw.text((ox + pad_left + C * cell / 2, 8), name, fill='black', font=font(14), anchor='ma')
+        for j in range(C):
+            draw.text((ox + pad_left + (j + 0.5) * cell, 28), f'k{j + 1}', fill='black', font=font(11), anchor='ma')
+        for i in range(R):
+            y = pad_top + i * cell
+            draw.text((ox + pad_left - 6, y + cell / 2), labels[i], fill='black', font=font(12), anchor='rm')
+            for j in range(C):
+                x, value = ox + pad_left + j * cell, w[i, j].item()
+                draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=diverging(value / vmax))
+                draw.text((x + cell / 2, y + cell / 2), f'{value:.2f}', fill='black', font=font(11), anchor='mm')
+        xr = ox + pad_left + C * cell
+        for g in groups[name]:
+            for i in g:
+                draw.rectangle([ox + pad_left, pad_top + i * cell, xr - 1, pad_top + (i + 1) * cell - 1],
+                               outline=MARK, width=3)
+            ya, yb = pad_top + g[0] * cell + cell / 2, pad_top + g[-1] * cell + cell / 2
+            draw.line([(xr + 6, ya), (xr + 12, ya), (xr + 12, yb), (xr + 6, yb)], fill=MARK, width=3)
+            draw.text((xr + 16, (ya + yb) / 2), '=', fill=MARK, font=font(18), anchor='lm')
+    draw.text((10, panel_h + 8), caption, fill='black', font=font(12))
+    save_png(img, path)
+
+
+def overlay(image, w, grid, scale, vmax):
+    """image (3, S, S) in [0, 1] with the weights w (h, w) laid over it: red positive, blue negative, the colour's
+    strength sqrt(|w| / vmax), so weights near 0 leave the image visible and small ones still show. vmax is shared
+    by every map of a figure: a flat map looks faint, a peaked one strong. Returns a PIL image, S*scale wide."""
+    t = (w / vmax).clamp(-1, 1).repeat_interleave(image.shape[1] // grid[0], 0)
+    t = t.repeat_interleave(image.shape[2] // grid[1], 1)  # (S, S) in [-1, 1]
+    red, blue = torch.tensor(diverging(1.0)) / 255, torch.tensor(diverging(-1.0)) / 255
+    colour = torch.where(t[None] >= 0, red[:, None, None], blue[:, None, None])  # (3, S, S)
+    alpha = 0.85 * t.abs().sqrt()[None]
+    out = image * (1 - alpha) + colour * alpha
+    return TF.to_pil_image(out).resize((image.shape[2] * scale, image.shape[1] * scale), Image.NEAREST)
+
+
+def image_grid(path, image, rows, queries, grid):
+    """For each row (label, [one (h, w) weight map per query]): the image with the queries marked, then each
+    query's map laid over it (overlay), all maps on one colour scale."""
+    S = image.shape[1]
+    scale, label_w, top = max(1, 128 // S), 150, 40
+    T = S * scale
+    img = Image.new('RGB', (label_w + (len(queries) + 1) * (T + 8), top + len(rows) * (T + 8) + 46), 'white')
+    draw = ImageDraw.Draw(img)
+    plain = TF.to_pil_image(image).resize((T, T), Image.NEAREST)
+    vmax = max(tile.abs().max().item() for _, tiles in rows for tile in tiles)
+    cell = (T / grid[1], T / grid[0])
+    draw.text((label_w + T / 2, top - 8), 'image', fill='black', font=font(12), anchor='md')
+    for j, (y, x_) in enumerate(queries):
+        draw.text((label_w + (j + 1) * (T + 8) + T / 2, top - 8), f'query ({y},{x_})', fill='black', font=font(12),
+                  anchor='md')
+    for i, (label, tiles) in enumerate(rows):
+        oy = top + i * (T + 8)
+        draw.text((label_w - 8, oy + T / 2), label, fill='black', font=font(12), anchor='rm')
+        img.paste(plain, (label_w, oy))
+        for j, ((y, x_), tile) in enumerate(zip(queries, tiles)):
+            ox = label_w + (j + 1) * (T + 8)
+            img.paste(overlay(image, tile, grid, scale, vmax), (ox, oy))
+            for bx in (label_w, ox):  # the query's patch, on the image and on its own map
+                draw.rectangle([bx + x_ * cell[0], oy + y * cell[1], bx + (x_ + 1) * cell[0] - 1,
+                                oy + (y + 1) * cell[1] - 1], outline=MARK, width=2)
+    draw.text((10, img.height - 40), 'weights on the token grid (class token not drawn), mean over heads;',
+              fill='black', font=font(12))
+    draw.text((10, img.height - 22), f'red > 0, blue < 0; strength sqrt(|w| / {vmax:.3f}), the largest |w| shown',
+              fill='black', font=font(12))
+    save_png(img, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# F1, injectivity: which queries does each attention tell apart?
+
+def injectivity_weights(seed=0, D=8, keys=4):
+    """The weights of 8 queries against `keys` keys under each method: rows 0-3 are q, 2q, 3q, 4q (collinear),
+    rows 4-7 four random queries. float64, so rows that coincide do so to rounding (~1e-16).
+
+    relu_affine is inline.ReLUAffine, ReLU(A x + b), with a fixed random A (identity + noise, seeded) in place
+    of its initial identity, and b = 0, its initial bias: with b = 0 the map is homogeneous, ReLU(A a q) =
+    a ReLU(A q), so it confuses q and a*q exactly as relu does. A learned b != 0 moves the confused set off the
+    ray {a q} but does not remove it: queries x with A x + b = a (A q + b) get identical weights;
+    `relu_affine_bias_check` shows both."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, 1, keys, D, generator=g, dtype=torch.float64)  # (B, H, N, D) = (1, 1, 4, D)
+    q = torch.randn(1, 1, 1, D, generator=g, dtype=torch.float64).abs()  # positive, so relu keeps all of q
+    queries = torch.cat([a * q for a in (1, 2, 3, 4)] + [torch.randn(1, 1, 4, D, generator=g, dtype=torch.float64)],
+                        dim=2)  # (1, 1, 8, D)
+    relu, relu_affine = inline.get_kernel('relu'), inline.get_kernel('relu_affine', D).double()
+    with torch.no_grad():
+        relu_affine.weight.add_(0.3 * torch.randn(D, D, generator=g, dtype=torch.float64))  # A = I + noise; b = 0
+    eye = torch.eye(keys, dtype=torch.float64).expand(1, 1, keys, keys)
+    weights = {
+        # softmax_attention with V = identity returns its weights: row i of W @ I is row i of W
+        'softmax': inline.softmax_attention(queries, k, eye),
+        'linear (relu)': inline.linear_attention_weights(relu(queries), relu(k), eps=0),
+        'linear (relu_affine)': inline.linear_attention_weights(relu_affine(queries), relu_affine(k), eps=0),
+        # inline_weights takes N from the queries (self-attention: as many queries as keys), so 4 at a time
+        'InLine (identity)': torch.cat([inline.inline_weights(queries[:, :, i:i + keys], k)
+                                        for i in range(0, 8, keys)], dim=2),
+    }
+    return {name: w[0, 0].detach() for name, w in weights.items()}, (relu_affine, k, q)  # each (8, keys)
+
+
+def identical_rows(w, tol=1e-12):
+    """Groups (lists of row indices, each of 2 or more) of rows equal to within tol."""
+    groups, seen = [], set()
+    for i in range(len(w)):
+        if i in seen:
+            continue
+        group = [j for j in range(i, len(w)) if (w[i] - w[j]).abs().max().item() <= tol]
+        if len(group) > 1:
+            groups.append(group)
+            seen.update(group)
+    return groups
+
+
+@torch.no_grad()
+def relu_affine_bias_check(relu_affine, k, q, seed=1):
+    """With a random b > 0 in relu_affine: max |w(q) - w(a q)| (not 0: the ray is no longer confused) and max
+    |w(x) - w(x_a)| for x_a = A^-1 (a (A q + b) - b), whose features are collinear (0 to rounding)."""
+    A, b = relu_affine.weight, relu_affine.bias
+    b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(seed), dtype=b.dtype).abs())
+    w = lambda x: inline.linear_attention_weights(relu_affine(x), relu_affine(k), eps=0)[0, 0]  # noqa: E731
+    on_ray = torch.cat([a * q for a in (1, 2, 3, 4)], dim=2)  # (1, 1, 4, D)
+    on_line = torch.cat([torch.linalg.solve(A, a * (A @ q[0, 0, 0] + b) - b)[None, None, None] for a in (1, 2, 3, 4)],
+                        dim=2)  # (1, 1, 4, D)
+    spread = lambda x: (w(x) - w(x)[0]).abs().max().item()  # noqa: E731
+    return spread(on_ray), spread(on_line)
+
+
+def cmd_injectivity(args):
+    weights, (relu_affine, k, q) = injectivity_weights()
+    labels = ['q', '2q', '3q', '4q', 'r1', 'r2', 'r3', 'r4']
+    groups = {name: identical_rows(w) for name, w in weights.items()}
+    print('F1: attention weights of 8 queries against 4 random keys (D = 8, float64). Rows q..4q are collinear,\n'
+          'r1..r4 random. relu_affine: inline.ReLUAffine, ReLU(A x + b), with a fixed random A = I + 0.3 N(0, 1) and\n'
+          'b = 0 (its initial bias).\n')
+    for name, w in weights.items():
+        same = {i: f'= {labels[g[0]]}' for g in groups[name] for i in g[1:]}
+        print(f'{name}:')
+        print_table(['query', *[f'key {j + 1}' for j in range(w.shape[1])], 'identical to'],
+                    [[labels[i], *[f'{x:.4f}' for x in row.tolist()], same.get(i, '')] for i, row in enumerate(w)])
+        print()
+    print('identical rows: ' + '; '.join(f'{n}: {[[labels[i] for i in g] for g in gs] or "none"}'
+                                          for n, gs in groups.items()))
+    ray, line = relu_affine_bias_check(relu_affine, k, q)
+    print(f'relu_affine with a random b != 0: q..4q differ by up to {ray:.3f}, but x_a = A^-1(a(Aq + b) - b), '
+          f'a = 1..4, still coincide (max difference {line:.1e}): the confusion moves, it does not go away.')
+
+    heatmaps(args.png or os.path.join(args.out, 'injectivity.png'), weights, groups, labels,
+             'rows q..4q: collinear queries; r1..r4: random. Outlined and bracketed: rows identical to 1e-12. '
+             'Colour: weight / max |weight| (blue < 0 < red).')
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training runs: every model here is trained by `python train.py`, and a finished run is never redone
+
+def run_dir(out, label, argv):
+    """OUT/runs/<label>-<hash of the train.py arguments>: a changed configuration is a new run, never a stale one."""
+    return os.path.join(out, 'runs', f'{label}-{hashlib.sha1(json.dumps(argv).encode()).hexdigest()[:8]}')
+
+
+def run_state(path, epochs):
+    """'done' (metrics.jsonl has the last epoch), 'diverged' (train.py stopped on a non-finite loss: a result,
+    kept so it is not retried) or None (not started, or interrupted: train.py resumes it)."""
+    if os.path.exists(os.path.join(path, 'diverged')):
+        return 'diverged'
+    try:
+        with open(os.path.join(path, 'metrics.jsonl')) as f:
+            return 'done' if [json.loads(line) for line in f][-1]['epoch'] == epochs else None
+    except (FileNotFoundError, IndexError):
+        return None
+
+
+def train_runs(runs, jobs=1, desc='training'):
+    """Train each run, {path: (argv, epochs)}, as `python train.py ARGV --output-dir PATH`, `jobs` at a time
+    (each with cores/jobs threads), skipping the finished ones; returns {path: 'done' | 'diverged'}."""
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    todo = [p for p, (_, epochs) in runs.items() if run_state(p, epochs) is None]
+    if len(todo) < len(runs):
+        print(f'{len(runs) - len(todo)} of {len(runs)} runs already finished (cached under their folders)')
+    running, bar = {}, tqdm(total=len(todo), desc=desc, dynamic_ncols=True)
+    while todo or running:
+        while todo and len(running) < jobs:
+            path = todo.pop(0)
+            os.makedirs(path, exist_ok=True)
+            log = open(os.path.join(path, 'train.log'), 'a')
+            argv = [sys.executable, os.path.join(HERE, 'train.py'), *runs[path][0], '--output-dir', path,
+                    '--threads', str(threads)]
+            log.write('$ ' + ' '.join(argv) + '\n')
+            log.flush()
+            running[path] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=HERE), log)
+        path, (proc, log) = wait_any(running)
+        log.close()
+        del running[path]
+        with open(os.path.join(path, 'train.log')) as f:
+            tail = f.read()[-3000:]
+        if proc.returncode and 'the loss is not finite' in tail:
+            with open(os.path.join(path, 'diverged'), 'w') as f:
+                f.write(tail[tail.rfind('error:'):])
+        elif proc.returncode or run_state(path, runs[path][1]) != 'done':
+            for p, (other, other_log) in running.items():
+                other.terminate()  # train.py saves on SIGTERM; a rerun resumes them
+            train.fail(f'train.py failed (exit {proc.returncode}) in {path}; its log ends:\n{tail}')
+        bar.update()
+    bar.close()
+    return {p: run_state(p, epochs) for p, (_, epochs) in runs.items()}
+
+
+def wait_any(running):
+    """The first of the running {path: (process, log)} to finish."""
+    while True:
+        for path, (proc, log) in running.items():
+            if proc.poll() is not None:
+                return path, (proc, log)
+        time.sleep(0.5)
+
+
+def metrics(path):
+    with open(os.path.join(path, 'metrics.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def load_trained(path):
+    """A model trained by train.py, rebuilt from its checkpoint: 'args' names the variant, 'arch' holds the
+    overrides it was built with, 'model' the weights (loaded strictly)."""
+    ckpt = train.read_checkpoint(path)  # a clear error for a missing or unreadable file
+    if not isinstance(ckpt, dict) or not {'model', 'arch', 'args'} <= ckpt.keys():
+        train.fail(f'{path} is not a checkpoint written by train.py (it needs model, arch and args)')
+    try:
+        model = models.create_model(ckpt['args']['model'], **ckpt['arch'])
+        model.load_state_dict(ckpt['model'])
+    except (ValueError, RuntimeError, KeyError) as e:
+        train.fail(f'cannot rebuild the model of {path}: {e}')
+    return model.eval(), ckpt
+
+
+# ---------------------------------------------------------------------------------------------------
+# F4 and F3: the explicit N x N weights of each layer of small trained DeiT-like models
+
+DEIT_LAYOUTS = {'softmax': 'S', 'linear': 'L', 'InLine': 'I'}
+
+
+def deit_runs(args):
+    """The three models F4 and F3 look at by default: the ablations' miniature DeiT (64 px images, 8 px patches:
+    an 8x8 token grid, on which a 3x3 neighbourhood is 9 of 64 tokens; 6 blocks of width 64, 2 heads of 32) with
+    softmax, vanilla linear (relu) or InLine attention and nothing else changed, trained on the synthetic task."""
+    sizes = [f'{k}={v!r}' for k, v in MINI['deit'][1].items()]
+    runs = {run_dir(args.out, f'deit-{name}', argv): (argv, args.epochs) for name, letter in DEIT_LAYOUTS.items()
+            for argv in [['--model', 'inline_deit_t', '--img-size', str(MINI_IMG), '--model-kwargs', *sizes,
+                          '--layout', letter, '--seed', '0', '--epochs', str(args.epochs),
+                          '--synthetic-train', str(args.train_images)]]}
+    train_runs(runs, args.jobs, desc='training the three DeiT models')
+    return {name: os.path.join(path, 'checkpoint.pt') for name, path in zip(DEIT_LAYOUTS, runs)}
+
+
+def checkpoints(args):
+    """{method: checkpoint}: --checkpoints NAME=PATH ..., or the three small DeiTs (trained on first use)."""
+    if not args.checkpoints:
+        return deit_runs(args)
+    pairs = [c.split('=', 1) if '=' in c else (os.path.basename(os.path.dirname(c)) or c, c) for c in args.checkpoints]
+    return dict(pairs)
+
+
+def attention_weights(model, images):
+    """[(B, H, N, N)] per block: the explicit weights of every block's attention, from its weights(x, grid),
+    for the input x each attention really gets (seen by a forward pre-hook)."""
+    if getattr(model, 'family', None) != 'deit':
+        train.fail(f'this needs an isotropic DeiT model (one token grid, layers in order); got '
+                         f'{type(model).__name__}')
+    captured = {}
+
+    def hook(i):
+        return lambda module, inputs: captured.__setitem__(i, module.weights(*inputs))  # inputs = (x, grid)
+
+    handles = [block.attn.register_forward_pre_hook(hook(i)) for i, block in enumerate(model.blocks)]
+    try:
+        with torch.no_grad():
+            model(images)
+    finally:
+        for h in handles:
+            h.remove()
+    return [captured[i] for i in range(len(model.blocks))]
+
+
+def neighbourhood(grid):
+    """(h*w, h*w) boolean: token j is in the 3x3 neighbourhood of token i (itself included)."""
+    y, x = torch.meshgrid(torch.arange(grid[0]), torch.arange(grid[1]), indexing='ij')
+    y, x = y.flatten(), x.flatten()
+    return ((y[:, None] - y[None, :]).abs() <= 1) & ((x[:, None] - x[None, :]).abs() <= 1)
+
+
+def local_mass(w, grid):
+    """sum_{j in 3x3(i)} w_ij, averaged over the grid queries i, heads and images. w (B, H, N, N), the last h*w
+    tokens on the grid (DeiT's class token first: it is neither a query here nor in any neighbourhood)."""
+    P = w.shape[-1] - grid[0] * grid[1]
+    return (w[..., P:, P:] * neighbourhood(grid).to(w.dtype)).sum(-1).mean().item()
+
+
+def synthetic_images(img_size, count, seed=0):
+    """The first `count` validation images of train.py's synthetic task, normalised as the models saw them."""
+    val = train.SyntheticShapes(count, img_size, seed, train=False)
+    return torch.stack([val[i][0] for i in range(count)]), val
+
+
+def cmd_locality(args):
+    results, grid = {}, None
+    for name, path in tqdm(checkpoints(args).items(), desc='locality', dynamic_ncols=True):
+        model, _ = load_trained(path)
+        images, _ = synthetic_images(model.img_size[0], args.images)
+        results[name] = [local_mass(w, model.grid) for w in attention_weights(model, images)]
+        if grid not in (None, model.grid):
+            train.fail(f'the checkpoints have different token grids ({grid} and {model.grid})')
+        grid = model.grid
+    N = grid[0] * grid[1] + 1
+    uniform = neighbourhood(grid).sum().item() / (grid[0] * grid[1]) / N  # uniform weights 1/N, borders counted
+    print(f'F4: attention mass on the 3x3 neighbourhood, per layer, mean over {args.images} validation images, '
+          f'the {grid[0]}x{grid[1]} grid queries and the heads ({N} tokens with the class token).\n'
+          f'Uniform weights give {uniform:.4f} (9/N = {9 / N:.4f} without the border effect).\n')
+    layers = max(len(v) for v in results.values())
+    print_table(['layer', *results], [[i + 1, *[f'{v[i]:.4f}' if i < len(v) else '' for v in results.values()]]
+                                      for i in range(layers)])
+    charts(args.png or os.path.join(args.out, 'locality.png'), [dict(
+        series=[(n, list(range(1, len(v) + 1)), v, None) for n, v in results.items()],
+        title='F4: attention mass on each query\'s 3x3 neighbourhood', xlabel='layer', ylabel='mass',
+        xticks=list(range(1, layers + 1)), hlines=[(f'uniform weights ({uniform:.3f})', uniform)])], cols=1,
+        size=(640, 400))
+    return results, uniform
+
+
+def read_image(path, size):
+    """An image file as the models see it: RGB, resized to size x size (bicubic), normalised like train.py's data."""
+    try:
+        with Image.open(path) as img:
+            img = img.convert('RGB')
+    except Exception as e:
+        train.fail(f'cannot read image {path}: {e}')
+    x = TF.to_tensor(img.resize((size, size), Image.BICUBIC))  # (3, size, size) in [0, 1]
+    return TF.normalize(x, train.MEAN, train.STD)
+
+
+def cmd_maps(args):
+    loaded = {name: load_trained(path)[0] for name, path in checkpoints(args).items()}
+    sizes = {m.img_size for m in loaded.values()}
+    grids = {m.grid for m in loaded.values()}
+    if len(sizes) > 1 or len(grids) > 1:
+        train.fail(f'the checkpoints take different images or grids ({sizes}, {grids}); maps compares '
+                         f'one image across models of one size')
+    (S, _), grid = sizes.pop(), grids.pop()
+    if args.image:
+        x, what = read_image(args.image, S), args.image
+    else:
+        images, val = synthetic_images(S, args.index + 1)
+        x, what = images[args.index], f'synthetic validation image {args.index} ({val.CLASSES[args.index % 10]})'
+    queries = [tuple(int(v) for v in q.split(',')) for q in args.queries]
+    if any(not (0 <= y < grid[0] and 0 <= x_ < grid[1]) for y, x_ in queries):
+        train.fail(f'--queries must lie on the {grid[0]}x{grid[1]} token grid (row,col from 0)')
+    image = (x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None]).clamp(0, 1)
+    P = 1  # DeiT's class token, before the grid
+    rows, table = [], []
+    for name, model in loaded.items():
+        weights = attention_weights(model, x[None])
+        layers = [int(layer) for layer in args.layers] or [1, len(weights)]
+        for layer in layers:
+            if not 1 <= layer <= len(weights):
+                train.fail(f'--layers: {name} has layers 1..{len(weights)}, not {layer}')
+            w = weights[layer - 1][0].mean(0)  # (N, N), the mean over heads
+            tiles = []
+            for y, x_ in queries:
+                row = w[P + y * grid[1] + x_]  # (N,) the query's weights
+                tiles.append(row[P:].reshape(grid))
+                local = (row[P:] * neighbourhood(grid)[y * grid[1] + x_]).sum().item()
+                table.append([name, layer, f'({y},{x_})', f'{row[P + y * grid[1] + x_].item():.3f}', f'{local:.3f}',
+                              f'{row[0].item():.3f}', f'{row[P:].min().item():.3f}', f'{row[P:].max().item():.3f}'])
+            rows.append((f'{name}, layer {layer}', tiles))
+    print(f'F3: attention weights of {len(queries)} query tokens in {what}, the mean over heads\n')
+    print_table(['model', 'layer', 'query (row,col)', 'on itself', 'on its 3x3', 'on the class token', 'min', 'max'],
+                table)
+
+    image_grid(args.png or os.path.join(args.out, 'maps.png'), image, rows, queries, grid)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# F5b, F5c: images/s of softmax models against their InLine versions, as the window or the image grows
+
+SPEED = {  # figure: (what varies, its values, the paper's GPU speed-ups of InLine over softmax, SPEC §6)
+    'F5b': ('window', (7, 14, 28, 56), {28: 1.9, 56: 3.7}),
+    'F5c': ('image size', (224, 384, 640, 1024), {640: 2.4, 1024: 4.8}),
+}
+SPEED_QUICK = {'F5b': (7, 56), 'F5c': (224, 640)}
+
+
+def speed_models(figure, point, device):
+    """(softmax model, InLine model) at one point, both as a user runs them: eval mode, InLine with the fast
+    core. F5b: Swin-T with every stage softmax in point x point windows ('SSSS') against InLine-Swin-T with
+    InLine windows of point x point (its stage 4 stays softmax, as released); both at 224 px. F5c: DeiT-T with
+    softmax attention ('S') against InLine-DeiT-T at point x point px."""
+    if figure == 'F5b':
+        pair = (models.create_model('inline_swin_t', layout='SSSS', softmax_window=point),
+                models.create_model('inline_swin_t', window=point, fast=True))
+    else:
+        pair = (models.create_model('inline_deit_t', layout='S', img_size=point),
+                models.create_model('inline_deit_t', img_size=point, fast=True))
+    return [m.eval().to(device) for m in pair]
+
+
+class CountSoftmax(torch.overrides.TorchFunctionMode):
+    """Counts calls of F.scaled_dot_product_attention and of an explicit softmax while active."""
+    def __init__(self):
+        super().__init__()
+        self.sdpa = self.explicit = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.sdpa += func is F.scaled_dot_product_attention
+        self.explicit += func in (torch.softmax, torch.Tensor.softmax, F.softmax)
+        return func(*args, **(kwargs or {}))
+
+
+def check_sdpa(model, x):
+    """Softmax is timed as users run it, through F.scaled_dot_product_attention, never the N x N teaching form."""
+    with torch.no_grad(), CountSoftmax() as count:
+        model(x)
+    if count.sdpa == 0 or count.explicit:
+        train.fail(f'the softmax model made {count.sdpa} SDPA calls and {count.explicit} explicit '
+                         f'softmax calls; speed times softmax only through F.scaled_dot_product_attention')
+
+
+def native_bf16(device):
+    if device.type == 'cuda':
+        return torch.cuda.is_bf16_supported()
+    has = lambda f: getattr(torch.cpu, f, lambda: False)()  # noqa: E731  (private, so guarded)
+    return has('_is_avx512_bf16_supported') or has('_is_amx_tile_supported')
+
+
+def speed_point(figure, point, dtype, device, batch, rounds):
+    """Interleaved rounds (softmax then InLine, one forward each) at one point: images/s of each, and the
+    speed-up as the median over rounds of softmax time / InLine time (the machine's drift cancels in a round)."""
+    softmax, inline_model = speed_models(figure, point, device)
+    x = torch.randn(batch, 3, *softmax.img_size, generator=torch.Generator().manual_seed(0)).to(device)
+    check_sdpa(softmax, x[:1])
+
+    def forward(model):
+        with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            model(x)
+
+    ms = kernels.time_interleaved({'softmax': lambda: forward(softmax), 'InLine': lambda: forward(inline_model)},
+                                  device, budget_s=1e9, max_rounds=rounds)  # exactly `rounds` rounds
+    return dict(figure=figure, point=point, device=device.type, dtype=str(dtype).replace('torch.', ''), batch=batch,
+                rounds=rounds, softmax_img_s=batch / statistics.median(ms['softmax']) * 1e3,
+                inline_img_s=batch / statistics.median(ms['InLine']) * 1e3,
+                speedup=kernels.paired_ratio(ms, 'softmax', 'InLine'))
+
+
+def cmd_speed(args):
+    devices = [torch.device('cpu')] + ([torch.device('cuda')] if torch.cuda.is_available() else [])
+    dtypes = [torch.float32, torch.bfloat16]
+    points = [(fig, p) for fig, (_, values, _) in SPEED.items() for p in (SPEED_QUICK[fig] if args.quick else values)]
+    jobs = [(fig, p, dt, dev) for dev in devices for dt in dtypes for fig, p in points]
+    rows = []
+    for fig, point, dtype, device in tqdm(jobs, desc='speed', dynamic_ncols=True):
+        batch = args.batch or (1 if device.type == 'cpu' else 32)
+        rounds = args.rounds or (3 if args.quick else 5) if device.type == 'cpu' else args.rounds or 20
+        name = f'{device.type}-{str(dtype)[6:]}-{fig}-{point}-b{batch}-r{rounds}.json'
+        path = os.path.join(args.out, 'speed', name)
+        if not os.path.exists(path):  # a finished point is kept; a rerun times only what is missing
+            row = speed_point(fig, point, dtype, device, batch, rounds)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, 'w') as f:
+                json.dump(row, f)
+        with open(path) as f:
+            rows.append(json.load(f))
+    cpu, native = torch.backends.cpu.get_cpu_capability(), native_bf16(torch.device('cpu'))
+    print(f'\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, softmax vs '
+          f'InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, InLine through the '
+          f'fast core; speed-up = median of per-round ratios. CPU: {torch.get_num_threads()} threads, {cpu}'
+          + ('' if native else '; bf16 is emulated on this CPU (no AVX-512 BF16 or AMX), '
+             'so its CPU figures say little about bf16 hardware') + '.\n')
+    print_table(['figure', 'point', 'device', 'dtype', 'batch', 'softmax img/s', 'InLine img/s', 'InLine speed-up',
+                 'paper (GPU)'],
+                [[r['figure'], f"{r['point']}²" if r['figure'] == 'F5b' else f"{r['point']} px", r['device'], r['dtype'],
+                  r['batch'], f"{r['softmax_img_s']:.2f}", f"{r['inline_img_s']:.2f}", f"{r['speedup']:.2f}x",
+                  f"{SPEED[r['figure']][2][r['point']]}x" if r['point'] in SPEED[r['figure']][2] else '']
+                 for r in rows])
+    panels = []
+    for fig, (what, values, paper) in SPEED.items():
+        series = [(f'{dev} {dt}' + (' (emulated)' if (dev, dt) == ('cpu', 'bfloat16') and not native else ''),
+                   [r['point'] for r in sel], [r['speedup'] for r in sel], None)
+                  for dev in dict.fromkeys(r['device'] for r in rows) for dt in ('float32', 'bfloat16')
+                  for sel in [[r for r in rows if (r['figure'], r['device'], r['dtype']) == (fig, dev, dt)]] if sel]
+        series.append(('paper, GPU', list(paper), list(paper.values()), None))
+        panels.append(dict(series=series, xlabel=what, log_x=True, ylabel='InLine speed-up (x)', xticks=list(values),
+                           title=('F5b: Swin-T vs InLine-Swin-T, by window' if fig == 'F5b' else
+                                  'F5c: DeiT-T vs InLine-DeiT-T, by size'),
+                           hlines=[('equal speed', 1.0)], xlabels=[f'{v}x{v}' if fig == 'F5b' else str(v) for v in values]))
+    charts(args.png or os.path.join(args.out, 'speed.png'), panels, cols=2, size=(500, 420))
+    if args.model_step:
+        model_step_table([torch.device('cpu')] + devices[1:], dtypes)
+    return rows
+
+
+def free_core(q, k, v, r, grid, scale=None):
+    """A stand-in for the InLine core that costs nothing, o = v: a step with it is as fast as any core can make
+    it (the projections, r and everything else still run)."""
+    return v
+
+
+def model_step(dtype, device, batch=8):
+    """One training step of InLine-Swin-T at 224 px (forward, loss, backward): reference core, fast core, fast
+    core under whole-model torch.compile, and every InLine core replaced by free_core (the bound: Amdahl's law).
+    Returns ms per step (medians over interleaved rounds) and speed-ups (medians of per-round ratios)."""
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(batch, 3, 224, 224, generator=gen, device=device)
+    y = torch.randint(0, 1000, (batch,), generator=gen, device=device)
+    reference = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
+    fast = models.create_model('inline_swin_t', drop_path_rate=0.0, fast=True).to(device)
+    fast.load_state_dict(reference.state_dict())
+    free = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
+    free.load_state_dict(reference.state_dict())
+    kernels.enable_fast(free, core=free_core)
+
+    def step(model):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    compiled = torch.compile(fast)
+    ms = kernels.time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
+                                   'fast + compile': lambda: step(compiled), 'free core': lambda: step(free)},
+                                  device, budget_s=60, max_rounds=15)
+    return {name: (statistics.median(t), kernels.paired_ratio(ms, 'reference', name)) for name, t in ms.items()}
+
+
+def model_step_table(devices, dtypes):
+    rows = []
+    for device in devices:
+        for dtype in dtypes:
+            step = model_step(dtype, device)
+            rows.append([device.type, str(dtype)[6:], *[f'{t:.0f} ms ({r:.2f}x)' for t, r in step.values()]])
+    print('\nA whole InLine-Swin-T training step, batch 8, 224 px (ms, speed-up over the reference). The free core '
+          'returns v and costs nothing: no InLine core can make the step faster than that.\n')
+    print_table(['device', 'dtype', 'reference core', 'fast core', 'fast core + whole-model torch.compile',
+                 'free core (the bound)'], rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py
+
+# The miniature, the same for every experiment of a family: 64 px images of the synthetic task, so Swin's stage 1
+# is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at 224 px. Everything measured in stage-1 tokens shrinks by
+# 16/56: the InLine windows 7, 14, 28, 56 of T4 become 2, 4, 8, 16 (1/8, 1/4, 1/2 and all of the stage, as in the
+# paper); Swin's softmax window becomes 4. Widths shrink by the family's factor with the head dim kept, so head
+# counts shrink with them (the softmax originals' own counts too); depths as listed. The README says why.
+MINI_IMG, MINI_STAGE1 = 64, 16  # image side; Swin's stage-1 side at that size (56 at 224 px)
+MINI = {  # family: (width factor, create_model sizes)
+    'swin': (1 / 3, dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), softmax_window=4)),
+    'deit': (1 / 3, dict(patch_size=8, embed_dim=64, depth=6, num_heads=2)),
+    'pvt': (1, dict(depths=(1, 1, 1, 1), sr_ratios=(4, 2, 1, 1))),
+    # CSwin keeps its width: its two-branch softmax blocks split the heads in halves, and stage 1 has 2
+    'cswin': (1, dict(depths=(1, 2, 2, 1), stripes=(1, 2, 2, 2))),
+}
+QUICK = ('t3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 's_swin_t', 't1_softmax',
+         't1_softmax_normalised_q')
+
+
+def experiments():
+    """{name: Experiment}: every entry of models.EXPERIMENTS that the miniature covers (the smallest size of each
+    family: S rows of bigger variants repeat the same miniature), and the released InLine variants for S."""
+    chosen = {n: e for n, e in models.EXPERIMENTS.items() if e.table != 'S' or e.model.endswith('_t')}
+    inline_t = {n: models.Experiment(n, {}, 'S', str(models.RELEASED[n][2]), False, f'{n} as released')
+                for n in ('inline_swin_t', 'inline_deit_t', 'inline_pvt_t', 'inline_cswin_t')}
+    return {**chosen, **inline_t}
+
+
+def reference(name, table):
+    """The row each row is compared with, so the paper's ordering can be checked pair by pair; None for the table's
+    reference row itself. T3: division against subtraction with the same kernel; T4: without against with the
+    local residual at each window, and each window against 56; T10, R-res, R-dil, R-nonneg: against the released
+    InLine-Swin-T; T1: against softmax; S: each softmax original against its InLine version."""
+    if table == 'T3':
+        return name.replace('linear', 'inline') if '_linear_' in name else name.replace('inline', 'linear')
+    if table == 'T4':
+        return (name.replace('_no_residual', '_residual') if name.endswith('_no_residual') else
+                't4_window56_residual' if name != 't4_window56_residual' else 't4_window56_no_residual')
+    if table == 'S':
+        return name.replace('s_', 'inline_', 1) if name.startswith('s_') else None
+    base = {'T10': 't10_kernel_identity', 'R-res': 'r_residual_local', 'R-dil': 'r_dilation1',
+            'R-nonneg': 'r_residual_local', 'T1': 't1_softmax'}[table]
+    return None if name == base else base
+
+
+def mini_kwargs(e):
+    """The create_model overrides that make an experiment's miniature, on top of its own: the family's sizes, head
+    counts the experiment sets scaled by the family's width factor, windows scaled to the 16x16 stage 1 (None,
+    the whole stage, where they cover it). CSwin's softmax original keeps the miniature's depths, not its own."""
+    width, sizes = MINI[e.model.split('_')[1]]
+    kwargs = dict(sizes)
+    if 'num_heads' in e.overrides:
+        heads = e.overrides['num_heads']
+        scaled = [h * width for h in (heads if isinstance(heads, tuple) else (heads,))]
+        if any(abs(h - round(h)) > 1e-9 for h in scaled):
+            raise ValueError(f'{e.model}: {heads} heads do not scale by {width:.3g} to whole heads')
+        kwargs['num_heads'] = tuple(round(h) for h in scaled) if isinstance(heads, tuple) else round(scaled[0])
+    if e.overrides.get('window') is not None:
+        window = e.overrides['window'] * MINI_STAGE1 // 56
+        kwargs['window'] = None if window >= MINI_STAGE1 else window
+    return kwargs
+
+
+def ablation_argv(name, e, seed, args):
+    """The train.py command line of one run: the experiment by name, its miniature, the budget, the seed."""
+    argv = ['--experiment', name] if name in models.EXPERIMENTS else ['--model', e.model]
+    argv += ['--img-size', str(MINI_IMG), '--model-kwargs', *[f'{k}={v!r}' for k, v in mini_kwargs(e).items()]]
+    return argv + ['--epochs', str(args.epochs), '--synthetic-train', str(args.train_images), '--seed', str(seed)]
+
+
+def config_key(e):
+    """Experiments that build the same model share their runs (InLine-Swin-T is T10's identity row, R-res's local
+    row, R-dil's dilation 1 and S's InLine row): the model's resolved attention (models.describe) and sizes."""
+    kwargs = {**e.overrides, **mini_kwargs(e)}
+    with torch.device('meta'):
+        model = models.create_model(e.model, img_size=MINI_IMG, num_classes=10, **kwargs)
+    described = models.describe(model)
+    if 'L' not in model.layout:  # kernel=None and kernel='identity' are the same model when no block is linear
+        described = described.replace('kernel identity (I) / relu (L)', 'kernel identity')
+    return json.dumps([e.model, described, sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window')],
+                      default=str)
+
+
+def summarise(states, chance):
+    """Mean, std and n of the final-epoch val top-1 over seeds; a diverged run counts at chance level."""
+    accs = [chance if state == 'diverged' else metrics(path)[-1]['val_acc1'] for path, state in states]
+    return statistics.mean(accs), statistics.stdev(accs) if len(accs) > 1 else float('nan'), len(accs), \
+        sum(state == 'diverged' for _, state in states)
+
+
+def reported_value(text):
+    """The paper's number as a float: the first figure given; 'does not converge' as -inf; None when unreported."""
+    if text is None:
+        return None
+    if 'not converge' in text:
+        return float('-inf')
+    digits = ''.join(c if c.isdigit() or c == '.' else ' ' for c in text).split()
+    return float(digits[0]) if digits else None
+
+
+def verdict(ours, ref, paper, paper_ref):
+    """Does the paper's ordering of a row and its reference hold here? 'yes', 'no' or 'within noise'. The noise is
+    two standard errors of the difference of the two means; with one seed there is none to judge by, so the sign
+    alone decides, marked '(1 seed)'. The paper's rows within 0.2 of each other count as a tie, which holds here
+    when ours are within noise."""
+    if paper is None or paper_ref is None:
+        return '—'
+    (m, s, n, _), (mr, sr, nr, _) = ours, ref
+    diff, paper_diff = m - mr, paper - paper_ref
+    noise = 2 * math.sqrt(s ** 2 / n + sr ** 2 / nr) if n > 1 and nr > 1 else None
+    tie = abs(paper_diff) <= 0.2
+    if noise is None:
+        return ('yes' if (diff == 0) == tie and (tie or diff * paper_diff > 0) else 'no') + ' (1 seed)'
+    if abs(diff) <= noise:
+        return 'yes' if tie else 'within noise'
+    return 'no' if tie or diff * paper_diff < 0 else 'yes'
+
+
+def cmd_ablations(args):
+    chosen = experiments()
+    if args.quick:
+        chosen = {n: chosen[n] for n in QUICK}
+    elif args.only:
+        unknown = sorted(set(args.only) - set(chosen))
+        if unknown:
+            train.fail(f'unknown experiments {unknown}; choose from {", ".join(chosen)}')
+        chosen = {n: chosen[n] for n in args.only}
+    seeds = range(1 if args.quick else args.seeds)
+    shared, runs = {}, {}
+    for name, e in chosen.items():
+        first = shared.setdefault(config_key(e), name)  # the first experiment of a configuration trains it
+        for seed in seeds:
+            argv = ablation_argv(first, chosen[first], seed, args)
+            runs.setdefault(run_dir(args.out, f'{first}-seed{seed}', argv), (argv, args.epochs))
+    print(f'{len(chosen)} experiments, {len(shared)} distinct configurations, {len(runs)} runs of {args.epochs} '
+          f'epochs x {args.train_images} images ({len(seeds)} seed(s)), {args.jobs} at a time')
+    states = train_runs(runs, args.jobs, desc='ablation runs')
+    per_config = {}
+    for path, state in states.items():
+        per_config.setdefault(os.path.basename(path).rsplit('-seed', 1)[0], []).append((path, state))
+    result = {name: summarise(per_config[shared[config_key(e)]], 100 / len(train.SyntheticShapes.CLASSES))
+              for name, e in chosen.items()}
+
+    rows, panels = [], {}
+    for name, e in chosen.items():
+        ref = reference(name, e.table)
+        ref = ref if ref in chosen else None
+        m, s, n, diverged = result[name]
+        paper, paper_ref = reported_value(e.reported), reported_value(chosen[ref].reported) if ref else None
+        holds = verdict(result[name], result[ref], paper, paper_ref) if ref else '(reference)'
+        ours = (f'{m:.1f} ± {s:.1f}' if n > 1 else f'{m:.1f}') + (f' ({diverged} of {n} diverged)' if diverged else '')
+        rows.append([e.table, name + (' *' if e.ours else ''), ours, e.reported or '—', ref or '', holds])
+        if ref:
+            panels.setdefault(e.table, []).append((name, m - result[ref][0], 2 * s if n > 1 else None,
+                                                   paper - paper_ref if None not in (paper, paper_ref) and
+                                                   math.isfinite(paper - paper_ref) else None))
+    print(f'\nAblations on the miniature (64 px synthetic task, {args.epochs} epochs x {args.train_images} images, '
+          f'seeds {list(seeds)}): final-epoch validation top-1 (%), mean ± std over seeds, beside the paper\'s '
+          f'ImageNet-1K top-1. * our construction (no released code). A diverged run counts at chance (10%).\n')
+    print_table(['table', 'experiment', 'top-1 here', 'paper (ImageNet)', 'compared with', "paper's ordering holds"],
+                rows)
+    charts(args.png or os.path.join(args.out, 'ablations.png'), [dict(  # each row against its reference row
+        series=[('here (synthetic), +- 2 std', xs, [d for _, d, _, _ in entries],
+                 [e for _, _, e, _ in entries] if all(e is not None for _, _, e, _ in entries) else None),
+                ('paper (ImageNet)', xs, [p for _, _, _, p in entries], None)],
+        title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
+        xlabels=[short_name(n) for n, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
+        for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]], cols=4, size=(420, 330))
+    return rows
+
+
+def short_name(name):
+    return name.replace('_no_residual', '-').replace('_residual', '+').replace('t4_window', 'w').replace(
+        't3_', '').replace('t10_kernel_', '').replace('r_residual_', '').replace('r_dilation', 'dil').replace(
+        't1_softmax_normalised_q', 'norm. q').replace('s_', 'S ')
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command line
+
+def main(argv=None):
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument('--out', default=os.path.join('runs', 'paper'),
+                        help='results, cached runs and pictures (default runs/paper)')
+    common.add_argument('--png', help='write the picture here instead of OUT/<subcommand>.png')
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    sub = parser.add_subparsers(dest='command', required=True)
+    sub.add_parser('injectivity', parents=[common], help='F1: identical weight rows under softmax, linear and InLine')
+    budget = argparse.ArgumentParser(add_help=False, parents=[common])  # what each train.py run gets
+    budget.add_argument('--epochs', type=int, default=5, help='epochs of every training run')
+    budget.add_argument('--train-images', type=int, default=4096, help='synthetic training images per epoch')
+    budget.add_argument('--jobs', type=int, default=2, help='train.py processes at a time, sharing the cores')
+    trained = argparse.ArgumentParser(add_help=False, parents=[budget])
+    trained.add_argument('--checkpoints', nargs='+', metavar='[NAME=]PATH',
+                         help='train.py checkpoints of DeiT models (default: train the three small ones)')
+    p = sub.add_parser('locality', parents=[trained], help='F4: attention mass on the 3x3 neighbourhood per layer')
+    p.add_argument('--images', type=int, default=64, help='validation images to average over')
+    p = sub.add_parser('maps', parents=[trained], help='F3: attention maps of query tokens over an image')
+    p.add_argument('--image', help='an image file (default: a validation image of the synthetic task)')
+    p.add_argument('--index', type=int, default=3, help='which synthetic validation image (its class is index %% 10)')
+    p.add_argument('--queries', nargs='+', default=['1,1', '3,4', '6,5'], metavar='ROW,COL',
+                   help='query tokens on the token grid, from 0')
+    p.add_argument('--layers', nargs='+', default=[], metavar='L', help='layers to show, from 1 (default first, last)')
+    p = sub.add_parser('speed', parents=[common], help='F5b, F5c: images/s against window and image size')
+    p.add_argument('--quick', action='store_true', help='two points per figure, 3 rounds on CPU')
+    p.add_argument('--batch', type=int, help='images per forward (default: CPU 1, CUDA 32)')
+    p.add_argument('--rounds', type=int, help='interleaved rounds per point (default: CPU 5, quick 3; CUDA 20)')
+    p.add_argument('--model-step', action='store_true',
+                   help='also time a whole InLine-Swin-T training step: reference vs fast core')
+    p = sub.add_parser('ablations', parents=[budget], help='T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small')
+    p.add_argument('--quick', action='store_true', help=f'one seed of {len(QUICK)} experiments: {", ".join(QUICK)}')
+    p.add_argument('--only', nargs='+', metavar='NAME', help='these experiments only')
+    p.add_argument('--seeds', type=int, default=3, help='seeds per experiment (0, 1, ...)')
+    args = parser.parse_args(argv)
+    return {'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
+            'ablations': cmd_ablations}[args.command](args)
+
+
+if __name__ == '__main__':
+    main()
