@@ -1238,9 +1238,6 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
     'lr-too-big': (['--lr', '3'], '--lr 3.0 is out of range'),
     'eval-without-checkpoint': (['--eval'], '--eval needs --checkpoint'),
     'missing-checkpoint': (['--eval', '--checkpoint', 'no/such/file.pt'], 'no checkpoint at no/such/file.pt'),
-    'unknown-experiment': (['--experiment', 'nope'], 'unknown experiment nope; choose one of t3_linear_relu'),
-    'model-kwargs': (['--model-kwargs', 'depths'], '--model-kwargs takes KEY=VALUE pairs'),
-    'model-kwargs-img-size': (['--model-kwargs', 'img_size=64'], '--model-kwargs img_size: train.py sets it'),
 }
 
 
@@ -1481,6 +1478,22 @@ def test_architecture_flags_and_experiments_resolve():
     assert (resolved(['--experiment', 't4_window7_residual']).args.img_size, run.args.batch_size) == (224, 8)
     assert resolved(['--experiment', 't4_window56_residual']).args.img_size == 32
     assert resolved(['--experiment', 's_swin_t', '--data-path', 'imagenet']).args.drop_path == 0.2  # Swin-T's row
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--experiment', 'nope'], 'unknown experiment nope; choose one of t3_linear_relu'),
+    (['--model-kwargs', 'depths'], '--model-kwargs takes KEY=VALUE pairs'),
+    (['--model-kwargs', 'img_size=64'], '--model-kwargs img_size: train.py sets it; use --img-size')],
+    ids=['unknown-experiment', 'model-kwargs-without-value', 'model-kwargs-img-size'])
+def test_bad_architecture_flags_are_refused(argv, message, capsys):
+    assert message in refused(argv, capsys)
+
+
+def test_an_architecture_the_model_refuses_is_a_clear_error(capsys):
+    run = resolved(['--model', 'inline_deit_t', '--kernel', 'bogus', '--attention-impl', 'reference'])
+    with pytest.raises(SystemExit):
+        train.build_model(run, num_classes=10)
+    assert "cannot build inline_deit_t with {'kernel': 'bogus'" in capsys.readouterr().err
 
 
 def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_path, capsys):
