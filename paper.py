@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -89,7 +90,7 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
     series: [(label, xs, ys, errs or None)]; hlines: [(label, y)] drawn dashed; xticks the x positions to
     label with xlabels (default the numbers themselves). Errors are drawn as vertical bars (+- err)."""
     left, top, right, bottom = box
-    x0, y0, x1, y1 = left + 58, top + 26, right - 10, bottom - 44  # the plotting area
+    x0, y0, x1, y1 = left + 58, top + 44, right - 14, bottom - 66  # the plotting area; title above, legend below
     ys = [y + s * (e or 0) for _, _, values, errs in series for y, e in zip(values, errs or [0] * len(values))
           for s in (-1, 1) if y is not None and math.isfinite(y)] + [y for _, y in hlines]
     lo, hi = min(ys), max(ys)
@@ -110,9 +111,9 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
         draw.line([(px(x), y1), (px(x), y1 + 4)], fill='black')
         draw.text((px(x), y1 + 6), str(label), fill='black', font=font(11), anchor='ma')
     draw.rectangle([x0, y0, x1, y1], outline='black')
-    draw.text(((x0 + x1) / 2, bottom - 4), xlabel, fill='black', font=font(12), anchor='md')
+    draw.text(((x0 + x1) / 2, y1 + 22), xlabel, fill='black', font=font(12), anchor='ma')
     draw.text((x0 - 50, y0 - 6), ylabel, fill='black', font=font(11), anchor='ld')
-    for (label, y), dash in zip(hlines, range(len(hlines))):
+    for label, y in hlines:
         for xs in range(int(x0), int(x1), 12):
             draw.line([(xs, py(y)), (min(xs + 6, x1), py(y))], fill=(90, 90, 90), width=2)
         draw.text((x1 - 4, py(y) - 3), label, fill=(90, 90, 90), font=font(11), anchor='rd')
@@ -127,8 +128,15 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
             if errs and errs[j]:
                 draw.line([(px(x), py(y - errs[j])), (px(x), py(y + errs[j]))], fill=c, width=2)
             draw.ellipse([px(x) - 4, py(y) - 4, px(x) + 4, py(y) + 4], fill=c)
-        draw.rectangle([x0 + 8, y0 + 8 + 16 * i, x0 + 20, y0 + 18 + 16 * i], fill=c)
-        draw.text((x0 + 25, y0 + 13 + 16 * i), label, fill='black', font=font(11), anchor='lm')
+    legend_x = x0  # one row under the x label, wrapped when it runs out of width
+    legend_y = bottom - 12 - 16 * (sum(len(label) * 6 + 40 for label, *_ in series) // (x1 - x0 + 1))
+    for i, (label, *_) in enumerate(series):
+        width = len(label) * 6 + 40
+        if legend_x + width > x1 and legend_x > x0:
+            legend_x, legend_y = x0, legend_y + 16
+        draw.rectangle([legend_x, legend_y - 5, legend_x + 12, legend_y + 5], fill=PALETTE[i % len(PALETTE)])
+        draw.text((legend_x + 17, legend_y), label, fill='black', font=font(11), anchor='lm')
+        legend_x += width
 
 
 def charts(path, panels, cols, size):
@@ -723,8 +731,8 @@ MINI = {  # family: (width factor, create_model sizes)
     # CSwin keeps its width: its two-branch softmax blocks split the heads in halves, and stage 1 has 2
     'cswin': (1, dict(depths=(1, 2, 2, 1), stripes=(1, 2, 2, 2))),
 }
-QUICK = ('t3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 's_swin_t', 't1_softmax',
-         't1_softmax_normalised_q')
+QUICK = ('t3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 's_swin_t', 'inline_swin_t',
+         't1_softmax', 't1_softmax_normalised_q')  # 7 runs: inline_swin_t is r_residual_local's model
 
 
 def experiments():
@@ -881,9 +889,14 @@ def cmd_ablations(args):
 
 
 def short_name(name):
-    return name.replace('_no_residual', '-').replace('_residual', '+').replace('t4_window', 'w').replace(
-        't3_', '').replace('t10_kernel_', '').replace('r_residual_', '').replace('r_dilation', 'dil').replace(
-        't1_softmax_normalised_q', 'norm. q').replace('s_', 'S ')
+    """An experiment's name short enough to label a chart's x axis: t4_window7_residual -> w7 + res."""
+    for pattern, short in ((r't3_linear_(\w+)', r'lin \1'), (r't3_inline_(\w+)', r'InL \1'),
+                           (r't4_window(\d+)_no_residual', r'w\1'), (r't4_window(\d+)_residual', r'w\1 + res'),
+                           (r't10_kernel_(\w+)', r'\1'), (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
+                           (r't1_softmax_normalised_q', 'normalised q'), (r's_(\w+)_t', r'softmax \1')):
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, short, name)
+    return name
 
 
 # ---------------------------------------------------------------------------------------------------
