@@ -258,6 +258,17 @@ class InLineBase(nn.Module):
         return linear_attention_weights(q, k) if self.attention == 'linear' else inline_weights(q, k, scale)
 
 
+def add_projections(module, dim, qkv_bias, separate_q):
+    """The attention's input and output projections under the released names: `qkv` C->3C, or PVT's `q`
+    C->C and `kv` C->2C; `proj` C->C. Shared by InLineAttention and the softmax attention of models.py."""
+    if separate_q:
+        module.q = nn.Linear(dim, dim, bias=qkv_bias)
+        module.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+    else:
+        module.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+    module.proj = nn.Linear(dim, dim)
+
+
 class InLineAttention(InLineBase):
     """Projections around the InLine core: x (B, N, C) -> q, k, v -> Eq. 5 + Eq. 6 -> proj -> (B, N, C).
 
@@ -270,12 +281,7 @@ class InLineAttention(InLineBase):
     def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):
         super().__init__()
         self.setup_inline(dim, num_heads, **options)
-        if separate_q:
-            self.q = nn.Linear(dim, dim, bias=qkv_bias)
-            self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
-        else:
-            self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
+        add_projections(self, dim, qkv_bias, separate_q)
         self.ape = None
         if ape_tokens:
             self.ape = nn.Parameter(torch.zeros(1, ape_tokens, dim))

@@ -156,12 +156,7 @@ class SoftmaxAttention(nn.Module):
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         self.num_heads, self.sr_ratio, self.normalise_q = num_heads, sr_ratio, normalise_q
-        if separate_q:
-            self.q = nn.Linear(dim, dim, bias=qkv_bias)
-            self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
-        else:
-            self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
+        inline.add_projections(self, dim, qkv_bias, separate_q)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, sr_ratio, stride=sr_ratio)
             self.norm = nn.LayerNorm(dim)
