@@ -1,6 +1,6 @@
 """The proof: the reference against explicit formulas, the backbones against the authors' models.
 
-    python -m pytest -q                      # about 9 minutes on 2 idle CPU cores
+    python -m pytest -q                      # about 7 minutes on 2 CPU cores
     INLINE_SLOW=1 python -m pytest -q        # also the MACs of all 15 variants
 
 Golden data: ../shared/official/ (SPEC.md §5): golden_blocks.pt, small blocks of the authors' released
