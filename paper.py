@@ -116,7 +116,7 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
     for label, y in hlines:
         for xs in range(int(x0), int(x1), 12):
             draw.line([(xs, py(y)), (min(xs + 6, x1), py(y))], fill=(90, 90, 90), width=2)
-        draw.text((x1 - 4, py(y) - 3), label, fill=(90, 90, 90), font=font(11), anchor='rd')
+        draw.text((x1 - 4, py(y) + 4), label, fill=(90, 90, 90), font=font(11), anchor='ra')  # under the line
     for i, (label, xs, values, errs) in enumerate(series):
         c = PALETTE[i % len(PALETTE)]
         points = [(px(x), py(y)) for x, y in zip(xs, values) if y is not None and math.isfinite(y)]
@@ -835,29 +835,36 @@ def verdict(ours, ref, paper, paper_ref):
 
 
 def cmd_ablations(args):
-    chosen = experiments()
+    every = experiments()
+    chosen = every
     if args.quick:
-        chosen = {n: chosen[n] for n in QUICK}
+        chosen = {n: every[n] for n in QUICK}
     elif args.only:
-        unknown = sorted(set(args.only) - set(chosen))
+        unknown = sorted(set(args.only) - set(every))
         if unknown:
-            train.fail(f'unknown experiments {unknown}; choose from {", ".join(chosen)}')
-        chosen = {n: chosen[n] for n in args.only}
+            train.fail(f'unknown experiments {unknown}; choose from {", ".join(every)}')
+        chosen = {n: every[n] for n in args.only}
     seeds = range(1 if args.quick else args.seeds)
+    # a configuration is trained under the first of all experiments that builds it, whatever subset is chosen,
+    # so --quick, --only and the full run share their finished runs
+    keys = {name: config_key(e) for name, e in every.items()}
     shared, runs = {}, {}
-    for name, e in chosen.items():
-        first = shared.setdefault(config_key(e), name)  # the first experiment of a configuration trains it
+    for name in every:
+        shared.setdefault(keys[name], name)
+    for name in chosen:
+        first = shared[keys[name]]
         for seed in seeds:
-            argv = ablation_argv(first, chosen[first], seed, args)
+            argv = ablation_argv(first, every[first], seed, args)
             runs.setdefault(run_dir(args.out, f'{first}-seed{seed}', argv), (argv, args.epochs))
-    print(f'{len(chosen)} experiments, {len(shared)} distinct configurations, {len(runs)} runs of {args.epochs} '
+    configs = len({keys[name] for name in chosen})
+    print(f'{len(chosen)} experiments, {configs} distinct configurations, {len(runs)} runs of {args.epochs} '
           f'epochs x {args.train_images} images ({len(seeds)} seed(s)), {args.jobs} at a time')
     states = train_runs(runs, args.jobs, desc='ablation runs')
     per_config = {}
     for path, state in states.items():
         per_config.setdefault(os.path.basename(path).rsplit('-seed', 1)[0], []).append((path, state))
-    result = {name: summarise(per_config[shared[config_key(e)]], 100 / len(train.SyntheticShapes.CLASSES))
-              for name, e in chosen.items()}
+    result = {name: summarise(per_config[shared[keys[name]]], 100 / len(train.SyntheticShapes.CLASSES))
+              for name in chosen}
 
     rows, panels = [], {}
     for name, e in chosen.items():
