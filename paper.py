@@ -885,13 +885,18 @@ def cmd_ablations(args):
           f'ImageNet-1K top-1. * our construction (no released code). A diverged run counts at chance (10%).\n')
     print_table(['table', 'experiment', 'top-1 here', 'paper (ImageNet)', 'compared with', "paper's ordering holds"],
                 rows)
+    positions = list(range(1, len(chosen) + 1))
     charts(args.png or os.path.join(args.out, 'ablations.png'), [dict(  # each row against its reference row
         series=[('here (synthetic), +- 2 SE', xs, [d for _, d, _, _ in entries],
                  [e for _, _, e, _ in entries] if all(e is not None for _, _, e, _ in entries) else None),
                 ('paper (ImageNet)', xs, [p for _, _, _, p in entries], None)],
         title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
         xlabels=[short_name(n) for n, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
-        for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]], cols=4, size=(420, 330))
+        for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
+        # no chosen row has its reference row among the chosen: each row's own top-1
+        series=[('here (synthetic)', positions, [result[n][0] for n in chosen], None)], title='top-1 here',
+        xlabel='', ylabel='top-1 (%)', xticks=positions, xlabels=[short_name(n) for n in chosen], lines=False)],
+        cols=4, size=(420, 330))
     return rows
 
 

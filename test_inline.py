@@ -1692,6 +1692,30 @@ def test_paper_ablations_reuse_finished_runs_and_train_the_rest(tmp_path, monkey
     assert launched == []  # everything cached now
 
 
+def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, monkeypatch):
+    """r_residual_local and t4_window56_residual build the same model: whichever subset asks for it, the run is
+    the one of the registry's first name, so --only (or --quick) and the full run never train it twice."""
+    every = {n: models.EXPERIMENTS[n] for n in ('t4_window56_residual', 'r_residual_local')}
+    monkeypatch.setattr(paper, 'experiments', lambda: every)
+    launched = []
+
+    class Popen:
+        def __init__(self, argv, **kwargs):
+            launched.append(argv)
+            fake_run(argv[argv.index('--output-dir') + 1], [50.0], 1)
+            self.returncode = 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(paper.subprocess, 'Popen', Popen)
+    common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--out', str(tmp_path)]
+    paper.main(['ablations', '--only', 'r_residual_local', *common])
+    assert len(launched) == 1 and launched[0][launched[0].index('--experiment') + 1] == 't4_window56_residual'
+    paper.main(['ablations', '--only', 't4_window56_residual', *common])
+    assert len(launched) == 1  # cached
+
+
 def test_paper_every_ablation_miniature_builds_and_runs():
     """Each experiment's miniature (its overrides and the family's sizes) is a valid model on 64 px images, so a
     full ablation run cannot fail hours in; and the experiments that are one model share one configuration."""
