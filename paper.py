@@ -800,10 +800,17 @@ def config_key(e):
 
 
 def summarise(states, chance):
-    """Mean, std and n of the final-epoch val top-1 over seeds; a diverged run counts at chance level."""
+    """([final-epoch val top-1 of each seed, in seed order], how many diverged); a diverged run counts at chance."""
     accs = [chance if state == 'diverged' else metrics(path)[-1]['val_acc1'] for path, state in states]
-    return statistics.mean(accs), statistics.stdev(accs) if len(accs) > 1 else float('nan'), len(accs), \
-        sum(state == 'diverged' for _, state in states)
+    return accs, sum(state == 'diverged' for _, state in states)
+
+
+def paired(ours, ref):
+    """(mean, two standard errors or None with one seed) of the per-seed differences of two rows' top-1. The runs
+    of one seed share their training images and their validation set (train.py draws both from the seed), and the
+    seed moves top-1 by more than most ablations do, so two rows are compared seed by seed."""
+    diffs = [a - b for a, b in zip(ours, ref)]
+    return statistics.mean(diffs), 2 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
 
 
 def reported_value(text):
@@ -817,15 +824,13 @@ def reported_value(text):
 
 
 def verdict(ours, ref, paper, paper_ref):
-    """Does the paper's ordering of a row and its reference hold here? 'yes', 'no' or 'within noise'. The noise is
-    two standard errors of the difference of the two means; with one seed there is none to judge by, so the sign
-    alone decides, marked '(1 seed)'. The paper's rows within 0.2 of each other count as a tie, which holds here
-    when ours are within noise."""
+    """Does the paper's ordering of a row and its reference hold here? ours and ref: top-1 per seed. 'yes', 'no' or
+    'within noise', where the noise is paired()'s two standard errors of the mean per-seed difference; with one
+    seed there is none to judge by, so the sign alone decides, marked '(1 seed)'. The paper's rows within 0.2 of
+    each other count as a tie, which holds here when ours are within noise."""
     if paper is None or paper_ref is None:
         return '—'
-    (m, s, n, _), (mr, sr, nr, _) = ours, ref
-    diff, paper_diff = m - mr, paper - paper_ref
-    noise = 2 * math.sqrt(s ** 2 / n + sr ** 2 / nr) if n > 1 and nr > 1 else None
+    (diff, noise), paper_diff = paired(ours, ref), paper - paper_ref
     tie = abs(paper_diff) <= 0.2
     if noise is None:
         return ('yes' if (diff == 0) == tie and (tie or diff * paper_diff > 0) else 'no') + ' (1 seed)'
@@ -860,7 +865,7 @@ def cmd_ablations(args):
     print(f'{len(chosen)} experiments, {configs} distinct configurations, {len(runs)} runs of {args.epochs} '
           f'epochs x {args.train_images} images ({len(seeds)} seed(s)), {args.jobs} at a time')
     states = train_runs(runs, args.jobs, desc='ablation runs')
-    per_config = {}
+    per_config = {}  # configuration: [(path, state)] in seed order, as the runs were listed
     for path, state in states.items():
         per_config.setdefault(os.path.basename(path).rsplit('-seed', 1)[0], []).append((path, state))
     result = {name: summarise(per_config[shared[keys[name]]], 100 / len(train.SyntheticShapes.CLASSES))
@@ -870,31 +875,35 @@ def cmd_ablations(args):
     for name, e in chosen.items():
         ref = reference(name, e.table)
         ref = ref if ref in chosen else None
-        m, s, n, diverged = result[name]
+        accs, diverged = result[name]
+        n = len(accs)
         paper, paper_ref = reported_value(e.reported), reported_value(chosen[ref].reported) if ref else None
-        holds = verdict(result[name], result[ref], paper, paper_ref) if ref else '(reference)'
-        ours = (f'{m:.1f} ± {s:.1f}' if n > 1 else f'{m:.1f}') + (f' ({diverged} of {n} diverged)' if diverged else '')
-        rows.append([e.table, name + (' *' if e.ours else ''), ours, e.reported or '—', ref or '', holds])
+        ours = (f'{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f}' if n > 1 else f'{accs[0]:.1f}') + \
+            (f' ({diverged} of {n} diverged)' if diverged else '')
+        diff, noise = paired(accs, result[ref][0]) if ref else (None, None)
+        rows.append([e.table, name + (' *' if e.ours else ''), ours, e.reported or '—', ref or '',
+                     '' if diff is None else f'{diff:+.1f}' + (f' ± {noise:.1f}' if noise is not None else ''),
+                     verdict(accs, result[ref][0], paper, paper_ref) if ref else '(reference)'])
         if ref:  # the difference from the reference row, its noise as verdict() measures it, the paper's
-            _, sr, nr, _ = result[ref]
             panels.setdefault(e.table, []).append((
-                name, m - result[ref][0], 2 * math.sqrt(s ** 2 / n + sr ** 2 / nr) if min(n, nr) > 1 else None,
+                name, diff, noise,
                 paper - paper_ref if None not in (paper, paper_ref) and math.isfinite(paper - paper_ref) else None))
     print(f'\nAblations on the miniature (64 px synthetic task, {args.epochs} epochs x {args.train_images} images, '
           f'seeds {list(seeds)}): final-epoch validation top-1 (%), mean ± std over seeds, beside the paper\'s '
-          f'ImageNet-1K top-1. * our construction (no released code). A diverged run counts at chance (10%).\n')
-    print_table(['table', 'experiment', 'top-1 here', 'paper (ImageNet)', 'compared with', "paper's ordering holds"],
-                rows)
+          f'ImageNet-1K top-1; the difference from the compared row is the mean of per-seed differences ± 2 standard '
+          f'errors. * our construction (no released code). A diverged run counts at chance (10%).\n')
+    print_table(['table', 'experiment', 'top-1 here', 'paper (ImageNet)', 'compared with', 'difference here',
+                 "paper's ordering holds"], rows)
     positions = list(range(1, len(chosen) + 1))
     charts(args.png or os.path.join(args.out, 'ablations.png'), [dict(  # each row against its reference row
-        series=[('here (synthetic), +- 2 SE', xs, [d for _, d, _, _ in entries],
+        series=[('here (synthetic), per-seed difference +- 2 SE', xs, [d for _, d, _, _ in entries],
                  [e for _, _, e, _ in entries] if all(e is not None for _, _, e, _ in entries) else None),
                 ('paper (ImageNet)', xs, [p for _, _, _, p in entries], None)],
         title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
         xlabels=[short_name(n) for n, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
         for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
         # no chosen row has its reference row among the chosen: each row's own top-1
-        series=[('here (synthetic)', positions, [result[n][0] for n in chosen], None)], title='top-1 here',
+        series=[('here (synthetic)', positions, [statistics.mean(result[n][0]) for n in chosen], None)], title='top-1 here',
         xlabel='', ylabel='top-1 (%)', xticks=positions, xlabels=[short_name(n) for n in chosen], lines=False)],
         cols=4, size=(420, 330))
     return rows
