@@ -873,8 +873,8 @@ def cmd_ablations(args):
 
     rows, panels = [], {}
     for name, e in chosen.items():
-        ref = reference(name, e.table)
-        ref = ref if ref in chosen else None
+        wanted = reference(name, e.table)
+        ref = wanted if wanted in chosen else None
         accs, diverged = result[name]
         n = len(accs)
         paper, paper_ref = reported_value(e.reported), reported_value(chosen[ref].reported) if ref else None
@@ -883,7 +883,8 @@ def cmd_ablations(args):
         diff, noise = paired(accs, result[ref][0]) if ref else (None, None)
         rows.append([e.table, name + (' *' if e.ours else ''), ours, e.reported or '—', ref or '',
                      '' if diff is None else f'{diff:+.1f}' + (f' ± {noise:.1f}' if noise is not None else ''),
-                     verdict(accs, result[ref][0], paper, paper_ref) if ref else '(reference)'])
+                     verdict(accs, result[ref][0], paper, paper_ref) if ref else
+                     f'({wanted} not chosen)' if wanted else '(reference)'])
         if ref:  # the difference from the reference row, its noise as verdict() measures it, the paper's
             panels.setdefault(e.table, []).append((
                 name, diff, noise,
