@@ -107,11 +107,15 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
     for y in yt:
         draw.line([(x0, py(y)), (x1, py(y))], fill=(225, 225, 225))
         draw.text((x0 - 6, py(y)), f'{y:g}', fill='black', font=font(11), anchor='rm')
-    for x, label in zip(xticks, xlabels or [f'{x:g}' for x in xticks]):
-        draw.line([(px(x), y1), (px(x), y1 + 4)], fill='black')
-        draw.text((px(x), y1 + 6), str(label), fill='black', font=font(11), anchor='ma')
+    labels = [str(label) for label in xlabels or [f'{x:g}' for x in xticks]]
+    gap = min((px(b) - px(a) for a, b in zip(xticks, xticks[1:])), default=x1 - x0)
+    stagger = max(draw.textlength(label, font=font(11)) for label in labels) + 6 > gap  # else they overlap
+    for i, (x, label) in enumerate(zip(xticks, labels)):
+        down = 14 * (stagger and i % 2)  # every other label one row lower
+        draw.line([(px(x), y1), (px(x), y1 + 4 + down)], fill='black')
+        draw.text((px(x), y1 + 6 + down), label, fill='black', font=font(11), anchor='ma')
     draw.rectangle([x0, y0, x1, y1], outline='black')
-    draw.text(((x0 + x1) / 2, y1 + 22), xlabel, fill='black', font=font(12), anchor='ma')
+    draw.text(((x0 + x1) / 2, y1 + 22 + 14 * stagger), xlabel, fill='black', font=font(12), anchor='ma')
     draw.text((x0 - 50, y0 - 6), ylabel, fill='black', font=font(11), anchor='ld')
     for label, y in hlines:
         for xs in range(int(x0), int(x1), 12):
