@@ -1739,6 +1739,8 @@ def test_paper_every_ablation_miniature_builds_and_runs():
     ([69, 72, 68.5], [70, 71, 69], 70.6, 72.2, 'within noise'),
     ([69, 72, 68.5], [70, 71, 69], 80.2, 80.2, 'yes'),  # a tie in the paper, within noise here
     ([60, 62, 58], [70, 71, 69], 80.2, 80.3, 'no'),
+    ([77.3, 77.6, 77.8], [77.5, 77.7, 78.1], 82.3, 82.4, 'yes'),  # -0.2 +- 0.1 here: a tie on both sides
+    ([77.2, 77.5, 77.7], [77.5, 77.7, 78.1], 82.3, 82.4, 'no'),  # -0.3 +- 0.1: ordered here, a tie in the paper
     ([75, 80, 85], [74, 79, 84], 80.0, 79.0, 'yes'),  # the seeds spread top-1 by 10, yet each seed gains 1: paired
     ([60], [70], 70.6, 72.2, 'yes (1 seed)'),
     ([60, 62, 58], [70, 71, 69], None, 72.2, '—')])
