@@ -3,7 +3,7 @@
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. The attention itself lives in inline.py and is imported, never copied; this file
 builds the authors' four architectures around it, with module names that reproduce the released
-checkpoints' keys exactly (../shared/official/keys/<variant>.tsv), so released weights load unchanged.
+checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights load unchanged.
 
     python models.py                      # every variant: params and GMACs beside the paper's figures
 

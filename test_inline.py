@@ -3,13 +3,14 @@
     python -m pytest -q                      # about 7 minutes on 2 CPU cores
     INLINE_SLOW=1 python -m pytest -q        # also the MACs of all 15 variants
 
-Golden data: ../shared/official/ (SPEC.md §5): golden_blocks.pt, small blocks of the authors' released
-models with their weights, float64 inputs and outputs; keys/<variant>.tsv, every key of each released
-state dict. Tests that need them skip when they are absent (and fail under CI). Big models are only
-built on the meta device, where shapes and FLOP counts cost no memory.
+Golden data: golden/ beside this file (its README says what each file holds and how it was made):
+golden_blocks.pt, small blocks of the authors' released models with their weights, float64 inputs and
+outputs; keys/<variant>.tsv.gz, every key of each released state dict. Big models are only built on the
+meta device, where shapes and FLOP counts cost no memory.
 """
 import argparse
 import functools
+import gzip
 import hashlib
 import json
 import os
@@ -34,16 +35,12 @@ import models
 import paper
 import train
 
-OFFICIAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'shared', 'official')
-GOLDEN_PATH = os.environ.get('INLINE_GOLDEN', os.path.join(OFFICIAL, 'golden_blocks.pt'))
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'golden')
 
 
 @pytest.fixture(scope='session')
 def golden():
-    if not os.path.exists(GOLDEN_PATH):
-        message = f"golden blocks not found at {GOLDEN_PATH} (set INLINE_GOLDEN)"
-        pytest.fail(message) if os.environ.get('CI') else pytest.skip(message)
-    return torch.load(GOLDEN_PATH, weights_only=True)
+    return torch.load(os.path.join(GOLDEN, 'golden_blocks.pt'), weights_only=True)
 
 
 def qkv(B, H, N, D, dtype=torch.float64, seed=0):
@@ -242,10 +239,8 @@ SMALL = {
 
 def released_keys(name):
     """[(key, shape, kind)] of the authors' state dict for a variant."""
-    path = os.path.join(OFFICIAL, 'keys', f'{name}.tsv')
-    if not os.path.exists(path):
-        pytest.fail(f"{path} not found") if os.environ.get('CI') else pytest.skip(f"{path} not found")
-    rows = [line.rstrip('\n').split('\t') for line in open(path)][1:]
+    with gzip.open(os.path.join(GOLDEN, 'keys', f'{name}.tsv.gz'), 'rt') as f:
+        rows = [line.rstrip('\n').split('\t') for line in f][1:]
     return [(key, tuple(int(n) for n in shape.split('x')), kind) for key, shape, kind in rows]
 
 
