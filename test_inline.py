@@ -537,6 +537,144 @@ def test_fast_switch_replaces_every_core():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Dense prediction: timm's features_only backbones, torchvision's detectors, the Semantic FPN head
+
+DENSE_LAYOUTS = [('inline_pvt_t', {}), ('inline_pvt_t', dict(layout='SSSS', num_heads=(1, 2, 5, 8))),
+                 ('inline_pvt_t', dict(layout='LLLL')), ('inline_swin_t', {}), ('inline_swin_t', dict(layout='SSSS')),
+                 ('inline_swin_t', dict(layout='LLLS')), ('inline_swin_b', {}), ('inline_cswin_t', {}),
+                 ('inline_cswin_t', dict(layout='SSSS', depths=(1, 2, 21, 1)))]
+
+
+@pytest.mark.parametrize('name,overrides', DENSE_LAYOUTS,
+                         ids=[f"{n}-{o.get('layout', 'released')}" for n, o in DENSE_LAYOUTS])
+def test_features_only_at_coco_size_every_family_and_layout(name, overrides):
+    """On the meta device: 800x1333 (padded to 800x1344) gives the four maps at strides 4-32 with the
+    channels feature_info states, a LayerNorm on each where the family's own dense backbone has one."""
+    with torch.device('meta'):
+        model = models.create_model(name, features_only=True, **overrides)
+        maps = model(torch.zeros(1, 3, 800, 1333))
+        subset = models.create_model(name, features_only=True, out_indices=(1, 2, 3), **overrides)
+    channels = model.feature_info.channels()
+    assert model.feature_info.reduction() == [4, 8, 16, 32] and subset.feature_info.channels() == channels[1:]
+    assert [tuple(m.shape) for m in maps] == [(1, c, 800 // r, 1344 // r) for c, r in zip(channels, (4, 8, 16, 32))]
+    norm = nn.Identity if name.startswith('inline_pvt') else nn.LayerNorm
+    assert all(type(n) is norm for n in model.norms)
+    assert not any(k.startswith('model.head.') or k.startswith('model.norm.') for k in model.state_dict())
+
+
+def test_features_only_refuses_deit_and_bad_out_indices():
+    with pytest.raises(ValueError, match='isotropic .* pvt, swin, cswin'):
+        meta_model('inline_deit_t', features_only=True)
+    with pytest.raises(ValueError, match='out_indices'):
+        meta_model('inline_pvt_t', features_only=True, out_indices=(2, 1))
+
+
+@pytest.mark.parametrize('name', TINY[1:])
+def test_features_only_at_another_size_equals_a_model_built_for_it(name):
+    """Built at one size and fed another (96x64), a backbone gives the maps of the same weights built for
+    that size: PVT's position embeddings resized bilinearly, as its forward resizes them."""
+    torch.manual_seed(0)
+    built = models.create_model(name, features_only=True, drop_path_rate=0., **SMALL[name]).eval()
+    sized = models.create_model(name, features_only=True, drop_path_rate=0., **{**SMALL[name], 'img_size': (96, 64)})
+    state = built.state_dict()
+    for i, key in enumerate(k for k in state if re.fullmatch(r'model\.pos_embed\d', k)):
+        state[key] = models.resize_grid(state[key], built.model.grids[i], sized.model.grids[i], 'bilinear')
+    sized.load_state_dict(state)
+    x = torch.randn(2, 3, 96, 64)
+    with torch.no_grad():
+        for a, b in zip(built(x), sized.eval()(x)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_features_only_loads_a_checkpoint_and_drops_the_head(tmp_path):
+    torch.manual_seed(0)
+    full = models.create_model('inline_pvt_t', **SMALL['inline_pvt_t']).eval()
+    torch.save({'model': full.state_dict()}, tmp_path / 'pvt.pth')
+    backbone = models.create_model('inline_pvt_t', features_only=True, checkpoint=str(tmp_path / 'pvt.pth'),
+                                   **SMALL['inline_pvt_t']).eval()
+    assert not any('head' in k for k in backbone.state_dict())
+    x = torch.randn(1, 3, 64, 96)
+    with torch.no_grad():
+        for a, b in zip(backbone(x), full.forward_features(x, return_stages=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # PVT's detection backbone has no output norms
+
+
+def readme_block(heading):
+    """The first ```python block under a README heading."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'README.md')) as f:
+        section = f.read().split(f'\n{heading}\n', 1)[1]
+    return section.split('```python\n', 1)[1].split('\n```', 1)[0]
+
+
+def test_readme_detection_example_trains_mask_rcnn_with_inline_swin_t(monkeypatch, capsys):
+    """The README's example, run as written: Mask R-CNN with the real InLine-Swin-T takes a training step on
+    two images of different sizes (finite losses, gradients in the backbone's attention), predicts on an
+    image file, and the Semantic FPN example gives logits at the image's size."""
+    torch.manual_seed(0)
+    monkeypatch.chdir(os.path.dirname(os.path.abspath(__file__)))
+    scope = {}
+    exec(readme_block('## Detection and segmentation'), scope)
+    losses, model = scope['losses'], scope['model']
+    assert set(losses) == {'loss_classifier', 'loss_box_reg', 'loss_mask', 'loss_objectness', 'loss_rpn_box_reg'}
+    assert all(torch.isfinite(v) for v in losses.values())
+    attention = [p for n, p in model.backbone.named_parameters() if '.attn.' in n]
+    assert attention and all(p.grad is not None for p in attention)
+    # Every InLine stage's attention learns: its qkv and Eq. 6's residual MLP. (Drop path, on as in training,
+    # can skip all of a stage's attention for both images: stage 4's two softmax blocks, with this seed.)
+    for stage in scope['backbone'].model.layers[:3]:
+        assert sum(b.attn.qkv.weight.grad.abs().sum() for b in stage.blocks) > 0
+        assert sum(p.grad.abs().sum() for b in stage.blocks for p in b.attn.residual.parameters()) > 0
+    assert scope['prediction']['masks'].shape[1:] == (1, 902, 694) and 'boxes' in scope['prediction']
+    assert scope['logits'].shape == (2, 150, 128, 160) and torch.isfinite(scope['loss'])
+    model.roi_heads.score_thresh = 0.0  # untrained scores are near 1/91: keep every box to see boxes and masks
+    with torch.no_grad():
+        out = model(scope['images'])
+    for o, image in zip(out, scope['images']):
+        assert len(o['boxes']) > 0 and o['masks'].shape == (len(o['boxes']), 1, *image.shape[1:])
+
+
+def test_semantic_fpn_trains_with_inline_pvt_t():
+    """Semantic FPN on the real InLine-PVT-T: a training step (finite loss, gradients in the attention of every
+    stage), then eval logits at the input's size for two sizes, one not a multiple of 32."""
+    torch.manual_seed(0)
+    model = models.SemanticFPN(models.create_model('inline_pvt_t', features_only=True), num_classes=5)
+    x, y = torch.rand(2, 3, 96, 128), torch.randint(0, 5, (2, 96, 128))
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    assert torch.isfinite(loss)
+    for i in range(1, 5):
+        attn = getattr(model.backbone.model, f'block{i}')[0].attn
+        assert attn.q.weight.grad.abs().sum() > 0 and attn.kv.weight.grad.abs().sum() > 0
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.rand(1, 3, 100, 130)).shape == (1, 5, 100, 130)
+        assert model(torch.rand(2, 3, 64, 64)).shape == (2, 5, 64, 64)
+
+
+def test_faster_rcnn_and_retinanet_take_the_adapter():
+    """FasterRCNN with the default adapter (four levels and 'pool'); RetinaNet as torchvision builds it, stages
+    2-4 and P6, P7: five levels for its five anchor sizes. A training step and a prediction each."""
+    from torchvision.models.detection import FasterRCNN, RetinaNet
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+    torch.manual_seed(0)
+    small = dict(SMALL['inline_pvt_t'], layout='IIII')
+    images = [torch.rand(3, 64, 96), torch.rand(3, 80, 64)]
+    targets = [dict(boxes=torch.tensor([[8., 8., 40., 50.]]), labels=torch.tensor([1]))] * 2
+    retina_backbone = models.create_model('inline_pvt_t', features_only=True, out_indices=(1, 2, 3), **small)
+    for model in (FasterRCNN(models.BackboneWithFPN(models.create_model('inline_pvt_t', features_only=True, **small),
+                                                    out_channels=32), num_classes=3, min_size=64, max_size=96),
+                  RetinaNet(models.BackboneWithFPN(retina_backbone, out_channels=32,
+                                                   extra_blocks=LastLevelP6P7(32, 32)), num_classes=3, min_size=64,
+                            max_size=96)):
+        losses = model(images, targets)
+        assert all(torch.isfinite(v) for v in losses.values())
+        sum(losses.values()).backward()
+        assert model.backbone.body.model.block1[0].attn.q.weight.grad.abs().sum() > 0  # stage 1 feeds stage 2
+        with torch.no_grad():
+            assert all('boxes' in o for o in model.eval()(images))
+
+
+# ---------------------------------------------------------------------------------------------------
 # The paper's experiments (SPEC §6): each switch against an explicit construction
 
 def test_shifted_inline_windows_equal_an_explicit_loop():
