@@ -14,6 +14,7 @@ checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights lo
     model = create_model('inline_swin_t', layout='LLLS', residual='none')       # Table 3's linear baseline
     model = create_model('inline_cswin_t', img_size=(224, 320), num_classes=0)  # non-square features
     model = create_experiment('t4_window7_no_residual')                         # an ablation by its name
+    model = create_model('inline_pvt_s', features_only=True)                    # stage maps, timm's convention
 
 Attention layout, one letter per stage (SPEC §2): I = InLine attention (Eq. 5 + Eq. 6); L = vanilla
 linear attention (division normalisation, relu kernel by default), the paper's baseline; S = softmax
@@ -1042,8 +1043,8 @@ class FeatureBackbone(nn.Module):
     def __init__(self, model, out_indices=(0, 1, 2, 3)):
         super().__init__()
         if model.family not in OUTPUT_NORMS:
-            raise ValueError(f"features_only: {type(model).__name__} is isotropic (one stride-16 map); dense "
-                             f"prediction supports the hierarchical families {', '.join(OUTPUT_NORMS)}, as the paper used them")
+            raise ValueError(f"features_only: {type(model).__name__} is isotropic (one stride-16 map); dense prediction "
+                             f"supports the hierarchical families {', '.join(OUTPUT_NORMS)}, as the paper used them")
         if not out_indices or list(out_indices) != sorted(set(out_indices)) or not set(out_indices) <= {0, 1, 2, 3}:
             raise ValueError(f"out_indices must be increasing stage indices from 0-3, got {out_indices}")
         model.reset_classifier(0)
@@ -1051,7 +1052,9 @@ class FeatureBackbone(nn.Module):
             model.norm = nn.Identity()
         self.model, self.out_indices = model, tuple(out_indices)
         channels = stage_channels(model)
-        self.feature_info = FeatureInfo(dict(num_chs=channels[i], reduction=2 ** (i + 2), module=f'stages.{i}')
+        blocks = {'pvt': 'model.block{}', 'swin': 'model.layers.{}', 'cswin': 'model.stage{}'}[model.family]
+        self.feature_info = FeatureInfo(dict(num_chs=channels[i], reduction=2 ** (i + 2),
+                                             module=blocks.format(i if model.family == 'swin' else i + 1))
                                         for i in out_indices)
         self.norms = nn.ModuleList([nn.LayerNorm(channels[i]) if OUTPUT_NORMS[model.family] else nn.Identity()
                                     for i in out_indices])
