@@ -10,6 +10,7 @@ runs/paper/), so a rerun resumes where the last one stopped.
     python paper.py maps                   # F3: attention maps of a few query tokens, laid over an image
     python paper.py speed [--quick]        # F5b, F5c: images/s against window and resolution
     python paper.py speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
+    python paper.py speed --dense          # backbones at detection sizes: forward time and peak memory
     python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
 
 locality and maps train their three small DeiT-like models with train.py on first use (cached); ablations
@@ -628,6 +629,8 @@ def speed_point(figure, point, dtype, device, batch, rounds):
 
 
 def cmd_speed(args):
+    if args.dense:
+        return cmd_speed_dense(args)
     devices = [torch.device('cpu')] + ([torch.device('cuda')] if torch.cuda.is_available() else [])
     dtypes = [torch.float32, torch.bfloat16]
     points = [(fig, p) for fig, (_, values, _) in SPEED.items() for p in (SPEED_QUICK[fig] if args.quick else values)]
@@ -717,6 +720,117 @@ def model_step_table(devices, dtypes):
           'returns v and costs nothing: no InLine core can make the step faster than that.\n')
     print_table(['device', 'dtype', 'reference core', 'fast core', 'fast core + whole-model torch.compile',
                  'free core (the bound)'], rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dense: backbone forward time and peak memory at detection sizes, each softmax original against InLine
+
+DENSE_SIZES = ((512, 512), (640, 640), (800, 800), (800, 1344))  # COCO's 800x1333 padded to 32, as detectors pad
+DENSE = {  # comparison: (softmax original, InLine), models.EXPERIMENTS and registered names
+    'Swin-T': ('s_swin_t', 'inline_swin_t'),  # shifted 7x7 windows in every stage; InLine over the whole stage
+    'PVT-S': ('s_pvt_s', 'inline_pvt_s'),  # softmax with spatial reduction 8-4-2-1; InLine over all tokens
+    'DeiT-T': ('s_deit_t', 'inline_deit_t'),  # global softmax over all (H/16)(W/16) + 1 tokens
+}
+
+
+def dense_forward(name, size, device):
+    """The forward a detector runs: PVT and Swin as features_only backbones (built at 224 px, fed `size`);
+    DeiT, which has no feature pyramid, built for `size`, its forward_features. Eval, reference InLine path."""
+    e = models.EXPERIMENTS.get(name)
+    variant, overrides = (e.model, e.overrides) if e else (name, {})
+    if variant.startswith('inline_deit'):
+        model = models.create_model(variant, img_size=size, **overrides).eval().to(device)
+        return model.forward_features
+    return models.create_model(variant, features_only=True, **overrides).eval().to(device)
+
+
+def vm_kib(field):
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ':'))
+
+
+def dense_peak_rss(name, height, width):
+    """Run in a fresh process (cmd_speed_dense starts one per point): how far one CPU forward raises the
+    process's peak resident memory (VmHWM, reset first through /proc/self/clear_refs) above its resident
+    memory just before, with the model and the image already in place. Prints MiB."""
+    fn = dense_forward(name, (height, width), torch.device('cpu'))
+    x = torch.randn(1, 3, height, width, generator=torch.Generator().manual_seed(0))
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')  # VmHWM := VmRSS (Linux >= 4.0)
+    before = vm_kib('VmRSS')
+    with torch.inference_mode():
+        fn(x)
+    print(json.dumps((vm_kib('VmHWM') - before) / 1024))
+
+
+def dense_peak_mb(name, size, device):
+    if device.type == 'cuda':
+        fn, x = dense_forward(name, size, device), torch.randn(1, 3, *size, device=device)
+        with torch.inference_mode():
+            return kernels.peak_mb(lambda: fn(x), device)  # max_memory_allocated above what was allocated before
+    code = f'import paper; paper.dense_peak_rss({name!r}, {size[0]}, {size[1]})'
+    run = subprocess.run([sys.executable, '-c', code], cwd=HERE, capture_output=True, text=True)
+    return json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None  # None: did not fit
+
+
+def dense_point(comparison, size, device, rounds):
+    """Interleaved rounds (softmax then InLine, one forward of batch 1 each) at one size, and each one's peak."""
+    softmax_name, inline_name = DENSE[comparison]
+    fns = {n: dense_forward(n, size, device) for n in (softmax_name, inline_name)}
+    x = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def forward(fn):
+        with torch.inference_mode():
+            fn(x)
+
+    ms = kernels.time_interleaved({n: lambda fn=fn: forward(fn) for n, fn in fns.items()},
+                                  device, budget_s=1e9, max_rounds=rounds)  # exactly `rounds` rounds
+    del fns
+    return dict(comparison=comparison, size=list(size), device=device.type, rounds=rounds,
+                softmax_ms=statistics.median(ms[softmax_name]), inline_ms=statistics.median(ms[inline_name]),
+                speedup=kernels.paired_ratio(ms, softmax_name, inline_name),
+                softmax_mb=dense_peak_mb(softmax_name, size, device), inline_mb=dense_peak_mb(inline_name, size, device))
+
+
+def cmd_speed_dense(args):
+    devices = [torch.device('cpu')] + ([torch.device('cuda')] if torch.cuda.is_available() else [])
+    rows = []
+    jobs = [(c, s, d) for d in devices for c in DENSE for s in DENSE_SIZES]
+    for comparison, size, device in tqdm(jobs, desc='dense', dynamic_ncols=True):
+        rounds = args.rounds or (3 if device.type == 'cpu' else 20)
+        path = os.path.join(args.out, 'dense', f'{device.type}-{comparison}-{size[0]}x{size[1]}-r{rounds}.json')
+        if not os.path.exists(path):  # a finished point is kept; a rerun times only what is missing
+            row = dense_point(comparison, size, device, rounds)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, 'w') as f:
+                json.dump(row, f)
+        with open(path) as f:
+            rows.append(json.load(f))
+    cpu = subprocess.run(['sh', '-c', "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
+                         text=True).stdout.strip() or 'unknown CPU'
+    print(f'\nBackbone forward, batch 1, fp32, eval + inference_mode; InLine through the reference path, softmax through '
+          f'SDPA; time = median of {rounds} interleaved rounds, speed-up = median of per-round ratios. Peak: CPU, the rise '
+          f'of peak RSS over one forward in a fresh process; CUDA, max_memory_allocated above the model. CPU: {cpu}, '
+          f'{torch.get_num_threads()} threads.\n')
+    mb = lambda v: '—' if v is None else f'{v:.0f}'  # noqa: E731  (None: the forward did not fit)
+    print_table(['backbone', 'image', 'device', 'softmax ms', 'InLine ms', 'InLine speed-up', 'softmax peak MiB',
+                 'InLine peak MiB'],
+                [[r['comparison'], '{}×{}'.format(*r['size']), r['device'], f"{r['softmax_ms']:.0f}",
+                  f"{r['inline_ms']:.0f}", f"{r['speedup']:.2f}x", mb(r['softmax_mb']), mb(r['inline_mb'])] for r in rows])
+    pixels = [h * w for h, w in DENSE_SIZES]
+    labels = [f'{h}²' if h == w else f'{h}×{w}' for h, w in DENSE_SIZES]
+    panels = []
+    for key, ylabel in (('ms', 'forward ms (batch 1)'), ('mb', 'peak MiB of the forward')):
+        series = [(f"{c} {kind}{'' if dev == 'cpu' else ' ' + dev}", [h * w for h, w in (r['size'] for r in sel)],
+                   [r[f'{kind.lower()}_{key}'] for r in sel], None)
+                  for dev in dict.fromkeys(r['device'] for r in rows) for c in DENSE for kind in ('softmax', 'InLine')
+                  for sel in [[r for r in rows if (r['comparison'], r['device']) == (c, dev)
+                               and r[f'{kind.lower()}_{key}'] is not None]] if sel]
+        panels.append(dict(series=series, xlabel='image size (pixels)', log_x=True, ylabel=ylabel, xticks=pixels,
+                           xlabels=labels, title=f"Backbone {'forward time' if key == 'ms' else 'peak memory'}, "
+                                                 f"softmax vs InLine"))
+    charts(args.png or os.path.join(args.out, 'dense.png'), panels, cols=2, size=(560, 460))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -961,6 +1075,8 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, help='interleaved rounds per point (default: CPU 5, quick 3; CUDA 20)')
     p.add_argument('--model-step', action='store_true',
                    help='also time a whole InLine-Swin-T training step: reference vs fast core')
+    p.add_argument('--dense', action='store_true', help='backbone forward time and peak memory at detection sizes, '
+                   '512x512 to 800x1344: Swin-T, PVT-S, DeiT-T, each softmax against InLine (instead of F5b, F5c)')
     p = sub.add_parser('ablations', parents=[budget], help='T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small')
     p.add_argument('--quick', action='store_true', help=f'one seed of {len(QUICK)} experiments: {", ".join(QUICK)}')
     p.add_argument('--only', nargs='+', metavar='NAME', help='these experiments only')

@@ -1784,6 +1784,33 @@ def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, caps
     assert 'only through F.scaled_dot_product_attention' in capsys.readouterr().err
 
 
+def test_paper_speed_dense_rows_cache_and_picture(tmp_path, monkeypatch):
+    """speed --dense on tiny backbones (the real points are minutes each on a CPU): one row per comparison and
+    size, with both forward times and peaks, kept and reused by a rerun."""
+    tiny = dict(SMALL['inline_pvt_t'], layout='IIII')
+    monkeypatch.setattr(paper, 'DENSE', {'PVT': ('soft', 'inl')})
+    monkeypatch.setattr(paper, 'DENSE_SIZES', ((64, 64), (64, 96)))
+    monkeypatch.setattr(paper, 'dense_forward', lambda name, size, device: models.create_model(
+        'inline_pvt_t', features_only=True, **dict(tiny, layout='SSSS' if name == 'soft' else 'IIII')).eval())
+    monkeypatch.setattr(paper, 'dense_peak_mb', lambda name, size, device: calls.append(name) or size[1] / 8)
+    calls = []
+    rows = paper.main(['speed', '--dense', '--rounds', '2', '--out', str(tmp_path)])
+    assert [(r['comparison'], r['size']) for r in rows] == [('PVT', [64, 64]), ('PVT', [64, 96])]
+    assert all(r['softmax_ms'] > 0 and r['inline_ms'] > 0 and r['speedup'] > 0 for r in rows)
+    assert [(r['softmax_mb'], r['inline_mb']) for r in rows] == [(8, 8), (12, 12)]
+    assert_png(tmp_path / 'dense.png', (1000, 400))
+    paper.main(['speed', '--dense', '--rounds', '2', '--out', str(tmp_path)])
+    assert len(calls) == 4  # the second run read every point from the cache
+
+
+def test_paper_dense_peak_rss_sees_what_a_forward_allocates(monkeypatch, capsys):
+    """The CPU peak is the rise of the process's peak RSS over one forward: 64 MiB held during a forward shows."""
+    monkeypatch.setattr(paper, 'dense_forward', lambda name, size, device: lambda x: torch.ones(size[0], 2**20).sum())
+    for rows, low, high in ((16, 8, 40), (64, 56, 90)):  # float32: rows * 4 MiB
+        paper.dense_peak_rss('any', rows // 4, 1)
+        assert low <= float(capsys.readouterr().out) <= high
+
+
 def fake_run(path, accs, epochs):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
