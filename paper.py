@@ -818,7 +818,7 @@ def cmd_speed_dense(args):
                 [[r['comparison'], '{}×{}'.format(*r['size']), r['device'], f"{r['softmax_ms']:.0f}",
                   f"{r['inline_ms']:.0f}", f"{r['speedup']:.2f}x", mb(r['softmax_mb']), mb(r['inline_mb'])] for r in rows])
     pixels = [h * w for h, w in DENSE_SIZES]
-    labels = [f'{h}²' if h == w else f'{h}×{w}' for h, w in DENSE_SIZES]
+    labels = [f'{h * w / 1e6:.2f}' for h, w in DENSE_SIZES]
     panels = []
     for key, ylabel in (('ms', 'forward ms (batch 1)'), ('mb', 'peak MiB of the forward')):
         series = [(f"{c} {kind}{'' if dev == 'cpu' else ' ' + dev}", [h * w for h, w in (r['size'] for r in sel)],
@@ -826,7 +826,8 @@ def cmd_speed_dense(args):
                   for dev in dict.fromkeys(r['device'] for r in rows) for c in DENSE for kind in ('softmax', 'InLine')
                   for sel in [[r for r in rows if (r['comparison'], r['device']) == (c, dev)
                                and r[f'{kind.lower()}_{key}'] is not None]] if sel]
-        panels.append(dict(series=series, xlabel='image size (pixels)', log_x=True, ylabel=ylabel, xticks=pixels,
+        panels.append(dict(series=series, xlabel='megapixels: ' + ', '.join(f'{h}x{w}' for h, w in DENSE_SIZES),
+                           log_x=True, ylabel=ylabel, xticks=pixels,
                            xlabels=labels, title=f"Backbone {'forward time' if key == 'ms' else 'peak memory'}, "
                                                  f"softmax vs InLine"))
     charts(args.png or os.path.join(args.out, 'dense.png'), panels, cols=2, size=(560, 460))
