@@ -830,7 +830,7 @@ def cmd_speed_dense(args):
                            log_x=True, ylabel=ylabel, xticks=pixels,
                            xlabels=labels, title=f"Backbone {'forward time' if key == 'ms' else 'peak memory'}, "
                                                  f"softmax vs InLine"))
-    charts(args.png or os.path.join(args.out, 'dense.png'), panels, cols=2, size=(560, 460))
+    charts(args.png or os.path.join(args.out, 'dense.png'), panels, cols=1, size=(820, 400))  # legend: one row
     return rows
 
 

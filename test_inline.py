@@ -1800,7 +1800,7 @@ def test_paper_speed_dense_rows_cache_and_picture(tmp_path, monkeypatch):
     assert [(r['comparison'], r['size']) for r in rows] == [('PVT', [64, 64]), ('PVT', [64, 96])]
     assert all(r['softmax_ms'] > 0 and r['inline_ms'] > 0 and r['speedup'] > 0 for r in rows)
     assert [(r['softmax_mb'], r['inline_mb']) for r in rows] == [(8, 8), (12, 12)]
-    assert_png(tmp_path / 'dense.png', (1000, 400))
+    assert_png(tmp_path / 'dense.png', (800, 800))
     paper.main(['speed', '--dense', '--rounds', '2', '--out', str(tmp_path)])
     assert len(calls) == 4  # the second run read every point from the cache
 
