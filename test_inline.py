@@ -1805,12 +1805,15 @@ def test_paper_speed_dense_rows_cache_and_picture(tmp_path, monkeypatch):
     assert len(calls) == 4  # the second run read every point from the cache
 
 
-def test_paper_dense_peak_rss_sees_what_a_forward_allocates(monkeypatch, capsys):
-    """The CPU peak is the rise of the process's peak RSS over one forward: 64 MiB held during a forward shows."""
-    monkeypatch.setattr(paper, 'dense_forward', lambda name, size, device: lambda x: torch.ones(size[0], 2**20).sum())
-    for rows, low, high in ((16, 8, 40), (64, 56, 90)):  # float32: rows * 4 MiB
-        paper.dense_peak_rss('any', rows // 4, 1)
-        assert low <= float(capsys.readouterr().out) <= high
+def test_paper_dense_peak_rss_sees_what_a_forward_allocates():
+    """The CPU peak is the rise of a fresh process's peak RSS over one forward: 64 MiB held during a forward
+    shows. (In a process that has run other things, freed pages are reused and the rise can read 0.)"""
+    code = ('import torch, paper; paper.dense_forward = lambda name, size, device: lambda x: torch.ones(size[0], 2**20)'
+            '.sum(); paper.dense_peak_rss("any", 16, 1)')  # float32: 16 * 4 MiB
+    run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0, run.stderr
+    assert 56 <= float(run.stdout.split()[-1]) <= 90, run.stdout
 
 
 def fake_run(path, accs, epochs):
