@@ -27,22 +27,33 @@ What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README 
   GEMM output into one pass; the backward's transposed
   shift and the nine sums for dr likewise. The released B*C-group convolution needs V transposed to
   channel planes and back; a zero-padded shift needed masked loads and measured slower than the gather.
+- Compiling: the first process on a node to need a graph compiles it while the others wait, then load it from
+  the inductor cache (node_lock). A failed compile or cache load is retried in a private cache folder; only if
+  that fails too does the core run its closed form eagerly, after one warning that names any broken cache file.
 
 Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid,
 P = N - h*w leading tokens off the grid (DeiT's class token).
 """
 import argparse
+import atexit
 import contextlib
+import fcntl
 import functools
+import hashlib
 import json
+import os
+import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 
 import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 import inline
 
@@ -181,6 +192,59 @@ def signature(f, args):
 
 
 _compiled_signatures = set()  # signatures that have a graph: their calls need no switches and no marks
+COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, ImportError, OSError)
+
+
+@contextlib.contextmanager
+def node_lock(key):
+    """Hold an exclusive lock on one file per graph in the inductor cache folder: the first process on a node
+    to need the graph compiles it, the others wait and then load it from the cache, rather than all compiling
+    the same graph at once (under torchrun every rank does, and the slowest paces them all). The lock goes
+    with the file's descriptor, so a process that dies releases it."""
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    path = os.path.join(cache_dir(), 'locks', f'inline-{name}.lock')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'a') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def describe(error):
+    """The error dynamo wraps, on one line: 'ImportError: .../c2x...main.so: file too short'."""
+    error = getattr(error, 'inner_exception', None) or error.__cause__ or error
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
+def broken_file(error):
+    """The cache file an error names, or None."""
+    found = re.search(r"(/\S+?\.(?:so|py|cpp))\b", describe(error))
+    return found and found.group(1)
+
+
+def compile_and_call(f, args, key):
+    """f(*args) through its compiled graph: from the inductor cache, under node_lock; if that fails, compiled
+    once more in a private folder of this process. A cache file left broken (a .so cut short by a process
+    that died while writing it) otherwise fails every later load of that graph on this machine."""
+    symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
+    try:
+        with node_lock(key), compile_options():
+            return COMPILED[f.__name__](*args)
+    except COMPILE_ERRORS as e:
+        error = e
+    private = tempfile.mkdtemp(prefix='inline-inductor-')
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    try:
+        from torch._inductor.utils import fresh_inductor_cache  # sets TORCHINDUCTOR_CACHE_DIR while it lasts
+        with fresh_inductor_cache(dir=private, delete=False), compile_options():
+            out = COMPILED[f.__name__](*args)
+    except COMPILE_ERRORS as e:
+        e.cache_error = error
+        raise
+    path = broken_file(error)
+    warnings.warn(f"kernels.py: loading the compiled InLine core from the inductor cache failed ({describe(error)}); "
+                  f"it compiled again in a private folder" + (f". Delete {path}: it is broken, and until it is gone "
+                  f"every process compiles this graph again" if path else ""), stacklevel=4)
+    return out
 
 
 def run(f, *args):
@@ -189,19 +253,19 @@ def run(f, *args):
     if torch.compiler.is_compiling():  # inside a torch.compile'd model: its graph takes in ours
         return f(*args)
     if not _compile_error:
+        key = signature(f, args)
         try:
-            key = signature(f, args)
             if key in _compiled_signatures:  # the switches and marks act only when dynamo compiles:
                 return COMPILED[f.__name__](*args)  # skipping them saves ~0.1 ms a call
-            symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
-            with compile_options():
-                out = COMPILED[f.__name__](*args)
+            out = compile_and_call(f, args, key)
             _compiled_signatures.add(key)
             return out
-        except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. no working C++ compiler
+        except COMPILE_ERRORS as e:  # e.g. no working C++ compiler: the private folder failed too
             _compile_error.append(e)
-            warnings.warn(f"kernels.py: torch.compile failed ({str(e).splitlines()[0]}); the fast InLine "
-                          f"core now runs its closed form eagerly, correct but much slower", stacklevel=3)
+            path = broken_file(getattr(e, 'cache_error', e))
+            warnings.warn(f"kernels.py: torch.compile failed ({describe(e)}); the fast InLine core now runs its "
+                          f"closed form eagerly, correct but much slower" + (f". {path} in the inductor cache may "
+                          f"be broken: delete it and rerun" if path else ""), stacklevel=3)
     return f(*args)
 
 

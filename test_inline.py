@@ -935,6 +935,81 @@ def test_no_silent_fallback_when_compilation_fails(monkeypatch):
         kernels.inline_core_fast(*(t.float() for t in (q, k, v, r)), (3, 4))
 
 
+def test_fallback_names_the_broken_cache_file(monkeypatch):
+    """When the retry in a private folder fails too, the warning names the file the first error named."""
+    def broken(*args):
+        raise ImportError("/tmp/inductor/wv/cwvyao5g.main.so: file too short")
+
+    monkeypatch.setattr(kernels, 'COMPILED', {'core_forward': broken, 'core_backward': broken})
+    monkeypatch.setattr(kernels, '_compile_error', [])
+    q, k, v = qkv(1, 1, 4, 8, dtype=torch.float32)
+    with pytest.warns(UserWarning, match=r"torch.compile failed .*cwvyao5g.main.so in the inductor cache may be "
+                                         r"broken: delete it"):
+        o = kernels.inline_core_fast(q, k, v, None, (2, 2))
+    torch.testing.assert_close(o, inline.inline_core(q, k, v, None, (2, 2)))
+
+
+# One process compiling the fast core's forward graph (a tiny shape; the backward's graph goes the same way) in
+# the inductor cache folder TORCHINDUCTOR_CACHE_DIR names; it prints whether it fell back, how many graphs it
+# compiled, its warnings, its inductor cache hits and its error against the reference
+COMPILE_CORE = """
+import json, warnings, torch, inline, kernels
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+r = torch.randn(1, 9 * 16)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    o = kernels.inline_core_fast(q, k, v, r, (2, 2))
+print(json.dumps(dict(fell_back=bool(kernels._compile_error), graphs=len(kernels._compiled_signatures),
+                      warnings=[str(w.message) for w in caught], hits=counters['inductor']['fxgraph_cache_hit'],
+                      error=(o - inline.inline_core(q, k, v, r, (2, 2))).abs().max().item())))
+"""
+
+
+def start_compiling(cache):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TORCHINDUCTOR_COMPILE_THREADS='1', OMP_NUM_THREADS='1')
+    return subprocess.Popen([sys.executable, '-c', COMPILE_CORE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+
+
+def compiled(process):
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope='module')
+def two_compilers(tmp_path_factory):
+    """Two processes that start compiling the same core at once, in one fresh inductor cache."""
+    cache = tmp_path_factory.mktemp('inductor')
+    processes = [start_compiling(cache) for _ in range(2)]
+    return cache, [compiled(p) for p in processes]
+
+
+def test_two_processes_compiling_at_once_both_end_compiled(two_compilers):
+    """The first compiles while the other waits (kernels.node_lock), then loads the graph from the cache."""
+    _, results = two_compilers
+    for result in results:
+        assert not result['fell_back'] and result['graphs'] == 1 and not result['warnings'], result
+        assert result['error'] < 1e-5
+    assert sorted(result['hits'] for result in results) == [0, 1], results
+
+
+def test_an_empty_so_in_the_cache_still_runs_compiled(two_compilers):
+    """A .so left empty by a process that died writing it fails every load of its graph; the core compiles again
+    in a private folder and names the file to delete."""
+    cache, _ = two_compilers
+    kernels_so = [p for p in cache.rglob('*.so') if not os.path.exists(f'{p}.load_ok')]  # not the CPU probes
+    assert kernels_so
+    for path in kernels_so:
+        path.write_bytes(b'')
+    result = compiled(start_compiling(cache))
+    assert not result['fell_back'] and result['graphs'] == 1 and result['error'] < 1e-5, result
+    assert result['warnings'] and all('compiled again in a private folder' in w for w in result['warnings'])
+    assert all(any(f'Delete {p}' in w for p in map(str, kernels_so)) for w in result['warnings'])
+
+
 def test_benchmark_row_has_the_promised_keys():
     """One case of `python kernels.py --bench --json`: every key the README and the JSON lines promise."""
     row = kernels.bench_case('swin_t_stage3', torch.float32, torch.device('cpu'))
