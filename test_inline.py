@@ -1191,6 +1191,26 @@ def test_checkpoint_of_another_model_is_refused(two_process_run, mode, tmp_path)
     assert result.returncode != 0 and result.stderr.count(message) == 1, result.stderr[-2000:]
 
 
+@pytest.mark.parametrize('local_rank', [0, 1])
+def test_more_processes_than_gpus_on_a_node_is_refused(local_rank, monkeypatch, capsys):
+    """Two processes on a node with one GPU (faked): stop before any process touches a device; the node's
+    first process names both numbers and the flag."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    for name in ('set_device', 'init', 'current_device'):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: pytest.fail('a device was touched'))
+    monkeypatch.setattr(train.dist, 'init_process_group', lambda *a, **k: pytest.fail('a process group started'))
+    for key, value in dict(RANK=2 + local_rank, WORLD_SIZE=4, LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(key, str(value))
+    with pytest.raises(SystemExit):
+        train.setup(train.get_args_parser().parse_args(TINY_ARGS))
+    error = capsys.readouterr().err
+    if local_rank == 0:
+        assert 'started 2 processes on this node, which has 1 GPU' in error and '--nproc-per-node=1' in error
+    else:
+        assert error == ''
+
+
 # ------------------------------------------------------------------------------------- nothing is lost
 # Mixup, CutMix, drop path and EMA are on, so any random stream or state not restored changes the weights;
 # gradient accumulation too, so a mid-epoch resume must skip whole accumulation groups.

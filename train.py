@@ -514,12 +514,17 @@ def setup(args):
     checkpoint to start from; every flag resolved."""
     rank, world, local_rank = (int(os.environ.get(k, 0)) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'))
     run = Run(args, rank, max(world, 1))
+    local, gpus = int(os.environ.get('LOCAL_WORLD_SIZE', 1)), torch.cuda.device_count()
+    if torch.cuda.is_available() and local > gpus:  # checked before any process touches a GPU
+        if local_rank == 0:  # one message per node: the node's count is what is wrong
+            print(f'error: torchrun started {local} processes on this node, which has {gpus} GPU(s); launch at most '
+                  f'{gpus} with --nproc-per-node={gpus}', file=sys.stderr, flush=True)
+        raise SystemExit(1)
     if torch.cuda.is_available():
         run.device = torch.device('cuda', local_rank)
         torch.cuda.set_device(run.device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # for --amp fp32
     else:
-        local = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
         torch.set_num_threads(args.threads or max(1, cpu_count() // local))
     if run.world > 1:
         dist.init_process_group('nccl' if run.device.type == 'cuda' else 'gloo')
