@@ -16,6 +16,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -1189,6 +1190,31 @@ def test_checkpoint_of_another_model_is_refused(two_process_run, mode, tmp_path)
                        nproc=2 if mode == '--eval' else 1)
     message = 'is a checkpoint of inline_deit_t, not of --model inline_pvt_t'
     assert result.returncode != 0 and result.stderr.count(message) == 1, result.stderr[-2000:]
+
+
+# the README's two-node launch; here both nodes are this machine, one process each
+TWO_NODES = 'torchrun --nnodes=2 --nproc_per_node={nproc} --rdzv-id=inline --rdzv-backend=c10d --rdzv-endpoint={host}'
+
+
+def test_two_nodes_end_with_the_weights_of_one_node_with_two_processes(two_process_run, tmp_path):
+    """The README's command for two nodes, on 127.0.0.1: two torchrun launchers of one process each train the
+    same weights as the two processes of one node."""
+    with open(os.path.join(os.path.dirname(TRAIN), 'README.md')) as f:
+        assert TWO_NODES.format(nproc=8, host='HOST:29500') in f.read()
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    launcher = TWO_NODES.format(nproc=1, host=f'127.0.0.1:{port}').split()[1:]
+    output_dir = str(tmp_path)
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', *launcher, TRAIN, *SYNTHETIC_ARGS,
+                               '--output-dir', output_dir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    for node in nodes:
+        output, _ = node.communicate(timeout=600)
+        assert node.returncode == 0, output[-3000:]
+    one_node, two_nodes = (load_checkpoint_file(os.path.join(d, 'checkpoint.pt')) for d in (two_process_run[0], output_dir))
+    assert two_nodes['epoch'] == 2 and one_node['model'].keys() == two_nodes['model'].keys()
+    assert all(torch.equal(one_node['model'][k], two_nodes['model'][k]) for k in one_node['model'])
 
 
 @pytest.mark.parametrize('local_rank', [0, 1])
