@@ -7,9 +7,10 @@ result as inline.inline_core, the reference it replaces; `enable_fast(model)` sw
 
     python kernels.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python kernels.py --bench --json          # the same, one JSON object per case
+    python kernels.py --choices --threads 1   # two design choices below, timed: D constant, the per-call switches
     (a whole-model training step, reference against fast core: python paper.py speed --model-step)
 
-What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README has the figures):
+What it does, and why (the README's fast-path section has the measurements, each with its command):
 - One torch.compile'd graph for the forward and one for the backward, called from a
   torch.autograd.Function whose backward is written in closed form (the means' gradients vanish, so
   there is no centring term to differentiate). Saved for backward: q, the centred k and v that the
@@ -26,7 +27,7 @@ What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README 
   changes the precomputed neighbour indices and border masks), fused by inductor with v_mean and the
   GEMM output into one pass; the backward's transposed
   shift and the nine sums for dr likewise. The released B*C-group convolution needs V transposed to
-  channel planes and back; a zero-padded shift needed masked loads and measured slower than the gather.
+  channel planes and back; a zero-padded shift would need masked loads, where every gather reads in bounds.
 - Compiling: the first process on a node to need a graph compiles it while the others wait, then load it from
   the inductor cache (node_lock). A failed compile or cache load is retried in a private cache folder; only if
   that fails too does the core run its closed form eagerly, after one warning that names any broken cache file.
@@ -65,7 +66,7 @@ def neighbourhood(N, grid, device, taps=9, dilation=1):
     """index (T, N) int64: token n's neighbour t, clamped into [0, N) so every read is in bounds;
     masks (T, N, 1) float: 1 where n is on the grid and its neighbour t is too, else 0 (Eq. 6's zero
     padding). T = 9: the 3x3 neighbourhood, spread by dilation; T = 1: the token itself (the plain
-    residual). Gathering by index measured faster than shifting a zero-padded copy (no masked loads)."""
+    residual). Clamped indices and masks, rather than a zero-padded copy, keep every read in bounds."""
     h, w = grid
     with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
         n = torch.arange(N, device=device)
@@ -170,8 +171,7 @@ def compile_options():
 def symbolic_sizes(args, N):
     """B, H and N compile as symbols, so one graph serves every batch, head count and token grid: dims
     0 and 1 of each (B, H, ...) tensor and every dim of size N. D and the nine neighbours stay constants,
-    so the loops over channels vectorise with no remainder loop (with every size constant, the fused
-    kernels ran 1.6-1.9x faster than all-symbolic; D is the size that shapes those loops)."""
+    so the loops over channels, which D shapes, vectorise with no remainder loop."""
     for a in args:
         if isinstance(a, torch.Tensor):
             for d in range(a.dim()):
@@ -256,7 +256,7 @@ def run(f, *args):
         key = signature(f, args)
         try:
             if key in _compiled_signatures:  # the switches and marks act only when dynamo compiles:
-                return COMPILED[f.__name__](*args)  # skipping them saves ~0.1 ms a call
+                return COMPILED[f.__name__](*args)  # skipping them saves time on every call
             out = compile_and_call(f, args, key)
             _compiled_signatures.add(key)
             return out
@@ -368,8 +368,8 @@ def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
 
 
 def paired_ratio(ms, a, b):
-    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift in this
-    machine's speed (up to 2x within minutes) cancels, where it would skew a ratio of two medians."""
+    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift in the
+    machine's speed (other jobs on a shared machine) cancels, where it would skew a ratio of two medians."""
     return statistics.median(x / y for x, y in zip(ms[a], ms[b]))
 
 
@@ -430,9 +430,40 @@ def bench_case(name, dtype, device):
     return row
 
 
+def bench_choices(device):
+    """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too (the forward
+    graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to it, against one through
+    compile_and_call's switches, marks and lock (one head of 49 tokens)."""
+    def inputs(B, H, side):  # core_forward's arguments as InLineCore passes them
+        gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
+        return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
+                0.1 * torch.randn(B, H, 9, D, generator=gen, device=device), *neighbourhood(N, (side, side), device),
+                D ** -0.5]
+    B, H, side, _ = CASES['swin_t_stage1']
+    constant, symbolic, small = inputs(B, H, side), inputs(B, H, side), inputs(1, 1, 7)
+    symbolic_sizes(constant, side * side), symbolic_sizes(symbolic, side * side)
+    for a in symbolic[:4]:
+        torch._dynamo.maybe_mark_dynamic(a, 3)
+    graphs = [torch.compile(core_forward), torch.compile(core_forward)]
+
+    def through_switches():
+        _compiled_signatures.discard(signature(core_forward, small))
+        run(core_forward, *small)
+
+    with compile_options():
+        ms = time_interleaved({'d_constant': lambda: graphs[0](*constant), 'd_symbolic': lambda: graphs[1](*symbolic),
+                               'straight': lambda: run(core_forward, *small), 'switches': through_switches}, device)
+    print(f"forward graph, swin_t_stage1 fp32: D constant {statistics.median(ms['d_constant']):.1f} ms, D symbolic "
+          f"{statistics.median(ms['d_symbolic']):.1f} ms: {paired_ratio(ms, 'd_symbolic', 'd_constant'):.2f}x")
+    extra = statistics.median(s - c for s, c in zip(ms['switches'], ms['straight']))
+    print(f"a call whose signature has a graph: straight {statistics.median(ms['straight']):.3f} ms, through the "
+          f"switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
+    parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
     parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
     parser.add_argument('--cases', default=','.join(CASES), help="comma-separated subset of " + ', '.join(CASES))
     parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
@@ -448,6 +479,8 @@ def main():
               f"{'speed-up':>11s} | {'softmax SDPA ms':>17s} | {'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
               f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
               f"{'fwd':>5s} {'f+b':>5s} | {'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | {'MB':>6s}")
+    if args.choices:
+        bench_choices(device)
     if args.bench:
         if not args.json:
             print(header, flush=True)
