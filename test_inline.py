@@ -1212,7 +1212,8 @@ def test_two_nodes_end_with_the_weights_of_one_node_with_two_processes(two_proce
     for node in nodes:
         output, _ = node.communicate(timeout=600)
         assert node.returncode == 0, output[-3000:]
-    one_node, two_nodes = (load_checkpoint_file(os.path.join(d, 'checkpoint.pt')) for d in (two_process_run[0], output_dir))
+    one_node, two_nodes = (load_checkpoint_file(os.path.join(d, 'checkpoint.pt'))
+                           for d in (two_process_run[0], output_dir))
     assert two_nodes['epoch'] == 2 and one_node['model'].keys() == two_nodes['model'].keys()
     assert all(torch.equal(one_node['model'][k], two_nodes['model'][k]) for k in one_node['model'])
 
