@@ -108,7 +108,7 @@ def test_injectivity(alpha):
 
 def local_residual_slow(v, r, grid, dilation=1):
     """Eq. 6 by a loop over every token's 3x3 neighbourhood, neighbour t at (dilation*(t//3 - 1),
-    dilation*(t%3 - 1)) (SPEC §6 R-dil), zero outside the grid."""
+    dilation*(t%3 - 1)) (R-dil; README, "The paper's experiments"), zero outside the grid."""
     B, H, N, D = v.shape
     h, w = grid
     out = torch.zeros_like(v)
@@ -525,7 +525,7 @@ def test_model_api():
         assert model.no_weight_decay() <= {n for n, _ in model.named_parameters()}
     assert meta_model('inline_deit_t').no_weight_decay() == {'pos_embed', 'cls_token'}
     assert len(meta_model('inline_swin_t').no_weight_decay()) == 2  # the two S blocks' bias tables
-    assert meta_model('inline_pvt_t').no_weight_decay() == set()  # PVT decays its position embeddings (SPEC §4)
+    assert meta_model('inline_pvt_t').no_weight_decay() == set()  # PVT decays its position embeddings, as released
 
 
 def test_fast_switch_replaces_every_core():
@@ -537,11 +537,12 @@ def test_fast_switch_replaces_every_core():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The paper's experiments (SPEC §6): each switch against an explicit construction
+# The paper's experiments (README, "The paper's experiments"): each switch against an explicit construction
 
 def test_shifted_inline_windows_equal_an_explicit_loop():
-    """SPEC §2: odd blocks roll by window/2 with no mask, so tokens wrapped across the border share a
-    window; each window is its own InLine attention with its own means and Eq. 6 weights."""
+    """Table 4's windows, as the authors' code has them: odd blocks roll by window/2 with no mask, so tokens
+    wrapped across the border share a window; each window is its own InLine attention with its own means and
+    Eq. 6 weights."""
     torch.manual_seed(0)
     B, (h, w), C, window, shift = 2, (8, 8), 16, 4, 2
     block = perturb(models.SwinBlock(C, 2, 'I', window, True, 2., 0., DEFAULTS).double())
