@@ -27,6 +27,8 @@ Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C
 """
 import argparse
 import math
+import os
+import pickle
 import warnings
 from typing import NamedTuple
 
@@ -990,6 +992,26 @@ def describe(model):
 # Checkpoints: the released format {'model': state_dict}, and train.py's, which uses the same key
 
 REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')  # released buffers our models compute instead
+EMA_KEYS = ('model_ema', 'state_dict_ema')  # EMA weights beside 'model': train.py's; the authors' CSwin files
+
+
+def read_checkpoint(path):
+    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the file. A file
+    that also holds other Python objects (the authors' training files keep their yacs config) is refused with a
+    ValueError that gives the line keeping only its weights."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e:
+        stripped = os.path.splitext(path)[0] + '.weights.pth'
+        keep = ', '.join(map(repr, ('model',) + EMA_KEYS))
+        raise ValueError(
+            f"{path} holds Python objects besides weights (such as the authors' yacs config), which "
+            f"torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\nIf you trust "
+            f"the file, keep only its weights once:\npython -c \"import torch; c = torch.load({path!r}, "
+            f"map_location='cpu', weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
+            f"{stripped!r})\"\nand pass {stripped} instead.") from None
 
 
 def resize_parameter(model, name, value, shape):
@@ -1014,11 +1036,18 @@ def resize_parameter(model, name, value, shape):
     return value
 
 
-def load_checkpoint(model, path):
-    """Load released or project weights: strict on parameters, ignoring the buffers we rebuild;
-    a different num_classes drops the head (with a warning); a different image size resizes."""
-    checkpoint = torch.load(path, map_location='cpu', weights_only=True)  # never unpickles code
-    state = checkpoint.get('model', checkpoint)
+def load_checkpoint(model, checkpoint):
+    """Load released or project weights into model: strict on parameters, ignoring the buffers we rebuild;
+    a different num_classes drops the head (with a warning); a different image size resizes.
+
+    checkpoint: a file's path (its 'model' entry, or the whole file if it is a bare state dict), or a state
+    dict already in memory (e.g. the EMA weights train.py read from its own file)."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = checkpoint
+        checkpoint = read_checkpoint(path)
+        state = checkpoint.get('model', checkpoint)
+    else:
+        path, state = 'the state dict', checkpoint
     own = model.state_dict()
     state = {k: v for k, v in state.items() if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
     head = [k for k in state if k.startswith('head.')]

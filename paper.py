@@ -398,13 +398,12 @@ def metrics(path):
 
 def load_trained(path):
     """A model trained by train.py, rebuilt from its checkpoint: 'args' names the variant, 'arch' holds the
-    overrides it was built with, 'model' the weights (loaded strictly)."""
+    overrides it was built with, 'model' the weights (loaded by models.load_checkpoint, strict on parameters)."""
     ckpt = train.read_checkpoint(path)  # a clear error for a missing or unreadable file
     if not isinstance(ckpt, dict) or not {'model', 'arch', 'args'} <= ckpt.keys():
         train.fail(f'{path} is not a checkpoint written by train.py (it needs model, arch and args)')
     try:
-        model = models.create_model(ckpt['args']['model'], **ckpt['arch'])
-        model.load_state_dict(ckpt['model'])
+        model = models.create_model(ckpt['args']['model'], checkpoint=ckpt['model'], **ckpt['arch'])
     except (ValueError, RuntimeError, KeyError) as e:
         train.fail(f'cannot rebuild the model of {path}: {e}')
     return model.eval(), ckpt

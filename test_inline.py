@@ -400,10 +400,11 @@ def test_released_format_loads_strictly(name, tmp_path):
              for k, shape, kind in released_keys(name)}
     path = tmp_path / 'released.pth'
     torch.save({'model': state, 'epoch': 299}, path)
-    model = meta_model(name).to_empty(device='cpu')  # skips the random init, which the load overwrites
-    models.load_checkpoint(model, path)
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, state[k]), k
+    for source in (path, state):  # a file, or a state dict already in memory
+        model = meta_model(name).to_empty(device='cpu')  # skips the random init, which the load overwrites
+        models.load_checkpoint(model, source)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state[k]), k
 
 
 def test_checkpoint_with_wrong_keys_names_them(tmp_path):
@@ -1441,6 +1442,8 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
             '--img-size', '32', '--attention-impl', 'reference', '--threads', '1', '--eval', '--checkpoint', path]
     error = refused(args + ['--data-path', root], capsys)
     assert 'weights_only=True' in error
+    with pytest.raises(ValueError, match='weights_only=True'):  # models.load_checkpoint refuses it the same way
+        models.load_checkpoint(model, path)
     strip = next(line for line in error.splitlines() if line.startswith('python -c '))
     subprocess.run([sys.executable, '-c', strip[len('python -c '):].strip('"')], check=True)
     args[-1] = str(tmp_path / 'inline_cswin_t.weights.pth')

@@ -24,11 +24,9 @@ the current epoch, and the rerun ends with the same weights as a run never inter
 import argparse
 import ast
 import contextlib
-import io
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shutil
@@ -649,33 +647,20 @@ def link_atomic(src, dst):
 
 
 def read_checkpoint(path):
-    """torch.load with weights_only=True, which never runs code from the file. A file that also holds other
-    Python objects (the authors' training files keep their yacs config) is refused with a line that strips it."""
-    if not os.path.isfile(path):
-        fail(f'no checkpoint at {path}')
+    """models.read_checkpoint (weights only, never code from the file), its refusals said once, by rank 0."""
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as e:
-        stripped = os.path.splitext(path)[0] + '.weights.pth'
-        fail(f'{path} holds Python objects besides weights (such as the authors\' yacs config), which '
-             f'torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\nIf you trust '
-             'the file, keep only its weights once:\npython -c "import torch; c = torch.load('
-             f'{path!r}, map_location=\'cpu\', weights_only=False); torch.save({{k: c[k] for k in (\'model\', '
-             f'{", ".join(map(repr, EMA_KEYS))}) if k in c}}, {stripped!r})"\nand pass {stripped} instead.')
+        return models.read_checkpoint(path)
+    except (FileNotFoundError, ValueError) as e:  # no file; Python objects besides weights, with the line to strip them
+        fail(str(e))
     except Exception as e:
         fail(f'cannot read checkpoint {path}: {e}')
 
 
 def load_weights(model, saved, key, path):
-    """saved[key] into model with models.load_checkpoint's checks (strict on parameters, resized for another image
-    size). It reads the 'model' entry of a file, so another entry (an EMA) goes to it as such, through memory."""
-    source = path
-    if key != 'model':
-        source = io.BytesIO()
-        torch.save({'model': saved[key]}, source)
-        source.seek(0)
+    """saved[key] (the whole of saved for a bare state dict) into model with models.load_checkpoint's checks:
+    strict on parameters, resized for another image size."""
     try:
-        models.load_checkpoint(model, source)
+        models.load_checkpoint(model, saved.get(key, saved))
     except RuntimeError as e:
         fail(f'cannot load {path} ({key}): {e}')
 
