@@ -9,6 +9,7 @@ outputs; keys/<variant>.tsv.gz, every key of each released state dict. Big model
 meta device, where shapes and FLOP counts cost no memory.
 """
 import argparse
+import contextlib
 import functools
 import gzip
 import hashlib
@@ -18,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -1252,9 +1254,10 @@ def test_bad_input_gets_a_clear_error(case, tmp_path):
 
 
 # ------------------------------------------------------------------------------ the recipe, in process
-# SPEC §4's table as the SPEC writes it: batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down,
-# weight decay, clip (None: off), drop path; and the peak lr per 512 images
-SPEC_RECIPE = {
+# The released recipe (the authors' cfgs/inline_<variant>.yaml), written out here apart from train.py's VARIANTS:
+# batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down, weight decay, clip (None: off),
+# drop path; and the peak lr per 512 images
+RELEASED_RECIPE = {
     'inline_deit_t': (512, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
     'inline_deit_s': (128, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
     'inline_deit_b': (64, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
@@ -1274,11 +1277,11 @@ SPEC_RECIPE = {
 
 
 def resolved(argv, world=1):
-    """train.py's flags as setup() resolves them, in this process, with `world` processes."""
+    """train.py's flags as setup() resolves them, in this process, with `world` processes; in an empty folder, so
+    that no runs/ folder of an earlier run is resumed."""
     run = train.Run(train.get_args_parser().parse_args(argv), world=world)
-    if run.args.checkpoint or run.args.resume:
-        train.open_checkpoint(run, run.args.checkpoint or run.args.resume)
-    train.resolve(run)
+    with tempfile.TemporaryDirectory() as empty, contextlib.chdir(empty):
+        train.resolve(run)
     return run
 
 
@@ -1289,9 +1292,9 @@ def refused(argv, capsys):
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize('name', list(SPEC_RECIPE))
-def test_recipe_is_the_spec_table(name):
-    batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = SPEC_RECIPE[name]
+@pytest.mark.parametrize('name', list(RELEASED_RECIPE))
+def test_recipe_is_the_released_table(name):
+    batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = RELEASED_RECIPE[name]
     for world, accum in ((8, 1), (2, 4)):  # 8 processes as the authors ran it; 2 accumulate to the same total batch
         run = resolved(['--model', name, '--data-path', 'imagenet'], world)
         a = run.args
@@ -1299,7 +1302,7 @@ def test_recipe_is_the_spec_table(name):
         assert (a.lr, a.epochs, a.warmup_epochs, a.warmup_lr, a.min_lr, a.cooldown_epochs) == (
             lr, epochs, warmup, warmup_lr, min_lr, cooldown)
         assert (a.weight_decay, a.clip_grad or None, a.drop_path) == (wd, clip, drop_path)
-        # shared by every variant (SPEC §4); the EMA is CSwin's, 0.9996 per step at a total batch of 4096
+        # shared by every variant; the EMA is CSwin's, 0.9996 per step at a total batch of 4096
         assert (a.label_smoothing, a.mixup, a.cutmix, a.mixup_switch_prob, a.random_erase) == (0.1, 0.8, 1.0, 0.5, 0.25)
         assert (a.randaug_n, a.randaug_m, a.randaug_mstd) == (2, 9, 0.5)
         assert a.ema_decay == (pytest.approx(0.9996 ** (batch * 8 / 4096)) if 'cswin' in name else 0)
@@ -1309,11 +1312,11 @@ def test_recipe_is_the_spec_table(name):
 
 @pytest.mark.parametrize('name', TINY)
 def test_weight_decay_groups(name):
-    """SPEC §4: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative position bias
+    """As released: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative position bias
     tables; PVT's position embeddings are decayed."""
     model = models.create_model(name, **SMALL[name])
     run = resolved(['--model', name, '--data-path', 'imagenet'])
-    optimizer = train.build_optimizer(model, run.args, run.total_batch)
+    optimizer, _ = train.build_optimizer(model, run.args, run.total_batch, steps_per_epoch=1)
     names = {id(p): n for n, p in model.named_parameters()}
     got = {g['weight_decay']: {names[id(p)] for p in g['params']} for g in optimizer.param_groups}
     exempt = {'inline_deit_t': {'pos_embed', 'cls_token'}}.get(name, set())
@@ -1338,7 +1341,8 @@ def test_validation_runs_in_fp32_unless_amp_is_given():
 @pytest.mark.parametrize('size,crop,side', [(32, True, 36), (384, True, 438), (384, False, 384)],
                          ids=['32px', 'cswin_b_384', 'swin_b_384'])
 def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
-    """SPEC §4: a square of int(img * 256/224), the aspect not kept, bicubic, then the centre img x img."""
+    """The released evaluation: a square of int(img * 256/224), the aspect not kept, bicubic, then the centre
+    img x img."""
     g = torch.Generator().manual_seed(0)
     img = Image.fromarray(torch.randint(0, 256, (size + 17, size + 40, 3), generator=g, dtype=torch.uint8).numpy())
     square = torch.from_numpy(np.array(img.resize((side, side), Image.BICUBIC))).permute(2, 0, 1) / 255
@@ -1349,8 +1353,9 @@ def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
     assert train.NO_EVAL_CROP == ('inline_swin_b_384',)  # inline_cswin_b_384 crops
 
 
-# timm's rand-m9-mstd0.5-inc1 as SPEC §4 writes it, at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations,
-# as timm calls them, with the SPEC's magnitude formulas; geometric ops bicubic, filled with the mean colour
+# timm's rand-m9-mstd0.5-inc1 at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations, as timm calls them,
+# with timm's magnitude formulas (README, "Training and evaluation"); geometric ops bicubic, filled with the mean
+# colour
 FILL = (124, 116, 104)
 RANDAUG_FORMULAS = {
     'AutoContrast': lambda img, s: ImageOps.autocontrast(img),
@@ -1395,7 +1400,7 @@ def test_randaugment_posterize_at_magnitude_10_is_black():
 
 
 def test_randaugment_policy(monkeypatch):
-    """Two ops per image, uniformly with replacement from SPEC §4's fifteen, each applied with probability 0.5 at
+    """Two ops per image, uniformly with replacement from timm's fifteen, each applied with probability 0.5 at
     its own magnitude N(9, 0.5) clipped to [0, 10], in either direction."""
     assert list(train.RANDAUG_OPS) == list(RANDAUG_FORMULAS)
     calls = []
@@ -1416,7 +1421,7 @@ def test_randaugment_policy(monkeypatch):
 
 
 def test_finetune_starts_from_the_ema_weights(tmp_path):
-    """The 384 px CSwin fine-tune starts from the 224 px EMA weights (SPEC §4): --finetune takes a file's EMA."""
+    """The authors' 384 px CSwin fine-tune starts from the 224 px EMA weights: --finetune takes a file's EMA."""
     source = perturb(models.create_model('inline_deit_t', img_size=32, num_classes=10))
     ema = {k: v + 1 for k, v in source.state_dict().items()}
     path = str(tmp_path / 'authors.pth')
@@ -1463,6 +1468,23 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
 ABLATION = ['--experiment', 't4_window7_no_residual', '--model-kwargs', 'depths=(1,1,1,1)', 'embed_dim=16',
             'num_heads=(1,1,2,2)', '--attention-impl', 'reference', '--synthetic-train', '16', '--synthetic-val', '8',
             '--threads', '1']
+
+
+def test_every_starting_checkpoint_goes_through_one_function(tmp_path, capsys):
+    """--resume FILE, --eval --checkpoint FILE and a rerun finding OUTPUT_DIR/checkpoint.pt are read alike: the
+    saved flags fill those left unset, and an architecture other than the flags given ask for is refused."""
+    out = str(tmp_path / 'run')
+    saved = resolved(['--experiment', 't4_window7_residual', '--lr', '0.01', '--output-dir', out])
+    os.makedirs(out)
+    path = os.path.join(out, 'checkpoint.pt')
+    torch.save({'args': vars(saved.args), 'arch': dict(saved.arch, img_size=224, num_classes=10)}, path)
+    for argv in (['--resume', path], ['--output-dir', out], ['--eval', '--checkpoint', path]):
+        run = resolved(argv)
+        assert run.saved_path == path and run.arch == saved.arch == dict(window=7)
+        assert (run.args.experiment, run.args.lr, run.args.img_size) == ('t4_window7_residual', 0.01, 224)
+        assert 'this run asks for window=14. They differ in window' in refused(argv + ['--window', '14'], capsys)
+        assert 'is a checkpoint of inline_swin_t, not of --model inline_pvt_t' in refused(
+            argv + ['--model', 'inline_pvt_t'], capsys)
 
 
 def test_architecture_flags_and_experiments_resolve():
