@@ -277,7 +277,7 @@ class InLineAttention(InLineBase):
     separate_q: PVT's parameter layout (`q` C->C and `kv` C->2C) instead of `qkv` C->3C.
     ape_tokens: N of the authors' absolute position embedding, a (1, N, C) parameter added to x before the
         projections, so it reaches q, k and v but not the block's shortcut; None: none. The authors use it
-        in their ablations without Eq. 6 (their answer in the release's issue #6; README, "The paper's
+        in their ablations without Eq. 6 (their answer in their repository's issue #6; README, "The paper's
         experiments").
     kernel: phi, one of KERNELS ('identity' for InLine).
     residual: 'local' (Eq. 6), 'plain' (o_i += r * v_i) or 'none'.
