@@ -2,9 +2,8 @@
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. One subcommand per figure or group of tables of the paper (README, "The paper's experiments").
-Each prints a table (markdown, for the README),
-draws a PNG (OUT/<subcommand>.png, or --png PATH) and keeps what it has finished under OUT (default
-runs/paper/), so a rerun resumes where the last one stopped.
+Each prints a table (markdown, for the README), draws a PNG (OUT/<subcommand>.png, or --png PATH) and keeps what
+it has finished under OUT (default runs/paper/), so a rerun resumes where the last one stopped.
 
     python paper.py injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
     python paper.py locality               # F4: attention mass on the 3x3 neighbourhood, per layer
