@@ -117,7 +117,8 @@ def core_forward(q, k, v, r9, index, masks, scale):
     k_c = ((wide(k) - k_mean) * c).to(dtype)  # (B, H, N, D)
     v_c = (wide(v) - v_mean).to(dtype)  # (B, H, N, D), written by the same kernel as k_c
     # Cov = (1/N) (k - k_mean)^T (v - v_mean), both sides centred in fp32 and then rounded, as in
-    # inline.py; s/N is folded into the D x D matrix (SPEC §1). No sum over tokens sees the means.
+    # inline.py; s/N is folded into the D x D matrix (inline.inline_weights and inline_attention say why).
+    # No sum over tokens sees the means.
     cov = (wide(k_c.transpose(-2, -1) @ v_c) * (scale / (N * c))).to(dtype)  # (B, H, D, D)
     o = wide(q @ cov) + v_mean  # Eq. 5: s q_i^T Cov + v_mean, (B, H, N, D)
     if r9 is not None:

@@ -9,6 +9,7 @@ outputs; keys/<variant>.tsv.gz, every key of each released state dict. Big model
 meta device, where shapes and FLOP counts cost no memory.
 """
 import argparse
+import contextlib
 import functools
 import gzip
 import hashlib
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -109,7 +111,7 @@ def test_injectivity(alpha):
 
 def local_residual_slow(v, r, grid, dilation=1):
     """Eq. 6 by a loop over every token's 3x3 neighbourhood, neighbour t at (dilation*(t//3 - 1),
-    dilation*(t%3 - 1)) (SPEC §6 R-dil), zero outside the grid."""
+    dilation*(t%3 - 1)) (R-dil; README, "The paper's experiments"), zero outside the grid."""
     B, H, N, D = v.shape
     h, w = grid
     out = torch.zeros_like(v)
@@ -401,10 +403,11 @@ def test_released_format_loads_strictly(name, tmp_path):
              for k, shape, kind in released_keys(name)}
     path = tmp_path / 'released.pth'
     torch.save({'model': state, 'epoch': 299}, path)
-    model = meta_model(name).to_empty(device='cpu')  # skips the random init, which the load overwrites
-    models.load_checkpoint(model, path)
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, state[k]), k
+    for source in (path, state):  # a file, or a state dict already in memory
+        model = meta_model(name).to_empty(device='cpu')  # skips the random init, which the load overwrites
+        models.load_checkpoint(model, source)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state[k]), k
 
 
 def test_checkpoint_with_wrong_keys_names_them(tmp_path):
@@ -526,7 +529,7 @@ def test_model_api():
         assert model.no_weight_decay() <= {n for n, _ in model.named_parameters()}
     assert meta_model('inline_deit_t').no_weight_decay() == {'pos_embed', 'cls_token'}
     assert len(meta_model('inline_swin_t').no_weight_decay()) == 2  # the two S blocks' bias tables
-    assert meta_model('inline_pvt_t').no_weight_decay() == set()  # PVT decays its position embeddings (SPEC §4)
+    assert meta_model('inline_pvt_t').no_weight_decay() == set()  # PVT decays its position embeddings, as released
 
 
 def test_fast_switch_replaces_every_core():
@@ -538,11 +541,12 @@ def test_fast_switch_replaces_every_core():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The paper's experiments (SPEC §6): each switch against an explicit construction
+# The paper's experiments (README, "The paper's experiments"): each switch against an explicit construction
 
 def test_shifted_inline_windows_equal_an_explicit_loop():
-    """SPEC §2: odd blocks roll by window/2 with no mask, so tokens wrapped across the border share a
-    window; each window is its own InLine attention with its own means and Eq. 6 weights."""
+    """Table 4's windows, as the authors' code has them: odd blocks roll by window/2 with no mask, so tokens
+    wrapped across the border share a window; each window is its own InLine attention with its own means and
+    Eq. 6 weights."""
     torch.manual_seed(0)
     B, (h, w), C, window, shift = 2, (8, 8), 16, 4, 2
     block = perturb(models.SwinBlock(C, 2, 'I', window, True, 2., 0., DEFAULTS).double())
@@ -1372,9 +1376,10 @@ def test_bad_input_gets_a_clear_error(case, tmp_path):
 
 
 # ------------------------------------------------------------------------------ the recipe, in process
-# SPEC §4's table as the SPEC writes it: batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down,
-# weight decay, clip (None: off), drop path; and the peak lr per 512 images
-SPEC_RECIPE = {
+# The released recipe (the authors' cfgs/inline_<variant>.yaml), written out here apart from train.py's VARIANTS:
+# batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down, weight decay, clip (None: off),
+# drop path; and the peak lr per 512 images
+RELEASED_RECIPE = {
     'inline_deit_t': (512, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
     'inline_deit_s': (128, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
     'inline_deit_b': (64, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
@@ -1394,11 +1399,11 @@ SPEC_RECIPE = {
 
 
 def resolved(argv, world=1):
-    """train.py's flags as setup() resolves them, in this process, with `world` processes."""
+    """train.py's flags as setup() resolves them, in this process, with `world` processes; in an empty folder, so
+    that no runs/ folder of an earlier run is resumed."""
     run = train.Run(train.get_args_parser().parse_args(argv), world=world)
-    if run.args.checkpoint or run.args.resume:
-        train.open_checkpoint(run, run.args.checkpoint or run.args.resume)
-    train.resolve(run)
+    with tempfile.TemporaryDirectory() as empty, contextlib.chdir(empty):
+        train.resolve(run)
     return run
 
 
@@ -1409,9 +1414,9 @@ def refused(argv, capsys):
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize('name', list(SPEC_RECIPE))
-def test_recipe_is_the_spec_table(name):
-    batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = SPEC_RECIPE[name]
+@pytest.mark.parametrize('name', list(RELEASED_RECIPE))
+def test_recipe_is_the_released_table(name):
+    batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = RELEASED_RECIPE[name]
     for world, accum in ((8, 1), (2, 4)):  # 8 processes as the authors ran it; 2 accumulate to the same total batch
         run = resolved(['--model', name, '--data-path', 'imagenet'], world)
         a = run.args
@@ -1419,7 +1424,7 @@ def test_recipe_is_the_spec_table(name):
         assert (a.lr, a.epochs, a.warmup_epochs, a.warmup_lr, a.min_lr, a.cooldown_epochs) == (
             lr, epochs, warmup, warmup_lr, min_lr, cooldown)
         assert (a.weight_decay, a.clip_grad or None, a.drop_path) == (wd, clip, drop_path)
-        # shared by every variant (SPEC §4); the EMA is CSwin's, 0.9996 per step at a total batch of 4096
+        # shared by every variant; the EMA is CSwin's, 0.9996 per step at a total batch of 4096
         assert (a.label_smoothing, a.mixup, a.cutmix, a.mixup_switch_prob, a.random_erase) == (0.1, 0.8, 1.0, 0.5, 0.25)
         assert (a.randaug_n, a.randaug_m, a.randaug_mstd) == (2, 9, 0.5)
         assert a.ema_decay == (pytest.approx(0.9996 ** (batch * 8 / 4096)) if 'cswin' in name else 0)
@@ -1429,11 +1434,11 @@ def test_recipe_is_the_spec_table(name):
 
 @pytest.mark.parametrize('name', TINY)
 def test_weight_decay_groups(name):
-    """SPEC §4: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative position bias
+    """As released: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative position bias
     tables; PVT's position embeddings are decayed."""
     model = models.create_model(name, **SMALL[name])
     run = resolved(['--model', name, '--data-path', 'imagenet'])
-    optimizer = train.build_optimizer(model, run.args, run.total_batch)
+    optimizer, _ = train.build_optimizer(model, run.args, run.total_batch, steps_per_epoch=1)
     names = {id(p): n for n, p in model.named_parameters()}
     got = {g['weight_decay']: {names[id(p)] for p in g['params']} for g in optimizer.param_groups}
     exempt = {'inline_deit_t': {'pos_embed', 'cls_token'}}.get(name, set())
@@ -1458,7 +1463,8 @@ def test_validation_runs_in_fp32_unless_amp_is_given():
 @pytest.mark.parametrize('size,crop,side', [(32, True, 36), (384, True, 438), (384, False, 384)],
                          ids=['32px', 'cswin_b_384', 'swin_b_384'])
 def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
-    """SPEC §4: a square of int(img * 256/224), the aspect not kept, bicubic, then the centre img x img."""
+    """The released evaluation: a square of int(img * 256/224), the aspect not kept, bicubic, then the centre
+    img x img."""
     g = torch.Generator().manual_seed(0)
     img = Image.fromarray(torch.randint(0, 256, (size + 17, size + 40, 3), generator=g, dtype=torch.uint8).numpy())
     square = torch.from_numpy(np.array(img.resize((side, side), Image.BICUBIC))).permute(2, 0, 1) / 255
@@ -1469,8 +1475,9 @@ def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
     assert train.NO_EVAL_CROP == ('inline_swin_b_384',)  # inline_cswin_b_384 crops
 
 
-# timm's rand-m9-mstd0.5-inc1 as SPEC §4 writes it, at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations,
-# as timm calls them, with the SPEC's magnitude formulas; geometric ops bicubic, filled with the mean colour
+# timm's rand-m9-mstd0.5-inc1 at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations, as timm calls them,
+# with timm's magnitude formulas (README, "Training and evaluation"); geometric ops bicubic, filled with the mean
+# colour
 FILL = (124, 116, 104)
 RANDAUG_FORMULAS = {
     'AutoContrast': lambda img, s: ImageOps.autocontrast(img),
@@ -1515,7 +1522,7 @@ def test_randaugment_posterize_at_magnitude_10_is_black():
 
 
 def test_randaugment_policy(monkeypatch):
-    """Two ops per image, uniformly with replacement from SPEC §4's fifteen, each applied with probability 0.5 at
+    """Two ops per image, uniformly with replacement from timm's fifteen, each applied with probability 0.5 at
     its own magnitude N(9, 0.5) clipped to [0, 10], in either direction."""
     assert list(train.RANDAUG_OPS) == list(RANDAUG_FORMULAS)
     calls = []
@@ -1536,7 +1543,7 @@ def test_randaugment_policy(monkeypatch):
 
 
 def test_finetune_starts_from_the_ema_weights(tmp_path):
-    """The 384 px CSwin fine-tune starts from the 224 px EMA weights (SPEC §4): --finetune takes a file's EMA."""
+    """The authors' 384 px CSwin fine-tune starts from the 224 px EMA weights: --finetune takes a file's EMA."""
     source = perturb(models.create_model('inline_deit_t', img_size=32, num_classes=10))
     ema = {k: v + 1 for k, v in source.state_dict().items()}
     path = str(tmp_path / 'authors.pth')
@@ -1562,6 +1569,8 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
             '--img-size', '32', '--attention-impl', 'reference', '--threads', '1', '--eval', '--checkpoint', path]
     error = refused(args + ['--data-path', root], capsys)
     assert 'weights_only=True' in error
+    with pytest.raises(ValueError, match='weights_only=True'):  # models.load_checkpoint refuses it the same way
+        models.load_checkpoint(model, path)
     strip = next(line for line in error.splitlines() if line.startswith('python -c '))
     subprocess.run([sys.executable, '-c', strip[len('python -c '):].strip('"')], check=True)
     args[-1] = str(tmp_path / 'inline_cswin_t.weights.pth')
@@ -1581,6 +1590,23 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
 ABLATION = ['--experiment', 't4_window7_no_residual', '--model-kwargs', 'depths=(1,1,1,1)', 'embed_dim=16',
             'num_heads=(1,1,2,2)', '--attention-impl', 'reference', '--synthetic-train', '16', '--synthetic-val', '8',
             '--threads', '1']
+
+
+def test_every_starting_checkpoint_goes_through_one_function(tmp_path, capsys):
+    """--resume FILE, --eval --checkpoint FILE and a rerun finding OUTPUT_DIR/checkpoint.pt are read alike: the
+    saved flags fill those left unset, and an architecture other than the flags given ask for is refused."""
+    out = str(tmp_path / 'run')
+    saved = resolved(['--experiment', 't4_window7_residual', '--lr', '0.01', '--output-dir', out])
+    os.makedirs(out)
+    path = os.path.join(out, 'checkpoint.pt')
+    torch.save({'args': vars(saved.args), 'arch': dict(saved.arch, img_size=224, num_classes=10)}, path)
+    for argv in (['--resume', path], ['--output-dir', out], ['--eval', '--checkpoint', path]):
+        run = resolved(argv)
+        assert run.saved_path == path and run.arch == saved.arch == dict(window=7)
+        assert (run.args.experiment, run.args.lr, run.args.img_size) == ('t4_window7_residual', 0.01, 224)
+        assert 'this run asks for window=14. They differ in window' in refused(argv + ['--window', '14'], capsys)
+        assert 'is a checkpoint of inline_swin_t, not of --model inline_pvt_t' in refused(
+            argv + ['--model', 'inline_pvt_t'], capsys)
 
 
 def test_architecture_flags_and_experiments_resolve():
