@@ -272,10 +272,20 @@ def add_projections(module, dim, qkv_bias, separate_q):
 class InLineAttention(InLineBase):
     """Projections around the InLine core: x (B, N, C) -> q, k, v -> Eq. 5 + Eq. 6 -> proj -> (B, N, C).
 
-    separate_q: PVT's parameter layout (`q` C->C and `kv` C->2C) instead of `qkv` C->3C. ape_tokens: the
-    authors' absolute position embedding for their ablations without Eq. 6 (SPEC §6): a (1, N, C)
-    parameter added to x before the projections, so it reaches q, k and v but not the block's shortcut.
-    The other options are InLineBase's.
+    dim, num_heads: C and H.
+    qkv_bias: biases in the input projections (every released model has them).
+    separate_q: PVT's parameter layout (`q` C->C and `kv` C->2C) instead of `qkv` C->3C.
+    ape_tokens: N of the authors' absolute position embedding, a (1, N, C) parameter added to x before the
+        projections, so it reaches q, k and v but not the block's shortcut; None: none. The authors use it
+        in their ablations without Eq. 6 (their answer in their repository's issue #6; README, "The paper's
+        experiments").
+    kernel: phi, one of KERNELS ('identity' for InLine).
+    residual: 'local' (Eq. 6), 'plain' (o_i += r * v_i) or 'none'.
+    dilation: of Eq. 6's 3x3 neighbourhood.
+    nonneg: every weight forced >= 0 (R-nonneg, ours).
+    attention: 'inline' (Eq. 5) or 'linear' (vanilla division).
+    allow_divergent: let vanilla linear attention run with a signed kernel.
+    The last six are InLineBase's; it says more of each.
     """
 
     def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):

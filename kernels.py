@@ -7,9 +7,10 @@ result as inline.inline_core, the reference it replaces; `enable_fast(model)` sw
 
     python kernels.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python kernels.py --bench --json          # the same, one JSON object per case
+    python kernels.py --choices --threads 1   # two design choices below, timed: D constant, the per-call switches
     (a whole-model training step, reference against fast core: python paper.py speed --model-step)
 
-What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README has the figures):
+What it does, and why (the README's fast-path section has the measurements, each with its command):
 - One torch.compile'd graph for the forward and one for the backward, called from a
   torch.autograd.Function whose backward is written in closed form (the means' gradients vanish, so
   there is no centring term to differentiate). Saved for backward: q, the centred k and v that the
@@ -26,23 +27,34 @@ What it does, and why (each choice measured on a 2-core AVX-512 CPU; the README 
   changes the precomputed neighbour indices and border masks), fused by inductor with v_mean and the
   GEMM output into one pass; the backward's transposed
   shift and the nine sums for dr likewise. The released B*C-group convolution needs V transposed to
-  channel planes and back; a zero-padded shift needed masked loads and measured slower than the gather.
+  channel planes and back; a zero-padded shift would need masked loads, where every gather reads in bounds.
+- Compiling: the first process on a node to need a graph compiles it while the others wait, then load it from
+  the inductor cache (node_lock). A failed compile or cache load is retried in a private cache folder; only if
+  that fails too does the core run its closed form eagerly, after one warning that names any broken cache file.
 
 Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid,
 P = N - h*w leading tokens off the grid (DeiT's class token).
 """
 import argparse
+import atexit
 import contextlib
+import fcntl
 import functools
+import hashlib
 import json
+import os
+import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 
 import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 import inline
 
@@ -54,7 +66,7 @@ def neighbourhood(N, grid, device, taps=9, dilation=1):
     """index (T, N) int64: token n's neighbour t, clamped into [0, N) so every read is in bounds;
     masks (T, N, 1) float: 1 where n is on the grid and its neighbour t is too, else 0 (Eq. 6's zero
     padding). T = 9: the 3x3 neighbourhood, spread by dilation; T = 1: the token itself (the plain
-    residual). Gathering by index measured faster than shifting a zero-padded copy (no masked loads)."""
+    residual). Clamped indices and masks, rather than a zero-padded copy, keep every read in bounds."""
     h, w = grid
     with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
         n = torch.arange(N, device=device)
@@ -105,7 +117,8 @@ def core_forward(q, k, v, r9, index, masks, scale):
     k_c = ((wide(k) - k_mean) * c).to(dtype)  # (B, H, N, D)
     v_c = (wide(v) - v_mean).to(dtype)  # (B, H, N, D), written by the same kernel as k_c
     # Cov = (1/N) (k - k_mean)^T (v - v_mean), both sides centred in fp32 and then rounded, as in
-    # inline.py; s/N is folded into the D x D matrix (SPEC §1). No sum over tokens sees the means.
+    # inline.py; s/N is folded into the D x D matrix (inline.inline_weights and inline_attention say why).
+    # No sum over tokens sees the means.
     cov = (wide(k_c.transpose(-2, -1) @ v_c) * (scale / (N * c))).to(dtype)  # (B, H, D, D)
     o = wide(q @ cov) + v_mean  # Eq. 5: s q_i^T Cov + v_mean, (B, H, N, D)
     if r9 is not None:
@@ -159,8 +172,7 @@ def compile_options():
 def symbolic_sizes(args, N):
     """B, H and N compile as symbols, so one graph serves every batch, head count and token grid: dims
     0 and 1 of each (B, H, ...) tensor and every dim of size N. D and the nine neighbours stay constants,
-    so the loops over channels vectorise with no remainder loop (with every size constant, the fused
-    kernels ran 1.6-1.9x faster than all-symbolic; D is the size that shapes those loops)."""
+    so the loops over channels, which D shapes, vectorise with no remainder loop."""
     for a in args:
         if isinstance(a, torch.Tensor):
             for d in range(a.dim()):
@@ -181,6 +193,59 @@ def signature(f, args):
 
 
 _compiled_signatures = set()  # signatures that have a graph: their calls need no switches and no marks
+COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, ImportError, OSError)
+
+
+@contextlib.contextmanager
+def node_lock(key):
+    """Hold an exclusive lock on one file per graph in the inductor cache folder: the first process on a node
+    to need the graph compiles it, the others wait and then load it from the cache, rather than all compiling
+    the same graph at once (under torchrun every rank does, and the slowest paces them all). The lock goes
+    with the file's descriptor, so a process that dies releases it."""
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    path = os.path.join(cache_dir(), 'locks', f'inline-{name}.lock')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'a') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def describe(error):
+    """The error dynamo wraps, on one line: 'ImportError: .../c2x...main.so: file too short'."""
+    error = getattr(error, 'inner_exception', None) or error.__cause__ or error
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
+def broken_file(error):
+    """The cache file an error names, or None."""
+    found = re.search(r"(/\S+?\.(?:so|py|cpp))\b", describe(error))
+    return found and found.group(1)
+
+
+def compile_and_call(f, args, key):
+    """f(*args) through its compiled graph: from the inductor cache, under node_lock; if that fails, compiled
+    once more in a private folder of this process. A cache file left broken (a .so cut short by a process
+    that died while writing it) otherwise fails every later load of that graph on this machine."""
+    symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
+    try:
+        with node_lock(key), compile_options():
+            return COMPILED[f.__name__](*args)
+    except COMPILE_ERRORS as e:
+        error = e
+    private = tempfile.mkdtemp(prefix='inline-inductor-')
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    try:
+        from torch._inductor.utils import fresh_inductor_cache  # sets TORCHINDUCTOR_CACHE_DIR while it lasts
+        with fresh_inductor_cache(dir=private, delete=False), compile_options():
+            out = COMPILED[f.__name__](*args)
+    except COMPILE_ERRORS as e:
+        e.cache_error = error
+        raise
+    path = broken_file(error)
+    warnings.warn(f"kernels.py: loading the compiled InLine core from the inductor cache failed ({describe(error)}); "
+                  f"it compiled again in a private folder" + (f". Delete {path}: it is broken, and until it is gone "
+                  f"every process compiles this graph again" if path else ""), stacklevel=4)
+    return out
 
 
 def run(f, *args):
@@ -189,19 +254,19 @@ def run(f, *args):
     if torch.compiler.is_compiling():  # inside a torch.compile'd model: its graph takes in ours
         return f(*args)
     if not _compile_error:
+        key = signature(f, args)
         try:
-            key = signature(f, args)
             if key in _compiled_signatures:  # the switches and marks act only when dynamo compiles:
-                return COMPILED[f.__name__](*args)  # skipping them saves ~0.1 ms a call
-            symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
-            with compile_options():
-                out = COMPILED[f.__name__](*args)
+                return COMPILED[f.__name__](*args)  # skipping them saves time on every call
+            out = compile_and_call(f, args, key)
             _compiled_signatures.add(key)
             return out
-        except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. no working C++ compiler
+        except COMPILE_ERRORS as e:  # e.g. no working C++ compiler: the private folder failed too
             _compile_error.append(e)
-            warnings.warn(f"kernels.py: torch.compile failed ({str(e).splitlines()[0]}); the fast InLine "
-                          f"core now runs its closed form eagerly, correct but much slower", stacklevel=3)
+            path = broken_file(getattr(e, 'cache_error', e))
+            warnings.warn(f"kernels.py: torch.compile failed ({describe(e)}); the fast InLine core now runs its "
+                          f"closed form eagerly, correct but much slower" + (f". {path} in the inductor cache may "
+                          f"be broken: delete it and rerun" if path else ""), stacklevel=3)
     return f(*args)
 
 
@@ -304,8 +369,8 @@ def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
 
 
 def paired_ratio(ms, a, b):
-    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift in this
-    machine's speed (up to 2x within minutes) cancels, where it would skew a ratio of two medians."""
+    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift in the
+    machine's speed (other jobs on a shared machine) cancels, where it would skew a ratio of two medians."""
     return statistics.median(x / y for x, y in zip(ms[a], ms[b]))
 
 
@@ -366,9 +431,40 @@ def bench_case(name, dtype, device):
     return row
 
 
+def bench_choices(device):
+    """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too (the forward
+    graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to it, against one through
+    compile_and_call's switches, marks and lock (one head of 49 tokens)."""
+    def inputs(B, H, side):  # core_forward's arguments as InLineCore passes them
+        gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
+        return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
+                0.1 * torch.randn(B, H, 9, D, generator=gen, device=device), *neighbourhood(N, (side, side), device),
+                D ** -0.5]
+    B, H, side, _ = CASES['swin_t_stage1']
+    constant, symbolic, small = inputs(B, H, side), inputs(B, H, side), inputs(1, 1, 7)
+    symbolic_sizes(constant, side * side), symbolic_sizes(symbolic, side * side)
+    for a in symbolic[:4]:
+        torch._dynamo.maybe_mark_dynamic(a, 3)
+    graphs = [torch.compile(core_forward), torch.compile(core_forward)]
+
+    def through_switches():
+        _compiled_signatures.discard(signature(core_forward, small))
+        run(core_forward, *small)
+
+    with compile_options():
+        ms = time_interleaved({'d_constant': lambda: graphs[0](*constant), 'd_symbolic': lambda: graphs[1](*symbolic),
+                               'straight': lambda: run(core_forward, *small), 'switches': through_switches}, device)
+    print(f"forward graph, swin_t_stage1 fp32: D constant {statistics.median(ms['d_constant']):.1f} ms, D symbolic "
+          f"{statistics.median(ms['d_symbolic']):.1f} ms: {paired_ratio(ms, 'd_symbolic', 'd_constant'):.2f}x")
+    extra = statistics.median(s - c for s, c in zip(ms['switches'], ms['straight']))
+    print(f"a call whose signature has a graph: straight {statistics.median(ms['straight']):.3f} ms, through the "
+          f"switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
+    parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
     parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
     parser.add_argument('--cases', default=','.join(CASES), help="comma-separated subset of " + ', '.join(CASES))
     parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
@@ -384,6 +480,8 @@ def main():
               f"{'speed-up':>11s} | {'softmax SDPA ms':>17s} | {'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
               f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
               f"{'fwd':>5s} {'f+b':>5s} | {'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | {'MB':>6s}")
+    if args.choices:
+        bench_choices(device)
     if args.bench:
         if not args.json:
             print(header, flush=True)

@@ -6,9 +6,7 @@ builds the authors' four architectures around it, with module names that reprodu
 checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights load unchanged.
 
     python models.py                      # every variant: params and GMACs beside the paper's figures
-
-    model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')       # a released checkpoint
-    python models.py --experiments        # every experiment of the paper (SPEC §6) by name
+    python models.py --experiments        # every experiment of the paper by name (README, "The paper's experiments")
 
     model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')       # a released checkpoint
     model = create_model('inline_swin_t', layout='LLLS', residual='none')       # Table 3's linear baseline
@@ -16,7 +14,7 @@ checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights lo
     model = create_experiment('t4_window7_no_residual')                         # an ablation by its name
     model = create_model('inline_pvt_s', features_only=True)                    # stage maps, timm's convention
 
-Attention layout, one letter per stage (SPEC §2): I = InLine attention (Eq. 5 + Eq. 6); L = vanilla
+Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla
 linear attention (division normalisation, relu kernel by default), the paper's baseline; S = softmax
 attention (DeiT: over all tokens; PVT: with spatial reduction; Swin: shifted windows with relative
 position bias; CSwin: cross-shaped stripes); M = the stage's first k blocks are I and the rest S, with k
@@ -30,6 +28,8 @@ Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C
 """
 import argparse
 import math
+import os
+import pickle
 import warnings
 from collections import OrderedDict
 from typing import NamedTuple
@@ -47,7 +47,9 @@ from torchvision.ops.misc import Conv2dNormActivation
 import inline
 from inline import InLineAttention
 
-# The authors' figures for each variant at its released size (SPEC §3): params, GMACs, ImageNet top-1.
+# The authors' figures for each variant at its released size: params and GMACs of their model definitions,
+# counted as count_macs counts, and the ImageNet-1K top-1 the paper reports for the released weights (README,
+# "Models", shows the table; `python models.py` prints ours beside it).
 RELEASED = {
     'inline_deit_t': (6_477_736, 1.109, 74.5), 'inline_deit_s': (16_734_760, 4.966, 80.2),
     'inline_deit_b': (23_797_096, 17.169, 82.3),
@@ -92,20 +94,29 @@ def parse_layout(layout, depths, letters):
             for c, depth in zip(stages, depths)]
 
 
+def stage_grids(img_size):
+    """The (h, w) token grids of the four stages of PVT, Swin and CSwin: strides 4, 8, 16, 32."""
+    return [(img_size[0] // 2 ** (i + 2), img_size[1] // 2 ** (i + 2)) for i in range(4)]
+
+
 ATTENTION_OPTIONS = dict(kernel=None, residual='local', dilation=1, nonneg=False, normalise_q=False,
                          allow_divergent=False)  # every family's attention switches and their defaults
 
 
-def attention_options(family, options):
+def attention_options(family, options, letters):
     """The attention switches a family was given, checked and completed with the defaults:
     kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), dilation,
-    nonneg (I), normalise_q (softmax S of DeiT and PVT), allow_divergent (L with a signed kernel)."""
+    nonneg (I), normalise_q (softmax S of DeiT and PVT), allow_divergent (L with a signed kernel).
+    letters: every block's attention letter, which normalise_q must find all S."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
         raise ValueError(f"{family}: window and ape are InLine-Swin's options (the authors' window ablation)")
     if unknown:
         raise ValueError(f"{family}: unknown argument(s) {unknown}; allowed are its sizes (the arguments of its "
                          f"class) and the attention options {list(ATTENTION_OPTIONS)}")
+    if options.get('normalise_q') and (family not in ('InLine-DeiT', 'InLine-PVT') or set(letters) != {'S'}):
+        raise ValueError(f"{family}: normalise_q is an option of softmax attention (layout letter S) of DeiT and PVT, "
+                         f"not of InLine or linear attention, nor of Swin's or CSwin's windowed softmax")
     return {**ATTENTION_OPTIONS, **options}
 
 
@@ -119,9 +130,6 @@ def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
 
 def inline_options(letter, options):
     """The InLineBase options of an I or L block."""
-    if options['normalise_q']:
-        raise ValueError("normalise_q is an option of softmax attention (layout letter S of DeiT and PVT), "
-                         "not of InLine or linear attention")
     o = {k: options[k] for k in ('residual', 'dilation', 'nonneg', 'allow_divergent')}
     return dict(o, kernel=options['kernel'] or ('identity' if letter == 'I' else 'relu'),
                 attention='inline' if letter == 'I' else 'linear')
@@ -243,14 +251,28 @@ class Backbone(nn.Module):
         --use-checkpoint): less memory for the B variants, about one more forward of compute."""
         self.grad_checkpointing = enable
 
+    def setup(self, img_size, stride, layout, depths, letters, drop_path_rate, attention):
+        """The opening every family's constructor shares: the image size (a multiple of the total stride), the
+        layout parsed into one letter per block of every stage, the attention options checked against it, and
+        the stochastic depth rate of every block. Returns (letters, rates), each one list per stage."""
+        self.img_size, self.layout = pair(img_size), layout
+        check_image_size(self.img_size, stride, self.name)
+        letters = parse_layout(layout, depths, letters)
+        self.options = attention_options(self.name, attention, [c for stage in letters for c in stage])
+        return letters, drop_path_rates(drop_path_rate, depths)
+
+    @property
+    def name(self):
+        return type(self).__name__.replace('InLine', 'InLine-')  # InLineSwin -> InLine-Swin, as errors say it
+
     def run_block(self, block, x, *args):
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(block, x, *args, use_reentrant=False)
         return block(x, *args)
 
     def init_weights(self):
-        """Truncated normal (std .02) for Linear weights, zero biases, LayerNorm ones/zeros (SPEC §2).
-        Convolutions keep PyTorch's default init, as in the released code."""
+        """Truncated normal (std .02) for Linear weights, zero biases, LayerNorm ones/zeros; convolutions keep
+        PyTorch's default init: the released code's initialisation."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 trunc_normal_(m.weight, std=.02)
@@ -287,19 +309,15 @@ class InLineDeiT(Backbone):
     def __init__(self, img_size=224, embed_dim=192, depth=12, num_heads=6, mlp_ratio=4., patch_size=16,
                  num_classes=1000, drop_path_rate=0.1, layout='I', **attention):
         super().__init__()
-        self.options = attention_options('InLine-DeiT', attention)
-        self.layout = layout
-        self.img_size = pair(img_size)
-        check_image_size(self.img_size, patch_size, 'InLine-DeiT')
+        (letters,), (rates,) = self.setup(img_size, patch_size, layout, [depth], 'ILS', drop_path_rate, attention)
         self.patch_size, self.grid = patch_size, (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.num_features = embed_dim
-        letters = parse_layout(layout, [depth], 'ILS')[0]
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], embed_dim))
         self.patch_embed = PatchEmbed(3, embed_dim, patch_size)
         self.blocks = nn.ModuleList([
             Block(embed_dim, mlp_ratio, dp, 1e-6, make_attention(c, embed_dim, num_heads, self.options))
-            for c, dp in zip(letters, drop_path_rates(drop_path_rate, [depth])[0])])
+            for c, dp in zip(letters, rates)])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.init_weights()
         trunc_normal_(self.pos_embed, std=.02)
@@ -309,7 +327,7 @@ class InLineDeiT(Backbone):
     def forward_features(self, x):
         """(B, 3, *img_size) -> normalised tokens (B, 1 + h*w, C), class token first."""
         if tuple(x.shape[2:]) != self.img_size:
-            check_image_size(x.shape[2:], self.patch_size, 'InLine-DeiT')
+            check_image_size(x.shape[2:], self.patch_size, self.name)
             raise ValueError(f"InLine-DeiT built for {self.img_size[0]}x{self.img_size[1]} images got "
                              f"{x.shape[2]}x{x.shape[3]}: its position embedding fixes the size; build it with "
                              f"img_size=({x.shape[2]}, {x.shape[3]}) (checkpoints are resized on load)")
@@ -336,14 +354,8 @@ class InLinePVT(Backbone):
                  mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1), num_classes=1000, drop_path_rate=0.1, layout='IIII',
                  **attention):
         super().__init__()
-        self.options = attention_options('InLine-PVT', attention)
-        self.layout = layout
-        self.img_size = pair(img_size)
-        check_image_size(self.img_size, 32, 'InLine-PVT')
-        self.num_features = embed_dims[-1]
-        layout = parse_layout(layout, depths, 'ILS')
-        rates = drop_path_rates(drop_path_rate, depths)
-        self.grids = [(self.img_size[0] // 2 ** (i + 2), self.img_size[1] // 2 ** (i + 2)) for i in range(4)]
+        layout, rates = self.setup(img_size, 32, layout, depths, 'ILS', drop_path_rate, attention)
+        self.num_features, self.grids = embed_dims[-1], stage_grids(self.img_size)
         for i, (h, w) in enumerate(self.grids):  # registered first, so the keys come in the released order
             setattr(self, f'pos_embed{i + 1}', nn.Parameter(torch.zeros(1, h * w, embed_dims[i])))
         for i, dim in enumerate(embed_dims):
@@ -360,7 +372,7 @@ class InLinePVT(Backbone):
 
     def forward_features(self, x, return_stages=False):
         """(B, 3, H_img, W_img) -> stage-4 tokens (B, h*w, C), or the four maps [(B, C_i, h_i, w_i)]."""
-        check_image_size(x.shape[2:], 32, 'InLine-PVT')
+        check_image_size(x.shape[2:], 32, self.name)
         stages = []
         for i in range(4):
             x, grid = getattr(self, f'patch_embed{i + 1}')(x)  # (B, h*w, C)
@@ -374,8 +386,8 @@ class InLinePVT(Backbone):
             x = stages[-1]  # (B, C, h, w), the next stage's image
         return stages if return_stages else stages[-1].flatten(2).transpose(1, 2)  # no final norm in PVT
 
-    # no_weight_decay: Backbone's alone. The released PVT decays its position embeddings (SPEC §4): its
-    # model exempts only a class token that InLine-PVT does not have.
+    # no_weight_decay: Backbone's alone. The released PVT decays its position embeddings: its model (the
+    # authors' `models/inline_pvt.py`) exempts only a class token that InLine-PVT does not have.
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -459,13 +471,23 @@ class WindowAttention(nn.Module):
 
 
 class SwinBlock(nn.Module):
-    """Pre-norm block. S: softmax in `window` x `window` windows, shifted by window/2 when `shift`.
-    I/L: InLine (or linear) attention in windows of `window` (None: the whole map). Windows smaller than
-    the map are the authors' window ablation (SPEC §2): shifted cyclically by window/2 when `shift`, as
-    Swin's softmax blocks are, but with NO mask, so tokens wrapped across the border attend to each other;
-    every window is its own InLine attention, with its own means, its own Eq. 6 weights from the window's
-    token mean, and its 3x3 neighbourhood zero-padded at the window's edges. ape_tokens: the authors'
-    position embedding inside the attention, one per window size (shared by the stage's windows)."""
+    """Pre-norm block: x + DropPath(attention(LN(x))), then x + DropPath(MLP(LN(x))); x (B, h*w, C).
+
+    dim, num_heads: C and H.
+    letter: 'S' Swin's softmax in windows with a relative position bias; 'I' InLine; 'L' vanilla linear.
+    window: the window side in tokens; for I/L, None is the whole map (every released model).
+    shift: roll the map by window/2 first (odd blocks), along each axis the window does not cover.
+    mlp_ratio: the MLP's hidden width over C.
+    drop_path: this block's stochastic depth rate.
+    options: the attention options (attention_options) of an I or L block.
+    ape_tokens: the authors' position embedding inside the attention, one per window size (shared by the
+        stage's windows); None: none.
+
+    I/L windows smaller than the map are the authors' window ablation (Table 4): rolled as Swin's softmax
+    blocks are, but with NO mask, so tokens wrapped across the border attend to each other (the authors'
+    `models/inline_swin.py`); every window is its own InLine attention, with its own means, its own Eq. 6
+    weights from the window's token mean, and its 3x3 neighbourhood zero-padded at the window's edges.
+    """
 
     def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, options, ape_tokens=None):
         super().__init__()
@@ -484,11 +506,15 @@ class SwinBlock(nn.Module):
         x = x + self.drop_path(y.reshape(B, N, C))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
+    def shifts(self, window, grid):
+        """Swin's cyclic shift (rows, columns) of an odd block: window/2 along each axis that the (wh, ww)
+        window does not cover, else 0."""
+        return tuple(self.window // 2 if self.shift and side < size else 0 for side, size in zip(window, grid))
+
     def inline_windows(self, x):
         B, h, w, C = x.shape
         wh, ww = inline_window(self.window, (h, w))
-        sh = self.window // 2 if self.shift and wh < h else 0  # no shift along an axis one window covers
-        sw = self.window // 2 if self.shift and ww < w else 0
+        sh, sw = self.shifts((wh, ww), (h, w))
         x = torch.roll(x, (-sh, -sw), dims=(1, 2))  # the cyclic shift, unmasked (the authors' InLine windows)
         o = self.attn(to_windows(x, wh, ww), (wh, ww))  # (B*nW, wh*ww, C)
         return torch.roll(from_windows(o, wh, ww, h, w), (sh, sw), dims=(1, 2))  # (B, h, w, C)
@@ -496,8 +522,7 @@ class SwinBlock(nn.Module):
     def softmax_windows(self, x):
         B, h, w, C = x.shape
         wh, ww = min(self.window, h), min(self.window, w)  # a window never exceeds the map
-        sh = self.window // 2 if self.shift and wh < h else 0  # no shift along an axis one window covers
-        sw = self.window // 2 if self.shift and ww < w else 0
+        sh, sw = self.shifts((wh, ww), (h, w))
         # Maps that do not tile are padded with zeros after the norm, as Swin does for detection; the
         # padding is masked out, so a real token never attends to it. Released sizes need no padding.
         x = F.pad(x, (0, 0, 0, -w % ww, 0, -h % wh))  # (B, Hp, Wp, C)
@@ -545,33 +570,35 @@ class SwinStage(nn.Module):
 
 
 class InLineSwin(Backbone):
-    """window: the InLine window; None = the whole stage, which is what every released model has (its
-    window 56 at 224 px, 96 at 384 px, covers stage 1 and so every stage); smaller windows are the window
-    ablation (SwinBlock). softmax_window: the S window, 7 at 224 px and 12 at 384 px (SPEC: max(7, window
-    / 8)). ape: the authors' position embedding inside each InLine or linear attention; None = on exactly
-    when the residual is not the local one, as in the authors' ablations (SPEC §6). The other attention
-    options are attention_options'."""
+    """InLine-Swin: patch 4, four stages joined by patch merging, final norm, token-mean head.
+
+    img_size: int or (H, W), multiples of 32.
+    embed_dim, depths, num_heads: stage 1's width (doubled at every stage), blocks and heads per stage.
+    layout: one attention letter per stage (I, L, S, M<k>: module docstring).
+    window: the InLine window side; None = the whole stage, as every released model (its window 56 at
+        224 px, 96 at 384 px in `cfgs/inline_swin_*.yaml`, covers stage 1 and so every stage); smaller
+        windows are the window ablation of Table 4 (SwinBlock).
+    softmax_window: the S window: 7 at 224 px, 12 at 384 px (the authors' configs).
+    mlp_ratio, num_classes, drop_path_rate: MLP width over C, head outputs (0: none), final stochastic depth.
+    ape: the authors' position embedding inside each InLine or linear attention; None = on exactly when the
+        residual is not the local one, as in their ablations (README, "The paper's experiments").
+    **attention: the attention options (attention_options).
+    """
     family = 'swin'
 
     def __init__(self, img_size=224, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), layout='IIIS',
                  window=None, softmax_window=7, mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, ape=None,
                  **attention):
         super().__init__()
-        self.img_size = pair(img_size)
-        check_image_size(self.img_size, 32, 'InLine-Swin')
-        self.options = attention_options('InLine-Swin', attention)
-        self.layout = layout
+        layout, rates = self.setup(img_size, 32, layout, depths, 'ILSM', drop_path_rate, attention)
         self.ape = self.options['residual'] != 'local' if ape is None else ape
         if window is not None and not (isinstance(window, int) and window >= 1):
             raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), got {window!r}")
-        if self.options['normalise_q']:
-            raise ValueError("InLine-Swin: normalise_q is an option of DeiT's and PVT's softmax attention, not of Swin's")
         self.window, self.num_features = window, embed_dim * 8
         self.patch_embed = PatchEmbed(3, embed_dim, 4, norm_eps=1e-5)
-        layout, rates = parse_layout(layout, depths, 'ILSM'), drop_path_rates(drop_path_rate, depths)
         self.layers = nn.ModuleList()
-        for i, letters in enumerate(layout):
-            dim, grid = embed_dim * 2 ** i, (self.img_size[0] // 2 ** (i + 2), self.img_size[1] // 2 ** (i + 2))
+        for i, (letters, grid) in enumerate(zip(layout, stage_grids(self.img_size))):
+            dim = embed_dim * 2 ** i
             inline_stage = any(c in 'IL' for c in letters)
             if inline_stage:
                 self.check_window(grid, i)
@@ -595,7 +622,7 @@ class InLineSwin(Backbone):
     def forward_features(self, x, return_stages=False):
         """(B, 3, H_img, W_img) -> final normalised tokens (B, h*w, 8C), or the four stage outputs
         [(B, C_i, h_i, w_i)] before merging (without the final norm), for dense prediction."""
-        check_image_size(x.shape[2:], 32, 'InLine-Swin')
+        check_image_size(x.shape[2:], 32, self.name)
         x, grid = self.patch_embed(x)  # (B, h*w, C)
         stages = []
         for layer in self.layers:
@@ -657,7 +684,16 @@ class StripeAttention(inline.InLineBase):
 
 class CSwinBlock(nn.Module):
     """LN -> one qkv -> one branch over the whole map (InLine, or when a stripe covers the map) or two
-    half-channel, half-head branches over vertical and horizontal stripes -> proj; then the MLP."""
+    half-channel, half-head branches over vertical and horizontal stripes -> proj; then the MLP.
+
+    dim, num_heads: C and H.
+    letter: 'S' softmax in stripes with LePE; 'I' InLine or 'L' vanilla linear over the whole map, with LePE.
+    stripe: the S stripe width in tokens; None (the last stage) or >= the map: one branch over the whole map.
+    grid: the stage's (h, w), which decides between one branch and two.
+    mlp_ratio: the MLP's hidden width over C.
+    drop_path: this block's stochastic depth rate.
+    options: the attention options (attention_options) of an I or L block.
+    """
 
     def __init__(self, dim, num_heads, letter, stripe, grid, mlp_ratio, drop_path, options):
         super().__init__()
@@ -709,19 +745,12 @@ class InLineCSwin(Backbone):
     def __init__(self, img_size=224, embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16), layout='IISS',
                  stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, **attention):
         super().__init__()
-        self.options = attention_options('InLine-CSwin', attention)
-        self.layout = layout
-        if self.options['normalise_q']:
-            raise ValueError("InLine-CSwin: normalise_q is an option of DeiT's and PVT's softmax attention, not of CSwin's")
-        self.img_size = pair(img_size)
-        check_image_size(self.img_size, 32, 'InLine-CSwin')
+        layout, rates = self.setup(img_size, 32, layout, depths, 'ILSM', drop_path_rate, attention)
         self.num_features = embed_dim * 8
-        layout, rates = parse_layout(layout, depths, 'ILSM'), drop_path_rates(drop_path_rate, depths)
         self.stage1_conv_embed = nn.Sequential(nn.Conv2d(3, embed_dim, 7, stride=4, padding=2), ToTokens(),
                                                nn.LayerNorm(embed_dim))
-        for i, letters in enumerate(layout):
-            dim, grid = embed_dim * 2 ** i, (self.img_size[0] // 2 ** (i + 2), self.img_size[1] // 2 ** (i + 2))
-            stripe = stripes[i] if i < 3 else None
+        for i, (letters, grid) in enumerate(zip(layout, stage_grids(self.img_size))):
+            dim, stripe = embed_dim * 2 ** i, stripes[i] if i < 3 else None
             setattr(self, f'stage{i + 1}', nn.ModuleList([
                 CSwinBlock(dim, num_heads[i], c, stripe, grid, mlp_ratio, rates[i][j], self.options)
                 for j, c in enumerate(letters)]))
@@ -734,7 +763,7 @@ class InLineCSwin(Backbone):
     def forward_features(self, x, return_stages=False):
         """(B, 3, H_img, W_img) -> final normalised tokens (B, h*w, 8C), or the four stage outputs
         [(B, C_i, h_i, w_i)] before merging (without the final norm), for dense prediction."""
-        check_image_size(x.shape[2:], 32, 'InLine-CSwin')
+        check_image_size(x.shape[2:], 32, self.name)
         grid = (x.shape[2] // 4, x.shape[3] // 4)
         x = self.stage1_conv_embed(x)  # (B, h*w, C)
         stages = []
@@ -844,11 +873,23 @@ def inline_cswin_b_384(**kw):
 
 
 def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_indices=(0, 1, 2, 3), **overrides):
-    """Build a registered variant. overrides: img_size (int or (H, W)), num_classes, drop_path_rate,
-    layout, the attention options (attention_options; Swin also window and ape), or any size of the
-    family's class; they are kept in model.arch. fast: the fused InLine core from kernels.py (an error if
-    it cannot be imported; never a silent fallback). features_only: timm's backbone convention, the
-    stage maps out_indices as a list (FeatureBackbone), the checkpoint's head dropped."""
+    """Build a registered variant.
+
+    name: one of MODELS (inline_<family>_<size>).
+    checkpoint: weights to load (load_checkpoint: a path or a state dict).
+    fast: the fused InLine core of kernels.py (an error if it cannot be imported; never a silent fallback).
+    features_only: timm's backbone convention (FeatureBackbone): the stages out_indices as a list of maps,
+        the checkpoint's head dropped.
+    **overrides, kept in model.arch; each wins over the variant's own value:
+        img_size: int or (H, W).
+        num_classes: head outputs; 0 for none.
+        drop_path_rate: stochastic depth of the last block.
+        layout: one attention letter per stage (module docstring).
+        kernel, residual, dilation, nonneg, normalise_q, allow_divergent: the attention options
+            (attention_options).
+        window, ape, softmax_window: InLine-Swin's (InLineSwin).
+        any other argument of the family's class: its sizes (embed_dim, depths, num_heads, ...).
+    """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     model = MODELS[name](**overrides)
@@ -866,7 +907,8 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
 
 
 # ---------------------------------------------------------------------------------------------------
-# The paper's experiments (SPEC §6), each a variant and its overrides, by name
+# The paper's experiments (tables and figures; README, "The paper's experiments"), each a variant and its
+# overrides, by name, with the ImageNet-1K top-1 the paper (or its rebuttal, for the R- rows) reports
 
 class Experiment(NamedTuple):
     model: str  # a registered variant
@@ -956,6 +998,26 @@ def describe(model):
 # Checkpoints: the released format {'model': state_dict}, and train.py's, which uses the same key
 
 REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')  # released buffers our models compute instead
+EMA_KEYS = ('model_ema', 'state_dict_ema')  # EMA weights beside 'model': train.py's; the authors' CSwin files
+
+
+def read_checkpoint(path):
+    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the file. A file
+    that also holds other Python objects (the authors' training files keep their yacs config) is refused with a
+    ValueError that gives the line keeping only its weights."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e:
+        stripped = os.path.splitext(path)[0] + '.weights.pth'
+        keep = ', '.join(map(repr, ('model',) + EMA_KEYS))
+        raise ValueError(
+            f"{path} holds Python objects besides weights (such as the authors' yacs config), which "
+            f"torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\nIf you trust "
+            f"the file, keep only its weights once:\npython -c \"import torch; c = torch.load({path!r}, "
+            f"map_location='cpu', weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
+            f"{stripped!r})\"\nand pass {stripped} instead.") from None
 
 
 def resize_parameter(model, name, value, shape):
@@ -980,11 +1042,18 @@ def resize_parameter(model, name, value, shape):
     return value
 
 
-def load_checkpoint(model, path):
-    """Load released or project weights: strict on parameters, ignoring the buffers we rebuild;
-    a different num_classes drops the head (with a warning); a different image size resizes."""
-    checkpoint = torch.load(path, map_location='cpu', weights_only=True)  # never unpickles code
-    state = checkpoint.get('model', checkpoint)
+def load_checkpoint(model, checkpoint):
+    """Load released or project weights into model: strict on parameters, ignoring the buffers we rebuild;
+    a different num_classes drops the head (with a warning); a different image size resizes.
+
+    checkpoint: a file's path (its 'model' entry, or the whole file if it is a bare state dict), or a state
+    dict already in memory (e.g. the EMA weights train.py read from its own file)."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = checkpoint
+        checkpoint = read_checkpoint(path)
+        state = checkpoint.get('model', checkpoint)
+    else:
+        path, state = 'the state dict', checkpoint
     own = model.state_dict()
     state = {k: v for k, v in state.items() if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
     head = [k for k in state if k.startswith('head.')]
@@ -1156,11 +1225,11 @@ def print_experiments():
         params, macs = sum(p.numel() for p in model.parameters()), count_macs(model) / 1e9
         print(f"{name:28s} {e.table:8s} {e.model:15s} {params:11,d} {macs:6.2f} {e.reported or '-':>18s}  "
               f"{'(ours) ' if e.ours else ''}{e.what}")
-    print("paper top-1: ImageNet-1K as reported (SPEC §6); (ours): our construction, no code was released.\n"
+    print("paper top-1: ImageNet-1K as the paper reports it; (ours): our construction, no code was released.\n"
           "Train one: torchrun --standalone --nproc_per_node=2 train.py --experiment NAME")
 
 
 if __name__ == '__main__':
     parser = argparse.ArgumentParser(description="The released variants' sizes, or the paper's experiments")
-    parser.add_argument('--experiments', action='store_true', help="list every experiment of the paper (SPEC §6)")
+    parser.add_argument('--experiments', action='store_true', help="list every experiment of the paper")
     print_experiments() if parser.parse_args().experiments else print_released()

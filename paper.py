@@ -1,9 +1,9 @@
 """The paper's figures and tables, rerun small on one machine, with pictures.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. One subcommand per experiment of SPEC §6. Each prints a table (markdown, for the README),
-draws a PNG (OUT/<subcommand>.png, or --png PATH) and keeps what it has finished under OUT (default
-runs/paper/), so a rerun resumes where the last one stopped.
+arXiv 2412.06590. One subcommand per figure or group of tables of the paper (README, "The paper's experiments").
+Each prints a table (markdown, for the README), draws a PNG (OUT/<subcommand>.png, or --png PATH) and keeps what
+it has finished under OUT (default runs/paper/), so a rerun resumes where the last one stopped.
 
     python paper.py injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
     python paper.py locality               # F4: attention mass on the 3x3 neighbourhood, per layer
@@ -399,13 +399,12 @@ def metrics(path):
 
 def load_trained(path):
     """A model trained by train.py, rebuilt from its checkpoint: 'args' names the variant, 'arch' holds the
-    overrides it was built with, 'model' the weights (loaded strictly)."""
+    overrides it was built with, 'model' the weights (loaded by models.load_checkpoint, strict on parameters)."""
     ckpt = train.read_checkpoint(path)  # a clear error for a missing or unreadable file
     if not isinstance(ckpt, dict) or not {'model', 'arch', 'args'} <= ckpt.keys():
         train.fail(f'{path} is not a checkpoint written by train.py (it needs model, arch and args)')
     try:
-        model = models.create_model(ckpt['args']['model'], **ckpt['arch'])
-        model.load_state_dict(ckpt['model'])
+        model = models.create_model(ckpt['args']['model'], checkpoint=ckpt['model'], **ckpt['arch'])
     except (ValueError, RuntimeError, KeyError) as e:
         train.fail(f'cannot rebuild the model of {path}: {e}')
     return model.eval(), ckpt
@@ -427,7 +426,7 @@ def deit_runs(args):
                           '--layout', letter, '--seed', '0', '--epochs', str(args.epochs),
                           '--synthetic-train', str(args.train_images)]]}
     train_runs(runs, args.jobs, desc='training the three DeiT models')
-    return {name: os.path.join(path, 'checkpoint.pt') for name, path in zip(DEIT_LAYOUTS, runs)}
+    return {name: os.path.join(path, train.CHECKPOINT) for name, path in zip(DEIT_LAYOUTS, runs)}
 
 
 def checkpoints(args):
@@ -560,7 +559,7 @@ def cmd_maps(args):
 # ---------------------------------------------------------------------------------------------------
 # F5b, F5c: images/s of softmax models against their InLine versions, as the window or the image grows
 
-SPEED = {  # figure: (what varies, its values, the paper's GPU speed-ups of InLine over softmax, SPEC §6)
+SPEED = {  # figure: (what varies, its values, the GPU speed-ups of InLine over softmax in the paper's Fig. 5b, 5c)
     'F5b': ('window', (7, 14, 28, 56), {28: 1.9, 56: 3.7}),
     'F5c': ('image size', (224, 384, 640, 1024), {640: 2.4, 1024: 4.8}),
 }
@@ -602,13 +601,6 @@ def check_sdpa(model, x):
                          f'softmax calls; speed times softmax only through F.scaled_dot_product_attention')
 
 
-def native_bf16(device):
-    if device.type == 'cuda':
-        return torch.cuda.is_bf16_supported()
-    has = lambda f: getattr(torch.cpu, f, lambda: False)()  # noqa: E731  (private, so guarded)
-    return has('_is_avx512_bf16_supported') or has('_is_amx_tile_supported')
-
-
 def speed_point(figure, point, dtype, device, batch, rounds):
     """Interleaved rounds (softmax then InLine, one forward each) at one point: images/s of each, and the
     speed-up as the median over rounds of softmax time / InLine time (the machine's drift cancels in a round)."""
@@ -648,7 +640,7 @@ def cmd_speed(args):
                 json.dump(row, f)
         with open(path) as f:
             rows.append(json.load(f))
-    cpu, native = torch.backends.cpu.get_cpu_capability(), native_bf16(torch.device('cpu'))
+    cpu, native = torch.backends.cpu.get_cpu_capability(), train.native_bf16(torch.device('cpu'))
     print(f'\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, softmax vs '
           f'InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, InLine through the '
           f'fast core; speed-up = median of per-round ratios. CPU: {torch.get_num_threads()} threads, {cpu}'

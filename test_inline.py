@@ -9,6 +9,7 @@ outputs; keys/<variant>.tsv.gz, every key of each released state dict. Big model
 meta device, where shapes and FLOP counts cost no memory.
 """
 import argparse
+import contextlib
 import functools
 import gzip
 import hashlib
@@ -16,8 +17,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -108,7 +111,7 @@ def test_injectivity(alpha):
 
 def local_residual_slow(v, r, grid, dilation=1):
     """Eq. 6 by a loop over every token's 3x3 neighbourhood, neighbour t at (dilation*(t//3 - 1),
-    dilation*(t%3 - 1)) (SPEC §6 R-dil), zero outside the grid."""
+    dilation*(t%3 - 1)) (R-dil; README, "The paper's experiments"), zero outside the grid."""
     B, H, N, D = v.shape
     h, w = grid
     out = torch.zeros_like(v)
@@ -400,10 +403,11 @@ def test_released_format_loads_strictly(name, tmp_path):
              for k, shape, kind in released_keys(name)}
     path = tmp_path / 'released.pth'
     torch.save({'model': state, 'epoch': 299}, path)
-    model = meta_model(name).to_empty(device='cpu')  # skips the random init, which the load overwrites
-    models.load_checkpoint(model, path)
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, state[k]), k
+    for source in (path, state):  # a file, or a state dict already in memory
+        model = meta_model(name).to_empty(device='cpu')  # skips the random init, which the load overwrites
+        models.load_checkpoint(model, source)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state[k]), k
 
 
 def test_checkpoint_with_wrong_keys_names_them(tmp_path):
@@ -525,7 +529,7 @@ def test_model_api():
         assert model.no_weight_decay() <= {n for n, _ in model.named_parameters()}
     assert meta_model('inline_deit_t').no_weight_decay() == {'pos_embed', 'cls_token'}
     assert len(meta_model('inline_swin_t').no_weight_decay()) == 2  # the two S blocks' bias tables
-    assert meta_model('inline_pvt_t').no_weight_decay() == set()  # PVT decays its position embeddings (SPEC §4)
+    assert meta_model('inline_pvt_t').no_weight_decay() == set()  # PVT decays its position embeddings, as released
 
 
 def test_fast_switch_replaces_every_core():
@@ -677,11 +681,12 @@ def test_faster_rcnn_and_retinanet_take_the_adapter():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The paper's experiments (SPEC §6): each switch against an explicit construction
+# The paper's experiments (README, "The paper's experiments"): each switch against an explicit construction
 
 def test_shifted_inline_windows_equal_an_explicit_loop():
-    """SPEC §2: odd blocks roll by window/2 with no mask, so tokens wrapped across the border share a
-    window; each window is its own InLine attention with its own means and Eq. 6 weights."""
+    """Table 4's windows, as the authors' code has them: odd blocks roll by window/2 with no mask, so tokens
+    wrapped across the border share a window; each window is its own InLine attention with its own means and
+    Eq. 6 weights."""
     torch.manual_seed(0)
     B, (h, w), C, window, shift = 2, (8, 8), 16, 4, 2
     block = perturb(models.SwinBlock(C, 2, 'I', window, True, 2., 0., DEFAULTS).double())
@@ -1075,6 +1080,81 @@ def test_no_silent_fallback_when_compilation_fails(monkeypatch):
         kernels.inline_core_fast(*(t.float() for t in (q, k, v, r)), (3, 4))
 
 
+def test_fallback_names_the_broken_cache_file(monkeypatch):
+    """When the retry in a private folder fails too, the warning names the file the first error named."""
+    def broken(*args):
+        raise ImportError("/tmp/inductor/wv/cwvyao5g.main.so: file too short")
+
+    monkeypatch.setattr(kernels, 'COMPILED', {'core_forward': broken, 'core_backward': broken})
+    monkeypatch.setattr(kernels, '_compile_error', [])
+    q, k, v = qkv(1, 1, 4, 8, dtype=torch.float32)
+    with pytest.warns(UserWarning, match=r"torch.compile failed .*cwvyao5g.main.so in the inductor cache may be "
+                                         r"broken: delete it"):
+        o = kernels.inline_core_fast(q, k, v, None, (2, 2))
+    torch.testing.assert_close(o, inline.inline_core(q, k, v, None, (2, 2)))
+
+
+# One process compiling the fast core's forward graph (a tiny shape; the backward's graph goes the same way) in
+# the inductor cache folder TORCHINDUCTOR_CACHE_DIR names; it prints whether it fell back, how many graphs it
+# compiled, its warnings, its inductor cache hits and its error against the reference
+COMPILE_CORE = """
+import json, warnings, torch, inline, kernels
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+r = torch.randn(1, 9 * 16)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    o = kernels.inline_core_fast(q, k, v, r, (2, 2))
+print(json.dumps(dict(fell_back=bool(kernels._compile_error), graphs=len(kernels._compiled_signatures),
+                      warnings=[str(w.message) for w in caught], hits=counters['inductor']['fxgraph_cache_hit'],
+                      error=(o - inline.inline_core(q, k, v, r, (2, 2))).abs().max().item())))
+"""
+
+
+def start_compiling(cache):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TORCHINDUCTOR_COMPILE_THREADS='1', OMP_NUM_THREADS='1')
+    return subprocess.Popen([sys.executable, '-c', COMPILE_CORE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+
+
+def compiled(process):
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope='module')
+def two_compilers(tmp_path_factory):
+    """Two processes that start compiling the same core at once, in one fresh inductor cache."""
+    cache = tmp_path_factory.mktemp('inductor')
+    processes = [start_compiling(cache) for _ in range(2)]
+    return cache, [compiled(p) for p in processes]
+
+
+def test_two_processes_compiling_at_once_both_end_compiled(two_compilers):
+    """The first compiles while the other waits (kernels.node_lock), then loads the graph from the cache."""
+    _, results = two_compilers
+    for result in results:
+        assert not result['fell_back'] and result['graphs'] == 1 and not result['warnings'], result
+        assert result['error'] < 1e-5
+    assert sorted(result['hits'] for result in results) == [0, 1], results
+
+
+def test_an_empty_so_in_the_cache_still_runs_compiled(two_compilers):
+    """A .so left empty by a process that died writing it fails every load of its graph; the core compiles again
+    in a private folder and names the file to delete."""
+    cache, _ = two_compilers
+    kernels_so = [p for p in cache.rglob('*.so') if not os.path.exists(f'{p}.load_ok')]  # not the CPU probes
+    assert kernels_so
+    for path in kernels_so:
+        path.write_bytes(b'')
+    result = compiled(start_compiling(cache))
+    assert not result['fell_back'] and result['graphs'] == 1 and result['error'] < 1e-5, result
+    assert result['warnings'] and all('compiled again in a private folder' in w for w in result['warnings'])
+    assert all(any(f'Delete {p}' in w for p in map(str, kernels_so)) for w in result['warnings'])
+
+
 def test_benchmark_row_has_the_promised_keys():
     """One case of `python kernels.py --bench --json`: every key the README and the JSON lines promise."""
     row = kernels.bench_case('swin_t_stage3', torch.float32, torch.device('cpu'))
@@ -1256,6 +1336,52 @@ def test_checkpoint_of_another_model_is_refused(two_process_run, mode, tmp_path)
     assert result.returncode != 0 and result.stderr.count(message) == 1, result.stderr[-2000:]
 
 
+# the README's two-node launch; here both nodes are this machine, one process each
+TWO_NODES = 'torchrun --nnodes=2 --nproc_per_node={nproc} --rdzv-id=inline --rdzv-backend=c10d --rdzv-endpoint={host}'
+
+
+def test_two_nodes_end_with_the_weights_of_one_node_with_two_processes(two_process_run, tmp_path):
+    """The README's command for two nodes, on 127.0.0.1: two torchrun launchers of one process each train the
+    same weights as the two processes of one node."""
+    with open(os.path.join(os.path.dirname(TRAIN), 'README.md')) as f:
+        assert TWO_NODES.format(nproc=8, host='HOST:29500') in f.read()
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    launcher = TWO_NODES.format(nproc=1, host=f'127.0.0.1:{port}').split()[1:]
+    output_dir = str(tmp_path)
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', *launcher, TRAIN, *SYNTHETIC_ARGS,
+                               '--output-dir', output_dir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    for node in nodes:
+        output, _ = node.communicate(timeout=600)
+        assert node.returncode == 0, output[-3000:]
+    one_node, two_nodes = (load_checkpoint_file(os.path.join(d, 'checkpoint.pt'))
+                           for d in (two_process_run[0], output_dir))
+    assert two_nodes['epoch'] == 2 and one_node['model'].keys() == two_nodes['model'].keys()
+    assert all(torch.equal(one_node['model'][k], two_nodes['model'][k]) for k in one_node['model'])
+
+
+@pytest.mark.parametrize('local_rank', [0, 1])
+def test_more_processes_than_gpus_on_a_node_is_refused(local_rank, monkeypatch, capsys):
+    """Two processes on a node with one GPU (faked): stop before any process touches a device; the node's
+    first process names both numbers and the flag."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    for name in ('set_device', 'init', 'current_device'):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: pytest.fail('a device was touched'))
+    monkeypatch.setattr(train.dist, 'init_process_group', lambda *a, **k: pytest.fail('a process group started'))
+    for key, value in dict(RANK=2 + local_rank, WORLD_SIZE=4, LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(key, str(value))
+    with pytest.raises(SystemExit):
+        train.setup(train.get_args_parser().parse_args(TINY_ARGS))
+    error = capsys.readouterr().err
+    if local_rank == 0:
+        assert 'started 2 processes on this node, which has 1 GPU' in error and '--nproc-per-node=1' in error
+    else:
+        assert error == ''
+
+
 # ------------------------------------------------------------------------------------- nothing is lost
 # Mixup, CutMix, drop path and EMA are on, so any random stream or state not restored changes the weights;
 # gradient accumulation too, so a mid-epoch resume must skip whole accumulation groups.
@@ -1390,9 +1516,10 @@ def test_bad_input_gets_a_clear_error(case, tmp_path):
 
 
 # ------------------------------------------------------------------------------ the recipe, in process
-# SPEC §4's table as the SPEC writes it: batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down,
-# weight decay, clip (None: off), drop path; and the peak lr per 512 images
-SPEC_RECIPE = {
+# The released recipe (the authors' cfgs/inline_<variant>.yaml), written out here apart from train.py's VARIANTS:
+# batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down, weight decay, clip (None: off),
+# drop path; and the peak lr per 512 images
+RELEASED_RECIPE = {
     'inline_deit_t': (512, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
     'inline_deit_s': (128, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
     'inline_deit_b': (64, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
@@ -1412,11 +1539,11 @@ SPEC_RECIPE = {
 
 
 def resolved(argv, world=1):
-    """train.py's flags as setup() resolves them, in this process, with `world` processes."""
+    """train.py's flags as setup() resolves them, in this process, with `world` processes; in an empty folder, so
+    that no runs/ folder of an earlier run is resumed."""
     run = train.Run(train.get_args_parser().parse_args(argv), world=world)
-    if run.args.checkpoint or run.args.resume:
-        train.open_checkpoint(run, run.args.checkpoint or run.args.resume)
-    train.resolve(run)
+    with tempfile.TemporaryDirectory() as empty, contextlib.chdir(empty):
+        train.resolve(run)
     return run
 
 
@@ -1427,9 +1554,9 @@ def refused(argv, capsys):
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize('name', list(SPEC_RECIPE))
-def test_recipe_is_the_spec_table(name):
-    batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = SPEC_RECIPE[name]
+@pytest.mark.parametrize('name', list(RELEASED_RECIPE))
+def test_recipe_is_the_released_table(name):
+    batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = RELEASED_RECIPE[name]
     for world, accum in ((8, 1), (2, 4)):  # 8 processes as the authors ran it; 2 accumulate to the same total batch
         run = resolved(['--model', name, '--data-path', 'imagenet'], world)
         a = run.args
@@ -1437,7 +1564,7 @@ def test_recipe_is_the_spec_table(name):
         assert (a.lr, a.epochs, a.warmup_epochs, a.warmup_lr, a.min_lr, a.cooldown_epochs) == (
             lr, epochs, warmup, warmup_lr, min_lr, cooldown)
         assert (a.weight_decay, a.clip_grad or None, a.drop_path) == (wd, clip, drop_path)
-        # shared by every variant (SPEC §4); the EMA is CSwin's, 0.9996 per step at a total batch of 4096
+        # shared by every variant; the EMA is CSwin's, 0.9996 per step at a total batch of 4096
         assert (a.label_smoothing, a.mixup, a.cutmix, a.mixup_switch_prob, a.random_erase) == (0.1, 0.8, 1.0, 0.5, 0.25)
         assert (a.randaug_n, a.randaug_m, a.randaug_mstd) == (2, 9, 0.5)
         assert a.ema_decay == (pytest.approx(0.9996 ** (batch * 8 / 4096)) if 'cswin' in name else 0)
@@ -1447,11 +1574,11 @@ def test_recipe_is_the_spec_table(name):
 
 @pytest.mark.parametrize('name', TINY)
 def test_weight_decay_groups(name):
-    """SPEC §4: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative position bias
+    """As released: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative position bias
     tables; PVT's position embeddings are decayed."""
     model = models.create_model(name, **SMALL[name])
     run = resolved(['--model', name, '--data-path', 'imagenet'])
-    optimizer = train.build_optimizer(model, run.args, run.total_batch)
+    optimizer, _ = train.build_optimizer(model, run.args, run.total_batch, steps_per_epoch=1)
     names = {id(p): n for n, p in model.named_parameters()}
     got = {g['weight_decay']: {names[id(p)] for p in g['params']} for g in optimizer.param_groups}
     exempt = {'inline_deit_t': {'pos_embed', 'cls_token'}}.get(name, set())
@@ -1476,7 +1603,8 @@ def test_validation_runs_in_fp32_unless_amp_is_given():
 @pytest.mark.parametrize('size,crop,side', [(32, True, 36), (384, True, 438), (384, False, 384)],
                          ids=['32px', 'cswin_b_384', 'swin_b_384'])
 def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
-    """SPEC §4: a square of int(img * 256/224), the aspect not kept, bicubic, then the centre img x img."""
+    """The released evaluation: a square of int(img * 256/224), the aspect not kept, bicubic, then the centre
+    img x img."""
     g = torch.Generator().manual_seed(0)
     img = Image.fromarray(torch.randint(0, 256, (size + 17, size + 40, 3), generator=g, dtype=torch.uint8).numpy())
     square = torch.from_numpy(np.array(img.resize((side, side), Image.BICUBIC))).permute(2, 0, 1) / 255
@@ -1487,8 +1615,9 @@ def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
     assert train.NO_EVAL_CROP == ('inline_swin_b_384',)  # inline_cswin_b_384 crops
 
 
-# timm's rand-m9-mstd0.5-inc1 as SPEC §4 writes it, at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations,
-# as timm calls them, with the SPEC's magnitude formulas; geometric ops bicubic, filled with the mean colour
+# timm's rand-m9-mstd0.5-inc1 at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations, as timm calls them,
+# with timm's magnitude formulas (README, "Training and evaluation"); geometric ops bicubic, filled with the mean
+# colour
 FILL = (124, 116, 104)
 RANDAUG_FORMULAS = {
     'AutoContrast': lambda img, s: ImageOps.autocontrast(img),
@@ -1533,7 +1662,7 @@ def test_randaugment_posterize_at_magnitude_10_is_black():
 
 
 def test_randaugment_policy(monkeypatch):
-    """Two ops per image, uniformly with replacement from SPEC §4's fifteen, each applied with probability 0.5 at
+    """Two ops per image, uniformly with replacement from timm's fifteen, each applied with probability 0.5 at
     its own magnitude N(9, 0.5) clipped to [0, 10], in either direction."""
     assert list(train.RANDAUG_OPS) == list(RANDAUG_FORMULAS)
     calls = []
@@ -1554,7 +1683,7 @@ def test_randaugment_policy(monkeypatch):
 
 
 def test_finetune_starts_from_the_ema_weights(tmp_path):
-    """The 384 px CSwin fine-tune starts from the 224 px EMA weights (SPEC §4): --finetune takes a file's EMA."""
+    """The authors' 384 px CSwin fine-tune starts from the 224 px EMA weights: --finetune takes a file's EMA."""
     source = perturb(models.create_model('inline_deit_t', img_size=32, num_classes=10))
     ema = {k: v + 1 for k, v in source.state_dict().items()}
     path = str(tmp_path / 'authors.pth')
@@ -1580,6 +1709,8 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
             '--img-size', '32', '--attention-impl', 'reference', '--threads', '1', '--eval', '--checkpoint', path]
     error = refused(args + ['--data-path', root], capsys)
     assert 'weights_only=True' in error
+    with pytest.raises(ValueError, match='weights_only=True'):  # models.load_checkpoint refuses it the same way
+        models.load_checkpoint(model, path)
     strip = next(line for line in error.splitlines() if line.startswith('python -c '))
     subprocess.run([sys.executable, '-c', strip[len('python -c '):].strip('"')], check=True)
     args[-1] = str(tmp_path / 'inline_cswin_t.weights.pth')
@@ -1599,6 +1730,23 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
 ABLATION = ['--experiment', 't4_window7_no_residual', '--model-kwargs', 'depths=(1,1,1,1)', 'embed_dim=16',
             'num_heads=(1,1,2,2)', '--attention-impl', 'reference', '--synthetic-train', '16', '--synthetic-val', '8',
             '--threads', '1']
+
+
+def test_every_starting_checkpoint_goes_through_one_function(tmp_path, capsys):
+    """--resume FILE, --eval --checkpoint FILE and a rerun finding OUTPUT_DIR/checkpoint.pt are read alike: the
+    saved flags fill those left unset, and an architecture other than the flags given ask for is refused."""
+    out = str(tmp_path / 'run')
+    saved = resolved(['--experiment', 't4_window7_residual', '--lr', '0.01', '--output-dir', out])
+    os.makedirs(out)
+    path = os.path.join(out, 'checkpoint.pt')
+    torch.save({'args': vars(saved.args), 'arch': dict(saved.arch, img_size=224, num_classes=10)}, path)
+    for argv in (['--resume', path], ['--output-dir', out], ['--eval', '--checkpoint', path]):
+        run = resolved(argv)
+        assert run.saved_path == path and run.arch == saved.arch == dict(window=7)
+        assert (run.args.experiment, run.args.lr, run.args.img_size) == ('t4_window7_residual', 0.01, 224)
+        assert 'this run asks for window=14. They differ in window' in refused(argv + ['--window', '14'], capsys)
+        assert 'is a checkpoint of inline_swin_t, not of --model inline_pvt_t' in refused(
+            argv + ['--model', 'inline_pvt_t'], capsys)
 
 
 def test_architecture_flags_and_experiments_resolve():

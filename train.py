@@ -1,10 +1,12 @@
 """Train and evaluate the InLine backbones: plain DDP, the authors' recipe to the letter, resumable.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (SPEC §4; VARIANTS below is its table);
-without it, a small recipe for a built-in synthetic task.
+arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (the authors' config of each variant,
+cfgs/inline_<variant>.yaml of their release, over their trainer's defaults; VARIANTS below is its table, which the
+README's "Training and evaluation" shows); without it, a small recipe for a built-in synthetic task.
 
-The main job: no dataset, no download; on a 2-core CPU it reaches >= 90% validation accuracy in about 10 min
+The main job: no dataset, no download; on a 2-core CPU it reaches >= 90% validation accuracy in minutes (the
+README's quick start gives the measured times)
     torchrun --standalone --nproc_per_node=2 train.py --model inline_swin_t
 
 ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs (total batch =
@@ -24,11 +26,9 @@ the current epoch, and the rerun ends with the same weights as a run never inter
 import argparse
 import ast
 import contextlib
-import io
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shutil
@@ -53,8 +53,9 @@ from tqdm import tqdm
 import models
 
 # ------------------------------------------------------------------------------------------------- recipe
-# SPEC §4's table, one row per variant. Learning rates are per 512 images of total batch and scale linearly with
-# it; the total batch is the per-process batch x 8 processes (the authors launched 8). clip 0: none.
+# The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is inline_pvt_b.yaml).
+# Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer); the total batch
+# is the per-process batch x 8 processes (the authors' README launches 8). clip 0: none.
 COLUMNS = ('batch_size', 'lr', 'epochs', 'warmup_epochs', 'warmup_lr', 'min_lr', 'cooldown_epochs', 'weight_decay',
            'clip_grad', 'drop_path')
 VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
@@ -86,11 +87,18 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
                  weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0,
                  mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
                  synthetic_train=12_800, synthetic_val=2_000)
+# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28): 224 px, the one size
+# below 448 at which they tile every stage they are smaller than, and fewer, smaller steps so that it ends in
+# minutes on a CPU (README, "Training and evaluation", says why and gives a measured run); the rate per 512
+# images is raised so that 2 x 8 images a step still see 5e-4.
+SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3, synthetic_train=640,
+                          synthetic_val=320, lr=1.6e-2)
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with the mean colour
 BICUBIC = T.InterpolationMode.BICUBIC
 TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
-EMA_KEYS = ('model_ema', 'state_dict_ema')  # ours; the authors' CSwin files
+CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
+INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume')  # flags never taken from a checkpoint
 ARCH_FLAGS = ('layout', 'kernel', 'residual', 'dilation', 'window', 'ape', 'nonneg', 'normalise_q')
 RUN_KEYS = {'img_size': 'img-size', 'num_classes': 'data-path', 'drop_path_rate': 'drop-path'}  # and their flags
 
@@ -100,10 +108,10 @@ def get_args_parser():
                                 epilog='Flags without a default take the recipe\'s value (printed at start).')
     a = p.add_argument
     a('--model', choices=sorted(models.MODELS), metavar='NAME',
-      help=f'variant (SPEC §3; default: the experiment\'s or the checkpoint\'s, else inline_swin_t): '
+      help=f'variant (README, "Models"; default: the experiment\'s or the checkpoint\'s, else inline_swin_t): '
            f'{", ".join(models.MODELS)}')
-    a('--experiment', metavar='NAME', help='one of the paper\'s experiments (SPEC §6; `python models.py '
-      '--experiments` lists them): its model and overrides, under which the flags below win')
+    a('--experiment', metavar='NAME', help='one of the paper\'s experiments (`python models.py --experiments` '
+      'lists them): its model and overrides, under which the flags below win')
     a('--layout', help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
     a('--kernel', help='phi of the I and L blocks: identity, relu, leakyrelu, exp, relu_affine')
     a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
@@ -153,7 +161,7 @@ def get_args_parser():
     a('--threads', type=int, help='CPU threads per process (default: this node\'s cores shared out among them)')
     a('--seed', type=int, help='the seed of every random stream (0)')
     a('--output-dir', help='checkpoints and metrics.jsonl (default: runs/<experiment or model>[-<overrides>]-<data>)')
-    a('--resume', help='checkpoint to resume from (default: OUTPUT_DIR/checkpoint.pt if it exists)')
+    a('--resume', help=f'checkpoint to resume from (default: OUTPUT_DIR/{CHECKPOINT} if it exists)')
     a('--eval', action='store_true', help='only evaluate --checkpoint on the validation set')
     a('--checkpoint', help='weights to evaluate: ours, or the authors\' released file')
     a('--throughput', action='store_true', help='only measure inference images/s')
@@ -252,7 +260,7 @@ def solarize_add(img, add):
     return img.point([min(255, i + add) if i < 128 else i for i in range(256)] * len(img.getbands()))
 
 
-# timm's RandAugment ops for 'inc1' (SPEC §4), on PIL images as timm's: (image, f = magnitude / 10, sign) -> image
+# timm's RandAugment ops for 'inc1', on PIL images as timm's: (image, f = magnitude / 10, sign) -> image
 RANDAUG_OPS = {
     'AutoContrast': lambda img, f, s: F.autocontrast(img),
     'Equalize': lambda img, f, s: F.equalize(img),
@@ -273,7 +281,7 @@ RANDAUG_OPS = {
 
 
 class RandAugment(nn.Module):
-    """timm's RandAugment 'rand-m9-mstd0.5-inc1' (SPEC §4; torchvision's RandAugment is another policy): num_ops
+    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy): num_ops
     operations drawn uniformly with replacement, each applied with probability 0.5 at its own magnitude
     m ~ N(magnitude, std) clipped to [0, 10], in a random direction."""
     def __init__(self, num_ops, magnitude, std, prob=0.5):
@@ -290,7 +298,8 @@ class RandAugment(nn.Module):
 
 
 def train_transform(args):
-    """The released training augmentation (SPEC §4); RandAugment works on PIL images, as timm's."""
+    """The released training augmentation (README, "Training and evaluation"); RandAugment works on PIL images,
+    as timm's."""
     t = [T.RandomResizedCrop(args.img_size, interpolation=BICUBIC), T.RandomHorizontalFlip()]
     if args.randaug_n > 0:
         t.append(RandAugment(args.randaug_n, args.randaug_m, args.randaug_mstd))
@@ -301,8 +310,8 @@ def train_transform(args):
 
 
 def eval_transform(img_size, crop=True):
-    """SPEC §4: resize to a square of int(img * 256 / 224), aspect not kept, then the centre img x img; without
-    crop (inline_swin_b_384) straight to img x img. Bicubic."""
+    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224), aspect not
+    kept, then the centre img x img; without crop (inline_swin_b_384's config) straight to img x img. Bicubic."""
     side = int(img_size * 256 / 224) if crop else img_size
     return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + TO_TENSOR)
 
@@ -369,7 +378,7 @@ class Run:
     saved_path: str = None
 
     def autocast(self, training):
-        """Training in --amp's dtype; validation in fp32 (SPEC §4) unless --amp was given."""
+        """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was given."""
         dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(self.args.amp)
         if dtype is None or not (training or self.amp_given):
             return contextlib.nullcontext()
@@ -393,76 +402,86 @@ def model_kwargs(args):
 
 
 def resolve_architecture(run):
-    """The model and its overrides (run.arch): a checkpoint's (eval, resume), which the flags given must agree
-    with; else --experiment's, under which the flags given win."""
-    args, saved = run.args, (run.saved or {}).get('args', {})
-    given_experiment = args.experiment
-    mine = ('amp', 'workers', 'threads', 'finetune', 'resume') + ('data_path',) * args.eval  # this invocation's
-    for key, value in saved.items():  # flags left unset: a resumed run goes on as it was, an eval sees what it saw
-        if getattr(args, key, False) is None and key not in mine:
-            setattr(args, key, value)
+    """The model and its create_model overrides (run.arch): --experiment's, under which the flags given win; and
+    run.name, the output folder's name without the data."""
+    args = run.args
     if args.experiment is not None and args.experiment not in models.EXPERIMENTS:
         fail(f'unknown experiment {args.experiment}; choose one of {", ".join(models.EXPERIMENTS)}')
     experiment = models.EXPERIMENTS.get(args.experiment)
     base, flags = (experiment.overrides if experiment else {}), model_kwargs(args)
-    if run.saved is not None and 'arch' in run.saved:  # ours: rebuilt as it was saved
-        run.arch = architecture(run.saved['arch'])
-        refuse_other_architecture(run, {**(base if given_experiment else {}), **flags})
-    else:
-        won = [f'{k}={v!r} (its {base[k]!r})' for k, v in flags.items() if base.get(k, v) != v]
-        if won:
-            print0(f'the flags given win over experiment {args.experiment}: {", ".join(won)}')
-        run.arch = {**base, **flags}
+    say = print0 if (run.saved or {}).get('arch') is None else lambda _: None  # not again for a checkpoint's flags
+    won = [f'{k}={v!r} (its {base[k]!r})' for k, v in flags.items() if base.get(k, v) != v]
+    if won:
+        say(f'the flags given win over experiment {args.experiment}: {", ".join(won)}')
+    run.arch = {**base, **flags}
     args.model = args.model or (experiment.model if experiment else 'inline_swin_t')
     name = args.experiment or args.model
     if experiment and args.model != experiment.model:
-        print0(f'--model {args.model} wins over experiment {args.experiment}\'s {experiment.model}')
+        say(f'--model {args.model} wins over experiment {args.experiment}\'s {experiment.model}')
         name += f'-{args.model}'
     summary = [re.sub(r'[^\w.]+', '', f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
                for k, v in sorted(run.arch.items()) if k not in base or base[k] != v]
-    run.name = '-'.join([name] + summary)  # the output folder's, without the data
+    run.name = '-'.join([name] + summary)
 
 
-def refuse_other_architecture(run, wanted):
-    """Stop if the checkpoint's architecture differs from the one asked for, naming what differs."""
-    differ = sorted(k for k in wanted if wanted[k] != run.arch.get(k))
+def default_output_dir(run):
+    """runs/<experiment or model>[-<overrides beyond its own>]-<data>: two ablations never resume into each other."""
+    data = 'synthetic' if run.args.data_path is None else os.path.basename(os.path.normpath(run.args.data_path))
+    return os.path.join('runs', f'{run.name}-{data}')
+
+
+def open_checkpoint(run):
+    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval) or --resume FILE,
+    else OUTPUT_DIR/checkpoint.pt where it exists, so that rerunning a command resumes it. Its saved arguments
+    fill the flags left unset (a resumed run goes on as it was, an eval sees what it saw), and a checkpoint of
+    another model or architecture than the flags ask for is refused. Ours record their arguments and
+    architecture; the authors' files do not, and are taken as the flags describe them."""
+    args = run.args
+    path = args.checkpoint or args.resume
+    if path is None:  # where this command's flags put its output folder
+        resolve_architecture(run)
+        args.output_dir = args.output_dir or default_output_dir(run)
+        path = os.path.join(args.output_dir, CHECKPOINT)
+        if args.eval or not os.path.exists(path):
+            return
+    run.saved, run.saved_path = read_checkpoint(path), path
+    saved_args, saved_arch = run.saved.get('args'), run.saved.get('arch')
+    if args.eval and args.data_path is None and (saved_args is None or saved_args['data_path'] is not None):
+        fail(f'--eval of {path} needs --data-path DIR: only checkpoints of our synthetic runs evaluate without data')
+    if saved_args and args.model not in (None, saved_args['model']):
+        fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
+    mine = INVOCATION + ('data_path',) * args.eval  # an eval's data is its own
+    for key, value in (saved_args or {}).items():
+        if getattr(args, key, False) is None and key not in mine:
+            setattr(args, key, value)
+    resolve_architecture(run)
+    # the saved model.arch, less what train.py sets for the run (image size, classes, drop path)
+    saved_arch = {k: v for k, v in saved_arch.items() if k not in RUN_KEYS} if saved_arch is not None else run.arch
+    differ = sorted(k for k in {**saved_arch, **run.arch} if saved_arch.get(k) != run.arch.get(k))
     if differ:
-        fail(f'{run.saved_path} holds a model built with {run.arch}; this run asks for ' +
-             ', '.join(f'{k}={wanted[k]!r}' if wanted[k] is not None else f'no {k}' for k in differ) +
+        fail(f'{path} holds a model built with {saved_arch}; this run asks for ' +
+             ', '.join(f'{k}={run.arch[k]!r}' if run.arch.get(k) is not None else f'no {k}' for k in differ) +
              f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue or evaluate the '
              'model as it was built, or give another --output-dir')
 
 
-def architecture(arch):
-    """A model.arch without what train.py sets for the run (image size, classes, drop path)."""
-    return {k: v for k, v in arch.items() if k not in RUN_KEYS}
-
-
 def resolve(run):
-    """Fill every flag left unset: the model and image size from the checkpoint (eval, resume), then SPEC §4's
-    row for --model with --data-path or the synthetic recipe without it; set the total batch."""
-    resolve_architecture(run)
+    """Fill every flag left unset: from the checkpoint the run starts from (open_checkpoint), then from the
+    recipe: the variant's row of VARIANTS with --data-path, else the synthetic task's; set the total batch."""
+    open_checkpoint(run)  # which resolves the architecture
     args, synthetic = run.args, run.args.data_path is None
-    if args.img_size is None and (not synthetic or args.throughput):
-        with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
-            args.img_size = models.create_model(args.model).img_size[0]  # (H, W); the released sizes are square
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
     recipe = SYNTHETIC if synthetic else {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))}
-    if args.img_size is None and (run.arch.get('window') or 56) < 56:
-        # Swin's InLine windows smaller than the stage (T4: 7, 14, 28) at the paper's 224 px, the one size below
-        # 448 where they tile every stage they are smaller than (56-28-14-7 tokens): models.py refuses a window
-        # that does not tile its stage (padding would change Eq. 5's means), and at 32 px every window would
-        # cover its whole stage. 8 images per process keep a 224 px step to a few GB and seconds on a CPU, and
-        # 640 fresh images per epoch for 3 epochs keep the run to about 10 min on 2 CPU cores. The rate per 512
-        # images is raised so that 16 images a step still see 5e-4 (the linear scaling would leave 6e-5).
-        args.img_size = 224
-        recipe = dict(recipe, batch_size=8, epochs=3, warmup_epochs=0.3, synthetic_train=640, synthetic_val=320,
-                      lr=1.6e-2)
-    if args.img_size is None:
-        args.img_size = 64 if family == 'deit' else 32  # DeiT's 16 px patches: a 4x4 token grid
+    if synthetic and args.img_size is None and not args.throughput and (run.arch.get('window') or 56) < 56:
+        recipe = SYNTHETIC_WINDOWED
     for key, value in {**recipe, 'seed': 0}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.img_size is None and (not synthetic or args.throughput):
+        with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
+            args.img_size = models.create_model(args.model).img_size[0]  # (H, W); the released sizes are square
+    if args.img_size is None:
+        args.img_size = 64 if family == 'deit' else 32  # DeiT's 16 px patches: a 4x4 token grid
     if args.accum_steps is None:
         wanted = recipe['batch_size'] * PROCESSES  # the released total batch
         args.accum_steps = 1 if synthetic else max(1, round(wanted / args.batch_size / run.world))
@@ -471,16 +490,19 @@ def resolve(run):
         args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and not synthetic else 0.0
     run.amp_given = args.amp is not None
     if args.amp is None:
-        cpu_has = lambda f: getattr(torch.cpu, f, lambda: False)()  # noqa: E731  (private, so guarded)
-        native_bf16 = (torch.cuda.is_bf16_supported() if run.device.type == 'cuda' else
-                       cpu_has('_is_avx512_bf16_supported') or cpu_has('_is_amx_tile_supported'))
-        args.amp = 'bf16' if native_bf16 else 'fp16' if run.device.type == 'cuda' else 'fp32'
+        args.amp = 'bf16' if native_bf16(run.device) else 'fp16' if run.device.type == 'cuda' else 'fp32'
     if args.workers is None:
         args.workers = 0 if synthetic else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
-    if args.output_dir is None:  # named after the architecture, so that two ablations never resume into each other
-        data = 'synthetic' if synthetic else os.path.basename(os.path.normpath(args.data_path))
-        args.output_dir = os.path.join('runs', f'{run.name}-{data}')
+    args.output_dir = args.output_dir or default_output_dir(run)
     check_args(args)
+
+
+def native_bf16(device):
+    """Whether the device computes bf16 natively: CUDA that says so, or a CPU with AVX-512 BF16 or AMX."""
+    if device.type == 'cuda':
+        return torch.cuda.is_bf16_supported()
+    has = lambda f: getattr(torch.cpu, f, lambda: False)()  # noqa: E731  (private, so guarded)
+    return has('_is_avx512_bf16_supported') or has('_is_amx_tile_supported')
 
 
 def check_args(args):
@@ -496,30 +518,22 @@ def check_args(args):
             fail(f'--{name.replace("_", "-")} {getattr(args, name)} is out of range: it must be {allowed}')
 
 
-def open_checkpoint(run, path):
-    """Read the checkpoint the run starts from, before anything is built, and refuse one that does not fit the
-    flags. Ours record their arguments; the authors' do not."""
-    args = run.args
-    saved = read_checkpoint(path)
-    saved_args = saved.get('args')
-    if args.eval and args.data_path is None and (saved_args is None or saved_args['data_path'] is not None):
-        fail(f'--eval of {path} needs --data-path DIR: only checkpoints of our synthetic runs evaluate without data')
-    if saved_args and args.model not in (None, saved_args['model']):
-        fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
-    run.saved, run.saved_path = saved, path
-
-
 def setup(args):
     """Rank, world size and device from torchrun's environment (a plain `python train.py` is rank 0 of 1); the
     checkpoint to start from; every flag resolved."""
     rank, world, local_rank = (int(os.environ.get(k, 0)) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'))
     run = Run(args, rank, max(world, 1))
+    local, gpus = int(os.environ.get('LOCAL_WORLD_SIZE', 1)), torch.cuda.device_count()
+    if torch.cuda.is_available() and local > gpus:  # checked before any process touches a GPU
+        if local_rank == 0:  # one message per node: the node's count is what is wrong
+            print(f'error: torchrun started {local} processes on this node, which has {gpus} GPU(s); launch at most '
+                  f'{gpus} with --nproc-per-node={gpus}', file=sys.stderr, flush=True)
+        raise SystemExit(1)
     if torch.cuda.is_available():
         run.device = torch.device('cuda', local_rank)
         torch.cuda.set_device(run.device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # for --amp fp32
     else:
-        local = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
         torch.set_num_threads(args.threads or max(1, cpu_count() // local))
     if run.world > 1:
         dist.init_process_group('nccl' if run.device.type == 'cuda' else 'gloo')
@@ -527,14 +541,7 @@ def setup(args):
         fail('--eval needs --checkpoint FILE')
     if args.checkpoint and not args.eval:
         fail('--checkpoint is for --eval; continue training with --resume, start from weights with --finetune')
-    if args.checkpoint or args.resume:
-        open_checkpoint(run, args.checkpoint or args.resume)
     resolve(run)
-    latest = os.path.join(args.output_dir, 'checkpoint.pt')
-    if run.saved is None and not args.eval and os.path.exists(latest):  # rerunning a command resumes it
-        open_checkpoint(run, latest)
-        asked, run.arch = run.arch, architecture(run.saved.get('arch', {}))
-        refuse_other_architecture(run, {**dict.fromkeys(run.arch), **asked})
     print0(f'args: {json.dumps(vars(args))}')
     return run
 
@@ -554,9 +561,9 @@ def build_model(run, num_classes):
         fail(f'the fast attention path is unavailable ({e}); pass --attention-impl reference')
     except (ValueError, TypeError) as e:
         fail(f'cannot build {args.model} with {overrides}: {e}')
-    if args.finetune:  # the 384 px fine-tunes start from the 224 px weights, the EMA where there is one (SPEC §4)
+    if args.finetune:  # the authors' 384 px fine-tunes start from the 224 px weights, the EMA where there is one
         saved = read_checkpoint(args.finetune)
-        key = next((k for k in EMA_KEYS if saved.get(k) is not None), 'model')
+        key = next((k for k in models.EMA_KEYS if saved.get(k) is not None), 'model')
         load_weights(model, saved, key, args.finetune)
         print0(f'initial weights: {args.finetune} ({key})')
     if args.grad_checkpoint:
@@ -571,24 +578,21 @@ def build_model(run, num_classes):
     return model.to(run.device)
 
 
-def build_optimizer(model, args, total_batch):
+def build_optimizer(model, args, total_batch, steps_per_epoch):
     """AdamW without weight decay on 1-D parameters (biases, norms) and the model's no_weight_decay() names (DeiT's
     position embedding and class token, Swin's relative position bias tables; PVT's position embeddings are
-    decayed, SPEC §4)."""
+    decayed, as in the released models); and its schedule: per-iteration cosine from the peak to --min-lr over
+    --epochs, a linear warm-up from --warmup-lr replacing its start, then --cooldown-epochs at --min-lr (timm's
+    CosineLRScheduler as the released code used it). Returns (optimizer, scheduler)."""
     skip = model.no_weight_decay()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim <= 1 or name in skip or name.split('.')[-1] in skip else decay).append(param)
     groups = [{'params': decay, 'weight_decay': args.weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr * total_batch / 512, betas=(0.9, 0.999), eps=1e-8, fused=True)
-
-
-def build_scheduler(optimizer, args, total_batch, steps_per_epoch):
-    """Per-iteration cosine from the peak to --min-lr over --epochs, a linear warm-up from --warmup-lr replacing
-    its start, then --cooldown-epochs at --min-lr (timm's CosineLRScheduler as the released code used it)."""
-    scale = total_batch / 512
-    peak, warmup_lr, min_lr = args.lr * scale, args.warmup_lr * scale, args.min_lr * scale
+    # the rates are given per 512 images and scale linearly with the total batch, as the released trainer's
+    peak, warmup_lr, min_lr = (lr * total_batch / 512 for lr in (args.lr, args.warmup_lr, args.min_lr))
+    optimizer = torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.999), eps=1e-8, fused=True)
     warmup, total = round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch
 
     def lr_at(step):
@@ -597,7 +601,7 @@ def build_scheduler(optimizer, args, total_batch, steps_per_epoch):
         if step >= total:
             return min_lr
         return min_lr + 0.5 * (peak - min_lr) * (1 + math.cos(math.pi * step / total))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / peak)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / peak)
 
 
 def build_mix(args, num_classes):
@@ -649,33 +653,20 @@ def link_atomic(src, dst):
 
 
 def read_checkpoint(path):
-    """torch.load with weights_only=True, which never runs code from the file. A file that also holds other
-    Python objects (the authors' training files keep their yacs config) is refused with a line that strips it."""
-    if not os.path.isfile(path):
-        fail(f'no checkpoint at {path}')
+    """models.read_checkpoint (weights only, never code from the file), its refusals said once, by rank 0."""
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as e:
-        stripped = os.path.splitext(path)[0] + '.weights.pth'
-        fail(f'{path} holds Python objects besides weights (such as the authors\' yacs config), which '
-             f'torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\nIf you trust '
-             'the file, keep only its weights once:\npython -c "import torch; c = torch.load('
-             f'{path!r}, map_location=\'cpu\', weights_only=False); torch.save({{k: c[k] for k in (\'model\', '
-             f'{", ".join(map(repr, EMA_KEYS))}) if k in c}}, {stripped!r})"\nand pass {stripped} instead.')
+        return models.read_checkpoint(path)
+    except (FileNotFoundError, ValueError) as e:  # no file; Python objects besides weights, with the line to strip them
+        fail(str(e))
     except Exception as e:
         fail(f'cannot read checkpoint {path}: {e}')
 
 
 def load_weights(model, saved, key, path):
-    """saved[key] into model with models.load_checkpoint's checks (strict on parameters, resized for another image
-    size). It reads the 'model' entry of a file, so another entry (an EMA) goes to it as such, through memory."""
-    source = path
-    if key != 'model':
-        source = io.BytesIO()
-        torch.save({'model': saved[key]}, source)
-        source.seek(0)
+    """saved[key] (the whole of saved for a bare state dict) into model with models.load_checkpoint's checks:
+    strict on parameters, resized for another image size."""
     try:
-        models.load_checkpoint(model, source)
+        models.load_checkpoint(model, saved.get(key, saved))
     except RuntimeError as e:
         fail(f'cannot load {path} ({key}): {e}')
 
@@ -725,7 +716,7 @@ def train_one_epoch(run, t, loader, epoch, stop):
         if run.world > 1:
             dist.all_reduce(flags)
         if flags[1] > 0:
-            latest = os.path.join(args.output_dir, 'checkpoint.pt')
+            latest = os.path.join(args.output_dir, CHECKPOINT)
             kept = f'the last good checkpoint, {latest}, is untouched' if os.path.exists(latest) else 'nothing saved'
             bar.close()
             fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step {t.step + step + 1}; stopped, '
@@ -782,7 +773,7 @@ def val_loader(run, val_set):
 def evaluate_checkpoint(run, model, val_set):
     """--eval: the file's weights, then its EMA weights where it has them (ours or the authors' CSwin)."""
     loader = val_loader(run, val_set)
-    for key in ('model', *(k for k in EMA_KEYS if run.saved.get(k) is not None)):
+    for key in ('model', *(k for k in models.EMA_KEYS if run.saved.get(k) is not None)):
         load_weights(model, run.saved, key, run.saved_path)
         result = evaluate(run, model, loader)
         print0(f'eval {"model" if key == "model" else "ema"}: {json.dumps(result)}')
@@ -818,11 +809,10 @@ def prepare_training(run, raw, train_set):
     if steps_per_epoch == 0:
         fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} accumulation steps exceeds '
              f'the {len(train_set):,} training images')
-    optimizer = build_optimizer(raw, args, run.total_batch)
+    optimizer, scheduler = build_optimizer(raw, args, run.total_batch, steps_per_epoch)
     model = torch.compile(raw) if args.compile else raw
     if run.world > 1:
         model = DDP(model, device_ids=[run.device.index] if run.device.type == 'cuda' else None)
-    scheduler = build_scheduler(optimizer, args, run.total_batch, steps_per_epoch)
     scaler = torch.amp.GradScaler(run.device.type, enabled=args.amp == 'fp16')
     ema = AveragedModel(raw, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay)) if args.ema_decay > 0 else None
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -857,7 +847,7 @@ def resume(run, t):
                      if vars(args).get(k) != v and k not in ('resume', 'workers', 'threads', 'output_dir'))
     print0(f'resumed from {path}: epoch {t.epoch + 1}, step {t.step}' +
            (f' (changed since saved: {", ".join(changed)})' if changed else ''))
-    if path == os.path.join(args.output_dir, 'checkpoint.pt'):
+    if path == os.path.join(args.output_dir, CHECKPOINT):
         publish(run, t, saved.get('is_best', False))
 
 
@@ -867,7 +857,7 @@ def publish(run, t, is_best):
         return
     out = run.args.output_dir
     if is_best:
-        link_atomic(os.path.join(out, 'checkpoint.pt'), os.path.join(out, 'best.pt'))
+        link_atomic(os.path.join(out, CHECKPOINT), os.path.join(out, 'best.pt'))
     metrics = os.path.join(out, 'metrics.jsonl')  # rewritten whole: always the checkpoint's log
     with open(metrics + '.tmp', 'w') as f:
         f.writelines(json.dumps(e) + '\n' for e in t.log)
@@ -886,21 +876,21 @@ def save_checkpoint(run, t, is_best=False):
                      'ema_updates': int(t.ema.n_averaged) if t.ema else 0, 'epoch': t.epoch, 'step': t.step,
                      'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
                      'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes},
-                    os.path.join(run.args.output_dir, 'checkpoint.pt'))
+                    os.path.join(run.args.output_dir, CHECKPOINT))
     publish(run, t, is_best)
 
 
 def print_recipe(run, t):
     args, epochs = run.args, run.args.epochs + run.args.cooldown_epochs
     recipe = ('synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)'
-              if args.data_path is None else f'released ImageNet-1K recipe for {args.model} (SPEC §4)')
+              if args.data_path is None else f'released ImageNet-1K recipe for {args.model}')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
            f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
            f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
     print0(f'schedule: {epochs} epochs ({args.epochs} cosine with {args.warmup_epochs} of warm-up, then '
            f'{args.cooldown_epochs} cool-down) x {t.steps_per_epoch} steps of {run.total_batch} images '
            f'({args.batch_size} per process x {run.world} processes x {args.accum_steps} accumulation steps); '
-           f'peak lr {args.lr * run.total_batch / 512:.3g}, weight decay {args.weight_decay}')
+           f'peak lr {t.scheduler.base_lrs[0]:.3g}, weight decay {args.weight_decay}')
 
 
 def fit(run, raw, train_set, val_set):
@@ -923,7 +913,7 @@ def fit(run, raw, train_set, val_set):
         if stopped:
             t.step += steps
             save_checkpoint(run, t)
-            print0(f'SIGTERM: saved {args.output_dir}/checkpoint.pt at epoch {epoch + 1}, step {t.step}; '
+            print0(f'SIGTERM: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch + 1}, step {t.step}; '
                    'rerun to continue')
             return
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0], 'images_per_s': speed,
@@ -931,7 +921,7 @@ def fit(run, raw, train_set, val_set):
                  'experiment': args.experiment, 'arch': json.loads(json.dumps(raw.arch))}  # as metrics.jsonl has it
         if t.ema is not None:
             entry.update({f'ema_val_{k}': v for k, v in evaluate(run, t.ema.module, val).items()})
-        acc = entry['ema_val_acc1' if t.ema is not None else 'val_acc1']  # CSwin reports its EMA (SPEC §4)
+        acc = entry['ema_val_acc1' if t.ema is not None else 'val_acc1']  # CSwin reports its EMA (main_ema.py)
         is_best, t.best_acc = acc > t.best_acc, max(acc, t.best_acc)
         t.log.append(entry)
         t.epoch, t.step = epoch + 1, 0
