@@ -631,6 +631,7 @@ def test_readme_detection_example_trains_mask_rcnn_with_inline_swin_t(monkeypatc
     assert scope['prediction']['masks'].shape[1:] == (1, 902, 694) and 'boxes' in scope['prediction']
     assert scope['logits'].shape == (2, 150, 96, 128) and torch.isfinite(scope['loss'])
     model.roi_heads.score_thresh = 0.0  # untrained scores are near 1/91: keep every box to see boxes and masks
+    model.roi_heads.detections_per_img = 5  # of 100: the mask head's cost is per box
     with torch.no_grad():
         out = model(scope['images'])
     for o, image in zip(out, scope['images']):
