@@ -24,6 +24,7 @@ the current epoch, and the rerun ends with the same weights as a run never inter
 import argparse
 import ast
 import contextlib
+import gzip
 import io
 import json
 import math
@@ -33,6 +34,7 @@ import random
 import re
 import shutil
 import signal
+import struct
 import sys
 import threading
 import time
@@ -86,6 +88,10 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
                  weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0,
                  mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
                  synthetic_train=12_800, synthetic_val=2_000)
+# Fashion-MNIST and CIFAR: the synthetic recipe, with the small-image augmentation (a random crop of the resized
+# image padded by an eighth of its side, then a horizontal flip) instead of fresh images every epoch.
+SMALL = {k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')} | dict(epochs=15, warmup_epochs=1)
+SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10, 'cifar100': datasets.CIFAR100}
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with the mean colour
 BICUBIC = T.InterpolationMode.BICUBIC
@@ -115,7 +121,13 @@ def get_args_parser():
     a('--normalise-q', action=argparse.BooleanOptionalAction, help='softmax over L2-normalised queries (T1)')
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
       help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
-    a('--data-path', help='ImageFolder root with train/ and val/; without it, the built-in synthetic task')
+    a('--dataset', choices=['synthetic', 'imagefolder', *SMALL_DATASETS],
+      help='synthetic (the default without --data-path), imagefolder (the default with it: ImageNet), or a small '
+           'dataset read from its own files in --data-path (default data/): Fashion-MNIST\'s four IDX .gz files, '
+           'CIFAR\'s python batches')
+    a('--data-path', help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
+    a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
+    a('--train-subset', type=int, help='train on this many images, a fixed random subset (the same for every seed)')
     a('--img-size', type=int, help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
       'DeiT 64, Swin with InLine windows smaller than the stage 224)')
     a('--attention-impl', default='fast', choices=['fast', 'reference'],
@@ -315,30 +327,99 @@ def load_rgb(path):
         raise RuntimeError(f'cannot decode image {path}: {e}') from None
 
 
+def read_idx(path):
+    """An IDX file (MNIST's format, gzipped or not) as a uint8 tensor: bytes 0 0 8 D, D big-endian sizes, data."""
+    with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
+        data = f.read()
+    shape = struct.unpack(f'>{data[3]}I', data[4:4 + 4 * data[3]])
+    return torch.frombuffer(bytearray(data[4 + 4 * data[3]:]), dtype=torch.uint8).reshape(shape)
+
+
+def read_small(name, root, train):
+    """(images (N, H, W) or (N, H, W, 3) uint8, labels, class names) from the files as distributed, in ROOT or where
+    torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled python batches."""
+    if name == 'fashion_mnist':
+        prefix = 'train' if train else 't10k'
+        for folder in (root, os.path.join(root, 'FashionMNIST', 'raw')):
+            for ext in ('.gz', ''):
+                paths = [os.path.join(folder, f'{prefix}-{kind}-idx{d}-ubyte{ext}') for kind, d in (('images', 3),
+                                                                                                    ('labels', 1))]
+                if all(map(os.path.exists, paths)):
+                    return read_idx(paths[0]), read_idx(paths[1]).long(), datasets.FashionMNIST.classes
+    else:
+        folder, files, key = (('cifar-10-batches-py', [f'data_batch_{i}' for i in range(1, 6)] if train else
+                               ['test_batch'], 'label') if name == 'cifar10' else
+                              ('cifar-100-python', ['train' if train else 'test'], 'fine_label'))
+        folder = next((f for f in (os.path.join(root, folder), root) if os.path.exists(os.path.join(f, files[0]))), '')
+        if folder:
+            batches, meta = [], 'batches.meta' if name == 'cifar10' else 'meta'
+            for file in files + [meta]:
+                with open(os.path.join(folder, file), 'rb') as f:
+                    batches.append(pickle.load(f, encoding='latin1'))
+            images = torch.cat([torch.as_tensor(b['data']).reshape(-1, 3, 32, 32) for b in batches[:-1]])
+            labels = torch.cat([torch.as_tensor(b[key + 's']) for b in batches[:-1]])
+            return images.permute(0, 2, 3, 1), labels, batches[-1][key + '_names']
+    fail(f'no {name} files in {root}' + (' (Debian: apt-get install dataset-fashion-mnist puts them in '
+                                         '/usr/share/datasets/fashion-mnist)' if name == 'fashion_mnist' else '') +
+         '; --download fetches them there')
+
+
+class TensorImages(Dataset):
+    """A small dataset held as one uint8 tensor; grayscale images are read as 3 equal channels."""
+    def __init__(self, images, labels, classes, transform):
+        self.images, self.labels, self.classes, self.transform = images, labels, list(classes), transform
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        x = self.images[index]
+        x = x.expand(3, *x.shape) if x.ndim == 2 else x.permute(2, 0, 1)  # (3, H, W)
+        return self.transform(x), int(self.labels[index])
+
+
+def small_transforms(img_size):
+    """The small-image recipe: resized to img_size, randomly cropped with an eighth of padding, flipped."""
+    resize = [T.ToImage(), T.Resize((img_size, img_size), BICUBIC, antialias=True)]
+    augment = [T.RandomCrop(img_size, padding=img_size // 8, padding_mode='reflect'), T.RandomHorizontalFlip()]
+    return T.Compose(resize + augment + TO_TENSOR), T.Compose(resize + TO_TENSOR)
+
+
 def load_data(args):
-    """(training set, validation set): ROOT/train and ROOT/val as ImageFolders with the released transforms, or
-    without --data-path the synthetic task."""
-    if args.data_path is None:
+    """(training set, validation set): the synthetic task; ROOT/train and ROOT/val as ImageFolders with the
+    released transforms; or a small dataset's training and test sets, --train-subset of the training images."""
+    if args.dataset == 'synthetic':
         train_set = SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True)
         val_set = SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False)
         print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), {args.img_size} '
                f'px, {len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
         return train_set, val_set
     found, root = [], args.data_path
-    for split in ('train', 'val'):
-        if not os.path.isdir(os.path.join(root, split)):
-            fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
-    for split, transform in (('train', train_transform(args)),
-                             ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
-        try:
-            found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
-        except FileNotFoundError as e:
-            fail(f'no images in {os.path.join(root, split)}: {e}')
+    if args.dataset in SMALL_DATASETS:
+        root = root or 'data'
+        if args.download:
+            for train in (True, False):
+                SMALL_DATASETS[args.dataset](root, train=train, download=True)
+        found = [TensorImages(*read_small(args.dataset, root, train), transform)
+                 for train, transform in zip((True, False), small_transforms(args.img_size))]
+    else:
+        for split in ('train', 'val'):
+            if not os.path.isdir(os.path.join(root, split)):
+                fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
+        for split, transform in (('train', train_transform(args)),
+                                 ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
+            try:
+                found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
+            except FileNotFoundError as e:
+                fail(f'no images in {os.path.join(root, split)}: {e}')
     train_set, val_set = found
     if train_set.classes != val_set.classes:
         fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; they must match')
-    print0(f'data: {root}, {len(train_set.classes)} classes, {len(train_set):,} training and {len(val_set):,} '
-           f'validation images, {args.img_size} px')
+    if args.train_subset and args.train_subset < len(train_set):  # the same images whatever --seed
+        keep = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0))[:args.train_subset]
+        train_set, train_set.classes = Subset(train_set, keep.tolist()), train_set.classes
+    print0(f'data: {args.dataset} in {root}, {len(train_set.classes)} classes, {len(train_set):,} training and '
+           f'{len(val_set):,} validation images, {args.img_size} px')
     return train_set, val_set
 
 
@@ -442,12 +523,15 @@ def resolve(run):
     """Fill every flag left unset: the model and image size from the checkpoint (eval, resume), then SPEC §4's
     row for --model with --data-path or the synthetic recipe without it; set the total batch."""
     resolve_architecture(run)
-    args, synthetic = run.args, run.args.data_path is None
-    if args.img_size is None and (not synthetic or args.throughput):
+    args = run.args
+    args.dataset = args.dataset or ('imagefolder' if args.data_path else 'synthetic')
+    synthetic, imagenet = args.dataset == 'synthetic', args.dataset == 'imagefolder'  # small datasets: neither
+    if args.img_size is None and (imagenet or args.throughput):
         with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
             args.img_size = models.create_model(args.model).img_size[0]  # (H, W); the released sizes are square
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
-    recipe = SYNTHETIC if synthetic else {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))}
+    recipe = SYNTHETIC if synthetic else SMALL if not imagenet else {**RELEASED, **dict(zip(COLUMNS,
+                                                                                          VARIANTS[args.model]))}
     if args.img_size is None and (run.arch.get('window') or 56) < 56:
         # Swin's InLine windows smaller than the stage (T4: 7, 14, 28) at the paper's 224 px, the one size below
         # 448 where they tile every stage they are smaller than (56-28-14-7 tokens): models.py refuses a window
@@ -465,10 +549,10 @@ def resolve(run):
             setattr(args, key, value)
     if args.accum_steps is None:
         wanted = recipe['batch_size'] * PROCESSES  # the released total batch
-        args.accum_steps = 1 if synthetic else max(1, round(wanted / args.batch_size / run.world))
+        args.accum_steps = 1 if not imagenet else max(1, round(wanted / args.batch_size / run.world))
     run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
-        args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and not synthetic else 0.0
+        args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet else 0.0
     run.amp_given = args.amp is not None
     if args.amp is None:
         cpu_has = lambda f: getattr(torch.cpu, f, lambda: False)()  # noqa: E731  (private, so guarded)
@@ -476,9 +560,9 @@ def resolve(run):
                        cpu_has('_is_avx512_bf16_supported') or cpu_has('_is_amx_tile_supported'))
         args.amp = 'bf16' if native_bf16 else 'fp16' if run.device.type == 'cuda' else 'fp32'
     if args.workers is None:
-        args.workers = 0 if synthetic else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
+        args.workers = 0 if not imagenet else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
     if args.output_dir is None:  # named after the architecture, so that two ablations never resume into each other
-        data = 'synthetic' if synthetic else os.path.basename(os.path.normpath(args.data_path))
+        data = os.path.basename(os.path.normpath(args.data_path)) if imagenet else args.dataset
         args.output_dir = os.path.join('runs', f'{run.name}-{data}')
     check_args(args)
 
@@ -502,7 +586,8 @@ def open_checkpoint(run, path):
     args = run.args
     saved = read_checkpoint(path)
     saved_args = saved.get('args')
-    if args.eval and args.data_path is None and (saved_args is None or saved_args['data_path'] is not None):
+    if args.eval and args.data_path is None and args.dataset in (None, 'imagefolder') and (
+            saved_args is None or saved_args['data_path'] is not None and saved_args.get('dataset') in (None, 'imagefolder')):
         fail(f'--eval of {path} needs --data-path DIR: only checkpoints of our synthetic runs evaluate without data')
     if saved_args and args.model not in (None, saved_args['model']):
         fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
@@ -893,7 +978,9 @@ def save_checkpoint(run, t, is_best=False):
 def print_recipe(run, t):
     args, epochs = run.args, run.args.epochs + run.args.cooldown_epochs
     recipe = ('synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)'
-              if args.data_path is None else f'released ImageNet-1K recipe for {args.model} (SPEC §4)')
+              if args.dataset == 'synthetic' else f'released ImageNet-1K recipe for {args.model} (SPEC §4)'
+              if args.dataset == 'imagefolder' else f'small-image recipe for {args.dataset} (random crop padded by '
+              f'{args.img_size // 8} px, flip; no Mixup/CutMix/erasing, randaug as given)')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
            f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
            f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
