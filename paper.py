@@ -818,10 +818,10 @@ MINI = {  # family: (width factor, create_model sizes)
 }
 # The budget of every run, measured before it was chosen (README, "Ablations"): a fixed subset of the training
 # images (the small-data regime, where a locality bias matters most), trained until the learning curve is flat
-EPOCHS, TRAIN_IMAGES = 15, 5000
+EPOCHS, TRAIN_IMAGES, VAL_EVERY = 15, 5000, 3
 # CPU-minutes of one run at that budget per family, measured on this project's 2-core machine (AVX-512 BF16),
 # to print the run's length before it starts; scaled by epochs x images for another budget
-RUN_CPU_MIN = {'swin': 5.0, 'deit': 3.0, 'pvt': 6.0, 'cswin': 6.5}
+RUN_CPU_MIN = {'swin': 2.5, 'deit': 2.0, 'pvt': 6.0, 'cswin': 5.0}
 # Seeds per table: the rows that carry the paper's claims get more (README, "Verdicts")
 SEEDS = {'T3': 5, 'T4': 5, 'R-res': 5, 'S': 5, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3}
 QUICK = ('t3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 's_deit_t', 'inline_deit_t')
@@ -909,12 +909,13 @@ def data_argv(args):
 
 def ablation_argv(name, e, seed, args):
     """The train.py command line of one run: the experiment by name, its miniature, the budget, the data, the seed.
-    Validation in bf16 where training is (train.py's default on CPUs with bf16 hardware): 10,000 test images every
-    epoch in fp32 would cost a third of the run."""
+    Validation every VAL_EVERY epochs and in bf16 where there is bf16 hardware (training is in bf16 there anyway):
+    the 10,000 test images, every epoch in fp32, would cost more than the training itself."""
     argv = ['--experiment', name] if name in models.EXPERIMENTS else ['--model', e.model]
     argv += ['--img-size', str(MINI_IMG), '--model-kwargs', *[f'{k}={v!r}' for k, v in mini_kwargs(e).items()]]
-    amp = ['--amp', 'bf16'] if getattr(args, 'bf16', False) else []
-    return argv + ['--epochs', str(args.epochs), *data_argv(args), *amp, '--seed', str(seed)]
+    amp = ['--amp', 'bf16'] if native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) else []
+    return argv + ['--epochs', str(args.epochs), '--val-every', str(VAL_EVERY), *data_argv(args), *amp,
+                   '--seed', str(seed)]
 
 
 def config_key(e):
@@ -1130,7 +1131,9 @@ def cmd_ablations(args):
         series=[('here', list(range(1, len(chosen) + 1)), [statistics.mean(result[n][0]) for n in chosen], None)],
         title='top-1 here', xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
         xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
-    learning_curves(os.path.join(os.path.dirname(out), 'curves.png'), chosen, folders, states)
+    name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
+    curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
+    learning_curves(os.path.join(os.path.dirname(out), curves), chosen, folders, states)
     return rows
 
 
@@ -1146,15 +1149,14 @@ def learning_curves(path, chosen, folders, states):
             if tuple(folders[name]) in seen or len(series) == 8:
                 continue
             seen.add(tuple(folders[name]))
-            logs = [metrics(p) for p in folders[name] if states[p] == 'done']
+            logs = [[e for e in metrics(p) if 'val_acc1' in e] for p in folders[name] if states[p] == 'done']
             if logs:
-                epochs = min(len(log) for log in logs)
-                series.append((short_name(name), list(range(1, epochs + 1)),
-                               [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(epochs)], None))
+                points = min(len(log) for log in logs)
+                series.append((short_name(name), [e['epoch'] for e in logs[0][:points]],
+                               [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)], None))
         if series:
-            epochs = max(len(s[1]) for s in series)
             panels.append(dict(series=series, title=f'{family}: validation top-1 by epoch', xlabel='epoch',
-                               ylabel='top-1 (%)', xticks=list(range(1, epochs + 1, max(1, epochs // 8)))))
+                               ylabel='top-1 (%)', xticks=sorted({x for s in series for x in s[1]})))
     if panels:
         charts(path, panels, cols=2, size=(480, 360))
 

@@ -1287,14 +1287,17 @@ def test_a_missing_small_dataset_says_how_to_get_it(tmp_path, capsys):
 
 
 def test_fashion_mnist_trains_with_the_small_image_recipe(tmp_path):
-    """train.py on the tiny IDX files: its recipe printed, the dataset stored in the checkpoint's arguments."""
+    """train.py on the tiny IDX files: its recipe printed, validation every --val-every epochs, the dataset stored in
+    the checkpoint's arguments."""
     os.makedirs(tmp_path / 'fm')
     write_fashion_mnist(str(tmp_path / 'fm'), train=16, test=6)
     output_dir = str(tmp_path / 'run')
-    result = run_train(TINY_ARGS + ['--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'), '--epochs', '1',
+    result = run_train(TINY_ARGS + ['--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'), '--epochs', '2',
+                                    '--val-every', '2',
                                     '--output-dir', output_dir])
     assert 'small-image recipe for fashion_mnist (random crop padded by 4 px, flip' in result.stdout
-    assert metrics(output_dir)[-1]['val_images'] == 6
+    log = metrics(output_dir)  # validated every 2 epochs: not after the first
+    assert 'val_acc1' not in log[0] and log[1]['val_images'] == 6
     args = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))['args']
     assert args['dataset'] == 'fashion_mnist' and args['data_path'] == str(tmp_path / 'fm')
 

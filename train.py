@@ -138,6 +138,7 @@ def get_args_parser():
     a('--synthetic-train', type=int, help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
     a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
     a('--epochs', type=int, help='epochs of the cosine schedule (cool-down epochs come on top)')
+    a('--val-every', type=int, default=1, help='validate every this many epochs, and after the last (1)')
     a('--batch-size', type=int, help='per-process batch size (images)')
     a('--accum-steps', type=int, help='gradient accumulation steps (default: enough for the recipe\'s total batch)')
     a('--lr', type=float, help='peak learning rate per 512 images of total batch')
@@ -1013,19 +1014,20 @@ def fit(run, raw, train_set, val_set):
             print0(f'SIGTERM: saved {args.output_dir}/checkpoint.pt at epoch {epoch + 1}, step {t.step}; '
                    'rerun to continue')
             return
+        validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0], 'images_per_s': speed,
-                 **{f'val_{k}': v for k, v in evaluate(run, raw, val).items()},
+                 **{f'val_{k}': v for k, v in (evaluate(run, raw, val) if validate else {}).items()},
                  'experiment': args.experiment, 'arch': json.loads(json.dumps(raw.arch))}  # as metrics.jsonl has it
-        if t.ema is not None:
+        if t.ema is not None and validate:
             entry.update({f'ema_val_{k}': v for k, v in evaluate(run, t.ema.module, val).items()})
-        acc = entry['ema_val_acc1' if t.ema is not None else 'val_acc1']  # CSwin reports its EMA (SPEC §4)
+        acc = entry.get('ema_val_acc1' if t.ema is not None else 'val_acc1', -1.0)  # CSwin reports its EMA (SPEC §4)
         is_best, t.best_acc = acc > t.best_acc, max(acc, t.best_acc)
         t.log.append(entry)
         t.epoch, t.step = epoch + 1, 0
         save_checkpoint(run, t, is_best)
-        print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}  val loss {entry["val_loss"]:.4f}  acc@1 '
-               f'{entry["val_acc1"]:.2f}  acc@5 {entry["val_acc5"]:.2f}' +
-               (f'  ema acc@1 {entry["ema_val_acc1"]:.2f}' if t.ema else '') +
+        print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}' + (f'  val loss {entry["val_loss"]:.4f}  acc@1 '
+               f'{entry["val_acc1"]:.2f}  acc@5 {entry["val_acc5"]:.2f}' if validate else '') +
+               (f'  ema acc@1 {entry["ema_val_acc1"]:.2f}' if t.ema and validate else '') +
                f'  lr {entry["lr"]:.2e}  {speed:.0f} img/s  {time.perf_counter() - start:.0f} s')
     print0(f'done: best acc@1 {t.best_acc:.2f}; checkpoints and metrics.jsonl in {args.output_dir}')
 
