@@ -1243,7 +1243,8 @@ def write_cifar(root, name, per_batch=4, seed=0):
 def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
     data = write_fashion_mnist(str(tmp_path))
     images, labels, classes = train.read_small('fashion_mnist', str(tmp_path), train=True)
-    assert torch.equal(images, torch.tensor(data['train'][0], dtype=torch.uint8))
+    assert images.shape == (12, 3, 28, 28) and all(torch.equal(images[:, c], torch.tensor(data['train'][0],
+                                                                                        dtype=torch.uint8)) for c in range(3))
     assert labels.tolist() == data['train'][1].tolist() and classes == datasets.FashionMNIST.classes
     # torchvision's layout, ROOT/FashionMNIST/raw, uncompressed, reads the same
     raw = tmp_path / 'tv' / 'FashionMNIST' / 'raw'
@@ -1251,7 +1252,7 @@ def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
     for file in os.listdir(tmp_path):
         if file.endswith('.gz'):
             (raw / file[:-3]).write_bytes(gzip.decompress((tmp_path / file).read_bytes()))
-    assert torch.equal(train.read_small('fashion_mnist', str(tmp_path / 'tv'), train=False)[0],
+    assert torch.equal(train.read_small('fashion_mnist', str(tmp_path / 'tv'), train=False)[0][:, 0],
                        torch.tensor(data['t10k'][0], dtype=torch.uint8))
     # grayscale read as 3 equal channels, at the asked size; a fixed subset of training images whatever the seed
     args = train.get_args_parser().parse_args(['--dataset', 'fashion_mnist', '--data-path', str(tmp_path),
@@ -1271,12 +1272,12 @@ def test_cifar_reads_its_python_batches(tmp_path, name):
     written = write_cifar(str(tmp_path), name)
     images, labels, classes = train.read_small(name, str(tmp_path), train=True)
     files = [f'data_batch_{i}' for i in range(1, 6)] if name == 'cifar10' else ['train']
-    expected = np.concatenate([written[f][0] for f in files]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    assert torch.equal(images, torch.from_numpy(expected)) and images.shape == (4 * len(files), 32, 32, 3)
+    expected = np.concatenate([written[f][0] for f in files]).reshape(-1, 3, 32, 32)  # channel-major rows
+    assert torch.equal(images, torch.from_numpy(expected)) and images.shape == (4 * len(files), 3, 32, 32)
     assert labels.tolist() == sum((list(written[f][1]) for f in files), [])
     assert len(classes) == (10 if name == 'cifar10' else 100)
     test_images = train.read_small(name, str(tmp_path), train=False)[0]
-    assert test_images.shape == (4, 32, 32, 3)
+    assert test_images.shape == (4, 3, 32, 32)
 
 
 def test_a_missing_small_dataset_says_how_to_get_it(tmp_path, capsys):

@@ -6,6 +6,8 @@ without it, a small recipe for a built-in synthetic task.
 
 The main job: no dataset, no download; on a 2-core CPU it reaches >= 90% validation accuracy in about 10 min
     torchrun --standalone --nproc_per_node=2 train.py --model inline_swin_t
+Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or --download), CIFAR too:
+    python train.py --model inline_deit_t --dataset fashion_mnist --data-path DIR --img-size 64 --train-subset 5000
 
 ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs (total batch =
 the variant's per-process batch x 8; fewer processes reach it by gradient accumulation, printed at start):
@@ -88,8 +90,7 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
                  weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0,
                  mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
                  synthetic_train=12_800, synthetic_val=2_000)
-# Fashion-MNIST and CIFAR: the synthetic recipe, with the small-image augmentation (a random crop of the resized
-# image padded by an eighth of its side, then a horizontal flip) instead of fresh images every epoch.
+# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (small_transforms)
 SMALL = {k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')} | dict(epochs=15, warmup_epochs=1)
 SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10, 'cifar100': datasets.CIFAR100}
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -121,10 +122,8 @@ def get_args_parser():
     a('--normalise-q', action=argparse.BooleanOptionalAction, help='softmax over L2-normalised queries (T1)')
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
       help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
-    a('--dataset', choices=['synthetic', 'imagefolder', *SMALL_DATASETS],
-      help='synthetic (the default without --data-path), imagefolder (the default with it: ImageNet), or a small '
-           'dataset read from its own files in --data-path (default data/): Fashion-MNIST\'s four IDX .gz files, '
-           'CIFAR\'s python batches')
+    a('--dataset', choices=['synthetic', 'imagefolder', *SMALL_DATASETS], help='default: synthetic, imagefolder with '
+      '--data-path; the small ones read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
     a('--data-path', help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
     a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
     a('--train-subset', type=int, help='train on this many images, a fixed random subset (the same for every seed)')
@@ -337,16 +336,15 @@ def read_idx(path):
 
 
 def read_small(name, root, train):
-    """(images (N, H, W) or (N, H, W, 3) uint8, labels, class names) from the files as distributed, in ROOT or where
-    torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled python batches."""
+    """(images (N, 3, H, W) uint8, grayscale as 3 equal channels; labels; class names) from the files as distributed,
+    in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled python batches."""
     if name == 'fashion_mnist':
-        prefix = 'train' if train else 't10k'
-        for folder in (root, os.path.join(root, 'FashionMNIST', 'raw')):
-            for ext in ('.gz', ''):
-                paths = [os.path.join(folder, f'{prefix}-{kind}-idx{d}-ubyte{ext}') for kind, d in (('images', 3),
-                                                                                                    ('labels', 1))]
-                if all(map(os.path.exists, paths)):
-                    return read_idx(paths[0]), read_idx(paths[1]).long(), datasets.FashionMNIST.classes
+        for folder, ext in [(f, e) for f in (root, os.path.join(root, 'FashionMNIST', 'raw')) for e in ('.gz', '')]:
+            paths = [os.path.join(folder, f'{"train" if train else "t10k"}-{kind}-ubyte{ext}') for kind in ('images-idx3',
+                                                                                                        'labels-idx1')]
+            if all(map(os.path.exists, paths)):  # (N, 28, 28) -> (N, 3, 28, 28), a view
+                return read_idx(paths[0])[:, None].expand(-1, 3, -1, -1), read_idx(paths[1]).long(), \
+                    datasets.FashionMNIST.classes
     else:
         folder, files, key = (('cifar-10-batches-py', [f'data_batch_{i}' for i in range(1, 6)] if train else
                                ['test_batch'], 'label') if name == 'cifar10' else
@@ -359,14 +357,14 @@ def read_small(name, root, train):
                     batches.append(pickle.load(f, encoding='latin1'))
             images = torch.cat([torch.as_tensor(b['data']).reshape(-1, 3, 32, 32) for b in batches[:-1]])
             labels = torch.cat([torch.as_tensor(b[key + 's']) for b in batches[:-1]])
-            return images.permute(0, 2, 3, 1), labels, batches[-1][key + '_names']
+            return images, labels, batches[-1][key + '_names']
     fail(f'no {name} files in {root}' + (' (Debian: apt-get install dataset-fashion-mnist puts them in '
                                          '/usr/share/datasets/fashion-mnist)' if name == 'fashion_mnist' else '') +
          '; --download fetches them there')
 
 
 class TensorImages(Dataset):
-    """A small dataset held as one uint8 tensor; grayscale images are read as 3 equal channels."""
+    """A small dataset held as one uint8 tensor (N, 3, H, W)."""
     def __init__(self, images, labels, classes, transform):
         self.images, self.labels, self.classes, self.transform = images, labels, list(classes), transform
 
@@ -374,9 +372,7 @@ class TensorImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index):
-        x = self.images[index]
-        x = x.expand(3, *x.shape) if x.ndim == 2 else x.permute(2, 0, 1)  # (3, H, W)
-        return self.transform(x), int(self.labels[index])
+        return self.transform(self.images[index]), int(self.labels[index])
 
 
 def small_transforms(img_size):
@@ -522,7 +518,7 @@ def architecture(arch):
 
 def resolve(run):
     """Fill every flag left unset: the model and image size from the checkpoint (eval, resume), then SPEC §4's
-    row for --model with --data-path or the synthetic recipe without it; set the total batch."""
+    row for --model on an ImageFolder, SMALL on a small dataset, or the synthetic recipe; set the total batch."""
     resolve_architecture(run)
     args = run.args
     args.dataset = args.dataset or ('imagefolder' if args.data_path else 'synthetic')
@@ -587,8 +583,7 @@ def open_checkpoint(run, path):
     args = run.args
     saved = read_checkpoint(path)
     saved_args = saved.get('args')
-    if args.eval and args.data_path is None and args.dataset in (None, 'imagefolder') and (
-            saved_args is None or saved_args['data_path'] is not None and saved_args.get('dataset') in (None, 'imagefolder')):
+    if args.eval and args.data_path is None and (saved_args is None or saved_args['data_path'] is not None):
         fail(f'--eval of {path} needs --data-path DIR: only checkpoints of our synthetic runs evaluate without data')
     if saved_args and args.model not in (None, saved_args['model']):
         fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
