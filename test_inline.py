@@ -1847,6 +1847,22 @@ def test_paper_ablations_reuse_finished_runs_and_train_the_rest(tmp_path, monkey
     assert launched == []  # everything cached now
 
 
+def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
+    """--dataset imagefolder --data-path DIR: the same runs on an ImageFolder, with the small datasets' recipe in
+    place of the released ImageNet one (no Mixup, RandAugment, erasing or EMA; one process, no accumulation)."""
+    root = str(tmp_path / 'data')
+    write_image_folder(root, {'train': 2, 'val': 1})
+    ns = argparse.Namespace(out=str(tmp_path), epochs=2, train_images=3, dataset='imagefolder', data_path=root,
+                            download=False)
+    paper.resolve_data(ns)
+    run = resolved(paper.ablation_argv('inline_deit_t', paper.experiments()['inline_deit_t'], 0, ns))
+    a = run.args
+    assert (a.dataset, a.train_subset, a.epochs, a.accum_steps, a.ema_decay) == ('imagefolder', 3, 2, 1, 0.0)
+    assert {k: getattr(a, k) for k in train.SMALL if k != 'epochs'} == {k: v for k, v in train.SMALL.items()
+                                                                      if k != 'epochs'}
+    assert len(train.load_data(a)[0]) == 3
+
+
 def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, monkeypatch):
     """r_residual_local and t4_window56_residual build the same model: whichever subset asks for it, the run is
     the one of the registry's first name, so --only (or --quick) and the full run never train it twice."""
