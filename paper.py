@@ -6,15 +6,17 @@ draws a PNG (OUT/<subcommand>.png, or --png PATH) and keeps what it has finished
 runs/paper/), so a rerun resumes where the last one stopped.
 
     python paper.py injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
-    python paper.py locality               # F4: attention mass on the 3x3 neighbourhood, per layer
+    python paper.py locality               # F4: per layer, the weight on the 3x3, own and class tokens; Eq. 6's share
     python paper.py maps                   # F3: attention maps of a few query tokens, laid over an image
     python paper.py speed [--quick]        # F5b, F5c: images/s against window and resolution
     python paper.py speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
 
-locality and maps train their three small DeiT-like models with train.py on first use (cached); ablations
-trains every experiment of models.EXPERIMENTS the same way. Nothing here trains by itself: every run is a
-`python train.py ...` subprocess, the project's one training loop.
+The trained ones (locality, maps, ablations) train on Fashion-MNIST unless told (--dataset, --data-path: any
+ImageFolder too): locality and maps their four small DeiTs, ablations every experiment of models.EXPERIMENTS,
+each on first use and cached, a model that several need trained once. Nothing here trains by itself: every run
+is a `python train.py ...` subprocess, the project's one training loop. The verdicts' rules are fixed below
+(verdict) and in the tests.
 """
 import argparse
 import contextlib
@@ -575,7 +577,8 @@ def cmd_locality(args):
     print_table(['model', 'layer', 'top-1', *SHARES.values()], rows)
     layers = max(len(s[1]) for s in curves['near'])
     charts(args.png or os.path.join(args.out, 'locality.png'), [dict(
-        series=curves[key], title=f'F4: {label}, by layer', xlabel='layer', ylabel='share', xticks=list(range(1, layers + 1)),
+        series=curves[key], title=f'F4: {label}, by layer', xlabel='layer', ylabel='share',
+        xticks=list(range(1, layers + 1)),
         hlines=[(f'uniform ({uniform[key]:.3f})', uniform[key])] if key in uniform else [])
         for key, label in SHARES.items()], cols=2, size=(520, 380))
     return results, uniform
@@ -1082,9 +1085,10 @@ def cmd_ablations(args):
     per_table = seeds_option(args.seeds, {t: QUICK_SEEDS for t in SEEDS} if args.quick else SEEDS)
     runs, folders = plan_runs(chosen, every, lambda name: per_table[every[name].table], args)
     cpu, wall = estimate(runs, every, args)
-    print(f'{len(chosen)} experiments, {len(folders and set(map(tuple, folders.values())))} distinct configurations,'
+    todo = sum(run_state(p, epochs) is None for p, (_, epochs) in runs.items())
+    print(f'{len(chosen)} experiments, {len(set(map(tuple, folders.values())))} distinct configurations,'
           f' {len(runs)} runs of {args.epochs} epochs x {args.train_images} images of {args.dataset} '
-          f'(seeds per table {per_table}), {args.jobs} at a time; estimate for the {sum(run_state(p, e) is None for p, (_, e) in runs.items())} '
+          f'(seeds per table {per_table}), {args.jobs} at a time; estimate for the {todo} '
           f'runs to do: {cpu:.0f} CPU-minutes, about {wall // 60:.0f} h {wall % 60:.0f} min with {args.jobs} cores of '
           f'their own (RUN_CPU_MIN)')
     states = train_runs(runs, args.jobs, desc='ablation runs')
@@ -1096,8 +1100,8 @@ def cmd_ablations(args):
         ref = wanted if wanted in chosen else None
         accs, diverged = result[name]
         n = len(accs)
-        ours = (f'{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f} ({n})' if n > 1 else f'{accs[0]:.1f} (1)') + \
-            (f', {diverged} diverged' if diverged else '')
+        ours = (f'{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f} ({n})' if n > 1 else
+                f'{accs[0]:.1f} (1)') + (f', {diverged} diverged' if diverged else '')
         cells = ['', '', '', '']
         paper_text = e.reported or '—'
         if ref:
@@ -1190,7 +1194,8 @@ def main(argv=None):
     budget = argparse.ArgumentParser(add_help=False, parents=[common])  # what each train.py run gets
     budget.add_argument('--epochs', type=int, default=EPOCHS, help=f'epochs of every training run ({EPOCHS})')
     budget.add_argument('--train-images', type=int, default=TRAIN_IMAGES,
-                        help=f'training images: a fixed subset of the dataset, or synthetic ones per epoch ({TRAIN_IMAGES})')
+                        help=f'training images: a fixed subset of the dataset, or synthetic ones per epoch '
+                             f'({TRAIN_IMAGES})')
     budget.add_argument('--dataset', choices=['synthetic', 'imagefolder', *train.SMALL_DATASETS],
                         help='the data every run trains on (default fashion_mnist); with --checkpoints, the images '
                              'to measure on (default: each checkpoint\'s own)')

@@ -340,8 +340,8 @@ def read_small(name, root, train):
     in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled python batches."""
     if name == 'fashion_mnist':
         for folder, ext in [(f, e) for f in (root, os.path.join(root, 'FashionMNIST', 'raw')) for e in ('.gz', '')]:
-            paths = [os.path.join(folder, f'{"train" if train else "t10k"}-{kind}-ubyte{ext}') for kind in ('images-idx3',
-                                                                                                        'labels-idx1')]
+            split = 'train' if train else 't10k'
+            paths = [os.path.join(folder, f'{split}-{kind}-ubyte{ext}') for kind in ('images-idx3', 'labels-idx1')]
             if all(map(os.path.exists, paths)):  # (N, 28, 28) -> (N, 3, 28, 28), a view
                 return read_idx(paths[0])[:, None].expand(-1, 3, -1, -1), read_idx(paths[1]).long(), \
                     datasets.FashionMNIST.classes
