@@ -917,8 +917,11 @@ def ablation_argv(name, e, seed, args):
     """The train.py command line of one run: the experiment by name, its miniature, the budget, the data, the seed.
     Validation every VAL_EVERY epochs and in bf16 where there is bf16 hardware (training is in bf16 there anyway):
     the 10,000 test images, every epoch in fp32, would cost more than the training itself."""
-    argv = ['--experiment', name] if name in models.EXPERIMENTS else ['--model', e.model]
-    argv += ['--img-size', str(MINI_IMG), '--model-kwargs', *[f'{k}={v!r}' for k, v in mini_kwargs(e).items()]]
+    registered = name in models.EXPERIMENTS  # else its overrides go on the command line
+    kwargs = {**({} if registered else e.overrides), **mini_kwargs(e)}
+    argv = (['--experiment', name] if registered else ['--model', e.model]) + ['--img-size', str(MINI_IMG),
+                                                                              '--model-kwargs']
+    argv += [f'{k}={v!r}' for k, v in kwargs.items()]
     amp = ['--amp', 'bf16'] if native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) else []
     return argv + ['--epochs', str(args.epochs), '--val-every', str(VAL_EVERY), *data_argv(args), *amp,
                    '--seed', str(seed)]

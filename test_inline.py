@@ -1865,6 +1865,18 @@ def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
     assert len(train.load_data(a)[0]) == 3
 
 
+def test_paper_distinct_configurations_never_share_a_run():
+    """Two different models never get the same train.py command line, so never the same run folder: the
+    experiments outside models.EXPERIMENTS (the released InLine variants, F4's DeiTs) carry their overrides."""
+    every = {**paper.experiments(), **paper.F4_EXTRA}
+    ns = argparse.Namespace(epochs=1, train_images=8, dataset='synthetic')
+    owner = {}
+    for name, e in every.items():
+        argv = json.dumps(paper.ablation_argv(name, e, 0, ns))
+        assert owner.setdefault(argv, paper.config_key(e)) == paper.config_key(e), name
+    assert "layout='L'" in paper.ablation_argv('deit_linear_relu', every['deit_linear_relu'], 0, ns)
+
+
 def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, monkeypatch):
     """r_residual_local and t4_window56_residual build the same model: whichever subset asks for it, the run is
     the one of the registry's first name, so --only (or --quick) and the full run never train it twice."""
