@@ -1065,8 +1065,8 @@ def seeds_option(values, default):
     table = dict(default) if not any('=' not in v for v in values or []) else {}
     for v in values or []:
         key, _, count = v.rpartition('=')
-        if not count.isdigit() or int(count) < 1:
-            train.fail(f'--seeds takes N or TABLE=N (e.g. 3 T3=8), not {v!r}')
+        if not count.isdigit() or int(count) < 1 or key and key not in default:
+            train.fail(f'--seeds takes N or TABLE=N (e.g. 3 T3=8; tables {", ".join(default)}), not {v!r}')
         if key:
             table[key] = int(count)
         else:

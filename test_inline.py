@@ -1965,6 +1965,7 @@ def test_paper_seeds_per_table(capsys):
     assert paper.seeds_option(['T1=8'], default) == {'T3': 5, 'T1': 8}
     assert paper.seeds_option(['2'], default) == {'T3': 2, 'T1': 2}
     assert paper.seeds_option(['2', 'T3=6'], default) == {'T3': 6, 'T1': 2}
-    with pytest.raises(SystemExit):
-        paper.seeds_option(['T3=x'], default)
-    assert '--seeds takes N or TABLE=N' in capsys.readouterr().err
+    for bad in ('T3=x', 'T9=3', '0'):
+        with pytest.raises(SystemExit):
+            paper.seeds_option([bad], default)
+        assert '--seeds takes N or TABLE=N' in capsys.readouterr().err
