@@ -822,9 +822,10 @@ MINI = {  # family: (width factor, create_model sizes)
 # The budget of every run, measured before it was chosen (README, "Ablations"): a fixed subset of the training
 # images (the small-data regime, where a locality bias matters most), trained until the learning curve is flat
 EPOCHS, TRAIN_IMAGES, VAL_EVERY = 12, 4000, 4
-# CPU-minutes of one run at that budget per family, measured on this project's 2-core machine (AVX-512 BF16),
-# to print the run's length before it starts; scaled by epochs x images for another budget
-RUN_CPU_MIN = {'swin': 2.5, 'deit': 1.8, 'pvt': 5.0, 'cswin': 4.3}
+# CPU-minutes of one run at that budget per family on this project's 2-core machine (AVX-512 BF16), to print the
+# run's length before it starts; scaled by epochs x images for another budget. Swin and DeiT measured (the quick
+# run); PVT and CSwin from their cost relative to Swin in a 3-epoch trial
+RUN_CPU_MIN = {'swin': 2.7, 'deit': 2.2, 'pvt': 5.2, 'cswin': 3.5}
 # Seeds per table: the rows that carry the paper's claims get more (README, "Verdicts")
 SEEDS = {'T3': 5, 'T4': 5, 'R-res': 5, 'S': 5, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3}
 QUICK = ('s_deit_t', 'inline_deit_t', 'r_residual_none', 'r_residual_local')  # S on DeiT; Eq. 6 with the APE
