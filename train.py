@@ -975,10 +975,9 @@ def save_checkpoint(run, t, is_best=False):
 
 def print_recipe(run, t):
     args, epochs = run.args, run.args.epochs + run.args.cooldown_epochs
-    recipe = ('synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)'
-              if args.dataset == 'synthetic' else f'released ImageNet-1K recipe for {args.model} (SPEC §4)'
-              if args.dataset == 'imagefolder' else f'small-image recipe for {args.dataset} (random crop padded by '
-              f'{args.img_size // 8} px, flip; no Mixup/CutMix/erasing, randaug as given)')
+    recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)',
+              'imagefolder': f'released ImageNet-1K recipe for {args.model} (SPEC §4)'}.get(
+        args.dataset, f'small-image recipe for {args.dataset} (random crop padded by {args.img_size // 8} px, flip)')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
            f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
            f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
