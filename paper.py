@@ -207,7 +207,10 @@ def image_grid(path, image, rows, queries, grid):
     """For each row (label, [one (h, w) weight map per query]): the image with the queries marked, then each
     query's map laid over it (overlay), all maps on one colour scale."""
     S = image.shape[1]
-    scale, label_w, top = max(1, 128 // S), 150, 40
+    scale, top = max(1, 128 // S), 40
+    label_w = max(150, 16 + max(ImageDraw.Draw(Image.new('RGB', (1, 1))).textlength(label, font=font(12))
+                                for label, _ in rows))
+    label_w = math.ceil(label_w)
     T = S * scale
     img = Image.new('RGB', (label_w + (len(queries) + 1) * (T + 8), top + len(rows) * (T + 8) + 46), 'white')
     draw = ImageDraw.Draw(img)
@@ -450,10 +453,10 @@ def checkpoints(args, seeds=1):
     return found
 
 
-def eval_images(ckpt, model, args, count):
+def eval_images(ckpt, model, args, count, spread=True):
     """(images (B, 3, S, S) as the model saw them, labels, class names, what they are): `count` validation images,
-    evenly spaced through the set, of the data the checkpoint was trained on (its stored arguments), or of
-    --dataset/--data-path when given."""
+    evenly spaced through the set (else the first `count`), of the data the checkpoint was trained on (its stored
+    arguments), or of --dataset/--data-path when given."""
     ns = train.get_args_parser().parse_args([])
     vars(ns).update({k: v for k, v in ckpt.get('args', {}).items() if k in vars(ns)})
     if args.dataset:
@@ -464,7 +467,7 @@ def eval_images(ckpt, model, args, count):
     ns.synthetic_train, ns.synthetic_val, ns.model = 1, max(count, ns.synthetic_val or 0), ns.model or 'inline_deit_t'
     with contextlib.redirect_stdout(io.StringIO()):
         val = train.load_data(ns)[1]
-    picked = range(0, len(val), max(1, len(val) // count))[:count]
+    picked = range(0, len(val), max(1, len(val) // count) if spread else 1)[:count]
     x, y = zip(*(val[i] for i in picked))
     return torch.stack(x), torch.tensor(y), val.classes, f'{len(picked)} {ns.dataset} validation images'
 
@@ -607,8 +610,8 @@ def cmd_maps(args):
         x, what = read_image(args.image, S), args.image
     else:
         model, ckpt = next(iter(loaded.values()))
-        images, labels, classes, what = eval_images(ckpt, model, args, args.index + 1)
-        x, what = images[args.index], f'validation image {args.index} ({classes[labels[args.index]]}) of {what}'
+        images, labels, classes, what = eval_images(ckpt, model, args, args.index + 1, spread=False)
+        x, what = images[args.index], f'{what.split()[1]} validation image {args.index} ({classes[labels[args.index]]})'
     queries = [tuple(int(v) for v in q.split(',')) for q in args.queries]
     if any(not (0 <= y < grid[0] and 0 <= x_ < grid[1]) for y, x_ in queries):
         train.fail(f'--queries must lie on the {grid[0]}x{grid[1]} token grid (row,col from 0)')
