@@ -951,6 +951,11 @@ experiment('r_residual_none', 'inline_swin_t', dict(residual='none'), 'R-res', '
 experiment('r_residual_plain', 'inline_swin_t', dict(residual='plain'), 'R-res', '80.2',
            'plain residual o_i += r * v_i, r per channel from the same MLP (C -> C -> C) (APE)', ours=True)
 experiment('r_residual_local', 'inline_swin_t', {}, 'R-res', '82.4', "Eq. 6's local 3x3 residual (released)")
+# R-res's pair changes two things at once: Eq. 6 and the APE (on without Eq. 6). The other two corners of the 2x2
+# separate them: Eq. 6 against none with the same position embedding, both ways (ours; the paper has no numbers)
+experiment('r_residual_none_no_ape', 'inline_swin_t', dict(residual='none', ape=False), 'R-res', None,
+           'no residual and no APE', ours=True)
+experiment('r_residual_local_ape', 'inline_swin_t', dict(ape=True), 'R-res', None, "Eq. 6 and the APE", ours=True)
 for dilation, reported in ((1, '82.4'), (2, '81.7'), (3, '80.8'), (4, '80.6')):
     experiment(f'r_dilation{dilation}', 'inline_swin_t', dict(dilation=dilation), 'R-dil', reported,
                f"Eq. 6's 3x3 neighbourhood dilated by {dilation}", ours=dilation > 1)

@@ -6,19 +6,23 @@ Each prints a table (markdown, for the README), draws a PNG (OUT/<subcommand>.pn
 it has finished under OUT (default runs/paper/), so a rerun resumes where the last one stopped.
 
     python paper.py injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
-    python paper.py locality               # F4: attention mass on the 3x3 neighbourhood, per layer
+    python paper.py locality               # F4: per layer, the weight on the 3x3, own and class tokens; Eq. 6's share
     python paper.py maps                   # F3: attention maps of a few query tokens, laid over an image
     python paper.py speed [--quick]        # F5b, F5c: images/s against window and resolution
     python paper.py speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python paper.py speed --dense          # backbones at detection sizes: forward time and peak memory
     python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
 
-locality and maps train their three small DeiT-like models with train.py on first use (cached); ablations
-trains every experiment of models.EXPERIMENTS the same way. Nothing here trains by itself: every run is a
-`python train.py ...` subprocess, the project's one training loop.
+The trained ones (locality, maps, ablations) train on Fashion-MNIST unless told (--dataset, --data-path: any
+ImageFolder too): locality and maps their four small DeiTs, ablations every experiment of models.EXPERIMENTS,
+each on first use and cached, a model that several need trained once. Nothing here trains by itself: every run
+is a `python train.py ...` subprocess, the project's one training loop. The verdicts' rules are fixed below
+(verdict) and in the tests.
 """
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -204,7 +208,10 @@ def image_grid(path, image, rows, queries, grid):
     """For each row (label, [one (h, w) weight map per query]): the image with the queries marked, then each
     query's map laid over it (overlay), all maps on one colour scale."""
     S = image.shape[1]
-    scale, label_w, top = max(1, 128 // S), 150, 40
+    scale, top = max(1, 128 // S), 40
+    label_w = max(150, 16 + max(ImageDraw.Draw(Image.new('RGB', (1, 1))).textlength(label, font=font(12))
+                                for label, _ in rows))
+    label_w = math.ceil(label_w)
     T = S * scale
     img = Image.new('RGB', (label_w + (len(queries) + 1) * (T + 8), top + len(rows) * (T + 8) + 46), 'white')
     draw = ImageDraw.Draw(img)
@@ -411,44 +418,68 @@ def load_trained(path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# F4 and F3: the explicit N x N weights of each layer of small trained DeiT-like models
+# F4 and F3: the explicit N x N weights of each layer of small trained DeiT models, and Eq. 6's share beside them
 
-DEIT_LAYOUTS = {'softmax': 'S', 'linear': 'L', 'InLine': 'I'}
-
-
-def deit_runs(args):
-    """The three models F4 and F3 look at by default: the ablations' miniature DeiT (64 px images, 8 px patches:
-    an 8x8 token grid, on which a 3x3 neighbourhood is 9 of 64 tokens; 6 blocks of width 64, 2 heads of 32) with
-    softmax, vanilla linear (relu) or InLine attention and nothing else changed, trained on the synthetic task."""
-    sizes = [f'{k}={v!r}' for k, v in MINI['deit'][1].items()]
-    runs = {run_dir(args.out, f'deit-{name}', argv): (argv, args.epochs) for name, letter in DEIT_LAYOUTS.items()
-            for argv in [['--model', 'inline_deit_t', '--img-size', str(MINI_IMG), '--model-kwargs', *sizes,
-                          '--layout', letter, '--seed', '0', '--epochs', str(args.epochs),
-                          '--synthetic-train', str(args.train_images)]]}
-    train_runs(runs, args.jobs, desc='training the three DeiT models')
-    return {name: os.path.join(path, train.CHECKPOINT) for name, path in zip(DEIT_LAYOUTS, runs)}
+F4_MODELS = {'softmax': 's_deit_t', 'linear (relu)': 'deit_linear_relu', 'InLine without Eq. 6': 'deit_no_residual',
+             'InLine': 'inline_deit_t'}  # label: experiment; softmax is the S row's miniature (one head of 64)
+F4_EXTRA = {  # the ablations' miniature DeiT with vanilla linear attention, and InLine without Eq. 6
+    'deit_linear_relu': models.Experiment('inline_deit_t', dict(layout='L', kernel='relu', residual='none'), 'F4',
+                                          None, True, 'DeiT miniature, vanilla linear attention (relu), no Eq. 6'),
+    'deit_no_residual': models.Experiment('inline_deit_t', dict(residual='none'), 'F4', None, True,
+                                          'InLine-DeiT miniature without Eq. 6')}
 
 
-def checkpoints(args):
-    """{method: checkpoint}: --checkpoints NAME=PATH ..., or the three small DeiTs (trained on first use)."""
+def deit_runs(args, seeds):
+    """{label: [checkpoint of each seed]}: the four models F4 and F3 look at by default, the ablations' miniature
+    DeiT (64 px images, 8 px patches: an 8x8 token grid, on which a 3x3 neighbourhood is 9 of 64 tokens; 6 blocks of
+    width 64) trained with the ablations' budget and data; the runs the ablations share are not trained twice."""
+    every = {**experiments(), **F4_EXTRA}
+    runs, folders = plan_runs({n: every[n] for n in F4_MODELS.values()}, every, lambda name: seeds, args)
+    states = train_runs(runs, args.jobs, desc='training the four DeiT models')
+    return {label: [os.path.join(p, train.CHECKPOINT) for p in folders[n] if states[p] == 'done']
+            for label, n in F4_MODELS.items()}
+
+
+def checkpoints(args, seeds=1):
+    """{name: [checkpoints]}: --checkpoints NAME=PATH ... (a name given again is another seed of it), or the four
+    small DeiTs (trained on first use)."""
     if not args.checkpoints:
-        return deit_runs(args)
-    pairs = [c.split('=', 1) if '=' in c else (os.path.basename(os.path.dirname(c)) or c, c) for c in args.checkpoints]
-    return dict(pairs)
+        resolve_data(args)
+        return deit_runs(args, seeds)
+    found = {}
+    for c in args.checkpoints:
+        name, path = c.split('=', 1) if '=' in c else (os.path.basename(os.path.dirname(c)) or c, c)
+        found.setdefault(name, []).append(path)
+    return found
 
 
-def attention_weights(model, images):
-    """[(B, H, N, N)] per block: the explicit weights of every block's attention, from its weights(x, grid),
-    for the input x each attention really gets (seen by a forward pre-hook)."""
+def eval_images(ckpt, model, args, count, spread=True):
+    """(images (B, 3, S, S) as the model saw them, labels, class names, what they are): `count` validation images,
+    evenly spaced through the set (else the first `count`), of the data the checkpoint was trained on (its stored
+    arguments), or of --dataset/--data-path when given."""
+    ns = train.get_args_parser().parse_args([])
+    vars(ns).update({k: v for k, v in ckpt.get('args', {}).items() if k in vars(ns)})
+    if args.dataset:
+        resolve_data(args)
+        ns.dataset, ns.data_path = args.dataset, args.data_path
+    ns.dataset = ns.dataset or ('imagefolder' if ns.data_path else 'synthetic')
+    ns.img_size, ns.download, ns.train_subset, ns.seed = model.img_size[0], False, None, ns.seed or 0
+    ns.synthetic_train, ns.synthetic_val, ns.model = 1, max(count, ns.synthetic_val or 0), ns.model or 'inline_deit_t'
+    with contextlib.redirect_stdout(io.StringIO()):
+        val = train.load_data(ns)[1]
+    picked = range(0, len(val), max(1, len(val) // count) if spread else 1)[:count]
+    x, y = zip(*(val[i] for i in picked))
+    return torch.stack(x), torch.tensor(y), val.classes, f'{len(picked)} {ns.dataset} validation images'
+
+
+def attention_inputs(model, images):
+    """[x] per block: the input (B, N, C) each block's attention gets, seen by a forward pre-hook."""
     if getattr(model, 'family', None) != 'deit':
         train.fail(f'this needs an isotropic DeiT model (one token grid, layers in order); got '
-                         f'{type(model).__name__}')
+                   f'{type(model).__name__}')
     captured = {}
-
-    def hook(i):
-        return lambda module, inputs: captured.__setitem__(i, module.weights(*inputs))  # inputs = (x, grid)
-
-    handles = [block.attn.register_forward_pre_hook(hook(i)) for i, block in enumerate(model.blocks)]
+    handles = [block.attn.register_forward_pre_hook(lambda module, inputs, i=i: captured.__setitem__(i, inputs[0]))
+               for i, block in enumerate(model.blocks)]
     try:
         with torch.no_grad():
             model(images)
@@ -458,6 +489,12 @@ def attention_weights(model, images):
     return [captured[i] for i in range(len(model.blocks))]
 
 
+def attention_weights(model, images):
+    """[(B, H, N, N)] per block: the explicit weights of every block's attention for the input it really gets."""
+    with torch.no_grad():
+        return [block.attn.weights(x, model.grid) for block, x in zip(model.blocks, attention_inputs(model, images))]
+
+
 def neighbourhood(grid):
     """(h*w, h*w) boolean: token j is in the 3x3 neighbourhood of token i (itself included)."""
     y, x = torch.meshgrid(torch.arange(grid[0]), torch.arange(grid[1]), indexing='ij')
@@ -465,41 +502,88 @@ def neighbourhood(grid):
     return ((y[:, None] - y[None, :]).abs() <= 1) & ((x[:, None] - x[None, :]).abs() <= 1)
 
 
-def local_mass(w, grid):
-    """sum_{j in 3x3(i)} w_ij, averaged over the grid queries i, heads and images. w (B, H, N, N), the last h*w
-    tokens on the grid (DeiT's class token first: it is neither a query here nor in any neighbourhood)."""
-    P = w.shape[-1] - grid[0] * grid[1]
-    return (w[..., P:, P:] * neighbourhood(grid).to(w.dtype)).sum(-1).mean().item()
+def weight_shares(w, grid):
+    """{'class', 'own', 'near'}: (H,) means over images and grid queries of w (B, H, N, N), whose last h*w tokens
+    are the grid (DeiT's class token first). class: the weight on the class token. own and near: the query's own
+    token and the other 8 of its 3x3 neighbourhood, among the grid weights renormalised without the class token,
+    w_ij / (1 - w_i,cls), so a class token that takes much weight does not look like a loss of locality."""
+    hw = grid[0] * grid[1]
+    P = w.shape[-1] - hw
+    cls = w[:, :, P:, :P].sum(-1)  # (B, H, hw)
+    g = w[:, :, P:, P:] / (1 - cls).clamp_min(1e-6)[..., None]  # (B, H, hw, hw), rows sum to 1
+    near = neighbourhood(grid) & ~torch.eye(hw, dtype=torch.bool)
+    return {'class': cls.mean((0, 2)), 'own': g.diagonal(dim1=-2, dim2=-1).mean((0, 2)),
+            'near': (g * near.to(g.dtype)).sum(-1).mean((0, 2))}
 
 
-def synthetic_images(img_size, count, seed=0):
-    """The first `count` validation images of train.py's synthetic task, normalised as the models saw them."""
-    val = train.SyntheticShapes(count, img_size, seed, train=False)
-    return torch.stack([val[i][0] for i in range(count)]), val
+def eq6_share(attn, x, grid):
+    """(H,): Eq. 6's share of each grid token's output, |res_i| / (|att_i| + |res_i|) per head (0 without Eq. 6),
+    the mean over images and tokens; att_i = sum_j w_ij v_j is Eq. 5's part, res_i Eq. 6's, which the N x N weights
+    do not hold (its weights are per channel)."""
+    if getattr(attn, 'residual', None) is None or attn.residual_type != 'local':
+        return torch.zeros(attn.num_heads)
+    x, q, k, v = attn.project(x, grid)
+    P = v.shape[2] - grid[0] * grid[1]
+    att = (attn.explicit_weights(q, k) @ v)[:, :, P:]  # Eq. 5, (B, H, hw, D)
+    res = inline.local_residual(v[:, :, P:], inline.residual_weights(attn.residual, x), grid, attn.dilation)  # Eq. 6
+    return (res.norm(dim=-1) / (att.norm(dim=-1) + res.norm(dim=-1)).clamp_min(1e-12)).mean((0, 2))
+
+
+@torch.no_grad()
+def layer_shares(model, images, batch=128):
+    """[{'class', 'own', 'near', 'eq6'}: (H,)] per block, means over the images (in batches)."""
+    sums = None
+    for i in range(0, len(images), batch):
+        xs = attention_inputs(model, images[i:i + batch])
+        part = [{**weight_shares(block.attn.weights(x, model.grid), model.grid),
+                 'eq6': eq6_share(block.attn, x, model.grid)} for block, x in zip(model.blocks, xs)]
+        n = len(images[i:i + batch])
+        sums = [{k: v * n + (sums[j][k] if sums else 0) for k, v in layer.items()} for j, layer in enumerate(part)]
+    return [{k: v / len(images) for k, v in layer.items()} for layer in sums]
+
+
+SHARES = {'near': 'other 8 of the 3x3', 'own': 'own token', 'class': 'class token', 'eq6': "Eq. 6's share"}
 
 
 def cmd_locality(args):
-    results, grid = {}, None
-    for name, path in tqdm(checkpoints(args).items(), desc='locality', dynamic_ncols=True):
-        model, _ = load_trained(path)
-        images, _ = synthetic_images(model.img_size[0], args.images)
-        results[name] = [local_mass(w, model.grid) for w in attention_weights(model, images)]
-        if grid not in (None, model.grid):
-            train.fail(f'the checkpoints have different token grids ({grid} and {model.grid})')
-        grid = model.grid
-    N = grid[0] * grid[1] + 1
-    uniform = neighbourhood(grid).sum().item() / (grid[0] * grid[1]) / N  # uniform weights 1/N, borders counted
-    print(f'F4: attention mass on the 3x3 neighbourhood, per layer, mean over {args.images} validation images, '
-          f'the {grid[0]}x{grid[1]} grid queries and the heads ({N} tokens with the class token).\n'
-          f'Uniform weights give {uniform:.4f} (9/N = {9 / N:.4f} without the border effect).\n')
-    layers = max(len(v) for v in results.values())
-    print_table(['layer', *results], [[i + 1, *[f'{v[i]:.4f}' if i < len(v) else '' for v in results.values()]]
-                                      for i in range(layers)])
+    results, top1, grid, what = {}, {}, None, ''
+    for name, paths in tqdm(checkpoints(args, args.seeds).items(), desc='locality', dynamic_ncols=True):
+        for path in paths:
+            model, ckpt = load_trained(path)
+            images, _, _, what = eval_images(ckpt, model, args, args.images)
+            results.setdefault(name, []).append(layer_shares(model, images))
+            top1.setdefault(name, []).append((ckpt.get('log') or [{}])[-1].get('val_acc1'))
+            if grid not in (None, model.grid):
+                train.fail(f'the checkpoints have different token grids ({grid} and {model.grid})')
+            grid = model.grid
+    hw = grid[0] * grid[1]
+    uniform = {'own': 1 / hw, 'near': (neighbourhood(grid).sum().item() - hw) / hw / hw}  # 1/hw each
+    stat = lambda v: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0)  # noqa: E731
+    print(f'F4: per layer, means over {what}, the {grid[0]}x{grid[1]} grid queries and the heads (per head in '
+          f'brackets), ± the standard deviation over seeds. Own token and the other 8 of the 3x3: among the grid '
+          f'weights renormalised without the class token; uniform weights give {uniform["own"]:.4f} and '
+          f'{uniform["near"]:.4f}. Eq. 6\'s share: |Eq. 6| / (|Eq. 5| + |Eq. 6|) of each output.\n')
+    rows, curves = [], {k: [] for k in SHARES}
+    for name, per_seed in results.items():
+        accs = [a for a in top1[name] if a is not None]
+        for layer in range(len(per_seed[0])):
+            cells = []
+            for key in SHARES:
+                heads = torch.stack([seed[layer][key] for seed in per_seed])  # (seeds, H)
+                m, s = stat(heads.mean(1).tolist())
+                cells.append(f'{m:.3f} ± {s:.3f} (' + ' / '.join(f'{h:.2f}' for h in heads.mean(0).tolist()) + ')')
+            rows.append([name, layer + 1, (f'{statistics.mean(accs):.1f} ({len(accs)} seeds)' if accs else '—')
+                         if layer == 0 else '', *cells])
+        for key in SHARES:
+            series = [stat([seed[layer][key].mean().item() for seed in per_seed]) for layer in range(len(per_seed[0]))]
+            curves[key].append((name, list(range(1, len(series) + 1)), [m for m, _ in series], [s for _, s in series]))
+    print_table(['model', 'layer', 'top-1', *SHARES.values()], rows)
+    layers = max(len(s[1]) for s in curves['near'])
     charts(args.png or os.path.join(args.out, 'locality.png'), [dict(
-        series=[(n, list(range(1, len(v) + 1)), v, None) for n, v in results.items()],
-        title='F4: attention mass on each query\'s 3x3 neighbourhood', xlabel='layer', ylabel='mass',
-        xticks=list(range(1, layers + 1)), hlines=[(f'uniform weights ({uniform:.3f})', uniform)])], cols=1,
-        size=(640, 400))
+        series=curves[key], title=f'F4: {label}, by layer', xlabel='layer', ylabel='share',
+        xticks=list(range(1, layers + 1)),
+        hlines=[(f'uniform ({uniform[key]:.3f})', uniform[key])] if key in uniform else [])
+        for key, label in SHARES.items()], cols=2, size=(520, 380))
     return results, uniform
 
 
@@ -515,25 +599,26 @@ def read_image(path, size):
 
 
 def cmd_maps(args):
-    loaded = {name: load_trained(path)[0] for name, path in checkpoints(args).items()}
-    sizes = {m.img_size for m in loaded.values()}
-    grids = {m.grid for m in loaded.values()}
+    loaded = {name: load_trained(paths[0]) for name, paths in checkpoints(args).items()}  # the first seed
+    sizes = {m.img_size for m, _ in loaded.values()}
+    grids = {m.grid for m, _ in loaded.values()}
     if len(sizes) > 1 or len(grids) > 1:
         train.fail(f'the checkpoints take different images or grids ({sizes}, {grids}); maps compares '
-                         f'one image across models of one size')
+                   f'one image across models of one size')
     (S, _), grid = sizes.pop(), grids.pop()
     if args.image:
         x, what = read_image(args.image, S), args.image
     else:
-        images, val = synthetic_images(S, args.index + 1)
-        x, what = images[args.index], f'synthetic validation image {args.index} ({val.CLASSES[args.index % 10]})'
+        model, ckpt = next(iter(loaded.values()))
+        images, labels, classes, what = eval_images(ckpt, model, args, args.index + 1, spread=False)
+        x, what = images[args.index], f'{what.split()[1]} validation image {args.index} ({classes[labels[args.index]]})'
     queries = [tuple(int(v) for v in q.split(',')) for q in args.queries]
     if any(not (0 <= y < grid[0] and 0 <= x_ < grid[1]) for y, x_ in queries):
         train.fail(f'--queries must lie on the {grid[0]}x{grid[1]} token grid (row,col from 0)')
     image = (x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None]).clamp(0, 1)
     P = 1  # DeiT's class token, before the grid
     rows, table = [], []
-    for name, model in loaded.items():
+    for name, (model, _) in loaded.items():
         weights = attention_weights(model, x[None])
         layers = [int(layer) for layer in args.layers] or [1, len(weights)]
         for layer in layers:
@@ -548,7 +633,8 @@ def cmd_maps(args):
                 table.append([name, layer, f'({y},{x_})', f'{row[P + y * grid[1] + x_].item():.3f}', f'{local:.3f}',
                               f'{row[0].item():.3f}', f'{row[P:].min().item():.3f}', f'{row[P:].max().item():.3f}'])
             rows.append((f'{name}, layer {layer}', tiles))
-    print(f'F3: attention weights of {len(queries)} query tokens in {what}, the mean over heads\n')
+    print(f'F3: attention weights of {len(queries)} query tokens in {what}, the mean over heads (Eq. 6 not among '
+          f'them: F4 gives its share)\n')
     print_table(['model', 'layer', 'query (row,col)', 'on itself', 'on its 3x3', 'on the class token', 'min', 'max'],
                 table)
 
@@ -575,7 +661,7 @@ def speed_models(figure, point, device):
         pair = (models.create_model('inline_swin_t', layout='SSSS', softmax_window=point),
                 models.create_model('inline_swin_t', window=point, fast=True))
     else:
-        pair = (models.create_model('inline_deit_t', layout='S', img_size=point),
+        pair = (models.create_model('inline_deit_t', layout='S', num_heads=3, img_size=point),
                 models.create_model('inline_deit_t', img_size=point, fast=True))
     return [m.eval().to(device) for m in pair]
 
@@ -833,11 +919,12 @@ def cmd_speed_dense(args):
 # ---------------------------------------------------------------------------------------------------
 # The ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py
 
-# The miniature, the same for every experiment of a family: 64 px images of the synthetic task, so Swin's stage 1
-# is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at 224 px. Everything measured in stage-1 tokens shrinks by
-# 16/56: the InLine windows 7, 14, 28, 56 of T4 become 2, 4, 8, 16 (1/8, 1/4, 1/2 and all of the stage, as in the
-# paper); Swin's softmax window becomes 4. Widths shrink by the family's factor with the head dim kept, so head
-# counts shrink with them (the softmax originals' own counts too); depths as listed. The README says why.
+# The miniature, the same for every experiment of a family: 64 px images (Fashion-MNIST's 28 px resized), so Swin's
+# stage 1 is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at 224 px, and DeiT's 8 px patches give an 8x8 grid.
+# Everything measured in stage-1 tokens shrinks by 16/56: the InLine windows 7, 14, 28, 56 of T4 become 2, 4, 8, 16
+# (1/8, 1/4, 1/2 and all of the stage, as in the paper); Swin's softmax window becomes 4. Widths shrink by the
+# family's factor with the head dim kept, so head counts shrink with them (the softmax originals' own counts too);
+# depths as listed, the same for a softmax original as for its InLine version. The README says why.
 MINI_IMG, MINI_STAGE1 = 64, 16  # image side; Swin's stage-1 side at that size (56 at 224 px)
 MINI = {  # family: (width factor, create_model sizes)
     'swin': (1 / 3, dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), softmax_window=4)),
@@ -846,8 +933,19 @@ MINI = {  # family: (width factor, create_model sizes)
     # CSwin keeps its width: its two-branch softmax blocks split the heads in halves, and stage 1 has 2
     'cswin': (1, dict(depths=(1, 2, 2, 1), stripes=(1, 2, 2, 2))),
 }
-QUICK = ('t3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 's_swin_t', 'inline_swin_t',
-         't1_softmax', 't1_softmax_normalised_q')  # 7 runs: inline_swin_t is r_residual_local's model
+# The budget of every run, measured before it was chosen (README, "Ablations"): a fixed subset of the training
+# images (the small-data regime, where a locality bias matters most), trained until the learning curve is flat
+EPOCHS, TRAIN_IMAGES, VAL_EVERY = 12, 4000, 4
+# CPU-minutes of one run at that budget per family on this project's 2-core machine (AVX-512 BF16), to print the
+# run's length before it starts; scaled by epochs x images for another budget. Swin and DeiT measured (the quick
+# run); PVT and CSwin from their cost relative to Swin in a 3-epoch trial
+RUN_CPU_MIN = {'swin': 2.7, 'deit': 2.2, 'pvt': 5.2, 'cswin': 3.5}
+# Seeds per table: the rows that carry the paper's claims get more (README, "Verdicts")
+SEEDS = {'T3': 5, 'T4': 5, 'R-res': 5, 'S': 5, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3}
+QUICK = ('s_deit_t', 'inline_deit_t', 'r_residual_none', 'r_residual_local')  # S on DeiT; Eq. 6 with the APE
+QUICK_SEEDS = 3  # 2 DeiT and 2 Swin configurations x 3 seeds: the least that gives a 95% interval at all (t = 4.30)
+# The data paper.py trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs here
+FASHION_MNIST_DEB = '/usr/share/datasets/fashion-mnist'
 
 
 def experiments():
@@ -862,8 +960,9 @@ def experiments():
 def reference(name, table):
     """The row each row is compared with, so the paper's ordering can be checked pair by pair; None for the table's
     reference row itself. T3: division against subtraction with the same kernel; T4: without against with the
-    local residual at each window, and each window against 56; T10, R-res, R-dil, R-nonneg: against the released
-    InLine-Swin-T; T1: against softmax; S: each softmax original against its InLine version."""
+    local residual at each window, and each window against 56; R-res: against the released InLine-Swin-T, and
+    the two corners of the 2x2 (Eq. 6 x APE) against the row with the same APE; T10, R-dil, R-nonneg: against the
+    released InLine-Swin-T; T1: against softmax; S: each softmax original against its InLine version."""
     if table == 'T3':
         return name.replace('linear', 'inline') if '_linear_' in name else name.replace('inline', 'linear')
     if table == 'T4':
@@ -871,9 +970,16 @@ def reference(name, table):
                 't4_window56_residual' if name != 't4_window56_residual' else 't4_window56_no_residual')
     if table == 'S':
         return name.replace('s_', 'inline_', 1) if name.startswith('s_') else None
+    if name == 'r_residual_local_ape':
+        return 'r_residual_none'  # both with the APE: Eq. 6 alone
     base = {'T10': 't10_kernel_identity', 'R-res': 'r_residual_local', 'R-dil': 'r_dilation1',
             'R-nonneg': 'r_residual_local', 'T1': 't1_softmax'}[table]
     return None if name == base else base
+
+
+# The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's corners of
+# the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2) with the APE held
+CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape': ('R-res: +2.2', 2.2)}
 
 
 def mini_kwargs(e):
@@ -894,11 +1000,46 @@ def mini_kwargs(e):
     return kwargs
 
 
+def resolve_data(args):
+    """Fill --dataset (default Fashion-MNIST) and --data-path, download once if asked (not once per run), and stop
+    with how to get the data when it is missing, before any run starts."""
+    args.dataset = args.dataset or 'fashion_mnist'
+    if args.data_path is None and args.dataset != 'synthetic':
+        args.data_path = FASHION_MNIST_DEB if args.dataset == 'fashion_mnist' and os.path.isdir(FASHION_MNIST_DEB) \
+            else 'data'
+    if args.dataset in train.SMALL_DATASETS:
+        if args.download:
+            for split in (True, False):
+                train.SMALL_DATASETS[args.dataset](args.data_path, train=split, download=True)
+        train.read_small(args.dataset, args.data_path, train=False)  # missing: says how to get them
+    elif args.dataset == 'imagefolder' and not os.path.isdir(os.path.join(args.data_path, 'val')):
+        train.fail(f'--data-path {args.data_path} has no val/ folder (an ImageFolder root: train/ and val/)')
+    if args.data_path:
+        args.data_path = os.path.abspath(args.data_path)
+
+
+def data_argv(args):
+    """train.py's data flags: the dataset and a fixed subset of its training images, or fresh synthetic ones. An
+    ImageFolder gets the small datasets' recipe (train.SMALL) in place of the released ImageNet one."""
+    if args.dataset == 'synthetic':
+        return ['--synthetic-train', str(args.train_images)]
+    small = [] if args.dataset != 'imagefolder' else ['--accum-steps', '1', '--ema-decay', '0'] + [
+        x for k, v in train.SMALL.items() if k != 'epochs' for x in (f'--{k.replace("_", "-")}', str(v))]
+    return ['--dataset', args.dataset, '--data-path', args.data_path, '--train-subset', str(args.train_images), *small]
+
+
 def ablation_argv(name, e, seed, args):
-    """The train.py command line of one run: the experiment by name, its miniature, the budget, the seed."""
-    argv = ['--experiment', name] if name in models.EXPERIMENTS else ['--model', e.model]
-    argv += ['--img-size', str(MINI_IMG), '--model-kwargs', *[f'{k}={v!r}' for k, v in mini_kwargs(e).items()]]
-    return argv + ['--epochs', str(args.epochs), '--synthetic-train', str(args.train_images), '--seed', str(seed)]
+    """The train.py command line of one run: the experiment by name, its miniature, the budget, the data, the seed.
+    Validation every VAL_EVERY epochs and in bf16 where there is bf16 hardware (training is in bf16 there anyway):
+    the 10,000 test images, every epoch in fp32, would cost more than the training itself."""
+    registered = name in models.EXPERIMENTS  # else its overrides go on the command line
+    kwargs = {**({} if registered else e.overrides), **mini_kwargs(e)}
+    argv = (['--experiment', name] if registered else ['--model', e.model]) + ['--img-size', str(MINI_IMG),
+                                                                              '--model-kwargs']
+    argv += [f'{k}={v!r}' for k, v in kwargs.items()]
+    amp = ['--amp', 'bf16'] if native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) else []
+    return argv + ['--epochs', str(args.epochs), '--val-every', str(VAL_EVERY), *data_argv(args), *amp,
+                   '--seed', str(seed)]
 
 
 def config_key(e):
@@ -914,18 +1055,104 @@ def config_key(e):
                       default=str)
 
 
-def summarise(states, chance):
+def parameters(e):
+    with torch.device('meta'):
+        model = models.create_model(e.model, img_size=MINI_IMG, num_classes=10, **{**e.overrides, **mini_kwargs(e)})
+    return sum(p.numel() for p in model.parameters())
+
+
+def plan_runs(chosen, every, seeds, args):
+    """The runs that `chosen` needs, {path: (argv, epochs)}, and each chosen name's run folders in seed order.
+    A configuration is trained under the first of all experiments (`every`) that builds it, whatever subset is
+    chosen, so --quick, --only, locality and the full run share their finished runs; it gets the most seeds any
+    chosen row asks of it. seeds(name) -> how many."""
+    keys = {name: config_key(e) for name, e in every.items()}
+    first, wanted = {}, {}
+    for name in every:
+        first.setdefault(keys[name], name)
+    for name in chosen:
+        wanted[first[keys[name]]] = max(wanted.get(first[keys[name]], 0), seeds(name))
+    runs, folders = {}, {}
+    for base, count in wanted.items():
+        for seed in range(count):
+            argv = ablation_argv(base, every[base], seed, args)
+            path = run_dir(args.out, f'{base}-seed{seed}', argv)
+            runs[path] = (argv, args.epochs)
+            folders.setdefault(base, []).append(path)
+    return runs, {name: folders[first[keys[name]]] for name in chosen}
+
+
+def estimate(runs, every, args):
+    """The wall-clock minutes the runs not yet finished should take, from RUN_CPU_MIN."""
+    cpu = 0.0
+    for path, (argv, epochs) in runs.items():
+        if run_state(path, epochs) is None:
+            name = os.path.basename(path).rsplit('-seed', 1)[0]
+            family = every[name].model.split('_')[1]
+            cpu += RUN_CPU_MIN[family] * args.epochs * args.train_images / (EPOCHS * TRAIN_IMAGES)
+    return cpu, cpu / max(1, min(args.jobs, os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Verdicts, fixed before the runs (README, "Verdicts"): 95% Student-t intervals on per-seed paired differences
+
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+MARGIN = 1.0  # top-1 points: a tie here is a difference surely smaller than the 1 point the claim rows resolve
+PAPER_TIE = 0.2  # the paper's own ties: rows 0.2 or less apart, as it reads T10 (82.4, 82.5) and T4 (82.3, 82.4)
+WORDS = ('reproduced', 'contradicted', 'not resolved')
+
+
+def t975(df):
+    """Student's t 0.975 quantile: the table to 30 degrees of freedom, then the Cornish-Fisher expansion in 1/df
+    about the normal's 1.95996 (error under 1e-4 beyond 30)."""
+    if df < 1:
+        return math.inf
+    if df <= len(T975):
+        return T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def interval(diffs):
+    """(mean, half-width) of the 95% interval of the mean of per-seed differences; infinite with one seed. The
+    half-width is also the smallest effect the run could detect: a mean difference this far from 0 excludes 0."""
+    n = len(diffs)
+    mean = statistics.mean(diffs)
+    return mean, t975(n - 1) * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.inf
+
+
+def seeds_for(diffs, effect=1.0):
+    """How many seeds would make the 95% half-width smaller than `effect`, at the spread these seeds show;
+    None with fewer than 2."""
+    if len(diffs) < 2:
+        return None
+    sd = statistics.stdev(diffs)
+    return next((n for n in range(2, 1000) if t975(n - 1) * sd / math.sqrt(n) < effect), 1000)
+
+
+def verdict(diffs, paper_diff):
+    """reproduced, contradicted or not resolved: the paper's difference paper_diff against ours, the per-seed
+    differences diffs (row minus reference, seed by seed); '—' when the paper gives no difference. A paper
+    ordering is reproduced when the 95% interval excludes 0 on its side, contradicted when on the other; a paper
+    tie (|paper_diff| <= PAPER_TIE, as printed) is reproduced when the whole interval lies within +-MARGIN,
+    contradicted when it lies wholly outside. Anything else is not resolved."""
+    if paper_diff is None:
+        return '—'
+    mean, half = interval(diffs)
+    lo, hi = mean - half, mean + half
+    if round(abs(paper_diff), 1) <= PAPER_TIE:  # as printed: 80.2 - 80.0 is 0.2000000000000028
+        return 'reproduced' if -MARGIN <= lo and hi <= MARGIN else \
+            'contradicted' if hi < -MARGIN or lo > MARGIN else 'not resolved'
+    if lo > 0 or hi < 0:
+        return 'reproduced' if (lo > 0) == (paper_diff > 0) else 'contradicted'
+    return 'not resolved'
+
+
+def summarise(paths, states, chance):
     """([final-epoch val top-1 of each seed, in seed order], how many diverged); a diverged run counts at chance."""
-    accs = [chance if state == 'diverged' else metrics(path)[-1]['val_acc1'] for path, state in states]
-    return accs, sum(state == 'diverged' for _, state in states)
-
-
-def paired(ours, ref):
-    """(mean, two standard errors or None with one seed) of the per-seed differences of two rows' top-1. The runs
-    of one seed share their training images and their validation set (train.py draws both from the seed), and the
-    seed moves top-1 by more than most ablations do, so two rows are compared seed by seed."""
-    diffs = [a - b for a, b in zip(ours, ref)]
-    return statistics.mean(diffs), 2 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    accs = [chance if states[path] == 'diverged' else metrics(path)[-1]['val_acc1'] for path in paths]
+    return accs, sum(states[path] == 'diverged' for path in paths)
 
 
 def reported_value(text):
@@ -938,27 +1165,32 @@ def reported_value(text):
     return float(digits[0]) if digits else None
 
 
-TIE = 0.2  # top-1 points: rows this close count as a tie, not an ordering, in the paper and here
-
-
-def verdict(ours, ref, paper, paper_ref):
-    """Does the paper's ordering of a row and its reference hold here? ours and ref: top-1 per seed. 'yes', 'no' or
-    'within noise', where the noise is paired()'s two standard errors of the mean per-seed difference; with one
-    seed there is none to judge by, so the sign alone decides, marked '(1 seed)'. Rows within TIE points of each
-    other count as a tie, in the paper and here; the paper's tie holds here when ours is a tie or within noise."""
+def paper_claim(name, ref, every):
+    """(text, difference) the paper gives for row minus reference; difference None where it gives none."""
+    if name in CLAIMS:
+        return CLAIMS[name]
+    paper, paper_ref = reported_value(every[name].reported), reported_value(every[ref].reported)
     if paper is None or paper_ref is None:
-        return '—'
-    (diff, noise), paper_diff = paired(ours, ref), paper - paper_ref
-    if round(abs(paper_diff), 1) <= TIE:  # rounded as the tables print them: 80.2 - 80.0 is 0.2000000000000028
-        return ('yes' if round(abs(diff), 1) <= max(TIE, noise or 0) else 'no') + (' (1 seed)' if noise is None else '')
-    if noise is None:
-        return ('yes' if diff * paper_diff > 0 else 'no') + ' (1 seed)'
-    if abs(diff) <= noise:
-        return 'within noise'
-    return 'yes' if diff * paper_diff > 0 else 'no'
+        return every[name].reported or '—', None
+    return every[name].reported, paper - paper_ref
+
+
+def seeds_option(values, default):
+    """--seeds N [TABLE=N ...] -> {table: seeds}: N for every table not named, or SEEDS without N."""
+    table = dict(default) if not any('=' not in v for v in values or []) else {}
+    for v in values or []:
+        key, _, count = v.rpartition('=')
+        if not count.isdigit() or int(count) < 1 or key and key not in default:
+            train.fail(f'--seeds takes N or TABLE=N (e.g. 3 T3=8; tables {", ".join(default)}), not {v!r}')
+        if key:
+            table[key] = int(count)
+        else:
+            table = {t: int(count) for t in default} | {k: n for k, n in table.items() if k in default}
+    return table
 
 
 def cmd_ablations(args):
+    resolve_data(args)
     every = experiments()
     chosen = every
     if args.quick:
@@ -968,27 +1200,17 @@ def cmd_ablations(args):
         if unknown:
             train.fail(f'unknown experiments {unknown}; choose from {", ".join(every)}')
         chosen = {n: every[n] for n in args.only}
-    seeds = range(1 if args.quick else args.seeds)
-    # a configuration is trained under the first of all experiments that builds it, whatever subset is chosen,
-    # so --quick, --only and the full run share their finished runs
-    keys = {name: config_key(e) for name, e in every.items()}
-    shared, runs = {}, {}
-    for name in every:
-        shared.setdefault(keys[name], name)
-    for name in chosen:
-        first = shared[keys[name]]
-        for seed in seeds:
-            argv = ablation_argv(first, every[first], seed, args)
-            runs.setdefault(run_dir(args.out, f'{first}-seed{seed}', argv), (argv, args.epochs))
-    configs = len({keys[name] for name in chosen})
-    print(f'{len(chosen)} experiments, {configs} distinct configurations, {len(runs)} runs of {args.epochs} '
-          f'epochs x {args.train_images} images ({len(seeds)} seed(s)), {args.jobs} at a time')
+    per_table = seeds_option(args.seeds, {t: QUICK_SEEDS for t in SEEDS} if args.quick else SEEDS)
+    runs, folders = plan_runs(chosen, every, lambda name: per_table[every[name].table], args)
+    cpu, wall = estimate(runs, every, args)
+    todo = sum(run_state(p, epochs) is None for p, (_, epochs) in runs.items())
+    print(f'{len(chosen)} experiments, {len(set(map(tuple, folders.values())))} distinct configurations,'
+          f' {len(runs)} runs of {args.epochs} epochs x {args.train_images} images of {args.dataset} '
+          f'(seeds per table {per_table}), {args.jobs} at a time; estimate for the {todo} '
+          f'runs to do: {cpu:.0f} CPU-minutes, about {wall // 60:.0f} h {wall % 60:.0f} min with {args.jobs} cores of '
+          f'their own (RUN_CPU_MIN)')
     states = train_runs(runs, args.jobs, desc='ablation runs')
-    per_config = {}  # configuration: [(path, state)] in seed order, as the runs were listed
-    for path, state in states.items():
-        per_config.setdefault(os.path.basename(path).rsplit('-seed', 1)[0], []).append((path, state))
-    result = {name: summarise(per_config[shared[keys[name]]], 100 / len(train.SyntheticShapes.CLASSES))
-              for name in chosen}
+    result = {name: summarise(folders[name], states, 100 / 10) for name in chosen}
 
     rows, panels = [], {}
     for name, e in chosen.items():
@@ -996,37 +1218,73 @@ def cmd_ablations(args):
         ref = wanted if wanted in chosen else None
         accs, diverged = result[name]
         n = len(accs)
-        paper, paper_ref = reported_value(e.reported), reported_value(chosen[ref].reported) if ref else None
-        ours = (f'{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f}' if n > 1 else f'{accs[0]:.1f}') + \
-            (f' ({diverged} of {n} diverged)' if diverged else '')
-        diff, noise = paired(accs, result[ref][0]) if ref else (None, None)
-        rows.append([e.table, name + (' *' if e.ours else ''), ours, e.reported or '—', ref or '',
-                     '' if diff is None else f'{diff:+.1f}' + (f' ± {noise:.1f}' if noise is not None else ''),
-                     verdict(accs, result[ref][0], paper, paper_ref) if ref else
-                     f'({wanted} not chosen)' if wanted else '(reference)'])
-        if ref:  # the difference from the reference row, its noise as verdict() measures it, the paper's
+        ours = (f'{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f} ({n})' if n > 1 else
+                f'{accs[0]:.1f} (1)') + (f', {diverged} diverged' if diverged else '')
+        cells = ['', '', '', '']
+        paper_text = e.reported or '—'
+        if ref:
+            k = min(n, len(result[ref][0]))  # seed by seed: the runs of one seed share the training order and init
+            diffs = [a - b for a, b in zip(accs[:k], result[ref][0][:k])]
+            paper_text, paper_diff = paper_claim(name, ref, every)
+            mean, half = interval(diffs)
+            need = seeds_for(diffs)
+            cells = [f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]' if k > 1 else f'{mean:+.1f} (1 seed)',
+                     f'±{half:.1f}' if k > 1 else '∞', str(need) if need else '', verdict(diffs, paper_diff)]
             panels.setdefault(e.table, []).append((
-                name, diff, noise,
-                paper - paper_ref if None not in (paper, paper_ref) and math.isfinite(paper - paper_ref) else None))
-    print(f'\nAblations on the miniature (64 px synthetic task, {args.epochs} epochs x {args.train_images} images, '
-          f'seeds {list(seeds)}): final-epoch validation top-1 (%), mean ± std over seeds, beside the paper\'s '
-          f'ImageNet-1K top-1; the difference from the compared row is the mean of per-seed differences ± 2 standard '
-          f'errors. * our construction (no released code). A diverged run counts at chance (10%).\n')
-    print_table(['table', 'experiment', 'top-1 here', 'paper (ImageNet)', 'compared with', 'difference here',
-                 "paper's ordering holds"], rows)
-    positions = list(range(1, len(chosen) + 1))
-    charts(args.png or os.path.join(args.out, 'ablations.png'), [dict(  # each row against its reference row
-        series=[('here (synthetic), per-seed difference +- 2 SE', xs, [d for _, d, _, _ in entries],
-                 [e for _, _, e, _ in entries] if all(e is not None for _, _, e, _ in entries) else None),
+                name, mean, half if math.isfinite(half) else None,
+                paper_diff if paper_diff is not None and math.isfinite(paper_diff) else None))
+        rows.append([e.table, name + (' *' if e.ours else ''), f'{parameters(e) / 1e6:.2f}M', ours, paper_text,
+                     ref or (f'({wanted} not chosen)' if wanted else '(reference)'), *cells])
+    print(f'\nAblations on the miniature ({MINI_IMG} px {args.dataset}, {args.epochs} epochs x {args.train_images} '
+          f'training images, validation on its test set): final-epoch top-1 (%), mean ± standard deviation over '
+          f'(n) seeds, beside the paper\'s ImageNet-1K top-1. Difference: the mean of per-seed differences from the '
+          f'compared row [its 95% Student-t interval]; detectable: the interval\'s half-width, the smallest '
+          f'difference these seeds could tell from 0; seeds for ±1: how many would make it under 1 point. Verdict '
+          f'(README, "Verdicts"): a paper ordering is reproduced when the interval excludes 0 on its side, '
+          f'contradicted on the other; a paper tie (≤ {PAPER_TIE}) is reproduced when the interval lies within '
+          f'±{MARGIN}, contradicted outside it; else not resolved. * our construction (no released code). '
+          f'A diverged run counts at chance (10%).\n')
+    print_table(['table', 'experiment', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)', 'compared with',
+                 'difference here [95% CI]', 'detectable', 'seeds for ±1', 'verdict'], rows)
+    out = args.png or os.path.join(args.out, 'ablations.png')
+    charts(out, [dict(  # each row against its reference row
+        series=[(f'here ({args.dataset}), mean difference, 95% CI', xs, [d for _, d, _, _ in entries],
+                 [h or 0 for _, _, h, _ in entries]),
                 ('paper (ImageNet)', xs, [p for _, _, _, p in entries], None)],
         title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
         xlabels=[short_name(n) for n, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
         for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
-        # no chosen row has its reference row among the chosen: each row's own top-1
-        series=[('here (synthetic)', positions, [statistics.mean(result[n][0]) for n in chosen], None)], title='top-1 here',
-        xlabel='', ylabel='top-1 (%)', xticks=positions, xlabels=[short_name(n) for n in chosen], lines=False)],
-        cols=4, size=(420, 330))
+        series=[('here', list(range(1, len(chosen) + 1)), [statistics.mean(result[n][0]) for n in chosen], None)],
+        title='top-1 here', xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
+        xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
+    name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
+    curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
+    learning_curves(os.path.join(os.path.dirname(out), curves), chosen, folders, states)
     return rows
+
+
+def learning_curves(path, chosen, folders, states):
+    """One panel per family: validation top-1 by epoch, mean over seeds, for each of its configurations (up to
+    eight, the family's InLine and softmax models first), so a reader sees whether training had flattened."""
+    panels = []
+    for family in ('swin', 'deit', 'pvt', 'cswin'):
+        names = sorted((n for n, e in chosen.items() if e.model.split('_')[1] == family),
+                       key=lambda n: (not n.startswith(('inline_', 's_')), n))
+        seen, series = set(), []
+        for name in names:
+            if tuple(folders[name]) in seen or len(series) == 8:
+                continue
+            seen.add(tuple(folders[name]))
+            logs = [[e for e in metrics(p) if 'val_acc1' in e] for p in folders[name] if states[p] == 'done']
+            if logs:
+                points = min(len(log) for log in logs)
+                series.append((short_name(name), [e['epoch'] for e in logs[0][:points]],
+                               [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)], None))
+        if series:
+            panels.append(dict(series=series, title=f'{family}: validation top-1 by epoch', xlabel='epoch',
+                               ylabel='top-1 (%)', xticks=sorted({x for s in series for x in s[1]})))
+    if panels:
+        charts(path, panels, cols=2, size=(480, 360))
 
 
 def short_name(name):
@@ -1052,17 +1310,27 @@ def main(argv=None):
     sub = parser.add_subparsers(dest='command', required=True)
     sub.add_parser('injectivity', parents=[common], help='F1: identical weight rows under softmax, linear and InLine')
     budget = argparse.ArgumentParser(add_help=False, parents=[common])  # what each train.py run gets
-    budget.add_argument('--epochs', type=int, default=5, help='epochs of every training run')
-    budget.add_argument('--train-images', type=int, default=4096, help='synthetic training images per epoch')
+    budget.add_argument('--epochs', type=int, default=EPOCHS, help=f'epochs of every training run ({EPOCHS})')
+    budget.add_argument('--train-images', type=int, default=TRAIN_IMAGES,
+                        help=f'training images: a fixed subset of the dataset, or synthetic ones per epoch '
+                             f'({TRAIN_IMAGES})')
+    budget.add_argument('--dataset', choices=['synthetic', 'imagefolder', *train.SMALL_DATASETS],
+                        help='the data every run trains on (default fashion_mnist); with --checkpoints, the images '
+                             'to measure on (default: each checkpoint\'s own)')
+    budget.add_argument('--data-path', help=f'its root (default {FASHION_MNIST_DEB} for fashion_mnist where '
+                                            'Debian\'s dataset-fashion-mnist package put it, else data/)')
+    budget.add_argument('--download', action='store_true', help='download a small dataset first (torchvision)')
     budget.add_argument('--jobs', type=int, default=2, help='train.py processes at a time, sharing the cores')
     trained = argparse.ArgumentParser(add_help=False, parents=[budget])
     trained.add_argument('--checkpoints', nargs='+', metavar='[NAME=]PATH',
-                         help='train.py checkpoints of DeiT models (default: train the three small ones)')
+                         help='train.py checkpoints of DeiT models, a NAME again for another seed (default: train '
+                              'the four small ones)')
     p = sub.add_parser('locality', parents=[trained], help='F4: attention mass on the 3x3 neighbourhood per layer')
-    p.add_argument('--images', type=int, default=64, help='validation images to average over')
+    p.add_argument('--images', type=int, default=512, help='validation images to average over')
+    p.add_argument('--seeds', type=int, default=3, help='seeds of each of the four models (0, 1, ...)')
     p = sub.add_parser('maps', parents=[trained], help='F3: attention maps of query tokens over an image')
-    p.add_argument('--image', help='an image file (default: a validation image of the synthetic task)')
-    p.add_argument('--index', type=int, default=3, help='which synthetic validation image (its class is index %% 10)')
+    p.add_argument('--image', help='an image file (default: a validation image of the checkpoint\'s data)')
+    p.add_argument('--index', type=int, default=0, help='which validation image')
     p.add_argument('--queries', nargs='+', default=['1,1', '3,4', '6,5'], metavar='ROW,COL',
                    help='query tokens on the token grid, from 0')
     p.add_argument('--layers', nargs='+', default=[], metavar='L', help='layers to show, from 1 (default first, last)')
@@ -1075,9 +1343,11 @@ def main(argv=None):
     p.add_argument('--dense', action='store_true', help='backbone forward time and peak memory at detection sizes, '
                    '512x512 to 800x1344: Swin-T, PVT-S, DeiT-T, each softmax against InLine (instead of F5b, F5c)')
     p = sub.add_parser('ablations', parents=[budget], help='T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small')
-    p.add_argument('--quick', action='store_true', help=f'one seed of {len(QUICK)} experiments: {", ".join(QUICK)}')
+    p.add_argument('--quick', action='store_true',
+                   help=f'{QUICK_SEEDS} seeds of {len(QUICK)} experiments: {", ".join(QUICK)}')
     p.add_argument('--only', nargs='+', metavar='NAME', help='these experiments only')
-    p.add_argument('--seeds', type=int, default=3, help='seeds per experiment (0, 1, ...)')
+    p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N', help=f'seeds (0, 1, ...): N for every table, TABLE=N '
+                   f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')
     args = parser.parse_args(argv)
     return {'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
             'ablations': cmd_ablations}[args.command](args)

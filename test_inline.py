@@ -14,6 +14,7 @@ import functools
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -1466,6 +1467,109 @@ def test_image_folder_trains_and_evaluates(tmp_path):
     assert printed(result.stdout, 'eval model: ')['acc1'] == log[-1]['val_acc1']
 
 
+# ------------------------------------------------------------------- small datasets, read from their own files
+def write_idx(path, array):
+    """An IDX file as MNIST's are distributed: gzipped, 0 0 8 D, D big-endian sizes, uint8 data."""
+    a = np.asarray(array, dtype=np.uint8)
+    with gzip.open(path, 'wb') as f:
+        f.write(bytes([0, 0, 8, a.ndim]) + b''.join(int(n).to_bytes(4, 'big') for n in a.shape) + a.tobytes())
+
+
+def write_fashion_mnist(root, train=12, test=6, seed=0):
+    """The four .gz files of Fashion-MNIST in one plain folder (as Debian's package installs them), tiny."""
+    g = np.random.default_rng(seed)
+    data = {}
+    for prefix, n in (('train', train), ('t10k', test)):
+        images, labels = g.integers(0, 256, (n, 28, 28)), np.arange(n) % 10
+        write_idx(os.path.join(root, f'{prefix}-images-idx3-ubyte.gz'), images)
+        write_idx(os.path.join(root, f'{prefix}-labels-idx1-ubyte.gz'), labels)
+        data[prefix] = images, labels
+    return data
+
+
+def write_cifar(root, name, per_batch=4, seed=0):
+    """CIFAR-10's or CIFAR-100's python batches, tiny: rows of 3072 bytes, channel-major, as distributed."""
+    import pickle
+    g = np.random.default_rng(seed)
+    ten = name == 'cifar10'
+    folder = os.path.join(root, 'cifar-10-batches-py' if ten else 'cifar-100-python')
+    os.makedirs(folder)
+    key = 'labels' if ten else 'fine_labels'
+    files = [f'data_batch_{i}' for i in range(1, 6)] + ['test_batch'] if ten else ['train', 'test']
+    written = {}
+    for file in files:
+        data, labels = g.integers(0, 256, (per_batch, 3072), dtype=np.uint8), list(g.integers(0, 10, per_batch))
+        with open(os.path.join(folder, file), 'wb') as f:
+            pickle.dump({'data': data, key: labels}, f)
+        written[file] = data, labels
+    with open(os.path.join(folder, 'batches.meta' if ten else 'meta'), 'wb') as f:
+        pickle.dump({'label_names' if ten else 'fine_label_names': [f'c{i}' for i in range(10 if ten else 100)]}, f)
+    return written
+
+
+def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
+    data = write_fashion_mnist(str(tmp_path))
+    images, labels, classes = train.read_small('fashion_mnist', str(tmp_path), train=True)
+    assert images.shape == (12, 3, 28, 28) and all(torch.equal(images[:, c], torch.tensor(data['train'][0],
+                                                                                        dtype=torch.uint8)) for c in range(3))
+    assert labels.tolist() == data['train'][1].tolist() and classes == datasets.FashionMNIST.classes
+    # torchvision's layout, ROOT/FashionMNIST/raw, uncompressed, reads the same
+    raw = tmp_path / 'tv' / 'FashionMNIST' / 'raw'
+    raw.mkdir(parents=True)
+    for file in os.listdir(tmp_path):
+        if file.endswith('.gz'):
+            (raw / file[:-3]).write_bytes(gzip.decompress((tmp_path / file).read_bytes()))
+    assert torch.equal(train.read_small('fashion_mnist', str(tmp_path / 'tv'), train=False)[0][:, 0],
+                       torch.tensor(data['t10k'][0], dtype=torch.uint8))
+    # grayscale read as 3 equal channels, at the asked size; a fixed subset of training images whatever the seed
+    args = train.get_args_parser().parse_args(['--dataset', 'fashion_mnist', '--data-path', str(tmp_path),
+                                               '--img-size', '32', '--train-subset', '5'])
+    args.model = 'inline_deit_t'
+    train_set, val_set = train.load_data(args)
+    x, y = val_set[1]
+    pixels = x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None]
+    assert x.shape == (3, 32, 32) and y == 1 and torch.allclose(pixels[0], pixels[1], atol=1e-6)
+    assert len(train_set) == 5 and train_set.classes == val_set.classes == datasets.FashionMNIST.classes
+    args.seed = 7
+    assert train.load_data(args)[0].indices == train_set.indices
+
+
+@pytest.mark.parametrize('name', ['cifar10', 'cifar100'])
+def test_cifar_reads_its_python_batches(tmp_path, name):
+    written = write_cifar(str(tmp_path), name)
+    images, labels, classes = train.read_small(name, str(tmp_path), train=True)
+    files = [f'data_batch_{i}' for i in range(1, 6)] if name == 'cifar10' else ['train']
+    expected = np.concatenate([written[f][0] for f in files]).reshape(-1, 3, 32, 32)  # channel-major rows
+    assert torch.equal(images, torch.from_numpy(expected)) and images.shape == (4 * len(files), 3, 32, 32)
+    assert labels.tolist() == sum((list(written[f][1]) for f in files), [])
+    assert len(classes) == (10 if name == 'cifar10' else 100)
+    test_images = train.read_small(name, str(tmp_path), train=False)[0]
+    assert test_images.shape == (4, 3, 32, 32)
+
+
+def test_a_missing_small_dataset_says_how_to_get_it(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.read_small('fashion_mnist', str(tmp_path), train=True)
+    err = capsys.readouterr().err
+    assert 'apt-get install dataset-fashion-mnist' in err and '--download' in err
+
+
+def test_fashion_mnist_trains_with_the_small_image_recipe(tmp_path):
+    """train.py on the tiny IDX files: its recipe printed, validation every --val-every epochs, the dataset stored in
+    the checkpoint's arguments."""
+    os.makedirs(tmp_path / 'fm')
+    write_fashion_mnist(str(tmp_path / 'fm'), train=16, test=6)
+    output_dir = str(tmp_path / 'run')
+    result = run_train(TINY_ARGS + ['--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'), '--epochs', '2',
+                                    '--val-every', '2',
+                                    '--output-dir', output_dir])
+    assert 'small-image recipe for fashion_mnist (random crop padded by 4 px, flip' in result.stdout
+    log = metrics(output_dir)  # validated every 2 epochs: not after the first
+    assert 'val_acc1' not in log[0] and log[1]['val_images'] == 6
+    args = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))['args']
+    assert args['dataset'] == 'fashion_mnist' and args['data_path'] == str(tmp_path / 'fm')
+
+
 def test_throughput_prints_images_per_second():
     result = run_train(TINY_ARGS + ['--throughput', '--batch-size', '2'])
     assert 'throughput:' in result.stdout and 'images/s' in result.stdout
@@ -1844,9 +1948,10 @@ def tiny_deit_checkpoint(path, layout='I', **overrides):
 
 
 def test_paper_locality_of_known_patterns_equals_the_hand_count():
-    """Weights replaced by patterns whose 3x3 mass is known: on the token itself (1), uniform over all N = 17
-    tokens of a 4x4 grid + class token (per axis 2, 3, 3, 2 neighbours: 6.25 / 17 on average), all on the class
-    token (0), half on the token itself and half two columns away, outside its 3x3 (0.5 where that token exists)."""
+    """Weights replaced by patterns whose shares are known, on a 4x4 grid + class token (N = 17): all on the token
+    itself; uniform (class token 1/17; among the 16 grid tokens own 1/16, and on average 6.25 - 1 = 5.25 of the
+    others in the 3x3, per axis 2, 3, 3, 2 neighbours); half on the class token and half on the token itself (the
+    grid renormalised: own 1); half on itself and half two columns away, outside its 3x3 (own 0.5 or 1)."""
     torch.manual_seed(0)
     model = models.create_model('inline_deit_t', img_size=64, depth=4, embed_dim=32, num_heads=2, num_classes=10)
     N = 17
@@ -1859,10 +1964,11 @@ def test_paper_locality_of_known_patterns_equals_the_hand_count():
             elif kind == 'uniform':
                 w[:] = 1 / N
             elif kind == 'class token':
-                w[..., 0] = 1
+                w[..., 0] = 0.5
+                w[..., range(1, N), range(1, N)] = 0.5
             else:  # grid token i = 1 + 4y + x: half on itself, half on (y, x + 2) if it exists
                 for i in range(1, N):
-                    w[..., i, i] = 0.5
+                    w[..., i, i] = 0.5 if (i - 1) % 4 < 2 else 1.0
                     if (i - 1) % 4 < 2:
                         w[..., i, i + 2] = 0.5
             return w
@@ -1870,25 +1976,69 @@ def test_paper_locality_of_known_patterns_equals_the_hand_count():
 
     for block, kind in zip(model.blocks, ['self', 'uniform', 'class token', 'half']):
         block.attn.weights = pattern(kind)
-    masses = [paper.local_mass(w, model.grid) for w in paper.attention_weights(model.eval(), torch.randn(2, 3, 64, 64))]
-    assert masses == pytest.approx([1.0, 6.25 / 17, 0.0, 0.5], abs=1e-6)
+    got = [{k: v.tolist() for k, v in paper.weight_shares(w, model.grid).items()}
+           for w in paper.attention_weights(model.eval(), torch.randn(2, 3, 64, 64))]
+    expected = [dict(own=1.0, near=0.0, **{'class': 0.0}), dict(own=1 / 16, near=5.25 / 16, **{'class': 1 / 17}),
+                dict(own=1.0, near=0.0, **{'class': 0.5}), dict(own=0.75, near=0.0, **{'class': 0.0})]
+    for layer, want in zip(got, expected):
+        for key, value in want.items():
+            assert layer[key] == pytest.approx([value] * 2, abs=1e-6), (key, layer)
+
+
+def test_paper_eq6_share_is_measured_apart_from_the_weights():
+    """Eq. 6's share is 0 without it; with it, a fraction in (0, 1); and all of the output where Eq. 5 gives 0:
+    with q = k = 0 every InLine weight is 1/N, so Eq. 5 returns the mean of v, which is 0 for tokens centred
+    over the sequence and no v bias."""
+    torch.manual_seed(0)
+    sizes = dict(img_size=32, patch_size=8, depth=1, embed_dim=16, num_heads=2)
+    with_eq6, without = (models.create_model('inline_deit_t', residual=r, **sizes) for r in ('local', 'none'))
+    x = torch.randn(3, 17, 16)  # (B, 1 + 4*4, C)
+    with torch.no_grad():
+        assert paper.eq6_share(without.blocks[0].attn, x, (4, 4)).tolist() == [0.0, 0.0]
+        share = paper.eq6_share(with_eq6.blocks[0].attn, x, (4, 4))
+        assert share.shape == (2,) and ((share > 0) & (share < 1)).all()
+        attn = with_eq6.blocks[0].attn
+        attn.qkv.weight[:32] = 0  # q = k = 0
+        attn.qkv.bias.zero_()
+        share = paper.eq6_share(attn, x - x.mean(1, keepdim=True), (4, 4))
+        assert share.tolist() == pytest.approx([1.0, 1.0], abs=1e-5)
 
 
 def test_paper_locality_and_maps_commands(tmp_path):
-    """Untrained softmax attention (weights init std .02, so q.k ~ 0) is close to uniform: its 3x3 mass is near
-    the uniform line the command prints. Both commands draw their PNG."""
+    """Untrained softmax attention (weights init std .02, so q.k ~ 0) is close to uniform: its shares are near the
+    uniform lines the command prints. A name given twice is two seeds. Both commands draw their PNG."""
     softmax = tiny_deit_checkpoint(tmp_path / 'softmax.pt', layout='S')
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
     results, uniform = paper.main(['locality', '--checkpoints', f'softmax={softmax}', f'InLine={ours}',
-                                   '--images', '4', '--out', str(tmp_path)])
-    assert len(results['softmax']) == len(results['InLine']) == 2
-    assert uniform == pytest.approx((22 / 8) ** 2 / 65)  # per axis (2 + 6 x 3 + 2) / 8 neighbours on an 8-wide grid
-    assert results['softmax'] == pytest.approx([uniform] * 2, abs=2e-3)
+                                   f'InLine={ours}', '--images', '4', '--out', str(tmp_path)])
+    assert len(results['softmax']) == 1 and len(results['InLine']) == 2 and len(results['InLine'][0]) == 2
+    assert uniform == pytest.approx({'own': 1 / 64, 'near': ((22 / 8) ** 2 - 1) / 64})
+    for layer in results['softmax'][0]:
+        assert layer['near'].tolist() == pytest.approx([uniform['near']], abs=2e-3)
+        assert layer['class'].tolist() == pytest.approx([1 / 65], abs=2e-3) and layer['eq6'].tolist() == [0.0]
+    assert all((layer['eq6'] > 0).all() for layer in results['InLine'][0])
     assert_png(tmp_path / 'locality.png', (500, 300))
     rows = paper.main(['maps', '--checkpoints', f'softmax={softmax}', f'InLine={ours}', '--queries', '0,0', '7,7',
                        '--out', str(tmp_path)])
     assert [label for label, _ in rows] == ['softmax, layer 1', 'softmax, layer 2', 'InLine, layer 1', 'InLine, layer 2']
     assert_png(tmp_path / 'maps.png', (400, 500))
+
+
+def test_paper_measures_on_the_data_a_checkpoint_was_trained_on(tmp_path):
+    """A checkpoint trained on Fashion-MNIST is measured on Fashion-MNIST's test images (its stored arguments),
+    not on the synthetic task; --dataset/--data-path choose other images."""
+    os.makedirs(tmp_path / 'fm')
+    data = write_fashion_mnist(str(tmp_path / 'fm'), test=6)
+    path = tiny_deit_checkpoint(tmp_path / 'inline.pt')
+    ckpt = torch.load(path, weights_only=True)
+    ckpt['args'].update(dataset='fashion_mnist', data_path=str(tmp_path / 'fm'))
+    model = paper.load_trained(path)[0]
+    args = paper.main.__globals__['argparse'].Namespace(dataset=None, data_path=None, download=False)
+    images, labels, classes, what = paper.eval_images(ckpt, model, args, 3)
+    assert images.shape == (3, 3, 64, 64) and labels.tolist() == data['t10k'][1][::2].tolist()
+    assert classes == datasets.FashionMNIST.classes and 'fashion_mnist' in what
+    args.dataset = 'synthetic'
+    assert 'synthetic' in paper.eval_images(ckpt, model, args, 3)[3]
 
 
 def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
@@ -1904,7 +2054,9 @@ def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
             (['locality', '--checkpoints', str(tmp_path / 'other.pt')], 'not a checkpoint written by train.py'),
             (['locality', '--checkpoints', str(tmp_path / 'none.pt')], 'no checkpoint at'),
             (['maps', '--checkpoints', ours, '--queries', '8,0'], '--queries must lie on the 8x8 token grid'),
-            (['ablations', '--only', 'no_such_experiment'], 'unknown experiments')]:
+            (['ablations', '--only', 'no_such_experiment', '--dataset', 'synthetic'], 'unknown experiments'),
+            (['ablations', '--data-path', str(tmp_path / 'nothing')], 'no fashion_mnist files in .*apt-get install '
+                                                                      'dataset-fashion-mnist.*--download')]:
         with pytest.raises(SystemExit):
             paper.main(argv + ['--out', str(tmp_path)])
         assert re.search('error: .*' + message, capsys.readouterr().err), argv
@@ -1971,40 +2123,77 @@ def fake_run(path, accs, epochs):
         f.writelines(json.dumps({'epoch': e + 1, 'val_acc1': acc}) + '\n' for e, acc in enumerate(accs[:epochs]))
 
 
-def test_paper_ablations_reuse_finished_runs_and_train_the_rest(tmp_path, monkeypatch):
+def test_paper_ablations_reuse_finished_runs_and_train_the_rest(tmp_path, monkeypatch, capsys):
     """Finished runs are read, not retrained; an unfinished one is handed to train.py, with the experiment's
-    miniature on its command line; the table compares each row with its reference."""
+    miniature and its data on its command line; the table compares each row with its reference, seed by seed,
+    in the three words; the learning curves are drawn."""
+    os.makedirs(tmp_path / 'fm')
+    write_fashion_mnist(str(tmp_path / 'fm'))
     chosen = {n: models.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q')}
     monkeypatch.setattr(paper, 'experiments', lambda: chosen)
-    args = ['ablations', '--only', *chosen, '--seeds', '2', '--epochs', '2', '--train-images', '64', '--jobs', '1',
-            '--out', str(tmp_path)]
+    args = ['ablations', '--only', *chosen, '--seeds', 'T1=3', '--epochs', '2', '--train-images', '64', '--jobs', '1',
+            '--data-path', str(tmp_path / 'fm'), '--out', str(tmp_path)]
     launched = []
 
     class Popen:  # train.py stand-in: records the command line, writes a finished run
         def __init__(self, argv, **kwargs):
             launched.append(argv)
-            fake_run(argv[argv.index('--output-dir') + 1], [50.0, 60.0], 2)
+            seed = int(argv[argv.index('--seed') + 1])
+            fake_run(argv[argv.index('--output-dir') + 1], [50.0, 60.0 + seed], 2)
             self.returncode = 0
 
         def poll(self):
             return 0
 
     monkeypatch.setattr(paper.subprocess, 'Popen', Popen)
-    ns = argparse.Namespace(epochs=2, train_images=64)
+    ns = argparse.Namespace(epochs=2, train_images=64, dataset='fashion_mnist', data_path=str(tmp_path / 'fm'))
     argv0 = paper.ablation_argv('t1_softmax', chosen['t1_softmax'], 0, ns)
-    for seed, acc in ((0, 70.0), (1, 72.0)):  # softmax: both seeds already finished
+    for seed, acc in ((0, 70.0), (1, 72.0), (2, 71.0)):  # softmax: every seed already finished
         fake_run(paper.run_dir(str(tmp_path), f't1_softmax-seed{seed}',
                                paper.ablation_argv('t1_softmax', chosen['t1_softmax'], seed, ns)), [1.0, acc], 2)
     rows = paper.main(args)
-    assert len(launched) == 2 and all('t1_softmax_normalised_q' in a for a in launched)  # only the unfinished
+    assert len(launched) == 3 and all('t1_softmax_normalised_q' in a for a in launched)  # only the unfinished
     assert argv0[:2] == ['--experiment', 't1_softmax'] and 'num_heads=1' in argv0  # 3 heads x 1/3: head dim 64
-    assert rows == [['T1', 't1_softmax', '71.0 ± 1.4', '72.2', '', '', '(reference)'],
-                    ['T1', 't1_softmax_normalised_q *', '60.0 ± 0.0', '70.6 / 69.9', 't1_softmax', '-11.0 ± 2.0',
-                     'yes']]
+    assert argv0[argv0.index('--dataset'):argv0.index('--dataset') + 6] == [
+        '--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'), '--train-subset', '64']
+    # per-seed differences -10, -11, -9: mean -10, sd 1, half-width 4.303 / sqrt(3) = 2.48
+    assert rows[0][:6] == ['T1', 't1_softmax', rows[0][2], '71.0 ± 1.0 (3)', '72.2', '(reference)']
+    assert rows[1][3:] == ['61.0 ± 1.0 (3)', '70.6 / 69.9', 't1_softmax', '-10.0 [-12.5, -7.5]', '±2.5', '7',
+                           'reproduced']
+    assert 'estimate for the 3 runs to do' in capsys.readouterr().out
     assert_png(tmp_path / 'ablations.png', (300, 200))
+    assert_png(tmp_path / 'curves.png', (300, 200))
     launched.clear()
     paper.main(args)
     assert launched == []  # everything cached now
+
+
+def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
+    """--dataset imagefolder --data-path DIR: the same runs on an ImageFolder, with the small datasets' recipe in
+    place of the released ImageNet one (no Mixup, RandAugment, erasing or EMA; one process, no accumulation)."""
+    root = str(tmp_path / 'data')
+    write_image_folder(root, {'train': 2, 'val': 1})
+    ns = argparse.Namespace(out=str(tmp_path), epochs=2, train_images=3, dataset='imagefolder', data_path=root,
+                            download=False)
+    paper.resolve_data(ns)
+    run = resolved(paper.ablation_argv('inline_deit_t', paper.experiments()['inline_deit_t'], 0, ns))
+    a = run.args
+    assert (a.dataset, a.train_subset, a.epochs, a.accum_steps, a.ema_decay) == ('imagefolder', 3, 2, 1, 0.0)
+    assert {k: getattr(a, k) for k in train.SMALL if k != 'epochs'} == {k: v for k, v in train.SMALL.items()
+                                                                      if k != 'epochs'}
+    assert len(train.load_data(a)[0]) == 3
+
+
+def test_paper_distinct_configurations_never_share_a_run():
+    """Two different models never get the same train.py command line, so never the same run folder: the
+    experiments outside models.EXPERIMENTS (the released InLine variants, F4's DeiTs) carry their overrides."""
+    every = {**paper.experiments(), **paper.F4_EXTRA}
+    ns = argparse.Namespace(epochs=1, train_images=8, dataset='synthetic')
+    owner = {}
+    for name, e in every.items():
+        argv = json.dumps(paper.ablation_argv(name, e, 0, ns))
+        assert owner.setdefault(argv, paper.config_key(e)) == paper.config_key(e), name
+    assert "layout='L'" in paper.ablation_argv('deit_linear_relu', every['deit_linear_relu'], 0, ns)
 
 
 def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, monkeypatch):
@@ -2024,7 +2213,8 @@ def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, mo
             return 0
 
     monkeypatch.setattr(paper.subprocess, 'Popen', Popen)
-    common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--out', str(tmp_path)]
+    common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--dataset', 'synthetic',
+              '--out', str(tmp_path)]
     paper.main(['ablations', '--only', 'r_residual_local', *common])
     assert len(launched) == 1 and launched[0][launched[0].index('--experiment') + 1] == 't4_window56_residual'
     paper.main(['ablations', '--only', 't4_window56_residual', *common])
@@ -2047,16 +2237,54 @@ def test_paper_every_ablation_miniature_builds_and_runs():
     assert paper.mini_kwargs(chosen['t4_window7_residual'])['window'] == 2  # 7/56 of the 16x16 stage 1
 
 
-@pytest.mark.parametrize('ours,ref,paper_,paper_ref,expected', [  # top-1 per seed, the paper's two numbers
-    ([60, 62, 58], [70, 71, 69], 70.6, 72.2, 'yes'),  # lower here and in the paper, beyond 2 SE of the differences
-    ([73, 74, 72], [70, 71, 69], 70.6, 72.2, 'no'),
-    ([69, 72, 68.5], [70, 71, 69], 70.6, 72.2, 'within noise'),
-    ([69, 72, 68.5], [70, 71, 69], 80.2, 80.2, 'yes'),  # a tie in the paper, within noise here
-    ([60, 62, 58], [70, 71, 69], 80.2, 80.3, 'no'),
-    ([77.3, 77.6, 77.8], [77.5, 77.7, 78.1], 82.3, 82.4, 'yes'),  # -0.2 +- 0.1 here: a tie on both sides
-    ([77.2, 77.5, 77.7], [77.5, 77.7, 78.1], 82.3, 82.4, 'no'),  # -0.3 +- 0.1: ordered here, a tie in the paper
-    ([75, 80, 85], [74, 79, 84], 80.0, 79.0, 'yes'),  # the seeds spread top-1 by 10, yet each seed gains 1: paired
-    ([60], [70], 70.6, 72.2, 'yes (1 seed)'),
-    ([60, 62, 58], [70, 71, 69], None, 72.2, '—')])
-def test_paper_ordering_verdict(ours, ref, paper_, paper_ref, expected):
-    assert paper.verdict(ours, ref, paper_, paper_ref) == expected
+def student_t_cdf_above_0(t, df, steps=20_000):
+    """P(0 < T < t) for Student's t with df degrees of freedom, by Simpson's rule on its density (float64)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    x = torch.linspace(0, t, steps + 1, dtype=torch.float64)
+    f = c * (1 + x ** 2 / df) ** (-(df + 1) / 2)
+    return (t / steps / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())).item()
+
+
+@pytest.mark.parametrize('df', [1, 2, 3, 4, 5, 9, 10, 29, 30, 31, 45, 60, 120, 1000])
+def test_t_quantile_is_student_t_at_95_percent(df):
+    """paper.t975(df) leaves 2.5% above it: its table (to 30) and its expansion (beyond) against the density itself."""
+    assert student_t_cdf_above_0(paper.t975(df), df) == pytest.approx(0.475, abs=2e-5)
+
+
+@pytest.mark.parametrize('diffs,paper_diff,expected', [  # per-seed differences (row minus reference), the paper's
+    ([-10, -9, -11], -1.6, 'reproduced'),  # lower here and in the paper: the interval excludes 0 on its side
+    ([10, 9, 11], -1.6, 'contradicted'),
+    ([-1, 1, 0.5], -1.6, 'not resolved'),  # the interval holds 0
+    ([1, 1.1, 0.9], 1.0, 'reproduced'),  # mean 1.0, sd 0.1, 3 seeds: +-0.25
+    ([0.5, 2.0, 0.1], 1.0, 'not resolved'),  # the same sign on every seed, but +-2.5 at 3 seeds (t = 4.30, not 2)
+    ([1, 1, 1], 2.4, 'reproduced'),  # the seeds spread top-1 widely, yet each gains 1: paired
+    ([-60, -58, -63], float('-inf'), 'reproduced'),  # 'does not converge' against a number
+    ([0.1, -0.1, 0.0, 0.2, -0.2], 0.1, 'reproduced'),  # a paper tie: the whole interval within +-MARGIN
+    ([5, 5.5, 4.5], 0.0, 'contradicted'),  # ... wholly outside it
+    ([0.5, 1.5, 1.0], 0.1, 'not resolved'),  # ... neither: [-0.24, 2.24]
+    ([-2, 2, 0], 0.2000000000000028, 'not resolved'),  # a tie as printed; no power is not agreement
+    ([5], -1.6, 'not resolved'),  # one seed: no interval
+    ([-10, -9, -11], None, '—')])
+def test_paper_verdict_rules(diffs, paper_diff, expected):
+    assert paper.verdict(diffs, paper_diff) == expected
+    assert expected in paper.WORDS + ('—',)
+
+
+def test_paper_interval_and_seeds_to_resolve_a_point():
+    mean, half = paper.interval([1.0, 2.0, 3.0])  # sd 1, 3 seeds: 4.303 / sqrt(3)
+    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3))
+    assert paper.interval([1.0])[1] == math.inf
+    # sd 1: t(5) / sqrt(6) = 1.05 > 1, t(6) / sqrt(7) = 0.92: seven seeds resolve 1 point
+    assert paper.seeds_for([1.0, 2.0, 3.0]) == 7 and paper.seeds_for([1.0]) is None
+
+
+def test_paper_seeds_per_table(capsys):
+    default = {'T3': 5, 'T1': 3}
+    assert paper.seeds_option(None, default) == default
+    assert paper.seeds_option(['T1=8'], default) == {'T3': 5, 'T1': 8}
+    assert paper.seeds_option(['2'], default) == {'T3': 2, 'T1': 2}
+    assert paper.seeds_option(['2', 'T3=6'], default) == {'T3': 6, 'T1': 2}
+    for bad in ('T3=x', 'T9=3', '0'):
+        with pytest.raises(SystemExit):
+            paper.seeds_option([bad], default)
+        assert '--seeds takes N or TABLE=N' in capsys.readouterr().err

@@ -8,6 +8,8 @@ README's "Training and evaluation" shows); without it, a small recipe for a buil
 The main job: no dataset, no download; on a 2-core CPU it reaches >= 90% validation accuracy in minutes (the
 README's quick start gives the measured times)
     torchrun --standalone --nproc_per_node=2 train.py --model inline_swin_t
+Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or --download), CIFAR too:
+    python train.py --model inline_deit_t --dataset fashion_mnist --data-path DIR --img-size 64 --train-subset 5000
 
 ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs (total batch =
 the variant's per-process batch x 8; fewer processes reach it by gradient accumulation, printed at start):
@@ -26,13 +28,16 @@ the current epoch, and the rerun ends with the same weights as a run never inter
 import argparse
 import ast
 import contextlib
+import gzip
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
 import signal
+import struct
 import sys
 import threading
 import time
@@ -93,6 +98,11 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
 # images is raised so that 2 x 8 images a step still see 5e-4.
 SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3, synthetic_train=640,
                           synthetic_val=320, lr=1.6e-2)
+# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (small_transforms),
+# batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left a DeiT learning in its last epoch
+SMALL = {k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')} | dict(batch_size=64, lr=6e-3, epochs=15,
+                                                                                    warmup_epochs=1)
+SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10, 'cifar100': datasets.CIFAR100}
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with the mean colour
 BICUBIC = T.InterpolationMode.BICUBIC
@@ -123,7 +133,11 @@ def get_args_parser():
     a('--normalise-q', action=argparse.BooleanOptionalAction, help='softmax over L2-normalised queries (T1)')
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
       help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
-    a('--data-path', help='ImageFolder root with train/ and val/; without it, the built-in synthetic task')
+    a('--dataset', choices=['synthetic', 'imagefolder', *SMALL_DATASETS], help='default: synthetic, imagefolder with '
+      '--data-path; the small ones read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
+    a('--data-path', help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
+    a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
+    a('--train-subset', type=int, help='train on this many images, a fixed random subset (the same for every seed)')
     a('--img-size', type=int, help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
       'DeiT 64, Swin with InLine windows smaller than the stage 224)')
     a('--attention-impl', default='fast', choices=['fast', 'reference'],
@@ -134,6 +148,7 @@ def get_args_parser():
     a('--synthetic-train', type=int, help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
     a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
     a('--epochs', type=int, help='epochs of the cosine schedule (cool-down epochs come on top)')
+    a('--val-every', type=int, default=1, help='validate every this many epochs, and after the last (1)')
     a('--batch-size', type=int, help='per-process batch size (images)')
     a('--accum-steps', type=int, help='gradient accumulation steps (default: enough for the recipe\'s total batch)')
     a('--lr', type=float, help='peak learning rate per 512 images of total batch')
@@ -324,30 +339,96 @@ def load_rgb(path):
         raise RuntimeError(f'cannot decode image {path}: {e}') from None
 
 
+def read_idx(path):
+    """An IDX file (MNIST's format, gzipped or not) as a uint8 tensor: bytes 0 0 8 D, D big-endian sizes, data."""
+    with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
+        data = f.read()
+    shape = struct.unpack(f'>{data[3]}I', data[4:4 + 4 * data[3]])
+    return torch.frombuffer(bytearray(data[4 + 4 * data[3]:]), dtype=torch.uint8).reshape(shape)
+
+
+def read_small(name, root, train):
+    """(images (N, 3, H, W) uint8, grayscale as 3 equal channels; labels; class names) from the files as distributed,
+    in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled python batches."""
+    if name == 'fashion_mnist':
+        for folder, ext in [(f, e) for f in (root, os.path.join(root, 'FashionMNIST', 'raw')) for e in ('.gz', '')]:
+            split = 'train' if train else 't10k'
+            paths = [os.path.join(folder, f'{split}-{kind}-ubyte{ext}') for kind in ('images-idx3', 'labels-idx1')]
+            if all(map(os.path.exists, paths)):  # (N, 28, 28) -> (N, 3, 28, 28), a view
+                return read_idx(paths[0])[:, None].expand(-1, 3, -1, -1), read_idx(paths[1]).long(), \
+                    datasets.FashionMNIST.classes
+    else:
+        folder, files, key = (('cifar-10-batches-py', [f'data_batch_{i}' for i in range(1, 6)] if train else
+                               ['test_batch'], 'label') if name == 'cifar10' else
+                              ('cifar-100-python', ['train' if train else 'test'], 'fine_label'))
+        folder = next((f for f in (os.path.join(root, folder), root) if os.path.exists(os.path.join(f, files[0]))), '')
+        if folder:
+            batches, meta = [], 'batches.meta' if name == 'cifar10' else 'meta'
+            for file in files + [meta]:
+                with open(os.path.join(folder, file), 'rb') as f:
+                    batches.append(pickle.load(f, encoding='latin1'))
+            images = torch.cat([torch.as_tensor(b['data']).reshape(-1, 3, 32, 32) for b in batches[:-1]])
+            labels = torch.cat([torch.as_tensor(b[key + 's']) for b in batches[:-1]])
+            return images, labels, batches[-1][key + '_names']
+    fail(f'no {name} files in {root}' + (' (Debian: apt-get install dataset-fashion-mnist puts them in '
+                                         '/usr/share/datasets/fashion-mnist)' if name == 'fashion_mnist' else '') +
+         '; --download fetches them there')
+
+
+class TensorImages(Dataset):
+    """A small dataset held as one uint8 tensor (N, 3, H, W)."""
+    def __init__(self, images, labels, classes, transform):
+        self.images, self.labels, self.classes, self.transform = images, labels, list(classes), transform
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.transform(self.images[index]), int(self.labels[index])
+
+
+def small_transforms(img_size):
+    """The small-image recipe: resized to img_size, randomly cropped with an eighth of padding, flipped."""
+    resize = [T.ToImage(), T.Resize((img_size, img_size), BICUBIC, antialias=True)]
+    augment = [T.RandomCrop(img_size, padding=img_size // 8, padding_mode='reflect'), T.RandomHorizontalFlip()]
+    return T.Compose(resize + augment + TO_TENSOR), T.Compose(resize + TO_TENSOR)
+
+
 def load_data(args):
-    """(training set, validation set): ROOT/train and ROOT/val as ImageFolders with the released transforms, or
-    without --data-path the synthetic task."""
-    if args.data_path is None:
+    """(training set, validation set): the synthetic task; ROOT/train and ROOT/val as ImageFolders with the
+    released transforms; or a small dataset's training and test sets, --train-subset of the training images."""
+    if args.dataset == 'synthetic':
         train_set = SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True)
         val_set = SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False)
         print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), {args.img_size} '
                f'px, {len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
         return train_set, val_set
     found, root = [], args.data_path
-    for split in ('train', 'val'):
-        if not os.path.isdir(os.path.join(root, split)):
-            fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
-    for split, transform in (('train', train_transform(args)),
-                             ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
-        try:
-            found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
-        except FileNotFoundError as e:
-            fail(f'no images in {os.path.join(root, split)}: {e}')
+    if args.dataset in SMALL_DATASETS:
+        root = root or 'data'
+        if args.download:
+            for train in (True, False):
+                SMALL_DATASETS[args.dataset](root, train=train, download=True)
+        found = [TensorImages(*read_small(args.dataset, root, train), transform)
+                 for train, transform in zip((True, False), small_transforms(args.img_size))]
+    else:
+        for split in ('train', 'val'):
+            if not os.path.isdir(os.path.join(root, split)):
+                fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
+        for split, transform in (('train', train_transform(args)),
+                                 ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
+            try:
+                found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
+            except FileNotFoundError as e:
+                fail(f'no images in {os.path.join(root, split)}: {e}')
     train_set, val_set = found
     if train_set.classes != val_set.classes:
         fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; they must match')
-    print0(f'data: {root}, {len(train_set.classes)} classes, {len(train_set):,} training and {len(val_set):,} '
-           f'validation images, {args.img_size} px')
+    if args.train_subset and args.train_subset < len(train_set):  # the same images whatever --seed
+        keep = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0))[:args.train_subset]
+        train_set, train_set.classes = Subset(train_set, keep.tolist()), train_set.classes
+    print0(f'data: {args.dataset} in {root}, {len(train_set.classes)} classes, {len(train_set):,} training and '
+           f'{len(val_set):,} validation images, {args.img_size} px')
     return train_set, val_set
 
 
@@ -424,9 +505,15 @@ def resolve_architecture(run):
     run.name = '-'.join([name] + summary)
 
 
+def dataset(args):
+    """--dataset, or what --data-path implies: an ImageFolder with it, the synthetic task without."""
+    return args.dataset or ('imagefolder' if args.data_path else 'synthetic')
+
+
 def default_output_dir(run):
     """runs/<experiment or model>[-<overrides beyond its own>]-<data>: two ablations never resume into each other."""
-    data = 'synthetic' if run.args.data_path is None else os.path.basename(os.path.normpath(run.args.data_path))
+    data = dataset(run.args)
+    data = os.path.basename(os.path.normpath(run.args.data_path)) if data == 'imagefolder' else data
     return os.path.join('runs', f'{run.name}-{data}')
 
 
@@ -467,32 +554,36 @@ def open_checkpoint(run):
 
 def resolve(run):
     """Fill every flag left unset: from the checkpoint the run starts from (open_checkpoint), then from the
-    recipe: the variant's row of VARIANTS with --data-path, else the synthetic task's; set the total batch."""
+    recipe: the variant's row of VARIANTS on an ImageFolder (ImageNet), SMALL on a small dataset, else the synthetic
+    task's; set the total batch."""
     open_checkpoint(run)  # which resolves the architecture
-    args, synthetic = run.args, run.args.data_path is None
+    args = run.args
+    args.dataset = dataset(args)
+    synthetic, imagenet = args.dataset == 'synthetic', args.dataset == 'imagefolder'  # small datasets: neither
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
-    recipe = SYNTHETIC if synthetic else {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))}
+    recipe = SYNTHETIC if synthetic else SMALL if not imagenet else {**RELEASED, **dict(zip(COLUMNS,
+                                                                                          VARIANTS[args.model]))}
     if synthetic and args.img_size is None and not args.throughput and (run.arch.get('window') or 56) < 56:
         recipe = SYNTHETIC_WINDOWED
     for key, value in {**recipe, 'seed': 0}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.img_size is None and (not synthetic or args.throughput):
+    if args.img_size is None and (imagenet or args.throughput):
         with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
             args.img_size = models.create_model(args.model).img_size[0]  # (H, W); the released sizes are square
     if args.img_size is None:
         args.img_size = 64 if family == 'deit' else 32  # DeiT's 16 px patches: a 4x4 token grid
     if args.accum_steps is None:
         wanted = recipe['batch_size'] * PROCESSES  # the released total batch
-        args.accum_steps = 1 if synthetic else max(1, round(wanted / args.batch_size / run.world))
+        args.accum_steps = 1 if not imagenet else max(1, round(wanted / args.batch_size / run.world))
     run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
-        args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and not synthetic else 0.0
+        args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet else 0.0
     run.amp_given = args.amp is not None
     if args.amp is None:
         args.amp = 'bf16' if native_bf16(run.device) else 'fp16' if run.device.type == 'cuda' else 'fp32'
     if args.workers is None:
-        args.workers = 0 if synthetic else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
+        args.workers = 0 if not imagenet else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
     args.output_dir = args.output_dir or default_output_dir(run)
     check_args(args)
 
@@ -882,8 +973,9 @@ def save_checkpoint(run, t, is_best=False):
 
 def print_recipe(run, t):
     args, epochs = run.args, run.args.epochs + run.args.cooldown_epochs
-    recipe = ('synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)'
-              if args.data_path is None else f'released ImageNet-1K recipe for {args.model}')
+    recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)',
+              'imagefolder': f'released ImageNet-1K recipe for {args.model}'}.get(
+        args.dataset, f'small-image recipe for {args.dataset} (random crop padded by {args.img_size // 8} px, flip)')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
            f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
            f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
@@ -916,19 +1008,20 @@ def fit(run, raw, train_set, val_set):
             print0(f'SIGTERM: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch + 1}, step {t.step}; '
                    'rerun to continue')
             return
+        validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0], 'images_per_s': speed,
-                 **{f'val_{k}': v for k, v in evaluate(run, raw, val).items()},
+                 **{f'val_{k}': v for k, v in (evaluate(run, raw, val) if validate else {}).items()},
                  'experiment': args.experiment, 'arch': json.loads(json.dumps(raw.arch))}  # as metrics.jsonl has it
-        if t.ema is not None:
+        if t.ema is not None and validate:
             entry.update({f'ema_val_{k}': v for k, v in evaluate(run, t.ema.module, val).items()})
-        acc = entry['ema_val_acc1' if t.ema is not None else 'val_acc1']  # CSwin reports its EMA (main_ema.py)
+        acc = entry.get('ema_val_acc1' if t.ema is not None else 'val_acc1', -1.0)  # CSwin reports its EMA (main_ema.py)
         is_best, t.best_acc = acc > t.best_acc, max(acc, t.best_acc)
         t.log.append(entry)
         t.epoch, t.step = epoch + 1, 0
         save_checkpoint(run, t, is_best)
-        print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}  val loss {entry["val_loss"]:.4f}  acc@1 '
-               f'{entry["val_acc1"]:.2f}  acc@5 {entry["val_acc5"]:.2f}' +
-               (f'  ema acc@1 {entry["ema_val_acc1"]:.2f}' if t.ema else '') +
+        print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}' + (f'  val loss {entry["val_loss"]:.4f}  acc@1 '
+               f'{entry["val_acc1"]:.2f}  acc@5 {entry["val_acc5"]:.2f}' if validate else '') +
+               (f'  ema acc@1 {entry["ema_val_acc1"]:.2f}' if t.ema and validate else '') +
                f'  lr {entry["lr"]:.2e}  {speed:.0f} img/s  {time.perf_counter() - start:.0f} s')
     print0(f'done: best acc@1 {t.best_acc:.2f}; checkpoints and metrics.jsonl in {args.output_dir}')
 
