@@ -211,9 +211,6 @@ class SyntheticShapes(Dataset):
         self.size, self.img_size, self.seed, self.train, self.epoch = size, img_size, seed, train, 0
         self.classes = list(self.CLASSES)
 
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
     def __len__(self):
         return self.size
 
@@ -999,7 +996,7 @@ def fit(run, raw, train_set, val_set):
         sampler.set_epoch(epoch)
         sampler.start = t.step * args.accum_steps * args.batch_size
         if isinstance(train_set, SyntheticShapes):
-            train_set.set_epoch(epoch)
+            train_set.epoch = epoch  # a fresh set of images every epoch
         loader.generator.manual_seed(hash((args.seed, epoch, run.rank)) % 2**62)  # worker seeds
         loss, speed, steps, stopped = train_one_epoch(run, t, loader, epoch, stop)
         if stopped:
