@@ -98,7 +98,7 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
 # images is raised so that 2 x 8 images a step still see 5e-4.
 SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3, synthetic_train=640,
                           synthetic_val=320, lr=1.6e-2)
-# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (small_transforms),
+# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (load_data),
 # batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left a DeiT learning in its last epoch
 SMALL = {k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')} | dict(batch_size=64, lr=6e-3, epochs=15,
                                                                                     warmup_epochs=1)
@@ -384,13 +384,6 @@ class TensorImages(Dataset):
         return self.transform(self.images[index]), int(self.labels[index])
 
 
-def small_transforms(img_size):
-    """The small-image recipe: resized to img_size, randomly cropped with an eighth of padding, flipped."""
-    resize = [T.ToImage(), T.Resize((img_size, img_size), BICUBIC, antialias=True)]
-    augment = [T.RandomCrop(img_size, padding=img_size // 8, padding_mode='reflect'), T.RandomHorizontalFlip()]
-    return T.Compose(resize + augment + TO_TENSOR), T.Compose(resize + TO_TENSOR)
-
-
 def load_data(args):
     """(training set, validation set): the synthetic task; ROOT/train and ROOT/val as ImageFolders with the
     released transforms; or a small dataset's training and test sets, --train-subset of the training images."""
@@ -406,8 +399,12 @@ def load_data(args):
         if args.download:
             for train in (True, False):
                 SMALL_DATASETS[args.dataset](root, train=train, download=True)
-        found = [TensorImages(*read_small(args.dataset, root, train), transform)
-                 for train, transform in zip((True, False), small_transforms(args.img_size))]
+        # the small-image recipe: resized, then (training) randomly cropped with an eighth of padding and flipped
+        resize = [T.ToImage(), T.Resize((args.img_size, args.img_size), BICUBIC, antialias=True)]
+        augment = [T.RandomCrop(args.img_size, padding=args.img_size // 8, padding_mode='reflect'),
+                   T.RandomHorizontalFlip()]
+        found = [TensorImages(*read_small(args.dataset, root, train), T.Compose(transform + TO_TENSOR))
+                 for train, transform in ((True, resize + augment), (False, resize))]
     else:
         for split in ('train', 'val'):
             if not os.path.isdir(os.path.join(root, split)):
