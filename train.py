@@ -781,7 +781,7 @@ def train_one_epoch(run, t, loader, epoch, stop):
     t.model.train()
     bar = tqdm(total=t.steps_per_epoch - t.step, desc=f'epoch {epoch + 1}/{args.epochs + args.cooldown_epochs}',
                leave=False, disable=run.rank != 0, mininterval=1.0, dynamic_ncols=True)
-    losses, step, micro_loss, stopped, start = [], 0, 0.0, False, time.perf_counter()
+    losses, step, micro_loss, speed, stopped, start = [], 0, 0.0, 0.0, False, time.perf_counter()
     for i, (x, y) in enumerate(loader):
         if step == t.steps_per_epoch - t.step:  # the last incomplete accumulation group is dropped
             break
@@ -825,7 +825,6 @@ def train_one_epoch(run, t, loader, epoch, stop):
             stopped = True
             break
     bar.close()
-    speed = step * run.total_batch / max(time.perf_counter() - start, 1e-9)
     return sum(losses) / max(len(losses), 1), speed, step, stopped
 
 
