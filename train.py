@@ -1,9 +1,8 @@
 """Train and evaluate the InLine backbones: plain DDP, the authors' recipe to the letter, resumable.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (the authors' config of each variant,
-cfgs/inline_<variant>.yaml of their release, over their trainer's defaults; VARIANTS below is its table, which the
-README's "Training and evaluation" shows); without it, a small recipe for a built-in synthetic task.
+arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README, "Training and
+evaluation"); without it, a small recipe for a built-in synthetic task.
 
 The main job: no dataset, no download; on a 2-core CPU it reaches >= 90% validation accuracy in minutes (the
 README's quick start gives the measured times)
@@ -92,10 +91,9 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
                  weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0,
                  mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
                  synthetic_train=12_800, synthetic_val=2_000)
-# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28): 224 px, the one size
-# below 448 at which they tile every stage they are smaller than, and fewer, smaller steps so that it ends in
-# minutes on a CPU (README, "Training and evaluation", says why and gives a measured run); the rate per 512
-# images is raised so that 2 x 8 images a step still see 5e-4.
+# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28; README, "Training and
+# evaluation"): 224 px, the one size below 448 at which they tile every stage they are smaller than, and fewer,
+# smaller steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a step see 5e-4.
 SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3, synthetic_train=640,
                           synthetic_val=320, lr=1.6e-2)
 # Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (load_data),
@@ -168,9 +166,8 @@ def get_args_parser():
     a('--color-jitter', type=float, help='colour jitter strength (used only when RandAugment is off, as in timm)')
     a('--random-erase', type=float, help='random erasing probability (random per-pixel values)')
     a('--ema-decay', type=float, help='EMA decay per optimizer step, 0: off (CSwin: 0.9996^(total batch/4096))')
-    a('--amp', choices=['bf16', 'fp16', 'fp32'],
-      help='autocast dtype (default: training in bf16 where native, else fp16 on CUDA, else fp32; validation in '
-           'fp32, as the released runs; given, it applies to validation too)')
+    a('--amp', choices=['bf16', 'fp16', 'fp32'], help='autocast dtype (default: training in bf16 where native, else '
+      'fp16 on CUDA, else fp32; validation in fp32, as the released runs; given, it applies to validation too)')
     a('--compile', action='store_true', help='torch.compile the model for training')
     a('--workers', type=int, help='data-loading processes per training process')
     a('--threads', type=int, help='CPU threads per process (default: this node\'s cores shared out among them)')
@@ -293,9 +290,8 @@ RANDAUG_OPS = {
 
 
 class RandAugment(nn.Module):
-    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy): num_ops
-    operations drawn uniformly with replacement, each applied with probability 0.5 at its own magnitude
-    m ~ N(magnitude, std) clipped to [0, 10], in a random direction."""
+    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy): each of
+    num_ops operations, drawn with replacement, applied with probability 0.5 at its own magnitude."""
     def __init__(self, num_ops, magnitude, std, prob=0.5):
         super().__init__()
         self.num_ops, self.magnitude, self.std, self.prob = num_ops, magnitude, std, prob
@@ -310,8 +306,7 @@ class RandAugment(nn.Module):
 
 
 def train_transform(args):
-    """The released training augmentation (README, "Training and evaluation"); RandAugment works on PIL images,
-    as timm's."""
+    """The released training augmentation; RandAugment works on PIL images, as timm's."""
     t = [T.RandomResizedCrop(args.img_size, interpolation=BICUBIC), T.RandomHorizontalFlip()]
     if args.randaug_n > 0:
         t.append(RandAugment(args.randaug_n, args.randaug_m, args.randaug_mstd))
@@ -512,11 +507,9 @@ def default_output_dir(run):
 
 
 def open_checkpoint(run):
-    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval) or --resume FILE,
-    else OUTPUT_DIR/checkpoint.pt where it exists, so that rerunning a command resumes it. Its saved arguments
-    fill the flags left unset (a resumed run goes on as it was, an eval sees what it saw), and a checkpoint of
-    another model or architecture than the flags ask for is refused. Ours record their arguments and
-    architecture; the authors' files do not, and are taken as the flags describe them."""
+    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval), --resume FILE, else
+    OUTPUT_DIR/checkpoint.pt where it exists. Its saved arguments fill the flags left unset, and another model or
+    architecture than the flags ask for is refused; the authors' files save neither, and are taken as the flags say."""
     args = run.args
     path = args.checkpoint or args.resume
     if path is None:  # where this command's flags put its output folder
@@ -532,7 +525,7 @@ def open_checkpoint(run):
     if saved_args and args.model not in (None, saved_args['model']):
         fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
     mine = INVOCATION + ('data_path',) * args.eval  # an eval's data is its own
-    for key, value in (saved_args or {}).items():
+    for key, value in (saved_args or {}).items():  # a resumed run goes on as it was, an eval sees what it saw
         if getattr(args, key, False) is None and key not in mine:
             setattr(args, key, value)
     resolve_architecture(run)
@@ -547,9 +540,8 @@ def open_checkpoint(run):
 
 
 def resolve(run):
-    """Fill every flag left unset: from the checkpoint the run starts from (open_checkpoint), then from the
-    recipe: the variant's row of VARIANTS on an ImageFolder (ImageNet), SMALL on a small dataset, else the synthetic
-    task's; set the total batch."""
+    """Fill every flag left unset, from the checkpoint the run starts from, then from the recipe: VARIANTS on an
+    ImageFolder (ImageNet), SMALL on a small dataset, else SYNTHETIC; set the total batch."""
     open_checkpoint(run)  # which resolves the architecture
     args = run.args
     args.dataset = dataset(args)
@@ -664,11 +656,9 @@ def build_model(run, num_classes):
 
 
 def build_optimizer(model, args, total_batch, steps_per_epoch):
-    """AdamW without weight decay on 1-D parameters (biases, norms) and the model's no_weight_decay() names (DeiT's
-    position embedding and class token, Swin's relative position bias tables; PVT's position embeddings are
-    decayed, as in the released models); and its schedule: per-iteration cosine from the peak to --min-lr over
-    --epochs, a linear warm-up from --warmup-lr replacing its start, then --cooldown-epochs at --min-lr (timm's
-    CosineLRScheduler as the released code used it). Returns (optimizer, scheduler)."""
+    """(AdamW, its per-step schedule): no weight decay on 1-D parameters (biases, norms) and the model's
+    no_weight_decay() names; a cosine to --min-lr whose start a linear warm-up replaces, then --cooldown-epochs at
+    --min-lr, as timm's CosineLRScheduler ran in the released trainer."""
     skip = model.no_weight_decay()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -748,8 +738,7 @@ def read_checkpoint(path):
 
 
 def load_weights(model, saved, key, path):
-    """saved[key] (the whole of saved for a bare state dict) into model with models.load_checkpoint's checks:
-    strict on parameters, resized for another image size."""
+    """saved[key] (the whole of saved for a bare state dict) into model, with models.load_checkpoint's checks."""
     try:
         models.load_checkpoint(model, saved.get(key, saved))
     except RuntimeError as e:
