@@ -1008,9 +1008,8 @@ def resolve_data(args):
         args.data_path = FASHION_MNIST_DEB if args.dataset == 'fashion_mnist' and os.path.isdir(FASHION_MNIST_DEB) \
             else 'data'
     if args.dataset in train.SMALL_DATASETS:
-        if args.download:
-            for split in (True, False):
-                train.SMALL_DATASETS[args.dataset](args.data_path, train=split, download=True)
+        if args.download:  # torchvision fetches every split's files at once
+            train.SMALL_DATASETS[args.dataset](args.data_path, download=True)
         train.read_small(args.dataset, args.data_path, train=False)  # missing: says how to get them
     elif args.dataset == 'imagefolder' and not os.path.isdir(os.path.join(args.data_path, 'val')):
         train.fail(f'--data-path {args.data_path} has no val/ folder (an ImageFolder root: train/ and val/)')

@@ -391,9 +391,8 @@ def load_data(args):
     found, root = [], args.data_path
     if args.dataset in SMALL_DATASETS:
         root = root or 'data'
-        if args.download:
-            for train in (True, False):
-                SMALL_DATASETS[args.dataset](root, train=train, download=True)
+        if args.download:  # torchvision fetches every split's files at once
+            SMALL_DATASETS[args.dataset](root, download=True)
         # the small-image recipe: resized, then (training) randomly cropped with an eighth of padding and flipped
         resize = [T.ToImage(), T.Resize((args.img_size, args.img_size), BICUBIC, antialias=True)]
         augment = [T.RandomCrop(args.img_size, padding=args.img_size // 8, padding_mode='reflect'),
