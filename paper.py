@@ -1036,7 +1036,7 @@ def ablation_argv(name, e, seed, args):
     argv = (['--experiment', name] if registered else ['--model', e.model]) + ['--img-size', str(MINI_IMG),
                                                                               '--model-kwargs']
     argv += [f'{k}={v!r}' for k, v in kwargs.items()]
-    amp = ['--amp', 'bf16'] if native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) else []
+    amp = ['--amp', 'bf16'] if train.native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) else []
     return argv + ['--epochs', str(args.epochs), '--val-every', str(VAL_EVERY), *data_argv(args), *amp,
                    '--seed', str(seed)]
 
