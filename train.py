@@ -872,7 +872,8 @@ def measure_throughput(run, model, warmup=10, timed=30):
 
 
 def prepare_training(run, raw, train_set):
-    """The sampler, loader, optimizer, schedule, scaler, EMA and loss, restored from the checkpoint to resume."""
+    """The sampler, loader, optimizer, schedule, scaler, EMA and loss, restored from the checkpoint to resume; the
+    recipe and the schedule they run, printed."""
     args, num_classes = run.args, len(train_set.classes)
     sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
@@ -894,6 +895,16 @@ def prepare_training(run, raw, train_set):
         resume(run, t)
     else:
         torch.manual_seed(args.seed + run.rank)  # augmentation, Mixup/CutMix and drop path differ between ranks
+    recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)',
+              'imagefolder': f'released ImageNet-1K recipe for {args.model}'}.get(
+        args.dataset, f'small-image recipe for {args.dataset} (random crop padded by {args.img_size // 8} px, flip)')
+    print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
+           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
+           f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
+    print0(f'schedule: {args.epochs + args.cooldown_epochs} epochs ({args.epochs} cosine with {args.warmup_epochs} '
+           f'of warm-up, then {args.cooldown_epochs} cool-down) x {steps_per_epoch} steps of {run.total_batch} images '
+           f'({args.batch_size} per process x {run.world} processes x {args.accum_steps} accumulation steps); '
+           f'peak lr {scheduler.base_lrs[0]:.3g}, weight decay {args.weight_decay}')
     return t, sampler, loader
 
 
@@ -952,26 +963,11 @@ def save_checkpoint(run, t, is_best=False):
     publish(run, t, is_best)
 
 
-def print_recipe(run, t):
-    args, epochs = run.args, run.args.epochs + run.args.cooldown_epochs
-    recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)',
-              'imagefolder': f'released ImageNet-1K recipe for {args.model}'}.get(
-        args.dataset, f'small-image recipe for {args.dataset} (random crop padded by {args.img_size // 8} px, flip)')
-    print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
-           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
-           f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
-    print0(f'schedule: {epochs} epochs ({args.epochs} cosine with {args.warmup_epochs} of warm-up, then '
-           f'{args.cooldown_epochs} cool-down) x {t.steps_per_epoch} steps of {run.total_batch} images '
-           f'({args.batch_size} per process x {run.world} processes x {args.accum_steps} accumulation steps); '
-           f'peak lr {t.scheduler.base_lrs[0]:.3g}, weight decay {args.weight_decay}')
-
-
 def fit(run, raw, train_set, val_set):
     """Train epoch after epoch, validating and saving after each; SIGTERM saves mid-epoch and stops."""
     args = run.args
     t, sampler, loader = prepare_training(run, raw, train_set)
     val = val_loader(run, val_set)
-    print_recipe(run, t)
     os.makedirs(args.output_dir, exist_ok=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
