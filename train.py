@@ -180,19 +180,14 @@ def get_args_parser():
     return p
 
 
-def is_rank0():
-    return int(os.environ.get('RANK', 0)) == 0
-
-
-def print0(*args):
-    if is_rank0():
-        print(*args, flush=True)
+def print0(*args, **kwargs):
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(*args, **kwargs, flush=True)
 
 
 def fail(message):
     """Stop on bad input. Every rank checks the same arguments and files and meets the same error; rank 0 says it."""
-    if is_rank0():
-        print(f'error: {message}', file=sys.stderr, flush=True)
+    print0(f'error: {message}', file=sys.stderr)
     raise SystemExit(1)
 
 
