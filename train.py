@@ -687,27 +687,6 @@ def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
 
 
-def rng_state():
-    return {'torch': torch.get_rng_state(), 'python': random.getstate(),
-            'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_state(state):
-    torch.set_rng_state(state['torch'])
-    random.setstate(state['python'])
-    if state['cuda']:
-        torch.cuda.set_rng_state_all(state['cuda'])
-
-
-def save_atomic(obj, path):
-    """Write to a temporary file, flush it to disk, then rename: a crash leaves the old file or the new one."""
-    with open(path + '.tmp', 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
-
-
 def link_atomic(src, dst):
     """dst becomes the same file as src (a hard link, or a copy where links are unsupported), atomically."""
     if os.path.exists(dst) and os.path.samefile(src, dst):  # renaming a link onto itself would leave dst.tmp
@@ -917,8 +896,12 @@ def resume(run, t):
         t.ema.module.load_state_dict(saved['model_ema'])
         t.ema.n_averaged.fill_(saved['ema_updates'])
     t.epoch, t.step, t.best_acc, t.log = saved['epoch'], saved['step'], saved['best_acc1'], saved['log']
-    if len(saved['rng']) == run.world:
-        set_rng_state(saved['rng'][run.rank])
+    if len(saved['rng']) == run.world:  # this rank's random streams, as save_checkpoint gathered them
+        state = saved['rng'][run.rank]
+        torch.set_rng_state(state['torch'])
+        random.setstate(state['python'])
+        if state['cuda']:
+            torch.cuda.set_rng_state_all(state['cuda'])
     else:
         print0(f'warning: saved with {len(saved["rng"])} processes, now {run.world}; random streams differ')
     changed = sorted(k for k, v in saved['args'].items()
@@ -943,18 +926,25 @@ def publish(run, t, is_best):
 
 
 def save_checkpoint(run, t, is_best=False):
-    """Everything a rerun needs to continue exactly, with every rank's random generators."""
-    states = [rng_state()] * run.world
+    """Everything a rerun needs to continue exactly, with every rank's random generators, written to a temporary
+    file, flushed to disk and renamed: a crash leaves the old checkpoint or the new one."""
+    state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
+             'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    states = [state] * run.world
     if run.world > 1:
-        dist.all_gather_object(states, rng_state())
+        dist.all_gather_object(states, state)
     if run.rank == 0:
-        save_atomic({'model': t.raw.state_dict(), 'optimizer': t.optimizer.state_dict(),
-                     'scheduler': t.scheduler.state_dict(), 'scaler': t.scaler.state_dict(),
-                     'model_ema': t.ema.module.state_dict() if t.ema else None,
-                     'ema_updates': int(t.ema.n_averaged) if t.ema else 0, 'epoch': t.epoch, 'step': t.step,
-                     'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
-                     'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes},
-                    os.path.join(run.args.output_dir, CHECKPOINT))
+        path = os.path.join(run.args.output_dir, CHECKPOINT)
+        with open(path + '.tmp', 'wb') as f:
+            torch.save({'model': t.raw.state_dict(), 'optimizer': t.optimizer.state_dict(),
+                        'scheduler': t.scheduler.state_dict(), 'scaler': t.scaler.state_dict(),
+                        'model_ema': t.ema.module.state_dict() if t.ema else None,
+                        'ema_updates': int(t.ema.n_averaged) if t.ema else 0, 'epoch': t.epoch, 'step': t.step,
+                        'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
+                        'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + '.tmp', path)
     publish(run, t, is_best)
 
 
