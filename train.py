@@ -4,8 +4,7 @@ InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Li
 arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README, "Training and
 evaluation"); without it, a small recipe for a built-in synthetic task.
 
-The main job: no dataset, no download; on a 2-core CPU it reaches >= 90% validation accuracy in minutes (the
-README's quick start gives the measured times)
+The main job: no dataset, no download; >= 90% validation accuracy in minutes on a 2-core CPU (README, "Quick start"):
     torchrun --standalone --nproc_per_node=2 train.py --model inline_swin_t
 Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or --download), CIFAR too:
     python train.py --model inline_deit_t --dataset fashion_mnist --data-path DIR --img-size 64 --train-subset 5000
@@ -58,8 +57,7 @@ import models
 
 # ------------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is inline_pvt_b.yaml).
-# Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer); the total batch
-# is the per-process batch x 8 processes (the authors' README launches 8). clip 0: none.
+# Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer). clip 0: none.
 COLUMNS = ('batch_size', 'lr', 'epochs', 'warmup_epochs', 'warmup_lr', 'min_lr', 'cooldown_epochs', 'weight_decay',
            'clip_grad', 'drop_path')
 VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
@@ -79,7 +77,7 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
     'inline_cswin_b':     (64, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.1, 0.0, 0.5),
     'inline_cswin_b_384': (32, 5e-6, 20, 0, 5e-6, 5e-7, 10, 1e-8, 0.0, 0.7),
 }
-PROCESSES = 8  # the total batch is the table's batch x 8
+PROCESSES = 8  # the total batch is the table's per-process batch x 8 processes, as the authors' README launches
 # shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in the released runs
 RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
                 randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
@@ -799,8 +797,7 @@ def evaluate(run, model, loader):
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         with run.autocast(training=False):
             logits = model(x).float()
-        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices  # (B, 5)
-        hits = top5 == y[:, None]
+        hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]  # (B, 5): the top 5 against y
         totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction='sum').double(),
                                hits[:, 0].sum().double(), hits.any(1).sum().double(), totals.new_tensor(len(y))])
     if run.world > 1:
