@@ -194,12 +194,11 @@ class SyntheticShapes(Dataset):
     """Ten procedurally drawn classes: five shapes at a random place, size and rotation, four stripe
     orientations and a checkerboard, each under random colours and noise. Sample i is a pure function of
     (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so nothing needs saving."""
-    CLASSES = ('disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°', 'stripes 90°',
-               'stripes 135°', 'checkerboard')
+    classes = ['disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°', 'stripes 90°',
+               'stripes 135°', 'checkerboard']
 
     def __init__(self, size, img_size, seed, train):
         self.size, self.img_size, self.seed, self.train, self.epoch = size, img_size, seed, train, 0
-        self.classes = list(self.CLASSES)
 
     def __len__(self):
         return self.size
@@ -208,7 +207,7 @@ class SyntheticShapes(Dataset):
         # hash() of a tuple of ints is the same in every process and every run
         g = torch.Generator().manual_seed(hash((self.seed, self.epoch if self.train else -1, index)) % 2**62)
         uniform = lambda: torch.rand((), generator=g).item()  # noqa: E731
-        label, S = index % len(self.CLASSES), self.img_size
+        label, S = index % len(self.classes), self.img_size
         t = torch.linspace(-1 + 1 / S, 1 - 1 / S, S)  # pixel centres in [-1, 1]
         y, x = torch.meshgrid(t, t, indexing='ij')  # (S, S) each
         if label < 5:  # a shape, upright within +-15 degrees; f > 0 inside, in units of half the image side
