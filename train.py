@@ -670,15 +670,6 @@ def build_optimizer(model, args, total_batch, steps_per_epoch):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / peak)
 
 
-def build_mix(args, num_classes):
-    """Mixup or CutMix on every batch (one of the two, chosen per batch), giving soft targets."""
-    mixup = T.MixUp(alpha=args.mixup, num_classes=num_classes) if args.mixup > 0 else None
-    cutmix = T.CutMix(alpha=args.cutmix, num_classes=num_classes) if args.cutmix > 0 else None
-    if mixup and cutmix:
-        return T.RandomChoice([mixup, cutmix], p=[1 - args.mixup_switch_prob, args.mixup_switch_prob])
-    return mixup or cutmix
-
-
 # ----------------------------------------------------------------------------------------- files, ranks
 def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
@@ -842,8 +833,8 @@ def measure_throughput(run, model, warmup=10, timed=30):
 
 
 def prepare_training(run, raw, train_set):
-    """The sampler, loader, optimizer, schedule, scaler, EMA and loss, restored from the checkpoint to resume; the
-    recipe and the schedule they run, printed."""
+    """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from the checkpoint
+    to resume; the recipe and the schedule they run, printed."""
     args, num_classes = run.args, len(train_set.classes)
     sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
@@ -859,8 +850,11 @@ def prepare_training(run, raw, train_set):
     scaler = torch.amp.GradScaler(run.device.type, enabled=args.amp == 'fp16')
     ema = AveragedModel(raw, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay)) if args.ema_decay > 0 else None
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    t = Training(model, raw, optimizer, scheduler, scaler, ema, build_mix(args, num_classes), criterion,
-                 steps_per_epoch)
+    mixup = T.MixUp(alpha=args.mixup, num_classes=num_classes) if args.mixup > 0 else None
+    cutmix = T.CutMix(alpha=args.cutmix, num_classes=num_classes) if args.cutmix > 0 else None
+    mix = (T.RandomChoice([mixup, cutmix], p=[1 - args.mixup_switch_prob, args.mixup_switch_prob])  # one per batch
+           if mixup and cutmix else mixup or cutmix)  # soft targets, which the criterion takes as they are
+    t = Training(model, raw, optimizer, scheduler, scaler, ema, mix, criterion, steps_per_epoch)
     if run.saved is not None:
         resume(run, t)
     else:
