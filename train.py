@@ -19,9 +19,8 @@ Evaluate a checkpoint, ours or the authors' released file (and its EMA weights w
 Inference throughput (images/s of one process, at the model's released image size):
     python train.py --model inline_swin_t --throughput --batch-size 64
 
-Nothing is lost: OUTPUT_DIR/checkpoint.pt is written atomically every epoch (best.pt beside it) and rerunning
-the same command resumes from it (--resume FILE names another); SIGTERM saves and exits; kill -9 loses at most
-the current epoch, and the rerun ends with the same weights as a run never interrupted (fixed seed, CPU).
+Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written atomically every epoch;
+SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uninterrupted run's weights.
 """
 import argparse
 import ast
