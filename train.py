@@ -439,10 +439,8 @@ class Run:
 
     def autocast(self, training):
         """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was given."""
-        dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(self.args.amp)
-        if dtype is None or not (training or self.amp_given):
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)
+        dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(self.args.amp)  # None: fp32
+        return torch.autocast(self.device.type, dtype, enabled=dtype is not None and (training or self.amp_given))
 
 
 def model_kwargs(args):
