@@ -913,8 +913,7 @@ def publish(run, t, is_best):
 
 
 def save_checkpoint(run, t, is_best=False):
-    """Everything a rerun needs to continue exactly, with every rank's random generators, written to a temporary
-    file, flushed to disk and renamed: a crash leaves the old checkpoint or the new one."""
+    """Everything a rerun needs to continue exactly, with every rank's random generators, written atomically."""
     state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
              'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     states = [state] * run.world
@@ -931,7 +930,7 @@ def save_checkpoint(run, t, is_best=False):
                         'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes}, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(path + '.tmp', path)
+        os.replace(path + '.tmp', path)  # flushed to disk, then renamed: a crash leaves the old file or the new
     publish(run, t, is_best)
 
 
