@@ -462,7 +462,7 @@ def eval_images(ckpt, model, args, count, spread=True):
     if args.dataset:
         resolve_data(args)
         ns.dataset, ns.data_path = args.dataset, args.data_path
-    ns.dataset = ns.dataset or ('imagefolder' if ns.data_path else 'synthetic')
+    ns.dataset = train.dataset(ns)
     ns.img_size, ns.download, ns.train_subset, ns.seed = model.img_size[0], False, None, ns.seed or 0
     ns.synthetic_train, ns.synthetic_val, ns.model = 1, max(count, ns.synthetic_val or 0), ns.model or 'inline_deit_t'
     with contextlib.redirect_stdout(io.StringIO()):
