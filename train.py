@@ -535,8 +535,7 @@ def resolve(run):
     args.dataset = dataset(args)
     synthetic, imagenet = args.dataset == 'synthetic', args.dataset == 'imagefolder'  # small datasets: neither
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
-    recipe = SYNTHETIC if synthetic else SMALL if not imagenet else {**RELEASED, **dict(zip(COLUMNS,
-                                                                                          VARIANTS[args.model]))}
+    recipe = {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))} if imagenet else SYNTHETIC if synthetic else SMALL
     if synthetic and args.img_size is None and not args.throughput and (run.arch.get('window') or 56) < 56:
         recipe = SYNTHETIC_WINDOWED
     for key, value in {**recipe, 'seed': 0}.items():
