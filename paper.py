@@ -463,7 +463,7 @@ def eval_images(ckpt, model, args, count, spread=True):
     if args.dataset:
         resolve_data(args)
         ns.dataset, ns.data_path = args.dataset, args.data_path
-    ns.dataset = ns.dataset or ('imagefolder' if ns.data_path else 'synthetic')
+    ns.dataset = train.dataset(ns)
     ns.img_size, ns.download, ns.train_subset, ns.seed = model.img_size[0], False, None, ns.seed or 0
     ns.synthetic_train, ns.synthetic_val, ns.model = 1, max(count, ns.synthetic_val or 0), ns.model or 'inline_deit_t'
     with contextlib.redirect_stdout(io.StringIO()):
@@ -1010,9 +1010,8 @@ def resolve_data(args):
         args.data_path = FASHION_MNIST_DEB if args.dataset == 'fashion_mnist' and os.path.isdir(FASHION_MNIST_DEB) \
             else 'data'
     if args.dataset in train.SMALL_DATASETS:
-        if args.download:
-            for split in (True, False):
-                train.SMALL_DATASETS[args.dataset](args.data_path, train=split, download=True)
+        if args.download:  # torchvision fetches every split's files at once
+            train.SMALL_DATASETS[args.dataset](args.data_path, download=True)
         train.read_small(args.dataset, args.data_path, train=False)  # missing: says how to get them
     elif args.dataset == 'imagefolder' and not os.path.isdir(os.path.join(args.data_path, 'val')):
         train.fail(f'--data-path {args.data_path} has no val/ folder (an ImageFolder root: train/ and val/)')
@@ -1039,7 +1038,7 @@ def ablation_argv(name, e, seed, args):
     argv = (['--experiment', name] if registered else ['--model', e.model]) + ['--img-size', str(MINI_IMG),
                                                                               '--model-kwargs']
     argv += [f'{k}={v!r}' for k, v in kwargs.items()]
-    amp = ['--amp', 'bf16'] if native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) else []
+    amp = ['--amp', 'bf16'] if train.native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) else []
     return argv + ['--epochs', str(args.epochs), '--val-every', str(VAL_EVERY), *data_argv(args), *amp,
                    '--seed', str(seed)]
 

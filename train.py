@@ -1,12 +1,10 @@
 """Train and evaluate the InLine backbones: plain DDP, the authors' recipe to the letter, resumable.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (the authors' config of each variant,
-cfgs/inline_<variant>.yaml of their release, over their trainer's defaults; VARIANTS below is its table, which the
-README's "Training and evaluation" shows); without it, a small recipe for a built-in synthetic task.
+arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README, "Training and
+evaluation"); without it, a small recipe for a built-in synthetic task.
 
-The main job: no dataset, no download; on a 2-core CPU it reaches >= 90% validation accuracy in minutes (the
-README's quick start gives the measured times)
+The main job: no dataset, no download; >= 90% validation accuracy in minutes on a 2-core CPU (README, "Quick start"):
     torchrun --standalone --nproc_per_node=2 train.py --model inline_swin_t
 Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or --download), CIFAR too:
     python train.py --model inline_deit_t --dataset fashion_mnist --data-path DIR --img-size 64 --train-subset 5000
@@ -21,9 +19,8 @@ Evaluate a checkpoint, ours or the authors' released file (and its EMA weights w
 Inference throughput (images/s of one process, at the model's released image size):
     python train.py --model inline_swin_t --throughput --batch-size 64
 
-Nothing is lost: OUTPUT_DIR/checkpoint.pt is written atomically every epoch (best.pt beside it) and rerunning
-the same command resumes from it (--resume FILE names another); SIGTERM saves and exits; kill -9 loses at most
-the current epoch, and the rerun ends with the same weights as a run never interrupted (fixed seed, CPU).
+Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written atomically every epoch;
+SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uninterrupted run's weights.
 """
 import argparse
 import ast
@@ -59,8 +56,7 @@ import models
 
 # ------------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is inline_pvt_b.yaml).
-# Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer); the total batch
-# is the per-process batch x 8 processes (the authors' README launches 8). clip 0: none.
+# Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer). clip 0: none.
 COLUMNS = ('batch_size', 'lr', 'epochs', 'warmup_epochs', 'warmup_lr', 'min_lr', 'cooldown_epochs', 'weight_decay',
            'clip_grad', 'drop_path')
 VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
@@ -80,7 +76,7 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
     'inline_cswin_b':     (64, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.1, 0.0, 0.5),
     'inline_cswin_b_384': (32, 5e-6, 20, 0, 5e-6, 5e-7, 10, 1e-8, 0.0, 0.7),
 }
-PROCESSES = 8  # the total batch is the table's batch x 8
+PROCESSES = 8  # the total batch is the table's per-process batch x 8 processes, as the authors' README launches
 # shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in the released runs
 RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
                 randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
@@ -92,13 +88,12 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
                  weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0,
                  mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
                  synthetic_train=12_800, synthetic_val=2_000)
-# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28): 224 px, the one size
-# below 448 at which they tile every stage they are smaller than, and fewer, smaller steps so that it ends in
-# minutes on a CPU (README, "Training and evaluation", says why and gives a measured run); the rate per 512
-# images is raised so that 2 x 8 images a step still see 5e-4.
+# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28; README, "Training and
+# evaluation"): 224 px, the one size below 448 at which they tile every stage they are smaller than, and fewer,
+# smaller steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a step see 5e-4.
 SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3, synthetic_train=640,
                           synthetic_val=320, lr=1.6e-2)
-# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (small_transforms),
+# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (load_data),
 # batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left a DeiT learning in its last epoch
 SMALL = {k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')} | dict(batch_size=64, lr=6e-3, epochs=15,
                                                                                     warmup_epochs=1)
@@ -168,9 +163,8 @@ def get_args_parser():
     a('--color-jitter', type=float, help='colour jitter strength (used only when RandAugment is off, as in timm)')
     a('--random-erase', type=float, help='random erasing probability (random per-pixel values)')
     a('--ema-decay', type=float, help='EMA decay per optimizer step, 0: off (CSwin: 0.9996^(total batch/4096))')
-    a('--amp', choices=['bf16', 'fp16', 'fp32'],
-      help='autocast dtype (default: training in bf16 where native, else fp16 on CUDA, else fp32; validation in '
-           'fp32, as the released runs; given, it applies to validation too)')
+    a('--amp', choices=['bf16', 'fp16', 'fp32'], help='autocast dtype (default: training in bf16 where native, else '
+      'fp16 on CUDA, else fp32; validation in fp32, as the released runs; given, it applies to validation too)')
     a('--compile', action='store_true', help='torch.compile the model for training')
     a('--workers', type=int, help='data-loading processes per training process')
     a('--threads', type=int, help='CPU threads per process (default: this node\'s cores shared out among them)')
@@ -183,19 +177,14 @@ def get_args_parser():
     return p
 
 
-def is_rank0():
-    return int(os.environ.get('RANK', 0)) == 0
-
-
-def print0(*args):
-    if is_rank0():
-        print(*args, flush=True)
+def print0(*args, **kwargs):
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(*args, **kwargs, flush=True)
 
 
 def fail(message):
     """Stop on bad input. Every rank checks the same arguments and files and meets the same error; rank 0 says it."""
-    if is_rank0():
-        print(f'error: {message}', file=sys.stderr, flush=True)
+    print0(f'error: {message}', file=sys.stderr)
     raise SystemExit(1)
 
 
@@ -204,15 +193,11 @@ class SyntheticShapes(Dataset):
     """Ten procedurally drawn classes: five shapes at a random place, size and rotation, four stripe
     orientations and a checkerboard, each under random colours and noise. Sample i is a pure function of
     (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so nothing needs saving."""
-    CLASSES = ('disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°', 'stripes 90°',
-               'stripes 135°', 'checkerboard')
+    classes = ['disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°', 'stripes 90°',
+               'stripes 135°', 'checkerboard']
 
     def __init__(self, size, img_size, seed, train):
         self.size, self.img_size, self.seed, self.train, self.epoch = size, img_size, seed, train, 0
-        self.classes = list(self.CLASSES)
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
 
     def __len__(self):
         return self.size
@@ -221,7 +206,7 @@ class SyntheticShapes(Dataset):
         # hash() of a tuple of ints is the same in every process and every run
         g = torch.Generator().manual_seed(hash((self.seed, self.epoch if self.train else -1, index)) % 2**62)
         uniform = lambda: torch.rand((), generator=g).item()  # noqa: E731
-        label, S = index % len(self.CLASSES), self.img_size
+        label, S = index % len(self.classes), self.img_size
         t = torch.linspace(-1 + 1 / S, 1 - 1 / S, S)  # pixel centres in [-1, 1]
         y, x = torch.meshgrid(t, t, indexing='ij')  # (S, S) each
         if label < 5:  # a shape, upright within +-15 degrees; f > 0 inside, in units of half the image side
@@ -296,9 +281,8 @@ RANDAUG_OPS = {
 
 
 class RandAugment(nn.Module):
-    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy): num_ops
-    operations drawn uniformly with replacement, each applied with probability 0.5 at its own magnitude
-    m ~ N(magnitude, std) clipped to [0, 10], in a random direction."""
+    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy): each of
+    num_ops operations, drawn with replacement, applied with probability 0.5 at its own magnitude."""
     def __init__(self, num_ops, magnitude, std, prob=0.5):
         super().__init__()
         self.num_ops, self.magnitude, self.std, self.prob = num_ops, magnitude, std, prob
@@ -313,8 +297,7 @@ class RandAugment(nn.Module):
 
 
 def train_transform(args):
-    """The released training augmentation (README, "Training and evaluation"); RandAugment works on PIL images,
-    as timm's."""
+    """The released training augmentation; RandAugment works on PIL images, as timm's."""
     t = [T.RandomResizedCrop(args.img_size, interpolation=BICUBIC), T.RandomHorizontalFlip()]
     if args.randaug_n > 0:
         t.append(RandAugment(args.randaug_n, args.randaug_m, args.randaug_mstd))
@@ -387,13 +370,6 @@ class TensorImages(Dataset):
         return self.transform(self.images[index]), int(self.labels[index])
 
 
-def small_transforms(img_size):
-    """The small-image recipe: resized to img_size, randomly cropped with an eighth of padding, flipped."""
-    resize = [T.ToImage(), T.Resize((img_size, img_size), BICUBIC, antialias=True)]
-    augment = [T.RandomCrop(img_size, padding=img_size // 8, padding_mode='reflect'), T.RandomHorizontalFlip()]
-    return T.Compose(resize + augment + TO_TENSOR), T.Compose(resize + TO_TENSOR)
-
-
 def load_data(args):
     """(training set, validation set): the synthetic task; ROOT/train and ROOT/val as ImageFolders with the
     released transforms; or a small dataset's training and test sets, --train-subset of the training images."""
@@ -406,11 +382,14 @@ def load_data(args):
     found, root = [], args.data_path
     if args.dataset in SMALL_DATASETS:
         root = root or 'data'
-        if args.download:
-            for train in (True, False):
-                SMALL_DATASETS[args.dataset](root, train=train, download=True)
-        found = [TensorImages(*read_small(args.dataset, root, train), transform)
-                 for train, transform in zip((True, False), small_transforms(args.img_size))]
+        if args.download:  # torchvision fetches every split's files at once
+            SMALL_DATASETS[args.dataset](root, download=True)
+        # the small-image recipe: resized, then (training) randomly cropped with an eighth of padding and flipped
+        resize = [T.ToImage(), T.Resize((args.img_size, args.img_size), BICUBIC, antialias=True)]
+        augment = [T.RandomCrop(args.img_size, padding=args.img_size // 8, padding_mode='reflect'),
+                   T.RandomHorizontalFlip()]
+        found = [TensorImages(*read_small(args.dataset, root, train), T.Compose(transform + TO_TENSOR))
+                 for train, transform in ((True, resize + augment), (False, resize))]
     else:
         for split in ('train', 'val'):
             if not os.path.isdir(os.path.join(root, split)):
@@ -460,10 +439,8 @@ class Run:
 
     def autocast(self, training):
         """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was given."""
-        dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(self.args.amp)
-        if dtype is None or not (training or self.amp_given):
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)
+        dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(self.args.amp)  # None: fp32
+        return torch.autocast(self.device.type, dtype, enabled=dtype is not None and (training or self.amp_given))
 
 
 def model_kwargs(args):
@@ -518,11 +495,9 @@ def default_output_dir(run):
 
 
 def open_checkpoint(run):
-    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval) or --resume FILE,
-    else OUTPUT_DIR/checkpoint.pt where it exists, so that rerunning a command resumes it. Its saved arguments
-    fill the flags left unset (a resumed run goes on as it was, an eval sees what it saw), and a checkpoint of
-    another model or architecture than the flags ask for is refused. Ours record their arguments and
-    architecture; the authors' files do not, and are taken as the flags describe them."""
+    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval), --resume FILE, else
+    OUTPUT_DIR/checkpoint.pt where it exists. Its saved arguments fill the flags left unset, and another model or
+    architecture than the flags ask for is refused; the authors' files save neither, and are taken as the flags say."""
     args = run.args
     path = args.checkpoint or args.resume
     if path is None:  # where this command's flags put its output folder
@@ -538,7 +513,7 @@ def open_checkpoint(run):
     if saved_args and args.model not in (None, saved_args['model']):
         fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
     mine = INVOCATION + ('data_path',) * args.eval  # an eval's data is its own
-    for key, value in (saved_args or {}).items():
+    for key, value in (saved_args or {}).items():  # a resumed run goes on as it was, an eval sees what it saw
         if getattr(args, key, False) is None and key not in mine:
             setattr(args, key, value)
     resolve_architecture(run)
@@ -553,16 +528,14 @@ def open_checkpoint(run):
 
 
 def resolve(run):
-    """Fill every flag left unset: from the checkpoint the run starts from (open_checkpoint), then from the
-    recipe: the variant's row of VARIANTS on an ImageFolder (ImageNet), SMALL on a small dataset, else the synthetic
-    task's; set the total batch."""
+    """Fill every flag left unset, from the checkpoint the run starts from, then from the recipe: VARIANTS on an
+    ImageFolder (ImageNet), SMALL on a small dataset, else SYNTHETIC; set the total batch."""
     open_checkpoint(run)  # which resolves the architecture
     args = run.args
     args.dataset = dataset(args)
     synthetic, imagenet = args.dataset == 'synthetic', args.dataset == 'imagefolder'  # small datasets: neither
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
-    recipe = SYNTHETIC if synthetic else SMALL if not imagenet else {**RELEASED, **dict(zip(COLUMNS,
-                                                                                          VARIANTS[args.model]))}
+    recipe = {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))} if imagenet else SYNTHETIC if synthetic else SMALL
     if synthetic and args.img_size is None and not args.throughput and (run.arch.get('window') or 56) < 56:
         recipe = SYNTHETIC_WINDOWED
     for key, value in {**recipe, 'seed': 0}.items():
@@ -670,11 +643,9 @@ def build_model(run, num_classes):
 
 
 def build_optimizer(model, args, total_batch, steps_per_epoch):
-    """AdamW without weight decay on 1-D parameters (biases, norms) and the model's no_weight_decay() names (DeiT's
-    position embedding and class token, Swin's relative position bias tables; PVT's position embeddings are
-    decayed, as in the released models); and its schedule: per-iteration cosine from the peak to --min-lr over
-    --epochs, a linear warm-up from --warmup-lr replacing its start, then --cooldown-epochs at --min-lr (timm's
-    CosineLRScheduler as the released code used it). Returns (optimizer, scheduler)."""
+    """(AdamW, its per-step schedule): no weight decay on 1-D parameters (biases, norms) and the model's
+    no_weight_decay() names; a cosine to --min-lr whose start a linear warm-up replaces, then --cooldown-epochs at
+    --min-lr, as timm's CosineLRScheduler ran in the released trainer."""
     skip = model.no_weight_decay()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -695,39 +666,9 @@ def build_optimizer(model, args, total_batch, steps_per_epoch):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / peak)
 
 
-def build_mix(args, num_classes):
-    """Mixup or CutMix on every batch (one of the two, chosen per batch), giving soft targets."""
-    mixup = T.MixUp(alpha=args.mixup, num_classes=num_classes) if args.mixup > 0 else None
-    cutmix = T.CutMix(alpha=args.cutmix, num_classes=num_classes) if args.cutmix > 0 else None
-    if mixup and cutmix:
-        return T.RandomChoice([mixup, cutmix], p=[1 - args.mixup_switch_prob, args.mixup_switch_prob])
-    return mixup or cutmix
-
-
 # ----------------------------------------------------------------------------------------- files, ranks
 def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
-
-
-def rng_state():
-    return {'torch': torch.get_rng_state(), 'python': random.getstate(),
-            'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_state(state):
-    torch.set_rng_state(state['torch'])
-    random.setstate(state['python'])
-    if state['cuda']:
-        torch.cuda.set_rng_state_all(state['cuda'])
-
-
-def save_atomic(obj, path):
-    """Write to a temporary file, flush it to disk, then rename: a crash leaves the old file or the new one."""
-    with open(path + '.tmp', 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
 
 
 def link_atomic(src, dst):
@@ -754,8 +695,7 @@ def read_checkpoint(path):
 
 
 def load_weights(model, saved, key, path):
-    """saved[key] (the whole of saved for a bare state dict) into model with models.load_checkpoint's checks:
-    strict on parameters, resized for another image size."""
+    """saved[key] (the whole of saved for a bare state dict) into model, with models.load_checkpoint's checks."""
     try:
         models.load_checkpoint(model, saved.get(key, saved))
     except RuntimeError as e:
@@ -787,7 +727,7 @@ def train_one_epoch(run, t, loader, epoch, stop):
     t.model.train()
     bar = tqdm(total=t.steps_per_epoch - t.step, desc=f'epoch {epoch + 1}/{args.epochs + args.cooldown_epochs}',
                leave=False, disable=run.rank != 0, mininterval=1.0, dynamic_ncols=True)
-    losses, step, micro_loss, stopped, start = [], 0, 0.0, False, time.perf_counter()
+    losses, step, micro_loss, speed, stopped, start = [], 0, 0.0, 0.0, False, time.perf_counter()
     for i, (x, y) in enumerate(loader):
         if step == t.steps_per_epoch - t.step:  # the last incomplete accumulation group is dropped
             break
@@ -831,7 +771,6 @@ def train_one_epoch(run, t, loader, epoch, stop):
             stopped = True
             break
     bar.close()
-    speed = step * run.total_batch / max(time.perf_counter() - start, 1e-9)
     return sum(losses) / max(len(losses), 1), speed, step, stopped
 
 
@@ -844,8 +783,7 @@ def evaluate(run, model, loader):
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         with run.autocast(training=False):
             logits = model(x).float()
-        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices  # (B, 5)
-        hits = top5 == y[:, None]
+        hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]  # (B, 5): the top 5 against y
         totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction='sum').double(),
                                hits[:, 0].sum().double(), hits.any(1).sum().double(), totals.new_tensor(len(y))])
     if run.world > 1:
@@ -891,7 +829,8 @@ def measure_throughput(run, model, warmup=10, timed=30):
 
 
 def prepare_training(run, raw, train_set):
-    """The sampler, loader, optimizer, schedule, scaler, EMA and loss, restored from the checkpoint to resume."""
+    """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from the checkpoint
+    to resume; the recipe and the schedule they run, printed."""
     args, num_classes = run.args, len(train_set.classes)
     sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
@@ -907,12 +846,25 @@ def prepare_training(run, raw, train_set):
     scaler = torch.amp.GradScaler(run.device.type, enabled=args.amp == 'fp16')
     ema = AveragedModel(raw, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay)) if args.ema_decay > 0 else None
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    t = Training(model, raw, optimizer, scheduler, scaler, ema, build_mix(args, num_classes), criterion,
-                 steps_per_epoch)
+    mixup = T.MixUp(alpha=args.mixup, num_classes=num_classes) if args.mixup > 0 else None
+    cutmix = T.CutMix(alpha=args.cutmix, num_classes=num_classes) if args.cutmix > 0 else None
+    mix = (T.RandomChoice([mixup, cutmix], p=[1 - args.mixup_switch_prob, args.mixup_switch_prob])  # one per batch
+           if mixup and cutmix else mixup or cutmix)  # soft targets, which the criterion takes as they are
+    t = Training(model, raw, optimizer, scheduler, scaler, ema, mix, criterion, steps_per_epoch)
     if run.saved is not None:
         resume(run, t)
     else:
         torch.manual_seed(args.seed + run.rank)  # augmentation, Mixup/CutMix and drop path differ between ranks
+    recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)',
+              'imagefolder': f'released ImageNet-1K recipe for {args.model}'}.get(
+        args.dataset, f'small-image recipe for {args.dataset} (random crop padded by {args.img_size // 8} px, flip)')
+    print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
+           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
+           f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
+    print0(f'schedule: {args.epochs + args.cooldown_epochs} epochs ({args.epochs} cosine with {args.warmup_epochs} '
+           f'of warm-up, then {args.cooldown_epochs} cool-down) x {steps_per_epoch} steps of {run.total_batch} images '
+           f'({args.batch_size} per process x {run.world} processes x {args.accum_steps} accumulation steps); '
+           f'peak lr {scheduler.base_lrs[0]:.3g}, weight decay {args.weight_decay}')
     return t, sampler, loader
 
 
@@ -930,8 +882,12 @@ def resume(run, t):
         t.ema.module.load_state_dict(saved['model_ema'])
         t.ema.n_averaged.fill_(saved['ema_updates'])
     t.epoch, t.step, t.best_acc, t.log = saved['epoch'], saved['step'], saved['best_acc1'], saved['log']
-    if len(saved['rng']) == run.world:
-        set_rng_state(saved['rng'][run.rank])
+    if len(saved['rng']) == run.world:  # this rank's random streams, as save_checkpoint gathered them
+        state = saved['rng'][run.rank]
+        torch.set_rng_state(state['torch'])
+        random.setstate(state['python'])
+        if state['cuda']:
+            torch.cuda.set_rng_state_all(state['cuda'])
     else:
         print0(f'warning: saved with {len(saved["rng"])} processes, now {run.world}; random streams differ')
     changed = sorted(k for k, v in saved['args'].items()
@@ -956,33 +912,25 @@ def publish(run, t, is_best):
 
 
 def save_checkpoint(run, t, is_best=False):
-    """Everything a rerun needs to continue exactly, with every rank's random generators."""
-    states = [rng_state()] * run.world
+    """Everything a rerun needs to continue exactly, with every rank's random generators, written atomically."""
+    state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
+             'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    states = [state] * run.world
     if run.world > 1:
-        dist.all_gather_object(states, rng_state())
+        dist.all_gather_object(states, state)
     if run.rank == 0:
-        save_atomic({'model': t.raw.state_dict(), 'optimizer': t.optimizer.state_dict(),
-                     'scheduler': t.scheduler.state_dict(), 'scaler': t.scaler.state_dict(),
-                     'model_ema': t.ema.module.state_dict() if t.ema else None,
-                     'ema_updates': int(t.ema.n_averaged) if t.ema else 0, 'epoch': t.epoch, 'step': t.step,
-                     'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
-                     'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes},
-                    os.path.join(run.args.output_dir, CHECKPOINT))
+        path = os.path.join(run.args.output_dir, CHECKPOINT)
+        with open(path + '.tmp', 'wb') as f:
+            torch.save({'model': t.raw.state_dict(), 'optimizer': t.optimizer.state_dict(),
+                        'scheduler': t.scheduler.state_dict(), 'scaler': t.scaler.state_dict(),
+                        'model_ema': t.ema.module.state_dict() if t.ema else None,
+                        'ema_updates': int(t.ema.n_averaged) if t.ema else 0, 'epoch': t.epoch, 'step': t.step,
+                        'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
+                        'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + '.tmp', path)  # flushed to disk, then renamed: a crash leaves the old file or the new
     publish(run, t, is_best)
-
-
-def print_recipe(run, t):
-    args, epochs = run.args, run.args.epochs + run.args.cooldown_epochs
-    recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)',
-              'imagefolder': f'released ImageNet-1K recipe for {args.model}'}.get(
-        args.dataset, f'small-image recipe for {args.dataset} (random crop padded by {args.img_size // 8} px, flip)')
-    print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
-           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
-           f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
-    print0(f'schedule: {epochs} epochs ({args.epochs} cosine with {args.warmup_epochs} of warm-up, then '
-           f'{args.cooldown_epochs} cool-down) x {t.steps_per_epoch} steps of {run.total_batch} images '
-           f'({args.batch_size} per process x {run.world} processes x {args.accum_steps} accumulation steps); '
-           f'peak lr {t.scheduler.base_lrs[0]:.3g}, weight decay {args.weight_decay}')
 
 
 def fit(run, raw, train_set, val_set):
@@ -990,7 +938,6 @@ def fit(run, raw, train_set, val_set):
     args = run.args
     t, sampler, loader = prepare_training(run, raw, train_set)
     val = val_loader(run, val_set)
-    print_recipe(run, t)
     os.makedirs(args.output_dir, exist_ok=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -999,7 +946,7 @@ def fit(run, raw, train_set, val_set):
         sampler.set_epoch(epoch)
         sampler.start = t.step * args.accum_steps * args.batch_size
         if isinstance(train_set, SyntheticShapes):
-            train_set.set_epoch(epoch)
+            train_set.epoch = epoch  # a fresh set of images every epoch
         loader.generator.manual_seed(hash((args.seed, epoch, run.rank)) % 2**62)  # worker seeds
         loss, speed, steps, stopped = train_one_epoch(run, t, loader, epoch, stop)
         if stopped:
