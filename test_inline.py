@@ -1,6 +1,6 @@
 """The proof: the reference against explicit formulas, the backbones against the authors' models.
 
-    python -m pytest -q                      # about 7 minutes on 2 CPU cores
+    python -m pytest -q                      # about 5-8 minutes on 2 CPU cores (README, "Quick start")
     INLINE_SLOW=1 python -m pytest -q        # also the MACs of all 15 variants
 
 Golden data: golden/ beside this file (its README says what each file holds and how it was made):
