@@ -1013,8 +1013,10 @@ def resolve_data(args):
         if args.download:  # torchvision fetches every split's files at once
             train.SMALL_DATASETS[args.dataset](args.data_path, download=True)
         train.read_small(args.dataset, args.data_path, train=False)  # missing: says how to get them
-    elif args.dataset == 'imagefolder' and not os.path.isdir(os.path.join(args.data_path, 'val')):
-        train.fail(f'--data-path {args.data_path} has no val/ folder (an ImageFolder root: train/ and val/)')
+    elif args.dataset == 'imagefolder':
+        for split in ('train', 'val'):
+            if not os.path.isdir(os.path.join(args.data_path, split)):
+                train.fail(f'--data-path {args.data_path} has no {split}/ folder (an ImageFolder root: train/ and val/)')
     if args.data_path:
         args.data_path = os.path.abspath(args.data_path)
 
@@ -1150,6 +1152,16 @@ def verdict(diffs, paper_diff):
     return 'not resolved'
 
 
+def chance(args):
+    """Top-1 (%) of a guess on the data the runs train on, where a diverged run is counted: the classes of
+    CIFAR-100 or of the ImageFolder's train/ (resolve_data has checked that it is there), else 10."""
+    if args.dataset == 'imagefolder':
+        classes = sum(e.is_dir() for e in os.scandir(os.path.join(args.data_path, 'train')))
+    else:
+        classes = 100 if args.dataset == 'cifar100' else 10
+    return 100 / classes
+
+
 def summarise(paths, states, chance):
     """([final-epoch val top-1 of each seed, in seed order], how many diverged); a diverged run counts at chance."""
     accs = [chance if states[path] == 'diverged' else metrics(path)[-1]['val_acc1'] for path in paths]
@@ -1211,7 +1223,8 @@ def cmd_ablations(args):
           f'runs to do: {cpu:.0f} CPU-minutes, about {wall // 60:.0f} h {wall % 60:.0f} min with {args.jobs} cores of '
           f'their own (RUN_CPU_MIN)')
     states = train_runs(runs, args.jobs, desc='ablation runs')
-    result = {name: summarise(folders[name], states, 100 / 10) for name in chosen}
+    guess = chance(args)
+    result = {name: summarise(folders[name], states, guess) for name in chosen}
 
     rows, panels = [], {}
     for name, e in chosen.items():
@@ -1244,7 +1257,7 @@ def cmd_ablations(args):
           f'(README, "Verdicts"): a paper ordering is reproduced when the interval excludes 0 on its side, '
           f'contradicted on the other; a paper tie (≤ {PAPER_TIE}) is reproduced when the interval lies within '
           f'±{MARGIN}, contradicted outside it; else not resolved. * our construction (no released code). '
-          f'A diverged run counts at chance (10%).\n')
+          f'A diverged run counts at chance ({guess:.3g}%).\n')
     print_table(['table', 'experiment', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)', 'compared with',
                  'difference here [95% CI]', 'detectable', 'seeds for ±1', 'verdict'], rows)
     out = args.png or os.path.join(args.out, 'ablations.png')

@@ -2183,6 +2183,19 @@ def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
     assert {k: getattr(a, k) for k in train.SMALL if k != 'epochs'} == {k: v for k, v in train.SMALL.items()
                                                                       if k != 'epochs'}
     assert len(train.load_data(a)[0]) == 3
+    assert paper.chance(ns) == 50.0  # a diverged run counts as a guess among the folder's two classes
+
+
+def test_paper_chance_and_a_folder_without_train(tmp_path, capsys):
+    """A diverged run counts at chance on the data the runs train on: 1% on CIFAR-100, 10% on ten classes; an
+    ImageFolder root without train/ is refused before any run starts, naming the folder."""
+    assert [paper.chance(argparse.Namespace(dataset=d)) for d in ('cifar100', 'fashion_mnist', 'synthetic')] == \
+        [1.0, 10.0, 10.0]
+    os.makedirs(tmp_path / 'data' / 'val' / 'a')
+    ns = argparse.Namespace(dataset='imagefolder', data_path=str(tmp_path / 'data'), download=False)
+    with pytest.raises(SystemExit):
+        paper.resolve_data(ns)
+    assert 'has no train/ folder' in capsys.readouterr().err
 
 
 def test_paper_distinct_configurations_never_share_a_run():
