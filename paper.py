@@ -938,12 +938,13 @@ MINI = {  # family: (width factor, create_model sizes)
 # The budget of every run, measured before it was chosen (README, "Ablations"): a fixed subset of the training
 # images (the small-data regime, where a locality bias matters most), trained until the learning curve is flat
 EPOCHS, TRAIN_IMAGES, VAL_EVERY = 12, 4000, 4
-# CPU-minutes of one run at that budget per family on this project's 2-core machine (AVX-512 BF16), to print the
-# run's length before it starts; scaled by epochs x images for another budget. Swin and DeiT measured (the quick
-# run); PVT and CSwin from their cost relative to Swin in a 3-epoch trial
-RUN_CPU_MIN = {'swin': 2.7, 'deit': 2.2, 'pvt': 5.2, 'cswin': 3.5}
-# Seeds per table: the rows that carry the paper's claims get more (README, "Verdicts")
-SEEDS = {'T3': 5, 'T4': 5, 'R-res': 5, 'S': 5, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3}
+# CPU-minutes of one run at that budget per family on this project's 2-core machine (AVX-512 BF16), two runs at a
+# time, to print the run's length before it starts; scaled by epochs x images for another budget. Swin and DeiT
+# measured by whole runs, PVT and CSwin by their training steps' cost relative to Swin's
+RUN_CPU_MIN = {'swin': 2.75, 'deit': 2.1, 'pvt': 5.0, 'cswin': 5.6}
+# Seeds per table (README, "Verdicts"): 3, the fewest that give a 95% interval, for every table, so that the whole
+# run fits one working session of this machine; each row prints how many would resolve 1 point
+SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3}
 QUICK = ('s_deit_t', 'inline_deit_t', 'r_residual_none', 'r_residual_local')  # S on DeiT; Eq. 6 with the APE
 QUICK_SEEDS = 3  # 2 DeiT and 2 Swin configurations x 3 seeds: the least that gives a 95% interval at all (t = 4.30)
 # The data paper.py trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs here
@@ -954,9 +955,25 @@ def experiments():
     """{name: Experiment}: every entry of models.EXPERIMENTS that the miniature covers (the smallest size of each
     family: S rows of bigger variants repeat the same miniature), and the released InLine variants for S."""
     chosen = {n: e for n, e in models.EXPERIMENTS.items() if e.table != 'S' or e.model.endswith('_t')}
+    none, local = chosen['r_residual_none'], chosen['r_residual_local']
+    chosen['r_residual_none_matched'] = models.Experiment(
+        none.model, {**none.overrides, 'mlp_ratio': matched_mlp_ratio(none, parameters(local))}, 'R-res', None,
+        True, "no residual (APE), every MLP widened to Eq. 6's parameter count")
     inline_t = {n: models.Experiment(n, {}, 'S', str(models.RELEASED[n][2]), False, f'{n} as released')
                 for n in ('inline_swin_t', 'inline_deit_t', 'inline_pvt_t', 'inline_cswin_t')}
     return {**chosen, **inline_t}
+
+
+def matched_mlp_ratio(e, count):
+    """The mlp_ratio (one for every block, 3 decimals) that gives e's miniature `count` parameters: a block of
+    width C with hidden width H has (2C + 1) H of its MLP's parameters, so H grows by the gap over sum (2C + 1) C
+    per unit of ratio. The R-res row that matches Eq. 6 parameter for parameter."""
+    with torch.device('meta'):
+        model = models.create_model(e.model, img_size=MINI_IMG, num_classes=10, **{**e.overrides, **mini_kwargs(e)})
+    mlps = [m for m in model.modules() if isinstance(m, models.Mlp)]
+    ratio = mlps[0].fc1.out_features / mlps[0].fc1.in_features
+    per_unit = sum((2 * m.fc1.in_features + 1) * m.fc1.in_features for m in mlps)
+    return round(ratio + (count - sum(p.numel() for p in model.parameters())) / per_unit, 3)
 
 
 def reference(name, table):
@@ -980,8 +997,10 @@ def reference(name, table):
 
 
 # The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's corners of
-# the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2) with the APE held
-CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape': ('R-res: +2.2', 2.2)}
+# the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2) with the APE held,
+# and the matched row tests it parameter for parameter
+CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape': ('R-res: +2.2', 2.2),
+          'r_residual_none_matched': ('R-res: -2.2', -2.2)}
 
 
 def mini_kwargs(e):
@@ -1054,8 +1073,9 @@ def config_key(e):
     described = models.describe(model)
     if 'L' not in model.layout:  # kernel=None and kernel='identity' are the same model when no block is linear
         described = described.replace('kernel identity (I) / relu (L)', 'kernel identity')
-    return json.dumps([e.model, described, sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window')],
-                      default=str)
+    count = sum(p.numel() for p in model.parameters())  # tells apart what describe does not name (mlp_ratio)
+    return json.dumps([e.model, described, sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window'),
+                       count], default=str)
 
 
 def parameters(e):
