@@ -2251,6 +2251,29 @@ def test_paper_every_ablation_miniature_builds_and_runs():
     assert paper.mini_kwargs(chosen['t4_window7_residual'])['window'] == 2  # 7/56 of the 16x16 stage 1
 
 
+def test_paper_matched_row_has_eq6s_parameter_count_and_runs_of_its_own():
+    """R-res's matched row is r_residual_none (no Eq. 6, the APE) with every MLP widened until it has
+    r_residual_local's parameters, counted here, within 0.1%; it is compared with r_residual_local against the
+    paper's -2.2, and a different model from r_residual_none, so it never shares that row's runs."""
+    every = paper.experiments()
+    matched, local, none = (every[n] for n in ('r_residual_none_matched', 'r_residual_local', 'r_residual_none'))
+    counts = {}
+    for name, e in (('matched', matched), ('local', local), ('none', none)):
+        with torch.device('meta'):
+            model = models.create_model(e.model, img_size=paper.MINI_IMG, num_classes=10,
+                                        **{**e.overrides, **paper.mini_kwargs(e)})
+        counts[name] = sum(p.numel() for p in model.parameters())
+        if name == 'matched':
+            assert model.options['residual'] == 'none' and matched.overrides['mlp_ratio'] > 4
+            assert all(m.fc1.out_features == int(m.fc1.in_features * matched.overrides['mlp_ratio'])
+                       for m in model.modules() if isinstance(m, models.Mlp))
+    assert counts['local'] - counts['none'] > 100_000  # Eq. 6's MLPs: the gap the widening closes
+    assert abs(counts['matched'] - counts['local']) < 1e-3 * counts['local']
+    assert paper.config_key(matched) != paper.config_key(none)
+    assert paper.reference('r_residual_none_matched', 'R-res') == 'r_residual_local'
+    assert paper.paper_claim('r_residual_none_matched', 'r_residual_local', every)[1] == -2.2
+
+
 def student_t_cdf_above_0(t, df, steps=20_000):
     """P(0 < T < t) for Student's t with df degrees of freedom, by Simpson's rule on its density (float64)."""
     c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
