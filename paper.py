@@ -968,12 +968,10 @@ def matched_mlp_ratio(e, count):
     """The mlp_ratio (one for every block, 3 decimals) that gives e's miniature `count` parameters: a block of
     width C with hidden width H has (2C + 1) H of its MLP's parameters, so H grows by the gap over sum (2C + 1) C
     per unit of ratio. The R-res row that matches Eq. 6 parameter for parameter."""
-    with torch.device('meta'):
-        model = models.create_model(e.model, img_size=MINI_IMG, num_classes=10, **{**e.overrides, **mini_kwargs(e)})
-    mlps = [m for m in model.modules() if isinstance(m, models.Mlp)]
+    mlps = [m for m in miniature(e).modules() if isinstance(m, models.Mlp)]
     ratio = mlps[0].fc1.out_features / mlps[0].fc1.in_features
     per_unit = sum((2 * m.fc1.in_features + 1) * m.fc1.in_features for m in mlps)
-    return round(ratio + (count - sum(p.numel() for p in model.parameters())) / per_unit, 3)
+    return round(ratio + (count - parameters(e)) / per_unit, 3)
 
 
 def reference(name, table):
@@ -1067,9 +1065,7 @@ def ablation_argv(name, e, seed, args):
 def config_key(e):
     """Experiments that build the same model share their runs (InLine-Swin-T is T10's identity row, R-res's local
     row, R-dil's dilation 1 and S's InLine row): the model's resolved attention (models.describe) and sizes."""
-    kwargs = {**e.overrides, **mini_kwargs(e)}
-    with torch.device('meta'):
-        model = models.create_model(e.model, img_size=MINI_IMG, num_classes=10, **kwargs)
+    model = miniature(e)
     described = models.describe(model)
     if 'L' not in model.layout:  # kernel=None and kernel='identity' are the same model when no block is linear
         described = described.replace('kernel identity (I) / relu (L)', 'kernel identity')
@@ -1078,10 +1074,14 @@ def config_key(e):
                        count], default=str)
 
 
-def parameters(e):
+def miniature(e):
+    """An experiment's miniature on the meta device: its architecture and parameter shapes, no memory."""
     with torch.device('meta'):
-        model = models.create_model(e.model, img_size=MINI_IMG, num_classes=10, **{**e.overrides, **mini_kwargs(e)})
-    return sum(p.numel() for p in model.parameters())
+        return models.create_model(e.model, img_size=MINI_IMG, num_classes=10, **{**e.overrides, **mini_kwargs(e)})
+
+
+def parameters(e):
+    return sum(p.numel() for p in miniature(e).parameters())
 
 
 def plan_runs(chosen, every, seeds, args):
