@@ -968,10 +968,11 @@ def matched_mlp_ratio(e, count):
     """The mlp_ratio (one for every block, 3 decimals) that gives e's miniature `count` parameters: a block of
     width C with hidden width H has (2C + 1) H of its MLP's parameters, so H grows by the gap over sum (2C + 1) C
     per unit of ratio. The R-res row that matches Eq. 6 parameter for parameter."""
-    mlps = [m for m in miniature(e).modules() if isinstance(m, models.Mlp)]
+    model = miniature(e)
+    mlps = [m for m in model.modules() if isinstance(m, models.Mlp)]
     ratio = mlps[0].fc1.out_features / mlps[0].fc1.in_features
     per_unit = sum((2 * m.fc1.in_features + 1) * m.fc1.in_features for m in mlps)
-    return round(ratio + (count - parameters(e)) / per_unit, 3)
+    return round(ratio + (count - sum(p.numel() for p in model.parameters())) / per_unit, 3)
 
 
 def reference(name, table):
