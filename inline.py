@@ -23,8 +23,8 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------------
 # Kernel functions phi, applied to queries and keys (the paper's Table 5 ablates them)
 
-KERNELS = {
-    'identity': lambda x: x,
+KERNELS = {  # name -> phi; a new one is one line here (and in NON_NEGATIVE_KERNELS if it is >= 0), tests included
+    'identity': nn.Identity(),  # stateless, so one instance serves every layer
     'relu': F.relu,
     'leakyrelu': F.leaky_relu,  # negative slope 0.01, PyTorch's default
     'exp': lambda x: torch.exp(0.2 * x),  # the 0.2 keeps exp from overflowing on raw projections
@@ -54,10 +54,6 @@ def get_kernel(name, head_dim=None):
     return ReLUAffine(head_dim) if name == 'relu_affine' else KERNELS[name]
 
 
-def _scale(q, scale):
-    return q.shape[-1] ** -0.5 if scale is None else scale
-
-
 def check_grid(N, grid):
     """The last h*w of the N tokens lie on the (h, w) grid; the N - h*w before them (P >= 0) do not."""
     h, w = grid
@@ -73,7 +69,8 @@ def check_grid(N, grid):
 
 def softmax_attention(q, k, v, scale=None):
     """w_ij = exp(s q_i.k_j) / sum_t exp(s q_i.k_t). Injective, O(N^2)."""
-    w = torch.softmax(_scale(q, scale) * q @ k.transpose(-2, -1), dim=-1)  # (B, H, N, N)
+    s = q.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    w = torch.softmax(s * q @ k.transpose(-2, -1), dim=-1)  # (B, H, N, N)
     return w @ v
 
 
@@ -103,7 +100,7 @@ def inline_weights(q, k, scale=None):
     the open, so the weights are the paper's up to that factor and the output equals the released models.
     """
     N = q.shape[2]
-    s = _scale(q, scale)
+    s = q.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     return (s / N) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N  # Eq. 5, (B, H, N, N)
 
@@ -123,7 +120,7 @@ def inline_attention(q, k, v, scale=None):
     arithmetic, but the centred covariance keeps its precision in bf16 when the means are large.
     """
     N = q.shape[2]
-    s = _scale(q, scale)
+    s = q.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     v_mean = v.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     # (B, H, D, D); equals K^T V / N - k_mean^T v_mean, the released models' uncentred product
@@ -132,18 +129,31 @@ def inline_attention(q, k, v, scale=None):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The local attention residual, Eq. 6: o_i += sum_{t=1..9} r_t v_{N_t(i)} over the 3x3 neighbourhood
+# The local attention residual, Eq. 6: o_i += sum_t r_t v_{N_t(i)} over the k x k neighbourhood of token i
 
-RESIDUALS = {'local': 9, 'plain': 1, 'none': 0}  # residual type -> taps T, the neighbours each weight covers
+RESIDUALS = ('local', 'plain', 'none')  # Eq. 6; o_i += r * v_i (the R-res ablation); none
+
+
+def neighbourhood_size(residual, local_size=3):
+    """Eq. 6's neighbourhood side k, decided here for every piece that depends on it: the T = k^2 neighbour
+    weights per channel (residual_mlp), the reference (local_residual), the fast path's neighbour table and the
+    tests. 'local': local_size, odd and >= 1 (3 is the paper's); 'plain': 1, the token itself (o_i += r * v_i);
+    'none': None, no Eq. 6."""
+    if residual not in RESIDUALS:
+        raise ValueError(f"unknown residual {residual!r}; choose one of {list(RESIDUALS)}")
+    if not (isinstance(local_size, int) and local_size >= 1 and local_size % 2 == 1):
+        raise ValueError(f"local_size (the side of Eq. 6's neighbourhood) must be an odd whole number >= 1, so that "
+                         f"the neighbourhood is centred on its token; got {local_size!r}")
+    return {'local': local_size, 'plain': 1, 'none': None}[residual]
 
 
 def residual_mlp(dim, num_heads, taps=9):
     """Predicts the T neighbour weights of every channel from the token mean of the input.
 
     Two 1x1 grouped convolutions, one group per head (block-diagonal per head), GELU between:
-    C -> C -> T*C. Output channel T*c + t is the weight of neighbour t (row-major over the 3x3 window
-    for T = 9; the token itself for T = 1, the paper's 'plain' residual) for channel c = head*D + j.
-    Keys: residual.0.*, residual.2.* as in the released checkpoints.
+    C -> C -> T*C. Output channel T*c + t is the weight of neighbour t (row-major over the k x k
+    neighbourhood, T = k^2) for channel c = head*D + j. Keys: residual.0.*, residual.2.* as in the released
+    checkpoints.
     """
     return nn.Sequential(
         nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
@@ -157,41 +167,38 @@ def residual_weights(mlp, x):
     return mlp(x.mean(dim=1).unsqueeze(-1)).squeeze(-1)  # (B, C, 1) -> (B, T*C, 1) -> (B, T*C)
 
 
-def local_residual(v, r, grid, dilation=1):
-    """Eq. 6: sum over the neighbours t of r[b, T*c + t] * v at the neighbour, zero padding outside.
+def local_residual(v, r, grid, size=3, dilation=1):
+    """Eq. 6 on the last h*w of the N tokens of v (B, H, N, D): for each, the sum over its k x k neighbours t of
+    r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P = N - h*w leading tokens
+    (DeiT's class token), which are not on the grid.
 
-    v (B, H, h*w, D) on the grid, r (B, T*C) per sample and channel, grid = (h, w). T = 9: the 3x3
-    neighbourhood, neighbour t = 3*dy + dx at offset (dilation*(dy - 1), dilation*(dx - 1)), row-major as
-    Eq. 6 counts (dilation > 1 is the paper's R-dil ablation). T = 1: the token itself, o_i += r * v_i.
-    The sum over a neighbourhood with a weight per channel is a depthwise convolution; a different kernel
-    for every sample makes it one convolution with B*C groups, each (sample, channel) plane its own group.
+    r (B, T*C) per sample and channel, T = size^2. Neighbour t = size*dy + dx sits at offset
+    (dilation*(dy - size//2), dilation*(dx - size//2)), row-major as Eq. 6 counts (dilation > 1 is the paper's
+    R-dil ablation; size 1 is the plain residual o_i += r * v_i). A sum over a neighbourhood with one weight per
+    channel is a depthwise convolution; other weights for every sample make it one convolution with B*C groups,
+    each (sample, channel) plane its own group.
     """
     B, H, N, D = v.shape
-    h, w = grid
-    side = 3 if r.shape[1] == 9 * H * D else 1  # T = 9 or 1
-    v = v.transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w), plane b*C + head*D + j
-    kernels = r.reshape(B * H * D, 1, side, side)  # (B*C, 1, 3, 3), one kernel per sample and channel
-    out = F.conv2d(v, kernels, padding=dilation * (side // 2), dilation=dilation, groups=B * H * D)  # Eq. 6
-    return out.reshape(B, H, D, N).transpose(-2, -1)  # (B, H, h*w, D)
+    P, (h, w) = check_grid(N, grid), grid
+    if r.shape != (B, size * size * H * D):
+        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C) = "
+                         f"{(B, size * size * H * D)}, got {tuple(r.shape)}")
+    planes = v[:, :, P:].transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w), plane b*C + head*D + j
+    taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k): the neighbour weights of each sample and channel
+    out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation, groups=B * H * D)  # Eq. 6
+    return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), zero for the P
 
 
-def add_local_residual(o, v, r, grid, dilation=1):
-    """o + Eq. 6 on the last h*w tokens of o and v (B, H, N, D); the P = N - h*w leading ones get none."""
-    P = check_grid(o.shape[2], grid)
-    o_grid = o[:, :, P:] + local_residual(v[:, :, P:], r, grid, dilation)  # Eq. 6, (B, H, h*w, D)
-    return torch.cat([o[:, :, :P], o_grid], dim=2)  # (B, H, N, D)
-
-
-def inline_core(q, k, v, r, grid, scale=None, dilation=1):
+def inline_core(q, k, v, r, grid, scale=None, size=3, dilation=1):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention core.
 
-    q, k, v (B, H, N, D) with q, k already through phi; r (B, T*C) residual weights (T = 9, or 1 for the
-    plain residual), or None for no residual; grid = (h, w) of the last h*w tokens (the N - h*w leading
-    ones get none); dilation of Eq. 6's neighbourhood.
+    q, k, v (B, H, N, D) with q, k already through phi; r (B, T*C) the neighbour weights, T = size^2, or None
+    for no residual; grid = (h, w) of the last h*w tokens (the P = N - h*w leading ones, DeiT's class token,
+    take part in Eq. 5 but get no Eq. 6); size and dilation of Eq. 6's neighbourhood.
     kernels.inline_core_fast takes the same arguments and returns the same result, faster.
     """
     o = inline_attention(q, k, v, scale)  # Eq. 5, (B, H, N, D)
-    return o if r is None else add_local_residual(o, v, r, grid, dilation)
+    return o if r is None else o + local_residual(v, r, grid, size, dilation)  # Eq. 6
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -200,28 +207,28 @@ def inline_core(q, k, v, r, grid, scale=None, dilation=1):
 class InLineBase(nn.Module):
     """What every InLine (or vanilla linear) attention does between its projections: phi, Eq. 5 (or the
     division of linear attention), Eq. 6. InLineAttention adds the projections; CSwin's stripe branch
-    (models.py) shares one qkv per block and so uses this alone. `core` computes Eq. 5 + Eq. 6;
-    kernels.enable_fast replaces it with the fused one.
+    (models.py) shares one qkv per block and so uses this alone.
 
-    kernel: phi, one of KERNELS. residual: 'local' (Eq. 6), 'plain' (o_i += r * v_i) or 'none'.
-    dilation: of Eq. 6's 3x3 neighbourhood. attention: 'inline' (Eq. 5) or 'linear', the vanilla
-    division-normalised baseline, which needs a non-negative kernel unless allow_divergent (the paper's
-    Table 3 reports that it does not converge with identity or leakyrelu). nonneg: the R-nonneg ablation
-    (ours): q and k L2-normalised per head and s = 1/2, so s |q.(k_j - k_mean)| <= 1 and every w_ij >= 0.
+    kernel: the kernel function phi, one of KERNELS.
+    residual: 'local' (Eq. 6), 'plain' (o_i += r * v_i) or 'none'; local_size: Eq. 6's neighbourhood side k
+        (odd; the paper's 3); dilation: its spread (neighbourhood_size says how the three combine).
+    attention: 'inline' (Eq. 5) or 'linear', the vanilla division-normalised baseline, which needs a
+        non-negative kernel unless allow_divergent (the paper's Table 3 reports that it does not converge
+        with identity or leakyrelu).
+    nonneg: the R-nonneg ablation (ours): q and k L2-normalised per head and s = 1/2, so
+        s |q.(k_j - k_mean)| <= 1 and every w_ij >= 0.
     """
-    core = staticmethod(inline_core)
 
-    def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', dilation=1, nonneg=False,
-                     attention='inline', allow_divergent=False):
+    def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', local_size=3, dilation=1,
+                     nonneg=False, attention='inline', allow_divergent=False):
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         if attention not in ('inline', 'linear'):
             raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
-        if residual not in RESIDUALS:
-            raise ValueError(f"unknown residual {residual!r}; choose one of {list(RESIDUALS)}")
-        if not (isinstance(dilation, int) and dilation >= 1) or (dilation > 1 and residual != 'local'):
-            raise ValueError(f"dilation must be a whole number >= 1, and > 1 only with residual='local' "
-                             f"(it spreads Eq. 6's 3x3 neighbourhood), got {dilation!r} with residual={residual!r}")
+        size = neighbourhood_size(residual, local_size)
+        if not (isinstance(dilation, int) and dilation >= 1) or (dilation > 1 and (size or 1) == 1):
+            raise ValueError(f"dilation must be a whole number >= 1, and > 1 only where Eq. 6 has neighbours "
+                             f"(residual='local', local_size > 1), got {dilation!r} with residual={residual!r}")
         if attention == 'linear' and kernel not in NON_NEGATIVE_KERNELS and not allow_divergent:
             raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative kernel "
                              f"{NON_NEGATIVE_KERNELS}, got {kernel!r}; pass allow_divergent=True to run it anyway "
@@ -230,9 +237,12 @@ class InLineBase(nn.Module):
             raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear attention, "
                              "whose weights are already non-negative")
         self.num_heads, self.kernel, self.attention, self.nonneg = num_heads, kernel, attention, nonneg
-        self.residual_type, self.dilation = residual, dilation
+        self.local_size, self.dilation = size, dilation
         self.phi = get_kernel(kernel, dim // num_heads)
-        self.residual = residual_mlp(dim, num_heads, RESIDUALS[residual]) if residual != 'none' else None
+        self.residual = residual_mlp(dim, num_heads, size * size) if size else None
+        # The core, Eq. 5 + Eq. 6: this reference, or its compiled twin kernels.inline_core_fast (same arguments,
+        # same result), which kernels.enable_fast(model) puts here after checking that it covers these options
+        self.core = inline_core
 
     def prepare(self, q, k):
         """q, k (B, H, N, D) -> phi(q), phi(k) and the scale s (None: D^-1/2)."""
@@ -246,10 +256,10 @@ class InLineBase(nn.Module):
         Returns o (B, H, N, D)."""
         q, k, scale = self.prepare(q, k)
         r = residual_weights(self.residual, x) if self.residual is not None else None  # (B, T*C)
-        if self.attention == 'linear':
+        if self.attention == 'linear':  # the baseline: division instead of Eq. 5, then the same Eq. 6
             o = linear_attention(q, k, v)  # (B, H, N, D)
-            return o if r is None else add_local_residual(o, v, r, grid, self.dilation)  # Eq. 6
-        return self.core(q, k, v, r, grid, scale, self.dilation)  # Eq. 5 + Eq. 6, (B, H, N, D)
+            return o if r is None else o + local_residual(v, r, grid, self.local_size, self.dilation)
+        return self.core(q, k, v, r, grid, scale, self.local_size, self.dilation)  # Eq. 5 + Eq. 6, (B, H, N, D)
 
     def explicit_weights(self, q, k):
         """The N x N weights of Eq. 5 (or of linear attention) for q, k (B, H, N, D) before phi. Eq. 6's
@@ -279,13 +289,14 @@ class InLineAttention(InLineBase):
         projections, so it reaches q, k and v but not the block's shortcut; None: none. The authors use it
         in their ablations without Eq. 6 (their answer in their repository's issue #6; README, "The paper's
         experiments").
-    kernel: phi, one of KERNELS ('identity' for InLine).
+    kernel: the kernel function phi, one of KERNELS ('identity' for InLine).
     residual: 'local' (Eq. 6), 'plain' (o_i += r * v_i) or 'none'.
-    dilation: of Eq. 6's 3x3 neighbourhood.
+    local_size: the side k of Eq. 6's k x k neighbourhood (odd; the paper's 3).
+    dilation: the spread of Eq. 6's neighbourhood (R-dil).
     nonneg: every weight forced >= 0 (R-nonneg, ours).
     attention: 'inline' (Eq. 5) or 'linear' (vanilla division).
     allow_divergent: let vanilla linear attention run with a signed kernel.
-    The last six are InLineBase's; it says more of each.
+    The last seven are InLineBase's; it says more of each.
     """
 
     def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):

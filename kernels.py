@@ -1,7 +1,7 @@
 """The fast InLine attention core: Eq. 5 + Eq. 6 as two compiled graphs with a closed-form backward.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. `inline_core_fast(q, k, v, r, grid, scale=None)` takes the same arguments, layout and
+arXiv 2412.06590. `inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1)` takes the same arguments, layout and
 result as inline.inline_core, the reference it replaces; `enable_fast(model)` swaps it into a model
 (models.create_model(name, fast=True) calls it). test_inline.py proves the two equal.
 
@@ -10,12 +10,12 @@ result as inline.inline_core, the reference it replaces; `enable_fast(model)` sw
     python kernels.py --choices --threads 1   # two design choices below, timed: D constant, the per-call switches
     (a whole-model training step, reference against fast core: python paper.py speed --model-step)
 
-What it does, and why (the README's fast-path section has the measurements, each with its command):
+What it does, and why (RESULTS.md has the measurements, each under its command):
 - One torch.compile'd graph for the forward and one for the backward, called from a
   torch.autograd.Function whose backward is written in closed form (the means' gradients vanish, so
   there is no centring term to differentiate). Saved for backward: q, the centred k and v that the
   forward writes anyway (in place of k and v, so no more memory), r, v_mean, the D x D covariance and the
-  (T, N) neighbour table (T = 9 neighbours, or 1 for the plain residual). B, H and N are symbolic: one
+  (T, N) neighbour table (T = k^2 neighbours of Eq. 6's k x k neighbourhood). B, H and N are symbolic: one
   graph per dtype, head dim and T serves every batch, head count, token grid and dilation; D is a
   constant, so the channel loops vectorise without remainder loops.
   Inside a torch.compile'd model the math is traced inline.
@@ -23,10 +23,10 @@ What it does, and why (the README's fast-path section has the measurements, each
   tokens sees the means. Means and every other sum accumulate in fp32; bf16 GEMMs accumulate in fp32 and
   round once. In fp16 one operand of each sum over tokens is pre-scaled by N^-1/2 (sum_scale), so the
   GEMM outputs stay below fp16's 65504 where the reference's outputs overflow.
-- Eq. 6 as nine gathered multiply-adds along the token axis (one for the plain residual; a dilation only
+- Eq. 6 as T gathered multiply-adds along the token axis (nine for the paper's 3x3; a dilation only
   changes the precomputed neighbour indices and border masks), fused by inductor with v_mean and the
   GEMM output into one pass; the backward's transposed
-  shift and the nine sums for dr likewise. The released B*C-group convolution needs V transposed to
+  shift and the T sums for dr likewise. The released B*C-group convolution needs V transposed to
   channel planes and back; a zero-padded shift would need masked loads, where every gather reads in bounds.
 - Compiling: the first process on a node to need a graph compiles it while the others wait, then load it from
   the inductor cache (node_lock). A failed compile or cache load is retried in a private cache folder; only if
@@ -62,17 +62,18 @@ import inline
 # ---------------------------------------------------------------------------------------------------
 # Eq. 6 on the token axis: neighbour t of grid token n sits at n + (dy - 1) * w + (dx - 1)
 
-def neighbourhood(N, grid, device, taps=9, dilation=1):
+def neighbourhood(N, grid, device, size=3, dilation=1):
     """index (T, N) int64: token n's neighbour t, clamped into [0, N) so every read is in bounds;
     masks (T, N, 1) float: 1 where n is on the grid and its neighbour t is too, else 0 (Eq. 6's zero
-    padding). T = 9: the 3x3 neighbourhood, spread by dilation; T = 1: the token itself (the plain
-    residual). Clamped indices and masks, rather than a zero-padded copy, keep every read in bounds."""
+    padding). T = size^2 neighbours of the size x size neighbourhood, row-major as inline.local_residual
+    counts them, spread by dilation; size 1 is the token itself (the plain residual). Clamped indices and
+    masks, rather than a zero-padded copy, keep every read in bounds."""
     h, w = grid
     with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
         n = torch.arange(N, device=device)
         g = n - (N - h * w)  # grid index; negative for the P leading tokens
         y, x = g.div(w, rounding_mode='floor'), g % w
-        steps = (-dilation, 0, dilation) if taps == 9 else (0,)
+        steps = [dilation * (i - size // 2) for i in range(size)]
         offsets = [(dy, dx) for dy in steps for dx in steps]  # row-major, as Eq. 6 counts t
         index = torch.stack([(n + dy * w + dx).clamp(0, N - 1) for dy, dx in offsets])  # (T, N)
         masks = torch.stack([(g >= 0) & (y + dy >= 0) & (y + dy < h) & (x + dx >= 0) & (x + dx < w)
@@ -91,8 +92,8 @@ def neighbours(x, index, flip=False):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The two halves, each compiled to one graph. r9 (B, H, T, D) is r with neighbour t before channel
-# (T = 9, or 1 for the plain residual; the name keeps Eq. 6's nine).
+# The two halves, each compiled to one graph. taps (B, H, T, D) is r with neighbour t before channel
+# (T = size^2 neighbours of Eq. 6).
 
 def wide(x):
     """x in at least fp32: where sums and elementwise math happen."""
@@ -107,7 +108,7 @@ def sum_scale(dtype, N):
     return N ** -0.5 if dtype == torch.float16 else 1.0
 
 
-def core_forward(q, k, v, r9, index, masks, scale):
+def core_forward(q, k, v, taps, index, masks, scale):
     """-> o (B, H, N, D), and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as rounded to
     the input dtype (the GEMM's operands, computed anyway), v_mean (B, H, 1, D) and s/N Cov (B, H, D, D)."""
     N, dtype = q.shape[2], q.dtype
@@ -121,14 +122,14 @@ def core_forward(q, k, v, r9, index, masks, scale):
     # No sum over tokens sees the means.
     cov = (wide(k_c.transpose(-2, -1) @ v_c) * (scale / (N * c))).to(dtype)  # (B, H, D, D)
     o = wide(q @ cov) + v_mean  # Eq. 5: s q_i^T Cov + v_mean, (B, H, N, D)
-    if r9 is not None:
+    if taps is not None:
         for t, v_t in enumerate(neighbours(v, index)):
-            o = o + wide(r9[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
+            o = o + wide(taps[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
     return o.to(dtype), k_c, v_c, v_mean, cov
 
 
-def core_backward(do, q, k_c, v_c, r9, index, masks, v_mean, cov, scale):
-    """-> the gradients of q, k, v (B, H, N, D) and of r9 (B, H, T, D), given do = dLoss/do."""
+def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale):
+    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, D), given do = dLoss/do."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
@@ -139,14 +140,14 @@ def core_backward(do, q, k_c, v_c, r9, index, masks, v_mean, cov, scale):
     dk = v_c @ g.transpose(-2, -1)  # (B, H, N, D)
     g_c = g if c == 1.0 else (wide(g) / c).to(dtype)  # k_c carries the forward's factor c
     dv = wide(k_c @ g_c) + wide(do).mean(2, keepdim=True)  # o += v_mean gives the mean, (B, H, N, D)
-    dr9 = None
-    if r9 is not None:
+    dtaps = None
+    if taps is not None:
         for t, do_t in enumerate(neighbours(do, index, flip=True)):  # Eq. 6 transposed
-            dv = dv + wide(r9[:, :, t, None]) * masks[-1 - t] * wide(do_t)
+            dv = dv + wide(taps[:, :, t, None]) * masks[-1 - t] * wide(do_t)
         v = wide(v_c) + v_mean  # (B, H, N, D), never stored
-        dr9 = torch.stack([(wide(do) * masks[t] * v_t).sum(2)
-                           for t, v_t in enumerate(neighbours(v, index))], dim=2).to(r9.dtype)  # (B, H, T, D)
-    return dq, dk, dv.to(dtype), dr9
+        dtaps = torch.stack([(wide(do) * masks[t] * v_t).sum(2)
+                           for t, v_t in enumerate(neighbours(v, index))], dim=2).to(taps.dtype)  # (B, H, T, D)
+    return dq, dk, dv.to(dtype), dtaps
 
 
 COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward)}
@@ -171,7 +172,7 @@ def compile_options():
 
 def symbolic_sizes(args, N):
     """B, H and N compile as symbols, so one graph serves every batch, head count and token grid: dims
-    0 and 1 of each (B, H, ...) tensor and every dim of size N. D and the nine neighbours stay constants,
+    0 and 1 of each (B, H, ...) tensor and every dim of size N. D and the T neighbours stay constants,
     so the loops over channels, which D shapes, vectorise with no remainder loop."""
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -272,7 +273,7 @@ def run(f, *args):
 
 class InLineCore(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, r, grid, scale, dilation):
+    def forward(ctx, q, k, v, r, grid, scale, size, dilation):
         B, H, N, D = q.shape
         # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
         # need these copies of a model's strided q, k, v views anyway.
@@ -280,56 +281,62 @@ class InLineCore(torch.autograd.Function):
         index = masks = None
         if r is not None:  # built once per shape, except while a whole-model torch.compile traces us
             build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
-            index, masks = build(N, grid, q.device, r.shape[1] // (H * D), dilation)
-        r9 = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
-        o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, r9, index, masks, scale)
-        ctx.save_for_backward(q, k_c, v_c, r9, index, masks, v_mean, cov)  # freed with ctx under no_grad
+            index, masks = build(N, grid, q.device, size, dilation)
+        taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
+        o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale)
+        ctx.save_for_backward(q, k_c, v_c, taps, index, masks, v_mean, cov)  # freed with ctx under no_grad
         ctx.scale = scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k_c, v_c, r9, index, masks, v_mean, cov = ctx.saved_tensors
+        q, k_c, v_c, taps, index, masks, v_mean, cov = ctx.saved_tensors
         B, H, N, D = q.shape
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv, dr9 = run(core_backward, do.contiguous(), q, k_c, v_c, r9, index, masks, v_mean, cov,
-                                  ctx.scale)
-        dr = dr9.transpose(-2, -1).reshape(B, -1) if dr9 is not None else None  # (B, T*C)
-        return dq, dk, dv, dr, None, None, None
+            dq, dk, dv, dtaps = run(core_backward, do.contiguous(), q, k_c, v_c, taps, index, masks, v_mean, cov,
+                                    ctx.scale)
+        dr = dtaps.transpose(-2, -1).reshape(B, -1) if dtaps is not None else None  # (B, T*C)
+        return dq, dk, dv, dr, None, None, None, None
 
 
-def inline_core_fast(q, k, v, r, grid, scale=None, dilation=1):
+def inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w: the same arguments, layout and result as
-    inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, 9C), (B, C) for the plain residual, or
-    None; grid = (h, w); dilation of Eq. 6's 3x3 neighbourhood.
+    inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, T*C) with T = size^2 neighbour weights per
+    channel, or None; grid = (h, w); size and dilation of Eq. 6's neighbourhood.
     Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be."""
     B, H, N, D = q.shape
     inline.check_grid(N, grid)
-    if r is not None and r.shape not in ((B, 9 * H * D), (B, H * D)):
-        raise ValueError(f"r must be (B, 9C) = {(B, 9 * H * D)} or, for the plain residual, (B, C) = "
-                         f"{(B, H * D)}, got {tuple(r.shape)}")
+    if r is not None and r.shape != (B, size * size * H * D):
+        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C) = "
+                         f"{(B, size * size * H * D)}, got {tuple(r.shape)}")
     device = q.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
     with torch.autocast(device, enabled=False):
-        return InLineCore.apply(q, k, v, r, tuple(grid), D ** -0.5 if scale is None else scale, dilation)
+        return InLineCore.apply(q, k, v, r, tuple(grid), D ** -0.5 if scale is None else scale, size, dilation)
+
+
+def unsupported(module):
+    """What of an InLine module's options (inline.InLineBase) the fast core does not cover, or None. It covers every
+    option of InLine attention (kernel, residual, local_size, dilation, nonneg, APE: they change its inputs or its
+    neighbour table), but not vanilla linear attention, which divides where Eq. 5 subtracts."""
+    return "attention='linear' (layout letter L, vanilla linear attention)" if module.attention == 'linear' else None
 
 
 def enable_fast(model, core=inline_core_fast):
-    """Set `.core = core` (the fast one) on every InLine module whose core is the reference; returns how
-    many. It covers every InLine option (kernel, residual, dilation, nonneg, APE: they change its inputs
-    or its neighbour table). Vanilla linear attention (layout letter L) has no fast path: one warning
-    says so and names how many modules run inline.linear_attention."""
-    modules = [m for m in model.modules() if getattr(m, 'core', None) is inline.inline_core
-               and getattr(m, 'attention', None) == 'inline']
-    for m in modules:
+    """Set `.core = core` (the fast one) on every InLine module of model whose core is the reference; returns how
+    many. Every module is checked first, so a model is fast throughout or refused when it is built, with an error
+    naming the option the fast core lacks; never half fast."""
+    modules = [m for m in model.modules() if isinstance(m, inline.InLineBase)]
+    lacking = sorted({unsupported(m) for m in modules} - {None})
+    if lacking:
+        raise ValueError(f"the fast InLine core has no {', '.join(lacking)}: build this model with fast=False "
+                         f"(train.py: --attention-impl reference)")
+    swapped = [m for m in modules if m.core is inline.inline_core]
+    for m in swapped:
         m.core = core
-    linear = sum(getattr(m, 'attention', None) == 'linear' for m in model.modules())
-    if linear:
-        warnings.warn(f"kernels.enable_fast: vanilla linear attention (layout letter L) has no fast path; its "
-                      f"{linear} module(s) run the reference inline.linear_attention", stacklevel=2)
-    return len(modules)
+    return len(swapped)
 
 
 # ---------------------------------------------------------------------------------------------------

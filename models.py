@@ -99,14 +99,14 @@ def stage_grids(img_size):
     return [(img_size[0] // 2 ** (i + 2), img_size[1] // 2 ** (i + 2)) for i in range(4)]
 
 
-ATTENTION_OPTIONS = dict(kernel=None, residual='local', dilation=1, nonneg=False, normalise_q=False,
+ATTENTION_OPTIONS = dict(kernel=None, residual='local', local_size=3, dilation=1, nonneg=False, normalise_q=False,
                          allow_divergent=False)  # every family's attention switches and their defaults
 
 
 def attention_options(family, options, letters):
     """The attention switches a family was given, checked and completed with the defaults:
-    kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), dilation,
-    nonneg (I), normalise_q (softmax S of DeiT and PVT), allow_divergent (L with a signed kernel).
+    kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), local_size (Eq. 6's
+    neighbourhood side), dilation, nonneg (I), normalise_q (softmax S of DeiT and PVT), allow_divergent (L with a signed kernel).
     letters: every block's attention letter, which normalise_q must find all S."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
@@ -130,7 +130,7 @@ def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
 
 def inline_options(letter, options):
     """The InLineBase options of an I or L block."""
-    o = {k: options[k] for k in ('residual', 'dilation', 'nonneg', 'allow_divergent')}
+    o = {k: options[k] for k in ('residual', 'local_size', 'dilation', 'nonneg', 'allow_divergent')}
     return dict(o, kernel=options['kernel'] or ('identity' if letter == 'I' else 'relu'),
                 attention='inline' if letter == 'I' else 'linear')
 
@@ -146,15 +146,11 @@ def drop_path_rates(rate, depths):
     return per_stage
 
 
-class Mlp(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, dim)
+class Mlp(nn.Sequential):
+    """Linear C -> hidden, GELU, Linear hidden -> C, under the released names fc1 and fc2."""
 
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
+    def __init__(self, dim, hidden):
+        super().__init__(OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(), fc2=nn.Linear(hidden, dim)))
 
 
 class SoftmaxAttention(nn.Module):
@@ -501,47 +497,25 @@ class SwinBlock(nn.Module):
 
     def forward(self, x, grid):
         B, N, C = x.shape
-        y = self.norm1(x).view(B, *grid, C)  # (B, h, w, C)
-        y = self.softmax_windows(y) if self.letter == 'S' else self.inline_windows(y)  # (B, h, w, C)
+        h, w = grid
+        wh, ww = (h, w) if self.window is None else (min(self.window, h), min(self.window, w))  # never beyond the map
+        # Swin's cyclic shift of odd blocks: half a window along each axis that the window does not cover
+        sh, sw = (self.window // 2 if self.shift and side < size else 0 for side, size in ((wh, h), (ww, w)))
+        y = self.norm1(x).view(B, h, w, C)  # (B, h, w, C)
+        if self.letter == 'S':  # a map that does not tile is zero-padded after the norm, as Swin does for
+            y = F.pad(y, (0, 0, 0, -w % ww, 0, -h % wh))  # detection; the padding is masked out. (B, Hp, Wp, C)
+        elif h % wh or w % ww:
+            raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows, and padding "
+                             f"would change Eq. 5's means; use window=None (the whole stage) or an image size that tiles")
+        Hp, Wp = y.shape[1:3]
+        y = to_windows(torch.roll(y, (-sh, -sw), dims=(1, 2)), wh, ww)  # rolled, in windows: (B*nW, wh*ww, C)
+        if self.letter == 'S':  # softmax with the relative position bias, masked across the roll's seams
+            y = self.attn(y, (wh, ww), window_mask(h, w, wh, ww, sh, sw, x.device))
+        else:  # every window its own InLine attention, unmasked (the authors' window ablation)
+            y = self.attn(y, (wh, ww))  # Eq. 5 + Eq. 6, (B*nW, wh*ww, C)
+        y = torch.roll(from_windows(y, wh, ww, Hp, Wp), (sh, sw), dims=(1, 2))[:, :h, :w]  # (B, h, w, C)
         x = x + self.drop_path(y.reshape(B, N, C))
         return x + self.drop_path(self.mlp(self.norm2(x)))
-
-    def shifts(self, window, grid):
-        """Swin's cyclic shift (rows, columns) of an odd block: window/2 along each axis that the (wh, ww)
-        window does not cover, else 0."""
-        return tuple(self.window // 2 if self.shift and side < size else 0 for side, size in zip(window, grid))
-
-    def inline_windows(self, x):
-        B, h, w, C = x.shape
-        wh, ww = inline_window(self.window, (h, w))
-        sh, sw = self.shifts((wh, ww), (h, w))
-        x = torch.roll(x, (-sh, -sw), dims=(1, 2))  # the cyclic shift, unmasked (the authors' InLine windows)
-        o = self.attn(to_windows(x, wh, ww), (wh, ww))  # (B*nW, wh*ww, C)
-        return torch.roll(from_windows(o, wh, ww, h, w), (sh, sw), dims=(1, 2))  # (B, h, w, C)
-
-    def softmax_windows(self, x):
-        B, h, w, C = x.shape
-        wh, ww = min(self.window, h), min(self.window, w)  # a window never exceeds the map
-        sh, sw = self.shifts((wh, ww), (h, w))
-        # Maps that do not tile are padded with zeros after the norm, as Swin does for detection; the
-        # padding is masked out, so a real token never attends to it. Released sizes need no padding.
-        x = F.pad(x, (0, 0, 0, -w % ww, 0, -h % wh))  # (B, Hp, Wp, C)
-        Hp, Wp = x.shape[1:3]
-        x = torch.roll(x, (-sh, -sw), dims=(1, 2))  # the cyclic shift
-        o = self.attn(to_windows(x, wh, ww), (wh, ww), window_mask(h, w, wh, ww, sh, sw, x.device))  # (B*nW, N, C)
-        o = torch.roll(from_windows(o, wh, ww, Hp, Wp), (sh, sw), dims=(1, 2))  # (B, Hp, Wp, C)
-        return o[:, :h, :w]  # (B, h, w, C)
-
-
-def inline_window(window, grid):
-    """The (wh, ww) InLine window on an (h, w) stage: the whole stage for None, else window clipped to the
-    stage. Padding would change Eq. 5's token means, so a window must tile the stage."""
-    h, w = grid
-    wh, ww = (h, w) if window is None else (min(window, h), min(window, w))
-    if h % wh or w % ww:
-        raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows; use "
-                         f"window=None (the whole stage), a window that divides the stage, or an image size that tiles")
-    return wh, ww
 
 
 class PatchMerging(nn.Module):
@@ -569,6 +543,14 @@ class SwinStage(nn.Module):
         self.downsample = downsample
 
 
+def authors_ape(options):
+    """The authors' rule for the APE in their ablations: on exactly where Eq. 6 gives the attention no position of
+    its own, with no residual or the plain one (a neighbourhood of the token alone); without Eq. 6 nothing else
+    does (their answer in their repository's issue #6; README, "The paper's experiments"). Their final models,
+    with Eq. 6, have none."""
+    return (inline.neighbourhood_size(options['residual'], options['local_size']) or 1) == 1
+
+
 class InLineSwin(Backbone):
     """InLine-Swin: patch 4, four stages joined by patch merging, final norm, token-mean head.
 
@@ -580,8 +562,7 @@ class InLineSwin(Backbone):
         windows are the window ablation of Table 4 (SwinBlock).
     softmax_window: the S window: 7 at 224 px, 12 at 384 px (the authors' configs).
     mlp_ratio, num_classes, drop_path_rate: MLP width over C, head outputs (0: none), final stochastic depth.
-    ape: the authors' position embedding inside each InLine or linear attention; None = on exactly when the
-        residual is not the local one, as in their ablations (README, "The paper's experiments").
+    ape: the authors' position embedding inside each InLine or linear attention; None: authors_ape's rule.
     **attention: the attention options (attention_options).
     """
     family = 'swin'
@@ -591,7 +572,7 @@ class InLineSwin(Backbone):
                  **attention):
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSM', drop_path_rate, attention)
-        self.ape = self.options['residual'] != 'local' if ape is None else ape
+        self.ape = authors_ape(self.options) if ape is None else ape
         if window is not None and not (isinstance(window, int) and window >= 1):
             raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), got {window!r}")
         self.window, self.num_features = window, embed_dim * 8
@@ -600,24 +581,19 @@ class InLineSwin(Backbone):
         for i, (letters, grid) in enumerate(zip(layout, stage_grids(self.img_size))):
             dim = embed_dim * 2 ** i
             inline_stage = any(c in 'IL' for c in letters)
-            if inline_stage:
-                self.check_window(grid, i)
-            ape_tokens = math.prod(inline_window(window, grid)) if self.ape and inline_stage else None
+            if inline_stage and window is not None and any(side % min(window, side) for side in grid):
+                fits = [n for n in range(1, max(grid) + 1) if all(side % min(n, side) == 0 for side in grid)]
+                raise ValueError(f"InLine-Swin: InLine window {window} does not tile stage {i + 1} ({grid[0]}x"
+                                 f"{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); windows that tile "
+                                 f"it: {fits}, or None (the whole stage)")
+            window_tokens = math.prod(grid if window is None else (min(window, side) for side in grid))
+            ape_tokens = window_tokens if self.ape and inline_stage else None
             blocks = [SwinBlock(dim, num_heads[i], c, softmax_window if c == 'S' else window, j % 2 == 1,
                                 mlp_ratio, rates[i][j], self.options, ape_tokens) for j, c in enumerate(letters)]
             self.layers.append(SwinStage(blocks, PatchMerging(dim) if i < 3 else None))
         self.norm = nn.LayerNorm(self.num_features)
         self.init_weights()
         self.reset_classifier(num_classes)
-
-    def check_window(self, grid, stage):
-        try:
-            inline_window(self.window, grid)
-        except ValueError:
-            fits = [n for n in range(1, max(grid) + 1) if all(s % min(n, s) == 0 for s in grid)]
-            raise ValueError(f"InLine-Swin: InLine window {self.window} does not tile stage {stage + 1} ({grid[0]}x"
-                             f"{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); windows that tile it: "
-                             f"{fits}, or None (the whole stage)") from None
 
     def forward_features(self, x, return_stages=False):
         """(B, 3, H_img, W_img) -> final normalised tokens (B, h*w, 8C), or the four stage outputs
@@ -990,7 +966,8 @@ def describe(model):
     o = model.options
     parts = [f"{model.family}", f"layout {model.layout}",
              f"kernel {o['kernel'] or 'identity (I) / relu (L)'}", f"residual {o['residual']}"]
-    parts += [f"dilation {o['dilation']}"] * (o['dilation'] > 1) + ['nonneg'] * o['nonneg']
+    parts += [f"local_size {o['local_size']}"] * (o['local_size'] != 3) + [f"dilation {o['dilation']}"] * (o['dilation'] > 1)
+    parts += ['nonneg'] * o['nonneg']
     parts += ['normalise_q'] * o['normalise_q'] + ['allow_divergent'] * o['allow_divergent']
     if model.family == 'swin':
         parts.append('InLine windows: whole stage' if model.window is None else

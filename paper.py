@@ -521,12 +521,13 @@ def eq6_share(attn, x, grid):
     """(H,): Eq. 6's share of each grid token's output, |res_i| / (|att_i| + |res_i|) per head (0 without Eq. 6),
     the mean over images and tokens; att_i = sum_j w_ij v_j is Eq. 5's part, res_i Eq. 6's, which the N x N weights
     do not hold (its weights are per channel)."""
-    if getattr(attn, 'residual', None) is None or attn.residual_type != 'local':
+    if getattr(attn, 'residual', None) is None:
         return torch.zeros(attn.num_heads)
     x, q, k, v = attn.project(x, grid)
     P = v.shape[2] - grid[0] * grid[1]
     att = (attn.explicit_weights(q, k) @ v)[:, :, P:]  # Eq. 5, (B, H, hw, D)
-    res = inline.local_residual(v[:, :, P:], inline.residual_weights(attn.residual, x), grid, attn.dilation)  # Eq. 6
+    r = inline.residual_weights(attn.residual, x)  # (B, T*C)
+    res = inline.local_residual(v, r, grid, attn.local_size, attn.dilation)[:, :, P:]  # Eq. 6, (B, H, hw, D)
     return (res.norm(dim=-1) / (att.norm(dim=-1) + res.norm(dim=-1)).clamp_min(1e-12)).mean((0, 2))
 
 

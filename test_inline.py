@@ -110,11 +110,12 @@ def test_injectivity(alpha):
 # ---------------------------------------------------------------------------------------------------
 # Eq. 6
 
-def local_residual_slow(v, r, grid, dilation=1):
-    """Eq. 6 by a loop over every token's 3x3 neighbourhood, neighbour t at (dilation*(t//3 - 1),
-    dilation*(t%3 - 1)) (R-dil; README, "The paper's experiments"), zero outside the grid."""
+def local_residual_slow(v, r, grid, size=3, dilation=1):
+    """Eq. 6 by a loop over every token's size x size neighbourhood, neighbour t at (dilation*(t//size - size//2),
+    dilation*(t%size - size//2)) (R-dil; README, "The paper's experiments"), zero outside the grid."""
     B, H, N, D = v.shape
     h, w = grid
+    T = size * size
     out = torch.zeros_like(v)
     for b in range(B):
         for head in range(H):
@@ -123,35 +124,29 @@ def local_residual_slow(v, r, grid, dilation=1):
                 for y in range(h):
                     for x in range(w):
                         total = 0.0
-                        for t in range(9):
-                            yy, xx = y + dilation * (t // 3 - 1), x + dilation * (t % 3 - 1)
+                        for t in range(T):
+                            yy, xx = y + dilation * (t // size - size // 2), x + dilation * (t % size - size // 2)
                             if 0 <= yy < h and 0 <= xx < w:
-                                total += r[b, 9 * c + t] * v[b, head, yy * w + xx, j]
+                                total += r[b, T * c + t] * v[b, head, yy * w + xx, j]
                         out[b, head, y * w + x, j] = total
     return out
 
 
-def test_eq6_against_explicit_loop_on_a_non_square_grid():
-    grid = (3, 5)
-    v = qkv(2, 2, 15, 3)[0]
-    r = torch.randn(2, 9 * 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(inline.local_residual(v, r, grid), local_residual_slow(v, r, grid), rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize('dilation', [2, 3])
-def test_dilated_eq6_against_explicit_loop(dilation):
+@pytest.mark.parametrize('size,dilation', [(3, 1), (3, 2), (3, 3), (5, 1), (1, 1)],
+                         ids=['3x3', '3x3-dilation2', '3x3-dilation3', '5x5', '1x1'])
+def test_eq6_against_explicit_loop_on_a_non_square_grid(size, dilation):
     grid = (5, 7)
     v = qkv(2, 2, 35, 3)[0]
-    r = torch.randn(2, 9 * 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(inline.local_residual(v, r, grid, dilation), local_residual_slow(v, r, grid, dilation),
-                               rtol=0, atol=1e-12)
+    r = torch.randn(2, size * size * 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(inline.local_residual(v, r, grid, size, dilation),
+                               local_residual_slow(v, r, grid, size, dilation), rtol=0, atol=1e-12)
 
 
 def test_plain_residual_is_r_times_v():
     """R-res 'plain': one weight per channel, o_i += r * v_i, through the core's Eq. 6 path."""
     q, k, v = qkv(2, 2, 1 + 12, 4)
     r = torch.randn(2, 8, dtype=torch.float64)  # (B, C)
-    out = inline.inline_core(q, k, v, r, (3, 4))
+    out = inline.inline_core(q, k, v, r, (3, 4), size=1)
     plain = inline.inline_attention(q, k, v)
     expected = plain[:, :, 1:] + r.view(2, 2, 1, 4) * v[:, :, 1:]  # channel c = head*D + j
     torch.testing.assert_close(out[:, :, 1:], expected, rtol=0, atol=1e-12)
@@ -165,6 +160,7 @@ def test_core_leaves_leading_tokens_without_local_residual():
     plain = inline.inline_attention(q, k, v)
     torch.testing.assert_close(out[:, :, :1], plain[:, :, :1], rtol=0, atol=0)
     torch.testing.assert_close(out[:, :, 1:], plain[:, :, 1:] + inline.local_residual(v[:, :, 1:], r, (3, 4)))
+    torch.testing.assert_close(out, plain + inline.local_residual(v, r, (3, 4)), rtol=0, atol=0)
 
 
 def test_residual_mlp_is_block_diagonal_per_head():
@@ -694,24 +690,25 @@ def test_shifted_inline_windows_equal_an_explicit_loop():
     B, (h, w), C, window, shift = 2, (8, 8), 16, 4, 2
     block = perturb(models.SwinBlock(C, 2, 'I', window, True, 2., 0., DEFAULTS).double())
     attn = block.attn
-    y = torch.randn(B, h, w, C, dtype=torch.float64)
-    rolled = torch.roll(y, (-shift, -shift), dims=(1, 2))
+    x = torch.randn(B, h * w, C, dtype=torch.float64)
+    rolled = torch.roll(block.norm1(x).view(B, h, w, C), (-shift, -shift), dims=(1, 2))
     expected = torch.zeros_like(rolled)
     for i in range(0, h, window):
         for j in range(0, w, window):
-            x = rolled[:, i:i + window, j:j + window].reshape(B, window * window, C)  # one window, row-major
-            q, k, v = (t.view(B, -1, 2, C // 2).transpose(1, 2) for t in attn.qkv(x).chunk(3, dim=-1))
-            r = inline.residual_weights(attn.residual, x)  # this window's own Eq. 6 weights
+            y = rolled[:, i:i + window, j:j + window].reshape(B, window * window, C)  # one window, row-major
+            q, k, v = (t.view(B, -1, 2, C // 2).transpose(1, 2) for t in attn.qkv(y).chunk(3, dim=-1))
+            r = inline.residual_weights(attn.residual, y)  # this window's own Eq. 6 weights
             o = inline.inline_core(q, k, v, r, (window, window)).transpose(1, 2).reshape(B, -1, C)
             expected[:, i:i + window, j:j + window] = attn.proj(o).view(B, window, window, C)
-    expected = torch.roll(expected, (shift, shift), dims=(1, 2))
-    torch.testing.assert_close(block.inline_windows(y), expected, rtol=0, atol=1e-12)
+    expected = x + torch.roll(expected, (shift, shift), dims=(1, 2)).reshape(B, h * w, C)
+    expected = expected + block.mlp(block.norm2(expected))
+    torch.testing.assert_close(block(x, (h, w)), expected, rtol=0, atol=1e-12)
     # wrapped: token (0, 0) and token (7, 7) share a window in the shifted block, not in the unshifted one
-    y2 = y.clone()
-    y2[:, 7, 7] += 1.0
-    assert (block.inline_windows(y2) - block.inline_windows(y))[:, 0, 0].abs().max() > 1e-6
+    x2 = x.clone()
+    x2[:, 7 * w + 7] += torch.randn(C, dtype=torch.float64)  # not a constant, which the LayerNorm would remove
+    assert (block(x2, (h, w)) - block(x, (h, w)))[:, 0].abs().max() > 1e-6
     block.shift = False
-    assert (block.inline_windows(y2) - block.inline_windows(y))[:, 0, 0].abs().max() == 0
+    assert (block(x2, (h, w)) - block(x, (h, w)))[:, 0].abs().max() == 0
 
 
 def test_nonneg_inline_weights_are_non_negative_and_rows_sum_to_one():
@@ -843,8 +840,13 @@ def test_experiment_switches_reject_bad_input():
         meta_model('inline_swin_t', window=5)
     with pytest.raises(ValueError, match=r"dilation must be a whole number >= 1"):
         meta_model('inline_swin_t', dilation=0)
-    with pytest.raises(ValueError, match=r"dilation must be .* > 1 only with residual='local'"):
+    with pytest.raises(ValueError, match=r"dilation must be .* > 1 only where Eq. 6 has neighbours"):
         meta_model('inline_swin_t', dilation=2, residual='plain')
+    with pytest.raises(ValueError, match=r"dilation must be .* > 1 only where Eq. 6 has neighbours"):
+        meta_model('inline_swin_t', dilation=2, local_size=1)
+    for size in (4, 0, -1, 3.0):
+        with pytest.raises(ValueError, match=rf"local_size .* must be an odd whole number >= 1.* got {size}"):
+            meta_model('inline_swin_t', local_size=size)
     with pytest.raises(ValueError, match=r"layout 'M': need 1 letters from I L S"):
         meta_model('inline_deit_t', layout='M')
     with pytest.raises(ValueError, match=r"layout 'IIMI2': need 4 letters from I L S"):
@@ -862,13 +864,18 @@ def test_experiment_switches_reject_bad_input():
         meta_model('inline_deit_t', depht=3)
 
 
-def test_fast_path_names_what_it_does_not_cover():
-    with pytest.warns(UserWarning, match=r"vanilla linear attention \(layout letter L\) has no fast path; its 2 module"):
-        n = kernels.enable_fast(meta_model('inline_swin_t', layout='LISS'))
-    assert n == 2  # the two I blocks of stage 2
+def test_fast_path_refuses_what_it_does_not_cover_when_the_model_is_built():
+    """Vanilla linear attention has no fast core: create_model(fast=True) refuses it, naming the option, before
+    any forward; every InLine option builds fast."""
+    with pytest.raises(ValueError, match=r"the fast InLine core has no attention='linear' \(layout letter L"):
+        meta_model('inline_swin_t', layout='LISS', fast=True)
+    with pytest.raises(ValueError, match=r"attention='linear'"):
+        meta_model('inline_cswin_t', layout='LISS', fast=True)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        assert kernels.enable_fast(meta_model('inline_swin_t', window=7, residual='plain', nonneg=True)) == 10
+        model = meta_model('inline_swin_t', window=7, residual='plain', nonneg=True, kernel='relu_affine', fast=True)
+        assert all(m.core is kernels.inline_core_fast for m in model.modules() if isinstance(m, inline.InLineBase))
+        meta_model('inline_swin_t', local_size=7, dilation=2, fast=True)
 
 
 # ===================================================================================================
@@ -956,9 +963,10 @@ def assert_bf16_within_twice_the_references(fast_core, reference_core, q, k, v, 
         assert fast_error <= 2 * reference_error + noise, name
 
 
-# Every InLine option the fast core covers: the plain residual (one neighbour, T = 1), a dilated 3x3
+# Every InLine option the fast core covers: the plain residual (one neighbour, T = 1), a dilated 3x3 and a 5x5
 # neighbourhood, and R-nonneg's normalised q, k with s = 1/2 (relu_affine and the APE act before the core)
-FAST_OPTIONS = {'plain-residual': {}, 'dilation3': dict(dilation=3), 'nonneg': dict(scale=0.5)}
+FAST_OPTIONS = {'plain-residual': dict(size=1), 'dilation3': dict(dilation=3), 'local5': dict(size=5),
+                'nonneg': dict(scale=0.5)}
 
 
 @pytest.mark.parametrize('dtype', ['fp32', 'bf16'])
@@ -967,8 +975,8 @@ def test_fast_core_covers_every_inline_option(option, dtype):
     torch.manual_seed(0)
     B, H, P, grid, D = 2, 3, 1, (6, 7), 32
     q, k, v, r, do = core_inputs(B, H, P, grid, D)
-    if option == 'plain-residual':
-        r = r[:, :H * D]  # (B, C)
+    size = FAST_OPTIONS[option].get('size', 3)
+    r = 0.3 * torch.randn(B, size * size * H * D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     if option == 'nonneg':
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     fast, reference = (functools.partial(core, **FAST_OPTIONS[option]) for core in (kernels.inline_core_fast,
@@ -1057,8 +1065,11 @@ def test_fast_core_rejects_what_the_reference_rejects():
     q = k = v = torch.randn(2, 3, 49, 32)
     with pytest.raises(ValueError, match="token grid"):
         kernels.inline_core_fast(q, k, v, torch.randn(2, 9 * 96), (8, 8))
-    with pytest.raises(ValueError, match="r must be"):
-        kernels.inline_core_fast(q, k, v, torch.randn(2, 5 * 96), (7, 7))  # neither (B, 9C) nor (B, C)
+    for size in (3, 1):
+        with pytest.raises(ValueError, match=rf"r must hold {size}x{size} neighbour weights per channel"):
+            kernels.inline_core_fast(q, k, v, torch.randn(2, 5 * 96), (7, 7), size=size)
+        with pytest.raises(ValueError, match=rf"r must hold {size}x{size} neighbour weights per channel"):
+            inline.inline_core(q, k, v, torch.randn(2, 5 * 96), (7, 7), size=size)
 
 
 def test_no_silent_fallback_when_compilation_fails(monkeypatch):
@@ -1241,6 +1252,51 @@ def test_enable_fast_swaps_exactly_the_reference_cores():
     assert kernels.enable_fast(model) == len(cores) > 0
     assert all(m.core is kernels.inline_core_fast for m in cores)
     assert kernels.enable_fast(model) == 0  # nothing left to swap
+
+
+# ---------------------------------------------------------------------------------------------------
+# The README's "Changing the method": each recipe followed on a throwaway change, so the recipes cannot go stale
+
+def test_recipe_a_new_kernel_function(monkeypatch):
+    """A kernel function phi is one entry of inline.KERNELS, and one of NON_NEGATIVE_KERNELS if phi >= 0."""
+    monkeypatch.setitem(inline.KERNELS, 'softplus', F.softplus)
+    monkeypatch.setattr(inline, 'NON_NEGATIVE_KERNELS', inline.NON_NEGATIVE_KERNELS + ('softplus',))
+    phi = inline.get_kernel('softplus')
+    q, k, v = qkv(2, 2, 49, 8)
+    torch.testing.assert_close(inline.inline_attention(phi(q), phi(k), v),
+                               inline.inline_attention_quadratic(phi(q), phi(k), v), rtol=0, atol=1e-12)
+    assert_fast_model_equals_reference('inline_swin_t', kernel='softplus')
+    assert meta_model('inline_swin_t', layout='LLLS', kernel='softplus')  # >= 0: linear attention takes it
+    assert 'kernel softplus' in models.describe(meta_model('inline_swin_t', kernel='softplus'))
+
+
+def test_recipe_another_neighbourhood_for_eq6():
+    """Eq. 6 over 5x5 neighbours is one option, local_size=5: the weight layout, the reference, the fast path and
+    the APE rule all take their tap count from it (the explicit loop at 5x5 is test_eq6_against_explicit_loop)."""
+    model = meta_model('inline_swin_t', local_size=5)
+    attns = [m for m in model.modules() if isinstance(m, inline.InLineAttention)]
+    assert attns and all(m.residual[2].out_channels == 25 * m.proj.in_features for m in attns)
+    assert not model.ape and 'local_size 5' in models.describe(model)
+    assert meta_model('inline_swin_t', local_size=1).ape  # a 1x1 neighbourhood is the plain residual: no position
+    assert_fast_model_equals_reference('inline_swin_t', local_size=5)
+    torch.manual_seed(0)
+    one = models.create_model('inline_swin_t', local_size=1, **dict(FAST_SMALL['inline_swin_t'], num_classes=5))
+    plain = models.create_model('inline_swin_t', residual='plain', **dict(FAST_SMALL['inline_swin_t'], num_classes=5))
+    plain.load_state_dict(one.state_dict())  # the same parameters, the same keys
+    x = torch.randn(2, 3, 64, 96)
+    torch.testing.assert_close(one.eval()(x), plain.eval()(x), rtol=0, atol=0)
+
+
+def test_recipe_a_new_experiment_by_name(monkeypatch):
+    """An experiment is one models.experiment(...) line: models, train.py --experiment and paper.py find it."""
+    monkeypatch.setattr(models, 'EXPERIMENTS', dict(models.EXPERIMENTS))
+    models.experiment('r_local5', 'inline_swin_t', dict(local_size=5), 'R-res', None, "Eq. 6 over 5x5 neighbours",
+                      ours=True)
+    assert models.create_experiment('r_local5', img_size=64).options['local_size'] == 5
+    run = resolved(['--experiment', 'r_local5'])
+    assert run.args.model == 'inline_swin_t' and run.arch == dict(local_size=5)
+    every = paper.experiments()
+    assert 'r_local5' in every and paper.config_key(every['r_local5']) != paper.config_key(every['r_residual_local'])
 
 
 # ===================================================================================================

@@ -103,8 +103,8 @@ FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with t
 BICUBIC = T.InterpolationMode.BICUBIC
 TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
 CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
-INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume')  # flags never taken from a checkpoint
-ARCH_FLAGS = ('layout', 'kernel', 'residual', 'dilation', 'window', 'ape', 'nonneg', 'normalise_q')
+INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume', 'attention_impl')  # never taken from a checkpoint
+ARCH_FLAGS = ('layout', 'kernel', 'residual', 'local_size', 'dilation', 'window', 'ape', 'nonneg', 'normalise_q')
 RUN_KEYS = {'img_size': 'img-size', 'num_classes': 'data-path', 'drop_path_rate': 'drop-path'}  # and their flags
 
 
@@ -120,7 +120,8 @@ def get_args_parser():
     a('--layout', help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
     a('--kernel', help='phi of the I and L blocks: identity, relu, leakyrelu, exp, relu_affine')
     a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
-    a('--dilation', type=int, help='dilation of Eq. 6\'s 3x3 neighbourhood')
+    a('--local-size', type=int, help='side k of Eq. 6\'s k x k neighbourhood (odd; released: 3)')
+    a('--dilation', type=int, help='dilation of Eq. 6\'s neighbourhood')
     a('--window', type=int, help='Swin: InLine window side in tokens (default: the whole stage, as released)')
     a('--ape', action=argparse.BooleanOptionalAction,
       help='Swin: the authors\' absolute position embedding in InLine attention (default: on without Eq. 6)')
@@ -135,8 +136,8 @@ def get_args_parser():
     a('--train-subset', type=int, help='train on this many images, a fixed random subset (the same for every seed)')
     a('--img-size', type=int, help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
       'DeiT 64, Swin with InLine windows smaller than the stage 224)')
-    a('--attention-impl', default='fast', choices=['fast', 'reference'],
-      help='the InLine core: kernels.py (fast) or inline.py (reference)')
+    a('--attention-impl', choices=['fast', 'reference'], help='the InLine core: kernels.py (fast; the default) or '
+      'inline.py (reference; the default for vanilla linear attention, layout L, which has no fast path)')
     a('--drop-path', type=float, help='stochastic depth rate')
     a('--finetune', help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
     a('--grad-checkpoint', action='store_true', help='recompute each block in the backward: less memory, slower')
@@ -552,6 +553,8 @@ def resolve(run):
     run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
         args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet else 0.0
+    if args.attention_impl is None:  # kernels.enable_fast refuses a model with linear attention: it has no fast path
+        args.attention_impl = 'reference' if 'L' in str(run.arch.get('layout', '')) else 'fast'
     run.amp_given = args.amp is not None
     if args.amp is None:
         args.amp = 'bf16' if native_bf16(run.device) else 'fp16' if run.device.type == 'cuda' else 'fp32'
