@@ -8,6 +8,7 @@ result as inline.inline_core, the reference it replaces; `enable_fast(model)` sw
     python kernels.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python kernels.py --bench --json          # the same, one JSON object per case
     python kernels.py --choices --threads 1   # two design choices below, timed: D constant, the per-call switches
+    python kernels.py --compile               # what the first use costs: compiling the two graphs
     (a whole-model training step, reference against fast core: python paper.py speed --model-step)
 
 What it does, and why (RESULTS.md has the measurements, each under its command):
@@ -328,7 +329,7 @@ def enable_fast(model, core=inline_core_fast):
     """Set `.core = core` (the fast one) on every InLine module of model whose core is the reference; returns how
     many. Every module is checked first, so a model is fast throughout or refused when it is built, with an error
     naming the option the fast core lacks; never half fast."""
-    modules = [m for m in model.modules() if isinstance(m, inline.InLineBase)]
+    modules = [m for m in model.modules() if hasattr(m, 'core')]  # each InLineBase.setup_inline gave one
     lacking = sorted({unsupported(m) for m in modules} - {None})
     if lacking:
         raise ValueError(f"the fast InLine core has no {', '.join(lacking)}: build this model with fast=False "
@@ -438,6 +439,22 @@ def bench_case(name, dtype, device):
     return row
 
 
+def bench_compile(device, dtype=torch.float32):
+    """What the fast core's first use costs: the first forward and backward of a small case, with the two graphs
+    compiled in an empty inductor cache, then compiled again (dynamo's trace) with inductor's cache warm."""
+    from torch._inductor.utils import fresh_inductor_cache
+    q, k, v, do = (torch.randn(2, 3, 64, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(4))
+    r = torch.randn(2, 9 * 96, device=device, dtype=dtype, requires_grad=True)
+    with fresh_inductor_cache():
+        for cache in ('empty', 'warm'):
+            torch._dynamo.reset()
+            _compiled_signatures.clear()
+            start = time.perf_counter()
+            torch.autograd.grad(inline_core_fast(q, k, v, r, (8, 8)), (q, k, v, r), do.detach()), _sync(device)
+            print(f"first forward + backward, {str(dtype).replace('torch.', '')}, inductor cache {cache}: "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
+
+
 def bench_choices(device):
     """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too (the forward
     graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to it, against one through
@@ -472,6 +489,7 @@ def main():
     parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
     parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
+    parser.add_argument('--compile', action='store_true', help="time the first use: compiling the two graphs")
     parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
     parser.add_argument('--cases', default=','.join(CASES), help="comma-separated subset of " + ', '.join(CASES))
     parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
@@ -487,6 +505,9 @@ def main():
               f"{'speed-up':>11s} | {'softmax SDPA ms':>17s} | {'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
               f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
               f"{'fwd':>5s} {'f+b':>5s} | {'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | {'MB':>6s}")
+    if args.compile:
+        for dtype in dtypes:
+            bench_compile(device, dtype)
     if args.choices:
         bench_choices(device)
     if args.bench:

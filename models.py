@@ -5,8 +5,8 @@ arXiv 2412.06590. The attention itself lives in inline.py and is imported, never
 builds the authors' four architectures around it, with module names that reproduce the released
 checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights load unchanged.
 
-    python models.py                      # every variant: params and GMACs beside the paper's figures
-    python models.py --experiments        # every experiment of the paper by name (README, "The paper's experiments")
+    python paper.py models                # every variant: params and GMACs beside the paper's figures
+    python paper.py experiments           # every experiment of the paper by name (README, "Changing the method")
 
     model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')       # a released checkpoint
     model = create_model('inline_swin_t', layout='LLLS', residual='none')       # Table 3's linear baseline
@@ -14,19 +14,16 @@ checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights lo
     model = create_experiment('t4_window7_no_residual')                         # an ablation by its name
     model = create_model('inline_pvt_s', features_only=True)                    # stage maps, timm's convention
 
-Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla
-linear attention (division normalisation, relu kernel by default), the paper's baseline; S = softmax
-attention (DeiT: over all tokens; PVT: with spatial reduction; Swin: shifted windows with relative
-position bias; CSwin: cross-shaped stripes); M = the stage's first k blocks are I and the rest S, with k
-written after the letters ('IIMS2'). The other switches (kernel, residual, dilation, nonneg,
-normalise_q; Swin's window and ape) are attention_options' and InLineSwin's; EXPERIMENTS names the
-paper's combinations of them.
+Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla linear attention
+(division normalisation, relu kernel by default), the paper's baseline; S = softmax attention (DeiT: over all
+tokens; PVT: with spatial reduction; Swin: shifted windows with relative position bias; CSwin: cross-shaped
+stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). The other switches
+are attention_options' and InLineSwin's; EXPERIMENTS names the paper's combinations of them.
 
 Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
 (h, w) the token grid, P leading tokens off the grid (DeiT's class token), nW windows per image,
 (wh, ww) a window, (Hp, Wp) the grid padded to whole windows. Images are (B, 3, *img_size).
 """
-import argparse
 import math
 import os
 import pickle
@@ -137,13 +134,8 @@ def inline_options(letter, options):
 
 def drop_path_rates(rate, depths):
     """Stochastic depth rising linearly from 0 to `rate` over all blocks, split per stage."""
-    total, start = sum(depths), 0
-    rates = [rate * i / max(total - 1, 1) for i in range(total)]  # torch.linspace, in plain floats (meta-safe)
-    per_stage = []
-    for depth in depths:
-        per_stage.append(rates[start:start + depth])
-        start += depth
-    return per_stage
+    rates = [rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]  # torch.linspace, in plain floats
+    return [rates[sum(depths[:i]):sum(depths[:i + 1])] for i in range(len(depths))]
 
 
 class Mlp(nn.Sequential):
@@ -155,7 +147,7 @@ class Mlp(nn.Sequential):
 
 class SoftmaxAttention(nn.Module):
     """Softmax attention over all tokens, DeiT's (`qkv`) and PVT's (`q`, `kv`, with spatial reduction: keys
-    and values from the map downsampled by a conv of kernel = stride = sr_ratio, then LayerNorm; keys
+    and values from the map downsampled by a conv of size and stride sr_ratio, then LayerNorm; keys
     `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours):
     softmax over L2-normalised queries, so q and a*q (a > 0) get the same weights, scale D^-1/2 as usual."""
 
@@ -212,7 +204,7 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Non-overlapping patches: conv with stride = kernel = patch, optional LayerNorm. Keys proj, norm."""
+    """Non-overlapping patches: conv of size and stride = patch, optional LayerNorm. Keys proj, norm."""
 
     def __init__(self, in_chans, dim, patch, norm_eps=None):
         super().__init__()
@@ -221,8 +213,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x):
         x = self.proj(x)  # (B, C, h, w)
-        grid = tuple(x.shape[2:])
-        return self.norm(x.flatten(2).transpose(1, 2)), grid  # (B, h*w, C)
+        return self.norm(x.flatten(2).transpose(1, 2)), tuple(x.shape[2:])  # (B, h*w, C), (h, w)
 
 
 def to_map(x, grid):
@@ -469,20 +460,14 @@ class WindowAttention(nn.Module):
 class SwinBlock(nn.Module):
     """Pre-norm block: x + DropPath(attention(LN(x))), then x + DropPath(MLP(LN(x))); x (B, h*w, C).
 
-    dim, num_heads: C and H.
     letter: 'S' Swin's softmax in windows with a relative position bias; 'I' InLine; 'L' vanilla linear.
-    window: the window side in tokens; for I/L, None is the whole map (every released model).
+    window: the window side in tokens; for I/L, None is the whole map (every released model). Smaller I/L windows
+        are the authors' window ablation (Table 4; their `models/inline_swin.py`): rolled as Swin's softmax blocks
+        are, but with NO mask, so tokens wrapped across the border attend to each other; every window is its own
+        InLine attention, with its own means, Eq. 6 weights and zero padding at the window's edges.
     shift: roll the map by window/2 first (odd blocks), along each axis the window does not cover.
-    mlp_ratio: the MLP's hidden width over C.
-    drop_path: this block's stochastic depth rate.
-    options: the attention options (attention_options) of an I or L block.
-    ape_tokens: the authors' position embedding inside the attention, one per window size (shared by the
-        stage's windows); None: none.
-
-    I/L windows smaller than the map are the authors' window ablation (Table 4): rolled as Swin's softmax
-    blocks are, but with NO mask, so tokens wrapped across the border attend to each other (the authors'
-    `models/inline_swin.py`); every window is its own InLine attention, with its own means, its own Eq. 6
-    weights from the window's token mean, and its 3x3 neighbourhood zero-padded at the window's edges.
+    options: the attention options (attention_options) of an I or L block; ape_tokens: the authors' position
+        embedding inside the attention, one per window size (shared by the stage's windows), or None.
     """
 
     def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, options, ape_tokens=None):
@@ -586,10 +571,10 @@ class InLineSwin(Backbone):
                 raise ValueError(f"InLine-Swin: InLine window {window} does not tile stage {i + 1} ({grid[0]}x"
                                  f"{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); windows that tile "
                                  f"it: {fits}, or None (the whole stage)")
-            window_tokens = math.prod(grid if window is None else (min(window, side) for side in grid))
-            ape_tokens = window_tokens if self.ape and inline_stage else None
+            window_tokens = math.prod(grid if window is None else (min(window, side) for side in grid))  # APE's N
             blocks = [SwinBlock(dim, num_heads[i], c, softmax_window if c == 'S' else window, j % 2 == 1,
-                                mlp_ratio, rates[i][j], self.options, ape_tokens) for j, c in enumerate(letters)]
+                                mlp_ratio, rates[i][j], self.options, window_tokens if self.ape else None)
+                      for j, c in enumerate(letters)]
             self.layers.append(SwinStage(blocks, PatchMerging(dim) if i < 3 else None))
         self.norm = nn.LayerNorm(self.num_features)
         self.init_weights()
@@ -662,12 +647,9 @@ class CSwinBlock(nn.Module):
     """LN -> one qkv -> one branch over the whole map (InLine, or when a stripe covers the map) or two
     half-channel, half-head branches over vertical and horizontal stripes -> proj; then the MLP.
 
-    dim, num_heads: C and H.
     letter: 'S' softmax in stripes with LePE; 'I' InLine or 'L' vanilla linear over the whole map, with LePE.
     stripe: the S stripe width in tokens; None (the last stage) or >= the map: one branch over the whole map.
     grid: the stage's (h, w), which decides between one branch and two.
-    mlp_ratio: the MLP's hidden width over C.
-    drop_path: this block's stochastic depth rate.
     options: the attention options (attention_options) of an I or L block.
     """
 
@@ -755,97 +737,25 @@ class InLineCSwin(Backbone):
 # ---------------------------------------------------------------------------------------------------
 # Registry: each variant is only its sizes; keyword overrides win
 
-MODELS = {}
-
-
-def register(fn):
-    MODELS[fn.__name__] = fn
-    return fn
-
-
-def build(cls, sizes, overrides):
-    return cls(**{**sizes, **overrides})
-
-
-@register
-def inline_deit_t(**kw):
-    return build(InLineDeiT, dict(img_size=224, embed_dim=192, num_heads=6), kw)
-
-
-@register
-def inline_deit_s(**kw):
-    return build(InLineDeiT, dict(img_size=288, embed_dim=320, num_heads=10), kw)
-
-
-@register
-def inline_deit_b(**kw):
-    return build(InLineDeiT, dict(img_size=448, embed_dim=384, num_heads=12), kw)
-
-
-@register
-def inline_pvt_t(**kw):
-    return build(InLinePVT, dict(depths=(2, 2, 2, 2)), kw)
-
-
-@register
-def inline_pvt_s(**kw):
-    return build(InLinePVT, dict(depths=(3, 4, 6, 3)), kw)
-
-
-@register
-def inline_pvt_m(**kw):
-    return build(InLinePVT, dict(depths=(3, 4, 18, 3), drop_path_rate=0.3), kw)
-
-
-@register
-def inline_pvt_l(**kw):
-    return build(InLinePVT, dict(depths=(3, 8, 27, 3), drop_path_rate=0.3), kw)
-
-
-@register
-def inline_swin_t(**kw):
-    return build(InLineSwin, dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), layout='IIIS'), kw)
-
-
-@register
-def inline_swin_s(**kw):
-    return build(InLineSwin, dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), layout='IISS',
-                                  drop_path_rate=0.3), kw)
-
-
-@register
-def inline_swin_b(**kw):
-    return build(InLineSwin, dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2',
-                                  drop_path_rate=0.5), kw)
-
-
-@register
-def inline_swin_b_384(**kw):
-    return build(InLineSwin, dict(img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32),
-                                  layout='IIMS2', softmax_window=12, drop_path_rate=0.5), kw)
-
-
-@register
-def inline_cswin_t(**kw):
-    return build(InLineCSwin, dict(embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16)), kw)
-
-
-@register
-def inline_cswin_s(**kw):
-    return build(InLineCSwin, dict(embed_dim=64, depths=(3, 6, 29, 2), num_heads=(2, 4, 8, 16),
-                                   drop_path_rate=0.4), kw)
-
-
-@register
-def inline_cswin_b(**kw):
-    return build(InLineCSwin, dict(embed_dim=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32),
-                                   drop_path_rate=0.5), kw)
-
-
-@register
-def inline_cswin_b_384(**kw):
-    return build(InLineCSwin, dict(img_size=384, embed_dim=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32),
-                                   stripes=(1, 2, 12, 12), drop_path_rate=0.7), kw)
+SWIN_B = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2', drop_path_rate=0.5)
+CSWIN_B = dict(embed_dim=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5)
+MODELS = {  # name: (its family's class, its sizes), the rest the class's defaults (the released -T or -S)
+    'inline_deit_t': (InLineDeiT, dict(img_size=224, embed_dim=192, num_heads=6)),
+    'inline_deit_s': (InLineDeiT, dict(img_size=288, embed_dim=320, num_heads=10)),
+    'inline_deit_b': (InLineDeiT, dict(img_size=448, embed_dim=384, num_heads=12)),
+    'inline_pvt_t': (InLinePVT, dict(depths=(2, 2, 2, 2))),
+    'inline_pvt_s': (InLinePVT, dict(depths=(3, 4, 6, 3))),
+    'inline_pvt_m': (InLinePVT, dict(depths=(3, 4, 18, 3), drop_path_rate=0.3)),
+    'inline_pvt_l': (InLinePVT, dict(depths=(3, 8, 27, 3), drop_path_rate=0.3)),
+    'inline_swin_t': (InLineSwin, dict(depths=(2, 2, 6, 2), layout='IIIS', drop_path_rate=0.2)),
+    'inline_swin_s': (InLineSwin, dict(depths=(2, 2, 18, 2), layout='IISS', drop_path_rate=0.3)),
+    'inline_swin_b': (InLineSwin, SWIN_B),
+    'inline_swin_b_384': (InLineSwin, dict(SWIN_B, img_size=384, softmax_window=12)),
+    'inline_cswin_t': (InLineCSwin, dict(depths=(2, 4, 18, 1), drop_path_rate=0.2)),
+    'inline_cswin_s': (InLineCSwin, dict(depths=(3, 6, 29, 2), drop_path_rate=0.4)),
+    'inline_cswin_b': (InLineCSwin, CSWIN_B),
+    'inline_cswin_b_384': (InLineCSwin, dict(CSWIN_B, img_size=384, stripes=(1, 2, 12, 12), drop_path_rate=0.7)),
+}
 
 
 def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_indices=(0, 1, 2, 3), **overrides):
@@ -868,7 +778,8 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    model = MODELS[name](**overrides)
+    cls, sizes = MODELS[name]
+    model = cls(**{**sizes, **overrides})
     model.arch = dict(overrides)
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
@@ -1171,7 +1082,7 @@ class SemanticFPN(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Cost, counted as the paper counts it; `python models.py` prints the table
+# Cost, counted as the paper counts it (`python paper.py models` prints every variant's)
 
 def count_macs(model, img_size=None):
     """Multiply-accumulates of one image: torch.utils.flop_counter's FLOPs / 2 (matmuls and convs;
@@ -1184,34 +1095,3 @@ def count_macs(model, img_size=None):
         model(torch.zeros(1, 3, H, W, device=device))
     model.train(training)
     return counter.get_total_flops() / 2
-
-
-def print_released():
-    print(f"{'variant':20s} {'img':>4s} {'params':>12s} {'released':>12s} {'GMACs':>8s} {'released':>8s} {'diff':>7s} {'top-1':>6s}")
-    for name, (params, gmacs, top1) in RELEASED.items():
-        with torch.device('meta'):
-            model = create_model(name)
-        ours = sum(p.numel() for p in model.parameters())
-        macs = count_macs(model) / 1e9
-        print(f"{name:20s} {model.img_size[0]:4d} {ours:12,d} {params:12,d} {macs:8.3f} {gmacs:8.3f} "
-              f"{(macs / gmacs - 1) * 100:+6.2f}% {top1 or '-':>6}")
-    print("GMACs = torch.utils.flop_counter FLOPs / 2 (matmuls and convolutions). Ours are lower by the released\n"
-          "code's q.k_mean product alone (N*D per head), which the centred form of Eq. 5 does not need.")
-
-
-def print_experiments():
-    print(f"{'experiment':28s} {'table':8s} {'model':15s} {'params':>11s} {'GMACs':>6s} {'paper top-1':>18s}  what")
-    for name, e in EXPERIMENTS.items():
-        with torch.device('meta'):
-            model = create_experiment(name)
-        params, macs = sum(p.numel() for p in model.parameters()), count_macs(model) / 1e9
-        print(f"{name:28s} {e.table:8s} {e.model:15s} {params:11,d} {macs:6.2f} {e.reported or '-':>18s}  "
-              f"{'(ours) ' if e.ours else ''}{e.what}")
-    print("paper top-1: ImageNet-1K as the paper reports it; (ours): our construction, no code was released.\n"
-          "Train one: torchrun --standalone --nproc_per_node=2 train.py --experiment NAME")
-
-
-if __name__ == '__main__':
-    parser = argparse.ArgumentParser(description="The released variants' sizes, or the paper's experiments")
-    parser.add_argument('--experiments', action='store_true', help="list every experiment of the paper")
-    print_experiments() if parser.parse_args().experiments else print_released()

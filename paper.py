@@ -5,6 +5,8 @@ arXiv 2412.06590. One subcommand per figure or group of tables of the paper (REA
 Each prints a table (markdown, for the README), draws a PNG (OUT/<subcommand>.png, or --png PATH) and keeps what
 it has finished under OUT (default runs/paper/), so a rerun resumes where the last one stopped.
 
+    python paper.py models                 # every released variant: params and GMACs beside the authors'
+    python paper.py experiments            # every experiment of the paper by name, with the paper's top-1
     python paper.py injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
     python paper.py locality               # F4: per layer, the weight on the 3x3, own and class tokens; Eq. 6's share
     python paper.py maps                   # F3: attention maps of a few query tokens, laid over an image
@@ -1335,6 +1337,37 @@ def short_name(name):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The paper's model table and its experiments by name, built on the meta device (no memory, no training)
+
+def cmd_models(args):
+    """Every released variant: params and GMACs of ours beside the authors' model definitions, and the paper's
+    top-1 (models.RELEASED)."""
+    rows = []
+    for name, (params, gmacs, top1) in models.RELEASED.items():
+        with torch.device('meta'):
+            model = models.create_model(name)
+        ours, macs = sum(p.numel() for p in model.parameters()), models.count_macs(model) / 1e9
+        rows.append([name, model.img_size[0], f'{ours:,}', f'{params:,}', f'{macs:.3f}', f'{gmacs:.3f}',
+                     f'{(macs / gmacs - 1) * 100:+.2f}%', top1 or '-'])
+    print_table(['variant', 'img', 'params', 'released', 'GMACs', 'released', 'diff', 'top-1'], rows)
+    print("GMACs = torch.utils.flop_counter FLOPs / 2 (matmuls and convolutions). Ours are lower by the released\n"
+          "code's q.k_mean product alone (N*D per head), which the centred form of Eq. 5 does not need.")
+
+
+def cmd_experiments(args):
+    """Every experiment of the paper by name (models.EXPERIMENTS) at full size, with the paper's top-1."""
+    rows = []
+    for name, e in models.EXPERIMENTS.items():
+        with torch.device('meta'):
+            model = models.create_experiment(name)
+        rows.append([name, e.table, e.model, f'{sum(p.numel() for p in model.parameters()):,}',
+                     f'{models.count_macs(model) / 1e9:.2f}', e.reported or '-', '(ours) ' * e.ours + e.what])
+    print_table(['experiment', 'table', 'model', 'params', 'GMACs', 'paper top-1', 'what'], rows)
+    print("paper top-1: ImageNet-1K as the paper reports it; (ours): our construction, no code was released.\n"
+          "Train one: torchrun --standalone --nproc_per_node=2 train.py --experiment NAME")
+
+
+# ---------------------------------------------------------------------------------------------------
 # The command line
 
 def main(argv=None):
@@ -1344,6 +1377,8 @@ def main(argv=None):
     common.add_argument('--png', help='write the picture here instead of OUT/<subcommand>.png')
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     sub = parser.add_subparsers(dest='command', required=True)
+    sub.add_parser('models', help="every released variant's params and GMACs beside the authors' and the paper's")
+    sub.add_parser('experiments', help='every experiment of the paper by name, with its params and the paper\'s top-1')
     sub.add_parser('injectivity', parents=[common], help='F1: identical weight rows under softmax, linear and InLine')
     budget = argparse.ArgumentParser(add_help=False, parents=[common])  # what each train.py run gets
     budget.add_argument('--epochs', type=int, default=EPOCHS, help=f'epochs of every training run ({EPOCHS})')
@@ -1385,7 +1420,7 @@ def main(argv=None):
     p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N', help=f'seeds (0, 1, ...): N for every table, TABLE=N '
                    f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')
     args = parser.parse_args(argv)
-    return {'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
+    return {'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
             'ablations': cmd_ablations}[args.command](args)
 
 

@@ -531,10 +531,9 @@ def test_model_api():
 
 def test_fast_switch_replaces_every_core():
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match='no fast path'):  # its stage-2 L block runs the reference linear attention
-        model = models.create_model('inline_cswin_t', fast=True, **SMALL['inline_cswin_t'])
-    cores = [m.core for m in model.modules() if hasattr(m, 'core') and getattr(m, 'letter', 'I') == 'I']
-    assert cores and all(core is kernels.inline_core_fast for core in cores)
+    model = models.create_model('inline_cswin_t', fast=True, **dict(SMALL['inline_cswin_t'], layout='IISS'))
+    cores = [m.core for m in model.modules() if hasattr(m, 'core')]
+    assert len(cores) == 1 + 2 and all(core is kernels.inline_core_fast for core in cores)  # the I blocks of stages 1, 2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -874,7 +873,7 @@ def test_fast_path_refuses_what_it_does_not_cover_when_the_model_is_built():
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         model = meta_model('inline_swin_t', window=7, residual='plain', nonneg=True, kernel='relu_affine', fast=True)
-        assert all(m.core is kernels.inline_core_fast for m in model.modules() if isinstance(m, inline.InLineBase))
+        assert all(m.core is kernels.inline_core_fast for m in model.modules() if hasattr(m, 'core'))
         meta_model('inline_swin_t', local_size=7, dilation=2, fast=True)
 
 
@@ -1159,14 +1158,14 @@ def test_an_empty_so_in_the_cache_still_runs_compiled(two_compilers):
     """A .so left empty by a process that died writing it fails every load of its graph; the core compiles again
     in a private folder and names the file to delete."""
     cache, _ = two_compilers
-    kernels_so = [p for p in cache.rglob('*.so') if not os.path.exists(f'{p}.load_ok')]  # not the CPU probes
-    assert kernels_so
-    for path in kernels_so:
+    compiled_so = [p for p in cache.rglob('*.so') if not os.path.exists(f'{p}.load_ok')]  # not the CPU probes
+    assert compiled_so
+    for path in compiled_so:
         path.write_bytes(b'')
     result = compiled(start_compiling(cache))
     assert not result['fell_back'] and result['graphs'] == 1 and result['error'] < 1e-5, result
     assert result['warnings'] and all('compiled again in a private folder' in w for w in result['warnings'])
-    assert all(any(f'Delete {p}' in w for p in map(str, kernels_so)) for w in result['warnings'])
+    assert all(any(f'Delete {p}' in w for p in map(str, compiled_so)) for w in result['warnings'])
 
 
 def test_benchmark_row_has_the_promised_keys():
@@ -1256,6 +1255,52 @@ def test_enable_fast_swaps_exactly_the_reference_cores():
 
 # ---------------------------------------------------------------------------------------------------
 # The README's "Changing the method": each recipe followed on a throwaway change, so the recipes cannot go stale
+
+def readme_walk():
+    """The README's "One block end to end": its two numbered lists of `file.py:function`, reference and fast."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'README.md')) as f:
+        section = f.read().split('## One block end to end')[1].split('\n## ')[0]
+    lists, previous = [], None
+    for line in section.splitlines():
+        item = re.match(r'(\d+)\. `(\w+\.py:[\w.]+)`', line)
+        if item:
+            if item.group(1) == '1':
+                lists.append([])
+            lists[-1].append(item.group(2))
+    return lists
+
+
+def traced_calls(fn):
+    """The functions of inline.py, models.py and kernels.py that fn() calls, as 'file.py:qualname', each once, in
+    the order of their first call (generator expressions and lambdas left out)."""
+    calls = []
+
+    def record(frame, event, arg):
+        name = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_qualname}"
+        if event == 'call' and name.split(':')[0] in ('inline.py', 'models.py', 'kernels.py') and '<' not in name \
+                and name not in calls:
+            calls.append(name)
+    sys.setprofile(record)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_block_walk_is_the_readme():
+    """The README's walk through one InLine-Swin block is what a forward calls: at most 12 functions in 2 files on
+    the reference path; on the fast path the same, with the core that kernels.enable_fast put in."""
+    reference_walk, fast_walk = readme_walk()
+    torch.manual_seed(0)
+    block = models.SwinBlock(32, 2, 'I', None, False, 4., 0., DEFAULTS)
+    x = torch.randn(2, 64, 32)
+    assert traced_calls(lambda: block(x, (8, 8))) == reference_walk
+    assert len(reference_walk) <= 12 and {name.split(':')[0] for name in reference_walk} == {'inline.py', 'models.py'}
+    kernels.enable_fast(block)
+    block(x, (8, 8))  # compiled (or loaded from the cache) on the first call
+    assert traced_calls(lambda: block(x, (8, 8))) == reference_walk[:8] + fast_walk + reference_walk[-1:]
+
 
 def test_recipe_a_new_kernel_function(monkeypatch):
     """A kernel function phi is one entry of inline.KERNELS, and one of NON_NEGATIVE_KERNELS if phi >= 0."""

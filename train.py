@@ -115,7 +115,7 @@ def get_args_parser():
     a('--model', choices=sorted(models.MODELS), metavar='NAME',
       help=f'variant (README, "Models"; default: the experiment\'s or the checkpoint\'s, else inline_swin_t): '
            f'{", ".join(models.MODELS)}')
-    a('--experiment', metavar='NAME', help='one of the paper\'s experiments (`python models.py --experiments` '
+    a('--experiment', metavar='NAME', help='one of the paper\'s experiments (`python paper.py experiments` '
       'lists them): its model and overrides, under which the flags below win')
     a('--layout', help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
     a('--kernel', help='phi of the I and L blocks: identity, relu, leakyrelu, exp, relu_affine')
