@@ -8,7 +8,7 @@ result as inline.inline_core, the reference it replaces; `enable_fast(model)` sw
     python kernels.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python kernels.py --bench --json          # the same, one JSON object per case
     python kernels.py --choices --threads 1   # two design choices below, timed: D constant, the per-call switches
-    python kernels.py --compile               # what the first use costs: compiling the two graphs
+    python kernels.py --compile               # what the first use in a process costs (compiling, or the cache)
     (a whole-model training step, reference against fast core: python paper.py speed --model-step)
 
 What it does, and why (RESULTS.md has the measurements, each under its command):
@@ -440,19 +440,14 @@ def bench_case(name, dtype, device):
 
 
 def bench_compile(device, dtype=torch.float32):
-    """What the fast core's first use costs: the first forward and backward of a small case, with the two graphs
-    compiled in an empty inductor cache, then compiled again (dynamo's trace) with inductor's cache warm."""
-    from torch._inductor.utils import fresh_inductor_cache
+    """What the fast core's first use in a process costs: its first forward and backward on a small case, which
+    compile the two graphs, or load them where the inductor cache (TORCHINDUCTOR_CACHE_DIR) already holds them."""
     q, k, v, do = (torch.randn(2, 3, 64, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(4))
     r = torch.randn(2, 9 * 96, device=device, dtype=dtype, requires_grad=True)
-    with fresh_inductor_cache():
-        for cache in ('empty', 'warm'):
-            torch._dynamo.reset()
-            _compiled_signatures.clear()
-            start = time.perf_counter()
-            torch.autograd.grad(inline_core_fast(q, k, v, r, (8, 8)), (q, k, v, r), do.detach()), _sync(device)
-            print(f"first forward + backward, {str(dtype).replace('torch.', '')}, inductor cache {cache}: "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    torch.autograd.grad(inline_core_fast(q, k, v, r, (8, 8)), (q, k, v, r), do.detach()), _sync(device)
+    print(f"first forward + backward, {str(dtype).replace('torch.', '')}, inductor cache {cache_dir()}: "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
 def bench_choices(device):
