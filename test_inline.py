@@ -1673,8 +1673,11 @@ def test_fashion_mnist_trains_with_the_small_image_recipe(tmp_path):
 
 
 def test_throughput_prints_images_per_second():
+    """--throughput takes the default precision from train.default_amp, and the model line says why."""
     result = run_train(TINY_ARGS + ['--throughput', '--batch-size', '2'])
-    assert 'throughput:' in result.stdout and 'images/s' in result.stdout
+    amp, why = train.default_amp(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))
+    assert 'throughput:' in result.stdout and f'images/s (one process, batch 2, 32 px, {amp})' in result.stdout
+    assert f'amp {amp} ({why}), device' in result.stdout
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -1796,9 +1799,59 @@ def test_weight_decay_groups(name):
         assert {f'pos_embed{i}' for i in range(1, 5)} <= got[0.05]
 
 
+# The default precision's rule (train.default_amp) on faked machines: (device, AMX, AVX-512 BF16, the GPU's bf16)
+# -> (the precision, words its reason must hold). The CPU's flags must not sway a GPU's choice, nor the GPU's a CPU's.
+AMP_MACHINES = {
+    'cpu-amx': ('cpu', True, True, None, 'bf16', 'has AMX'),
+    'cpu-avx512bf16-no-amx': ('cpu', False, True, None, 'fp32', 'AVX-512 BF16 but no AMX'),
+    'cpu-avx2-only': ('cpu', False, False, None, 'fp32', 'no AMX or AVX-512 BF16'),
+    'cpu-private-api-absent': ('cpu', None, None, None, 'fp32', 'no AMX or AVX-512 BF16'),
+    'cuda-bf16': ('cuda', False, False, True, 'bf16', 'Fake GPU computes bf16'),
+    'cuda-no-bf16-cpu-amx': ('cuda', True, True, False, 'fp16', 'Fake GPU has no bf16 (fp16, with the loss scaler)'),
+}
+
+
+def fake_machine(monkeypatch, amx, avx512_bf16, gpu_bf16):
+    """torch's capability queries answer as the machine would. None: torch.cpu lacks that private query (another
+    torch), or (GPU) a CPU run, which may not ask about a GPU at all. Counting emulation, as torch does by default,
+    every GPU says it has bf16, as a GPU before Ampere really does."""
+    for name, value in (('_is_amx_tile_supported', amx), ('_is_avx512_bf16_supported', avx512_bf16)):
+        if value is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda value=value: value, raising=False)
+
+    def no_gpu(*args, **kwargs):
+        raise AssertionError('a CPU run asked about the GPU')
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', no_gpu if gpu_bf16 is None else
+                        lambda including_emulation=True: including_emulation or gpu_bf16)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', no_gpu if gpu_bf16 is None else lambda device=None: 'Fake GPU')
+
+
+@pytest.mark.parametrize('machine', AMP_MACHINES)
+def test_default_precision_is_the_faster_one_on_the_machine(machine, monkeypatch):
+    device, amx, avx512_bf16, gpu_bf16, amp, reason = AMP_MACHINES[machine]
+    fake_machine(monkeypatch, amx, avx512_bf16, gpu_bf16)
+    got, why = train.default_amp(torch.device(device))
+    print(f'{machine}: amp {got} ({why})')
+    assert got == amp and reason in why
+
+
+@pytest.mark.parametrize('machine', ['cpu-amx', 'cpu-avx512bf16-no-amx'])
+def test_resolve_takes_the_default_precision_and_amp_overrides_it(machine, monkeypatch):
+    """With no --amp a run takes default_amp's choice and its reason; --amp wins, and the reason says it was given."""
+    device, amx, avx512_bf16, gpu_bf16, amp, reason = AMP_MACHINES[machine]
+    fake_machine(monkeypatch, amx, avx512_bf16, gpu_bf16)
+    run = resolved([])
+    assert (run.args.amp, run.amp_given) == (amp, False) and reason in run.amp_why
+    for given in ('bf16', 'fp16', 'fp32'):
+        run = resolved(['--amp', given])
+        assert (run.args.amp, run.amp_given, run.amp_why) == (given, True, 'given by --amp')
+
+
 def test_validation_runs_in_fp32_unless_amp_is_given():
     run = resolved([])
-    run.args.amp = 'bf16'  # as resolved on a machine with native bf16
+    run.args.amp = 'bf16'  # as resolved on a machine with AMX or a GPU with bf16
     with run.autocast(training=True):
         assert torch.is_autocast_enabled('cpu') and torch.get_autocast_dtype('cpu') == torch.bfloat16
     with run.autocast(training=False):
