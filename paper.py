@@ -730,7 +730,8 @@ def cmd_speed(args):
                 json.dump(row, f)
         with open(path) as f:
             rows.append(json.load(f))
-    cpu_amp, why = train.default_amp(torch.device('cpu'))  # bf16 only with AMX: the CPU's bf16 rows say which
+    cpu_amp, why = train.default_amp(torch.device('cpu'))
+    amx = getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)()  # private, so guarded; bf16's speed turns on it
     print(f'\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, softmax vs '
           f'InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, InLine through the '
           f'fast core; speed-up = median of per-round ratios. CPU: {torch.get_num_threads()} threads, '
@@ -743,7 +744,7 @@ def cmd_speed(args):
                  for r in rows])
     panels = []
     for fig, (what, values, paper) in SPEED.items():
-        series = [(f'{dev} {dt}' + (' (no AMX)' if (dev, dt) == ('cpu', 'bfloat16') and cpu_amp != 'bf16' else ''),
+        series = [(f'{dev} {dt}' + ((' (AMX)' if amx else ' (no AMX)') if (dev, dt) == ('cpu', 'bfloat16') else ''),
                    [r['point'] for r in sel], [r['speedup'] for r in sel], None)
                   for dev in dict.fromkeys(r['device'] for r in rows) for dt in ('float32', 'bfloat16')
                   for sel in [[r for r in rows if (r['figure'], r['device'], r['dtype']) == (fig, dev, dt)]] if sel]

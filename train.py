@@ -25,6 +25,7 @@ SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uni
 import argparse
 import ast
 import contextlib
+import functools
 import gzip
 import json
 import math
@@ -556,7 +557,10 @@ def resolve(run):
     if args.attention_impl is None:  # kernels.enable_fast refuses a model with linear attention: it has no fast path
         args.attention_impl = 'reference' if 'L' in str(run.arch.get('layout', '')) else 'fast'
     run.amp_given = args.amp is not None
-    args.amp, run.amp_why = (args.amp, 'given by --amp') if run.amp_given else default_amp(run.device)
+    amp = [(args.amp, 'given by --amp') if run.amp_given else default_amp(run.device)]
+    if dist.is_initialized():  # rank 0's, which a probe may have measured: every rank in the same precision
+        dist.broadcast_object_list(amp)
+    args.amp, run.amp_why = amp[0]
     if args.workers is None:
         args.workers = 0 if not imagenet else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
     args.output_dir = args.output_dir or default_output_dir(run)
@@ -570,9 +574,29 @@ def default_amp(device):
         return ('bf16', f'{gpu} computes bf16') if bf16 else ('fp16', f'{gpu} has no bf16 (fp16, with the loss scaler)')
     if getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)():  # private functions, so guarded
         return 'bf16', 'this CPU has AMX, where bf16 is faster than fp32'
-    if getattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)():
-        return 'fp32', 'this CPU has AVX-512 BF16 but no AMX, where bf16 is slower than fp32'
-    return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
+    if not getattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)():
+        return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
+    x = bf16_speedup()  # AVX-512 BF16 alone decides nothing: bf16 trained 2x faster on one such CPU, slower on another
+    why = f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, 1.25x needed'
+    return ('bf16' if x >= 1.25 else 'fp32'), why  # 1.25: a whole training step gains less than the probe
+
+
+@functools.cache
+def bf16_speedup(rounds=7):
+    """fp32 time / bf16 time of a transformer MLP's training step (LayerNorm, 128 -> 512 -> 128, 2048 tokens): median of
+    interleaved rounds, one thread, process CPU time (two threads on a shared machine scattered it). ~0.5 s, once."""
+    with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
+        mlp = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+        x = torch.randn(2048, 128)
+    threads, seconds = torch.get_num_threads(), {False: [], True: []}
+    torch.set_num_threads(1)
+    for bf16 in [False, True] * (rounds + 1):  # the first pair warms up
+        start = time.process_time()
+        with torch.autocast('cpu', torch.bfloat16, enabled=bf16):
+            mlp(x).float().square().mean().backward()
+        seconds[bf16].append(time.process_time() - start)
+    torch.set_num_threads(threads)
+    return sorted(a / b for a, b in zip(seconds[False][1:], seconds[True][1:]))[rounds // 2]
 
 
 def check_args(args):
