@@ -730,12 +730,12 @@ def cmd_speed(args):
                 json.dump(row, f)
         with open(path) as f:
             rows.append(json.load(f))
-    cpu, native = torch.backends.cpu.get_cpu_capability(), train.native_bf16(torch.device('cpu'))
+    cpu_amp, why = train.default_amp(torch.device('cpu'))
+    amx = getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)()  # private, so guarded; bf16's speed turns on it
     print(f'\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, softmax vs '
           f'InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, InLine through the '
-          f'fast core; speed-up = median of per-round ratios. CPU: {torch.get_num_threads()} threads, {cpu}'
-          + ('' if native else '; bf16 is emulated on this CPU (no AVX-512 BF16 or AMX), '
-             'so its CPU figures say little about bf16 hardware') + '.\n')
+          f'fast core; speed-up = median of per-round ratios. CPU: {torch.get_num_threads()} threads, '
+          f'{torch.backends.cpu.get_cpu_capability()}; {why}, so train.py defaults to {cpu_amp} there.\n')
     print_table(['figure', 'point', 'device', 'dtype', 'batch', 'softmax img/s', 'InLine img/s', 'InLine speed-up',
                  'paper (GPU)'],
                 [[r['figure'], f"{r['point']}²" if r['figure'] == 'F5b' else f"{r['point']} px", r['device'], r['dtype'],
@@ -744,7 +744,7 @@ def cmd_speed(args):
                  for r in rows])
     panels = []
     for fig, (what, values, paper) in SPEED.items():
-        series = [(f'{dev} {dt}' + (' (emulated)' if (dev, dt) == ('cpu', 'bfloat16') and not native else ''),
+        series = [(f'{dev} {dt}' + ((' (AMX)' if amx else ' (no AMX)') if (dev, dt) == ('cpu', 'bfloat16') else ''),
                    [r['point'] for r in sel], [r['speedup'] for r in sel], None)
                   for dev in dict.fromkeys(r['device'] for r in rows) for dt in ('float32', 'bfloat16')
                   for sel in [[r for r in rows if (r['figure'], r['device'], r['dtype']) == (fig, dev, dt)]] if sel]
@@ -1054,14 +1054,15 @@ def data_argv(args):
 
 def ablation_argv(name, e, seed, args):
     """The train.py command line of one run: the experiment by name, its miniature, the budget, the data, the seed.
-    Validation every VAL_EVERY epochs and in bf16 where there is bf16 hardware (training is in bf16 there anyway):
+    Validation every VAL_EVERY epochs and in bf16 where bf16 is train.py's default (training is in bf16 there):
     the 10,000 test images, every epoch in fp32, would cost more than the training itself."""
     registered = name in models.EXPERIMENTS  # else its overrides go on the command line
     kwargs = {**({} if registered else e.overrides), **mini_kwargs(e)}
     argv = (['--experiment', name] if registered else ['--model', e.model]) + ['--img-size', str(MINI_IMG),
                                                                               '--model-kwargs']
     argv += [f'{k}={v!r}' for k, v in kwargs.items()]
-    amp = ['--amp', 'bf16'] if train.native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) else []
+    device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    amp = ['--amp', 'bf16'] if train.default_amp(device)[0] == 'bf16' else []
     return argv + ['--epochs', str(args.epochs), '--val-every', str(VAL_EVERY), *data_argv(args), *amp,
                    '--seed', str(seed)]
 

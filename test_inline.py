@@ -1673,8 +1673,12 @@ def test_fashion_mnist_trains_with_the_small_image_recipe(tmp_path):
 
 
 def test_throughput_prints_images_per_second():
+    """--throughput takes the default precision from train.default_amp, and the model line says why."""
     result = run_train(TINY_ARGS + ['--throughput', '--batch-size', '2'])
-    assert 'throughput:' in result.stdout and 'images/s' in result.stdout
+    amp, why = re.search(r'amp (bf16|fp16|fp32) \((.+)\), device', result.stdout).groups()
+    mask = lambda reason: re.sub(r'\d+\.\d+x', 'Nx', reason)  # noqa: E731  (a probe's figure varies between runs)
+    assert mask(why) == mask(train.default_amp(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))[1])
+    assert f'images/s (one process, batch 2, 32 px, {amp})' in result.stdout
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -1796,9 +1800,71 @@ def test_weight_decay_groups(name):
         assert {f'pos_embed{i}' for i in range(1, 5)} <= got[0.05]
 
 
+# The default precision's rule (train.default_amp) on faked machines: (device, AMX, AVX-512 BF16, the GPU's bf16, what
+# the CPU's bf16 probe measures) -> (the precision, words its reason must hold). None: that query is absent (torch.cpu
+# lacks the private function), or must not be made (a CPU run asks nothing of a GPU; only AVX-512 BF16 without AMX
+# is probed).
+AMP_MACHINES = {
+    'cpu-amx': ('cpu', True, True, None, None, 'bf16', 'has AMX'),
+    'cpu-avx512bf16-no-amx-bf16-faster': ('cpu', False, True, None, 2.9, 'bf16', 'BF16 but no AMX; bf16 ran 2.9x'),
+    'cpu-avx512bf16-no-amx-bf16-slower': ('cpu', False, True, None, 0.8, 'fp32', 'BF16 but no AMX; bf16 ran 0.8x'),
+    'cpu-avx512bf16-no-amx-within-margin': ('cpu', False, True, None, 1.2, 'fp32', 'bf16 ran 1.2x'),
+    'cpu-avx2-only': ('cpu', False, False, None, None, 'fp32', 'no AMX or AVX-512 BF16'),
+    'cpu-private-api-absent': ('cpu', None, None, None, None, 'fp32', 'no AMX or AVX-512 BF16'),
+    'cuda-bf16': ('cuda', False, True, True, None, 'bf16', 'Fake GPU computes bf16'),
+    'cuda-no-bf16-cpu-amx': ('cuda', True, True, False, None, 'fp16', 'Fake GPU has no bf16 (fp16, with the loss'),
+}
+
+
+def fake_machine(monkeypatch, amx, avx512_bf16, gpu_bf16, speedup):
+    """torch's capability queries and the bf16 probe answer as the machine would. Counting emulation, as torch does by
+    default, every GPU says it has bf16, as a GPU before Ampere really does."""
+    for name, value in (('_is_amx_tile_supported', amx), ('_is_avx512_bf16_supported', avx512_bf16)):
+        if value is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda value=value: value, raising=False)
+
+    def never(*args, **kwargs):
+        raise AssertionError('a query this machine must not make')
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', never if gpu_bf16 is None else
+                        lambda including_emulation=True: including_emulation or gpu_bf16)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', never if gpu_bf16 is None else lambda device=None: 'Fake GPU')
+    monkeypatch.setattr(train, 'bf16_speedup', never if speedup is None else lambda: speedup)
+
+
+@pytest.mark.parametrize('machine', AMP_MACHINES)
+def test_default_precision_is_the_faster_one_on_the_machine(machine, monkeypatch):
+    device, *capabilities, amp, reason = AMP_MACHINES[machine]
+    fake_machine(monkeypatch, *capabilities)
+    got, why = train.default_amp(torch.device(device))
+    print(f'{machine}: amp {got} ({why})')
+    assert got == amp and reason in why
+
+
+@pytest.mark.parametrize('machine', ['cpu-amx', 'cpu-avx512bf16-no-amx-bf16-slower'])
+def test_resolve_takes_the_default_precision_and_amp_overrides_it(machine, monkeypatch):
+    """With no --amp a run takes default_amp's choice and its reason; --amp wins, and the reason says it was given."""
+    device, *capabilities, amp, reason = AMP_MACHINES[machine]
+    fake_machine(monkeypatch, *capabilities)
+    run = resolved([])
+    assert (run.args.amp, run.amp_given) == (amp, False) and reason in run.amp_why
+    for given in ('bf16', 'fp16', 'fp32'):
+        run = resolved(['--amp', given])
+        assert (run.args.amp, run.amp_given, run.amp_why) == (given, True, 'given by --amp')
+
+
+def test_bf16_probe_leaves_the_random_streams_and_the_threads_as_they_were():
+    torch.manual_seed(0)
+    threads, state = torch.get_num_threads(), torch.get_rng_state()
+    speedup = train.bf16_speedup.__wrapped__(rounds=1)  # a fresh measurement, not the process's cached one
+    print(f'bf16 probe on this CPU: bf16 {speedup:.2f}x the speed of fp32')
+    assert 0 < speedup < math.inf and torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), state)
+
+
 def test_validation_runs_in_fp32_unless_amp_is_given():
     run = resolved([])
-    run.args.amp = 'bf16'  # as resolved on a machine with native bf16
+    run.args.amp = 'bf16'  # as resolved on a machine with AMX or a GPU with bf16
     with run.autocast(training=True):
         assert torch.is_autocast_enabled('cpu') and torch.get_autocast_dtype('cpu') == torch.bfloat16
     with run.autocast(training=False):

@@ -25,6 +25,7 @@ SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uni
 import argparse
 import ast
 import contextlib
+import functools
 import gzip
 import json
 import math
@@ -164,8 +165,8 @@ def get_args_parser():
     a('--color-jitter', type=float, help='colour jitter strength (used only when RandAugment is off, as in timm)')
     a('--random-erase', type=float, help='random erasing probability (random per-pixel values)')
     a('--ema-decay', type=float, help='EMA decay per optimizer step, 0: off (CSwin: 0.9996^(total batch/4096))')
-    a('--amp', choices=['bf16', 'fp16', 'fp32'], help='autocast dtype (default: training in bf16 where native, else '
-      'fp16 on CUDA, else fp32; validation in fp32, as the released runs; given, it applies to validation too)')
+    a('--amp', choices=['bf16', 'fp16', 'fp32'], help='autocast dtype (default, for training: bf16 on a GPU with bf16 '
+      'or a CPU with AMX, fp16 on other GPUs, else fp32; validation in fp32, as released, unless --amp is given)')
     a('--compile', action='store_true', help='torch.compile the model for training')
     a('--workers', type=int, help='data-loading processes per training process')
     a('--threads', type=int, help='CPU threads per process (default: this node\'s cores shared out among them)')
@@ -225,9 +226,8 @@ class SyntheticShapes(Dataset):
                 f = torch.stack([r / 2 - x * math.cos(a) - y * math.sin(a)
                                  for a in (math.pi / 2, math.pi * 7 / 6, -math.pi / 6)]).amin(0)
             else:
-                arm, a = r, 0.3 * r
-                f = torch.maximum(torch.minimum(a - x.abs(), arm - y.abs()),
-                                  torch.minimum(a - y.abs(), arm - x.abs()))
+                a = 0.3 * r  # half the width of an arm, whose length is r
+                f = torch.maximum(torch.minimum(a - x.abs(), r - y.abs()), torch.minimum(a - y.abs(), r - x.abs()))
             mask = (f * S / 2 + 0.5).clamp(0, 1)  # about one pixel of anti-aliased edge
         else:  # a texture over the whole image: a grating (wave vector at 0/45/90/135° +- 10°) or a checkerboard
             period, angle = 0.25 + 0.25 * uniform(), 2 * math.pi * uniform()
@@ -433,6 +433,7 @@ class Run:
     device: torch.device = torch.device('cpu')
     total_batch: int = 0  # images per optimizer step
     amp_given: bool = False  # --amp on the command line: validation uses it too
+    amp_why: str = ''  # why args.amp: 'given by --amp', or default_amp's reason
     arch: dict = None  # the model's create_model overrides besides RUN_KEYS (models' model.arch)
     name: str = ''  # the experiment or model and the overrides beyond its own, short: the output folder's name
     saved: dict = None  # --eval's checkpoint, or the one to resume from
@@ -556,20 +557,46 @@ def resolve(run):
     if args.attention_impl is None:  # kernels.enable_fast refuses a model with linear attention: it has no fast path
         args.attention_impl = 'reference' if 'L' in str(run.arch.get('layout', '')) else 'fast'
     run.amp_given = args.amp is not None
-    if args.amp is None:
-        args.amp = 'bf16' if native_bf16(run.device) else 'fp16' if run.device.type == 'cuda' else 'fp32'
+    amp = [(args.amp, 'given by --amp') if run.amp_given else default_amp(run.device)]
+    if dist.is_initialized():  # rank 0's, which a probe may have measured: every rank in the same precision
+        dist.broadcast_object_list(amp)
+    args.amp, run.amp_why = amp[0]
     if args.workers is None:
         args.workers = 0 if not imagenet else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
     args.output_dir = args.output_dir or default_output_dir(run)
     check_args(args)
 
 
-def native_bf16(device):
-    """Whether the device computes bf16 natively: CUDA that says so, or a CPU with AVX-512 BF16 or AMX."""
-    if device.type == 'cuda':
-        return torch.cuda.is_bf16_supported()
-    has = lambda f: getattr(torch.cpu, f, lambda: False)()  # noqa: E731  (private, so guarded)
-    return has('_is_avx512_bf16_supported') or has('_is_amx_tile_supported')
+def default_amp(device):
+    """(--amp's default, the fact it rests on): bf16 where it is faster than fp32, else fp16 on CUDA, else fp32."""
+    if device.type == 'cuda':  # emulated bf16 (before Ampere) is slower: fp16 there, with the loss scaler
+        bf16, gpu = torch.cuda.is_bf16_supported(including_emulation=False), torch.cuda.get_device_name(device)
+        return ('bf16', f'{gpu} computes bf16') if bf16 else ('fp16', f'{gpu} has no bf16 (fp16, with the loss scaler)')
+    if getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)():  # private functions, so guarded
+        return 'bf16', 'this CPU has AMX, where bf16 is faster than fp32'
+    if not getattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)():
+        return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
+    x = bf16_speedup()  # AVX-512 BF16 alone decides nothing: bf16 trained 2x faster on one such CPU, slower on another
+    why = f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, 1.25x needed'
+    return ('bf16' if x >= 1.25 else 'fp32'), why  # 1.25: a whole training step gains less than the probe
+
+
+@functools.cache
+def bf16_speedup(rounds=7):
+    """fp32 time / bf16 time of a transformer MLP's training step (LayerNorm, 128 -> 512 -> 128, 2048 tokens): median of
+    interleaved rounds, one thread, process CPU time (two threads on a shared machine scattered it). ~0.5 s, once."""
+    with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
+        mlp = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+        x = torch.randn(2048, 128)
+    threads, seconds = torch.get_num_threads(), {False: [], True: []}
+    torch.set_num_threads(1)
+    for bf16 in [False, True] * (rounds + 1):  # the first pair warms up
+        start = time.process_time()
+        with torch.autocast('cpu', torch.bfloat16, enabled=bf16):
+            mlp(x).float().square().mean().backward()
+        seconds[bf16].append(time.process_time() - start)
+    torch.set_num_threads(threads)
+    return sorted(a / b for a, b in zip(seconds[False][1:], seconds[True][1:]))[rounds // 2]
 
 
 def check_args(args):
@@ -604,10 +631,9 @@ def setup(args):
         torch.set_num_threads(args.threads or max(1, cpu_count() // local))
     if run.world > 1:
         dist.init_process_group('nccl' if run.device.type == 'cuda' else 'gloo')
-    if args.eval and not args.checkpoint:
-        fail('--eval needs --checkpoint FILE')
-    if args.checkpoint and not args.eval:
-        fail('--checkpoint is for --eval; continue training with --resume, start from weights with --finetune')
+    if args.eval != bool(args.checkpoint):  # each needs the other
+        fail('--eval needs --checkpoint FILE' if args.eval else
+             '--checkpoint is for --eval; continue training with --resume, start from weights with --finetune')
     resolve(run)
     print0(f'args: {json.dumps(vars(args))}')
     return run
@@ -633,10 +659,9 @@ def build_model(run, num_classes):
         key = next((k for k in models.EMA_KEYS if saved.get(k) is not None), 'model')
         load_weights(model, saved, key, args.finetune)
         print0(f'initial weights: {args.finetune} ({key})')
-    if args.grad_checkpoint:
-        model.set_grad_checkpointing(True)
-    print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, '
-           f'{args.img_size} px, attention {args.attention_impl}, amp {args.amp}, device {run.device} x {run.world}')
+    model.set_grad_checkpointing(args.grad_checkpoint)
+    print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.img_size} '
+           f'px, attention {args.attention_impl}, amp {args.amp} ({run.amp_why}), device {run.device} x {run.world}')
     if args.experiment:
         e = models.EXPERIMENTS[args.experiment]
         print0(f'experiment: {args.experiment} ({e.table}, reported {e.reported}{", our construction" * e.ours}): '
@@ -770,8 +795,7 @@ def train_one_epoch(run, t, loader, epoch, stop):
         bar.set_postfix(loss=f'{losses[-1]:.3f}', lr=f'{t.scheduler.get_last_lr()[0]:.2e}', img_s=f'{speed:.0f}',
                         refresh=False)
         bar.update()
-        if flags[2] > 0:
-            stopped = True
+        if stopped := flags[2].item() > 0:
             break
     bar.close()
     return sum(losses) / max(len(losses), 1), speed, step, stopped
