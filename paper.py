@@ -759,7 +759,7 @@ def cmd_speed(args):
     return rows
 
 
-def free_core(q, k, v, r, grid, scale=None):
+def free_core(q, k, v, r, grid, *options):
     """A stand-in for the InLine core that costs nothing, o = v: a step with it is as fast as any core can make
     it (the projections, r and everything else still run)."""
     return v
