@@ -1487,6 +1487,80 @@ def test_fast_causal_core_rejects_what_the_reference_rejects():
         kernels.inline_core_fast(q, k, v, r[:, 0], None, causal=True)
 
 
+def test_mqar_batches_ask_for_the_values_of_earlier_keys():
+    x, y = paper.mqar_batch(16, 8, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (16, 20)
+    keys, values = x[:, 0:16:2], x[:, 1:16:2]
+    assert (keys < paper.RECALL_VOCAB).all() and (values >= paper.RECALL_VOCAB).all()
+    assert all(len(set(row.tolist())) == 8 for row in keys)  # distinct keys in each sequence
+    assert (y[:, :16] == -100).all() and (y[:, 16:] >= paper.RECALL_VOCAB).all()
+    for b in range(16):
+        answer = dict(zip(keys[b].tolist(), values[b].tolist()))
+        assert [answer[k] for k in x[b, 16:].tolist()] == y[b, 16:].tolist()
+        assert len(set(x[b, 16:].tolist())) == 4  # half the keys, each once
+
+
+def test_recall_models_run_the_reference_function_and_count_their_state():
+    """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits; the state sizes
+    follow recall_state's formulas (C = 32, 2 heads, D = 16)."""
+    torch.manual_seed(0)
+    x, _ = paper.mqar_batch(3, 4, torch.Generator().manual_seed(0))
+    for name in ('InLine + Eq. 6', 'InLine 1+elu', 'linear 1+elu + Eq. 6', 'linear relu'):
+        model = paper.RecallLM(name, 32, 10).double()
+        cores = [m for m in model.modules() if hasattr(m, 'core')]
+        assert len(cores) == 2 and all(m.causal for m in cores)
+        logits = model(x)
+        for m in cores:
+            m.core = inline.inline_core
+        torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
+        assert logits.shape == (3, 10, 2 * paper.RECALL_VOCAB)
+    assert paper.recall_state('softmax', 32, 10) == 2 * 10 * 32
+    assert paper.recall_state('linear relu', 32, 10) == 2 * (16 * 16 + 16)
+    assert paper.recall_state('InLine 1+elu', 32, 10) == 2 * (16 * 16 + 2 * 16) + 1
+    assert paper.recall_state('InLine + Eq. 6', 32, 10) == 2 * (16 * 16 + 2 * 16) + 1 + 3 * 32
+
+
+def test_paper_recall_keeps_finished_runs_and_trains_only_the_rest(tmp_path, monkeypatch, capsys):
+    results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes', '8x2',
+                                                     '--out', str(tmp_path)]
+    paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine 1+elu'])
+    with open(results) as f:
+        assert len(f.readlines()) == 4  # 2 models x 2 seeds
+    trained = []
+    real = paper.recall_run
+    monkeypatch.setattr(paper, 'recall_run', lambda *run: trained.append(run) or real(*run))
+    rows = paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine 1+elu', 'linear 1+elu'])
+    assert sorted(trained) == [('linear 1+elu', 8, 2, 0, 3), ('linear 1+elu', 8, 2, 1, 3)]
+    assert len(rows) == 6 and all(0 <= r['recall'] <= 100 and r['cpu_s'] >= 0 for r in rows.values())
+    out = capsys.readouterr().out
+    assert 'training 2 x 3 steps' in out and '| 2 (5) | 8 | linear 1+elu |' in out and '| 2 (5) | 8 | 1+elu |' in out
+    assert_png(str(tmp_path / 'recall.png'))
+    for bad, message in ((['--models', 'gpt'], "unknown recall models ['gpt']"), (['--sizes', '8x65'], '--sizes takes'),
+                         (['--sizes', '7x4'], '--sizes takes CxPAIRS'),
+                         (['--seeds', '0'], '--seeds, --steps and --threads must be at least 1')):
+        with pytest.raises(SystemExit):
+            paper.main(argv + ['--results', results] + bad)
+        assert message in capsys.readouterr().err
+
+
+def test_the_committed_recall_results_cover_the_default_run():
+    """RESULTS.md's recall tables come from results/recall.jsonl: `python paper.py recall` finds every run of its
+    default plan there and trains none."""
+    runs = paper.read_recall(paper.RECALL_RESULTS)
+    missing = [(n, w, p, s) for n in paper.RECALL_MODELS for w, p in paper.RECALL_SIZES for s in range(paper.RECALL_SEEDS)
+               if paper.recall_key(n, w, p, s, paper.RECALL_STEPS) not in runs]
+    assert not missing, f"{len(missing)} runs missing, e.g. {missing[:3]}"
+
+
+def test_injectivity_verdict_words():
+    assert paper.injectivity_verdict([10.0, 12.0, 11.0])[2] == 'reproduced'
+    assert paper.injectivity_verdict([-10.0, -12.0, -11.0])[2] == 'contradicted'
+    assert paper.injectivity_verdict([10.0, -12.0, 1.0])[2] == 'not resolved'
+    assert paper.injectivity_verdict([0.0, 0.0, 0.0])[2] == 'not resolved'  # both at 100 %, say
+    mean, half, _ = paper.injectivity_verdict([1.0, 2.0, 3.0])
+    assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-9
+
+
 # ---------------------------------------------------------------------------------------------------
 # The README's "Changing the method": each recipe followed on a throwaway change, so the recipes cannot go stale
 
