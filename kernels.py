@@ -455,7 +455,8 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=Fa
 def unsupported(module):
     """What of an InLine module's options (inline.InLineBase) the fast core does not cover, or None. It covers every
     option of InLine attention (kernel, residual, local_size, dilation, nonneg, APE: they change its inputs or its
-    neighbour table), but not vanilla linear attention, which divides where Eq. 5 subtracts."""
+    neighbour table; causal and sequence: CausalCore and the 1-D table), but not vanilla linear attention, which
+    divides where Eq. 5 subtracts."""
     return "attention='linear' (layout letter L, vanilla linear attention)" if module.attention == 'linear' else None
 
 
@@ -592,7 +593,7 @@ def bench_causal(N, dtype, device, B=1, H=4, D=64):
         fns[f'{name}_fwd_ms'] = lambda core=core: torch.no_grad()(core)()
         fns[f'{name}_fwdbwd_ms'] = lambda core=core, n=4 if name == 'eq56' else 3: torch.autograd.grad(
             core(), inputs[:n], do)
-    ms = time_interleaved(fns, device, budget_s=20, max_rounds=9)
+    ms = time_interleaved(fns, device, budget_s=60, max_rounds=9)
     row = dict(tokens=N, dtype=str(dtype).replace('torch.', ''), B=B, H=H, D=D)
     row.update({key: round(statistics.median(t), 2) for key, t in ms.items()})
     for name in ('eq5', 'eq56'):  # how many times faster than causal SDPA: medians of per-round ratios

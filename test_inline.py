@@ -1479,6 +1479,22 @@ def test_fast_causal_module_never_looks_ahead():
         kernels.enable_fast(inline.InLineAttention(64, 2, causal=True, attention='linear', kernel='relu'))
 
 
+@CUDA
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+def test_fast_causal_core_on_cuda(dtype):
+    q, k, v, r, do = (t.cuda() for t in sequence_inputs(2, 3, 131, 32))
+    truth = run_core(causal(inline.inline_core), q, k, v, r, do, None, torch.float32)
+    fast = run_core(causal(kernels.inline_core_fast), q, k, v, r, do, None, dtype)
+    if dtype == torch.float32:
+        assert_fp32_close(fast, truth, tolerance=1e-4)  # TF32 may be on for the caller's matmuls
+    else:
+        reference = run_core(causal(inline.inline_core), q, k, v, r, do, None, dtype)
+        for name, f, ref, t in zip(NAMES, fast, reference, truth):
+            fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
+            print(f"{name}: bf16 error, fast {fast_error:.3e}, reference {reference_error:.3e}")
+            assert fast_error <= 2 * reference_error + BF16_ROUNDING * t.abs().max().item(), name
+
+
 def test_fast_causal_core_rejects_what_the_reference_rejects():
     q, k, v, r, _ = sequence_inputs(2, 2, 13, 8)
     with pytest.raises(ValueError, match=r"causal attention runs over a 1-D sequence: grid must be None"):
