@@ -94,25 +94,29 @@ def nice_ticks(lo, hi, n=5):
     return [i * step for i in range(math.floor(lo / step), math.ceil(hi / step) + 1)]
 
 
-def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log_x=False, hlines=(), lines=True):
+def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log_x=False, hlines=(), lines=True,
+          ylim=None):
     """A line (or, lines=False, dot) chart in box = (left, top, right, bottom) of draw.
 
     series: [(label, xs, ys, errs or None)]; hlines: [(label, y)] drawn dashed; xticks the x positions to
-    label with xlabels (default the numbers themselves). Errors are drawn as vertical bars (+- err)."""
+    label with xlabels (default the numbers themselves). Errors are drawn as vertical bars (+- err), cut at
+    ylim = (lo, hi) where given (a percentage's interval beyond 0 or 100, say)."""
     left, top, right, bottom = box
     x0, y0, x1, y1 = left + 58, top + 44, right - 14, bottom - 66  # the plotting area; title above, legend below
     ys = [y + s * (e or 0) for _, _, values, errs in series for y, e in zip(values, errs or [0] * len(values))
           for s in (-1, 1) if y is not None and math.isfinite(y)] + [y for _, y in hlines]
-    lo, hi = min(ys), max(ys)
+    lo, hi = (max(min(ys), ylim[0]), min(max(ys), ylim[1])) if ylim else (min(ys), max(ys))
     pad = 0.08 * (hi - lo or abs(hi) or 1)
-    yt = nice_ticks(lo - pad if lo < 0 else max(lo - pad, 0), hi + pad)  # no negative axis for positive data
+    top_y = min(hi + pad, ylim[1]) if ylim else hi + pad
+    yt = nice_ticks(lo - pad if lo < 0 else max(lo - pad, 0), top_y)  # no negative axis for positive data
     lo, hi = yt[0], yt[-1]
     fx = (lambda x: math.log(x)) if log_x else (lambda x: x)
     xa, xb = fx(min(xticks)), fx(max(xticks))
     xspan = (xb - xa) or 1
     margin = 0.06 * xspan if not lines else 0.0
     px = lambda x: x0 + (fx(x) - xa + margin) / (xspan + 2 * margin) * (x1 - x0)  # noqa: E731
-    py = lambda y: y1 - (y - lo) / (hi - lo) * (y1 - y0)  # noqa: E731
+    clip = (lambda y: min(max(y, lo), hi)) if ylim else (lambda y: y)  # noqa: E731
+    py = lambda y: y1 - (clip(y) - lo) / (hi - lo) * (y1 - y0)  # noqa: E731
     draw.text(((left + right) / 2, top + 4), title, fill='black', font=font(14), anchor='ma')
     for y in yt:
         draw.line([(x0, py(y)), (x1, py(y))], fill=(225, 225, 225))
@@ -1392,8 +1396,8 @@ RECALL_MODELS = {  # name: inline.InLineAttention's options, causal=True (None: 
 RECALL_INJECTIVITY = (('linear 1+elu', 'InLine 1+elu'), ('linear 1+elu + Eq. 6', 'InLine 1+elu + Eq. 6'))  # / vs -
 RECALL_SIZES = ((32, 4), (64, 4), (64, 8))  # (C, key-value pairs); 2 heads, so D = C/2; N = 2.5 pairs tokens
 RECALL_HEADS, RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH, RECALL_LR = 2, 3, 2000, 64, 3e-3
-RECALL_STEP_MS = {(32, 4): 9, (64, 4): 13, (64, 8): 18}  # CPU ms per step of InLine 1+elu, 1 thread, measured here
-RECALL_STEP_FACTOR = {'softmax': 0.8, 'Eq. 6': 1.7, 'linear': 1.1}  # another model's step against that
+RECALL_STEP_MS = {(32, 4): 11, (64, 4): 17, (64, 8): 25}  # CPU ms per step of InLine 1+elu, 1 thread, measured here
+RECALL_STEP_FACTOR = {'softmax': 0.65, 'Eq. 6': 1.5, 'linear': 1.1}  # another model's step against that
 
 
 def mqar_batch(batch, pairs, generator):
@@ -1614,8 +1618,8 @@ def recall_report(rows, models, sizes, args):
         panels.append(dict(series=series, title=f'MQAR, {p} pairs ({rows[models[0], widths[0], p, 0]["tokens"]} '
                            f'tokens): recall against state', xlabel='state per layer (floats), C = ' +
                            ', '.join(map(str, widths)), ylabel='recall (%)', xticks=ticks, log_x=True,
-                           xlabels=[f'{t // 1024}k' if t >= 1024 else str(t) for t in ticks], lines=True,
-                           hlines=[('chance', 100 / RECALL_VOCAB)]))
+                           xlabels=[f'{t // 1024}k' if t >= 1024 else str(t) for t in ticks], lines=True, ylim=(0, 100),
+                           hlines=[('chance', 100 / RECALL_VOCAB), ('guess among its values', 100 / p)]))
     charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 420))
     return rows
 
