@@ -1506,8 +1506,9 @@ def recall_run(name, width, pairs, seed, steps):
                 cpu_s=round(time.process_time() - start, 1), threads=torch.get_num_threads())
 
 
-def recall_key(name, width, pairs, seed, steps):
-    return json.dumps([name, width, pairs, seed, steps])
+def recall_key(name, width, pairs, seed, steps, batch=RECALL_BATCH, lr=RECALL_LR):
+    """What makes a run: a stored run made with another batch or learning rate is not this one."""
+    return json.dumps([name, width, pairs, seed, steps, batch, lr])
 
 
 def read_recall(path):
@@ -1517,7 +1518,7 @@ def read_recall(path):
         with open(path) as f:
             for line in filter(str.strip, f):
                 row = json.loads(line)
-                runs[recall_key(row['model'], row['width'], row['pairs'], row['seed'], row['steps'])] = row
+                runs[recall_key(*(row[k] for k in ('model', 'width', 'pairs', 'seed', 'steps', 'batch', 'lr')))] = row
     return runs
 
 
@@ -1555,11 +1556,22 @@ def cmd_recall(args):
     if len(sizes) != len(args.sizes) or any(not 2 <= p <= RECALL_VOCAB or w < 1 or w % RECALL_HEADS for w, p in sizes):
         train.fail(f"--sizes takes CxPAIRS, the width C a multiple of the {RECALL_HEADS} heads and 2 <= PAIRS <= "
                    f"{RECALL_VOCAB} (distinct keys of {RECALL_VOCAB}), got {args.sizes}")
-    torch.set_num_threads(args.threads)
     plan = [(name, width, pairs, seed) for width, pairs in sizes for name in models for seed in range(args.seeds)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        rows = train_recall(plan, args)
+    finally:  # a caller in this process (the tests) keeps its threads, and compiled graphs their guards
+        torch.set_num_threads(threads)
+    return recall_report(rows, models, sizes, args)
+
+
+def train_recall(plan, args):
+    """Every run of plan, from args.results where it is there, else trained and added to it at once."""
     runs = read_recall(args.results)
     todo = [run for run in plan if recall_key(*run, args.steps) not in runs]
     factor = lambda name: next((f for key, f in RECALL_STEP_FACTOR.items() if key in name), 1.0)  # noqa: E731
+    # 40 ms a step where a size was not measured
     estimate = sum(RECALL_STEP_MS.get((w, p), 40) * factor(n) * args.steps / 1e3 for n, w, p, _ in todo) / 60
     print(f"recall (MQAR): {len(plan)} runs, {len(plan) - len(todo)} of them finished in {args.results}; training "
           f"{len(todo)} x {args.steps} steps at {args.threads} thread(s): about {estimate:.0f} CPU-min", flush=True)
@@ -1571,8 +1583,7 @@ def cmd_recall(args):
         spent += row['cpu_s']
     if todo:
         print(f"trained {len(todo)} runs in {spent / 60:.1f} CPU-min (process CPU time)")
-    rows = {run: runs[recall_key(*run, args.steps)] for run in plan}
-    return recall_report(rows, models, sizes, args)
+    return {run: runs[recall_key(*run, args.steps)] for run in plan}
 
 
 def recall_report(rows, models, sizes, args):
@@ -1597,7 +1608,8 @@ def recall_report(rows, models, sizes, args):
                 mean, half, word = injectivity_verdict(diffs)
                 verdicts.append([f"{p} ({rows[division, w, p, 0]['tokens']})", w, division.replace('linear ', ''),
                                  f"{statistics.mean(recall[division, w, p]):.1f}",
-                                 f"{statistics.mean(recall[subtraction, w, p]):.1f}", f"{mean:+.1f} ± {half:.1f}", word])
+                                 f"{statistics.mean(recall[subtraction, w, p]):.1f}", f"{mean:+.1f} ± {half:.1f}",
+                                 word])
     if verdicts:
         print('\nInjectivity: InLine (subtraction) minus vanilla linear attention (division), the same phi (and Eq. 6 '
               'or not), seed by seed; the verdict is on "injectivity helps recall".\n')

@@ -1539,7 +1539,9 @@ def test_recall_models_run_the_reference_function_and_count_their_state():
 def test_paper_recall_keeps_finished_runs_and_trains_only_the_rest(tmp_path, monkeypatch, capsys):
     results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes', '8x2',
                                                      '--out', str(tmp_path)]
+    threads = torch.get_num_threads()
     paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine 1+elu'])
+    assert torch.get_num_threads() == threads  # --threads 1 held for the training only
     with open(results) as f:
         assert len(f.readlines()) == 4  # 2 models x 2 seeds
     trained = []
@@ -1563,8 +1565,8 @@ def test_the_committed_recall_results_cover_the_default_run():
     """RESULTS.md's recall tables come from results/recall.jsonl: `python paper.py recall` finds every run of its
     default plan there and trains none."""
     runs = paper.read_recall(paper.RECALL_RESULTS)
-    missing = [(n, w, p, s) for n in paper.RECALL_MODELS for w, p in paper.RECALL_SIZES for s in range(paper.RECALL_SEEDS)
-               if paper.recall_key(n, w, p, s, paper.RECALL_STEPS) not in runs]
+    missing = [(n, w, p, s) for n in paper.RECALL_MODELS for w, p in paper.RECALL_SIZES
+               for s in range(paper.RECALL_SEEDS) if paper.recall_key(n, w, p, s, paper.RECALL_STEPS) not in runs]
     assert not missing, f"{len(missing)} runs missing, e.g. {missing[:3]}"
 
 
