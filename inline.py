@@ -6,6 +6,10 @@ q and 2q to the same weights: it is not injective. InLine normalises by subtract
 which is injective and still linear in N, and adds a local attention residual over each token's 3x3
 neighbourhood (Eq. 6), because linear attention alone attends too little to nearby tokens.
 
+On sequences (README, "InLine on sequences"): `causal=True` gives Eq. 5 over each prefix 1..i, in three forms
+(prefix sums, chunks for training, a recurrent step for generation), and Eq. 6 over the last k tokens;
+InLineAttention(dim, num_heads, causal=True) takes (B, N, C) with no grid, as does sequence=True (not causal).
+
 This file favours clarity over speed; kernels.py holds the fast path and is tested against it.
 
     python inline.py        # a short demonstration: injectivity, the two forms agree, O(N) vs O(N^2)
@@ -28,9 +32,11 @@ KERNELS = {  # name -> phi; a new one is one line here (and in NON_NEGATIVE_KERN
     'relu': F.relu,
     'leakyrelu': F.leaky_relu,  # negative slope 0.01, PyTorch's default
     'exp': lambda x: torch.exp(0.2 * x),  # the 0.2 keeps exp from overflowing on raw projections
+    'one_plus_elu': lambda x: 1 + F.elu(x),  # > 0: elu + 1, the map of Katharopoulos et al. (2020)'s linear attention
     'relu_affine': None,  # learnable: ReLUAffine below, one per attention layer
 }
-NON_NEGATIVE_KERNELS = ('relu', 'exp', 'relu_affine')  # what vanilla linear attention needs: it divides by q.k
+# what vanilla linear attention needs: it divides by q.k
+NON_NEGATIVE_KERNELS = ('relu', 'exp', 'one_plus_elu', 'relu_affine')
 
 
 class ReLUAffine(nn.Module):
@@ -74,33 +80,44 @@ def softmax_attention(q, k, v, scale=None):
     return w @ v
 
 
-def linear_attention(q, k, v, eps=1e-6):
-    """Vanilla linear attention: w_ij = q_i.k_j / sum_t q_i.k_t, computed as q (K^T V) / (q . sum_t k_t).
+def linear_attention(q, k, v, eps=1e-6, causal=False):
+    """Vanilla linear attention: w_ij = q_i.k_j / sum_t q_i.k_t, computed as q (K^T V) / (q . sum_t k_t);
+    causal: the sums over t <= i, as q_i^T sum_{j<=i} k_j v_j^T / (q_i . sum_{j<=i} k_j), in chunks (causal_products).
 
     Needs a non-negative phi. Not injective: q and a*q (a > 0) give the same weights.
     """
+    if causal:
+        return causal_products(q, k, v)[0] / ((q * k.cumsum(2)).sum(-1, keepdim=True) + eps)  # (B, H, N, D)
     kv = k.transpose(-2, -1) @ v  # (B, H, D, D)
     denominator = q @ k.sum(dim=2, keepdim=True).transpose(-2, -1)  # (B, H, N, 1)
     return (q @ kv) / (denominator + eps)
 
 
-def linear_attention_weights(q, k, eps=1e-6):
+def linear_attention_weights(q, k, eps=1e-6, causal=False):
     """The N x N weights of vanilla linear attention, for looking at and for the injectivity test."""
     w = q @ k.transpose(-2, -1)  # (B, H, N, N)
+    w = w.tril() if causal else w  # causal: token i sees j <= i only
     return w / (w.sum(dim=-1, keepdim=True) + eps)
 
 
 # ---------------------------------------------------------------------------------------------------
 # InLine attention, Eq. 5: w_ij = (s/N) (q_i.k_j - q_i.k_mean) + 1/N
 
-def inline_weights(q, k, scale=None):
+def inline_weights(q, k, scale=None, causal=False):
     """The explicit N x N weights of Eq. 5. Every row sums to exactly 1; weights may be negative.
 
     The paper writes Eq. 5 without s/N. Its released models fold s/N into phi(Q); we keep it here, in
     the open, so the weights are the paper's up to that factor and the output equals the released models.
+    causal: Eq. 5 over each prefix, w_ij = (s/i)(q_i.k_j - q_i.k_mean_i) + 1/i for j <= i, 0 for j > i, with
+    k_mean_i the mean of k_1..k_i; rows still sum to 1, and w is injective in q_i for the same reason.
     """
     N = q.shape[2]
     s = q.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    if causal:
+        n = torch.arange(1, N + 1, dtype=q.dtype, device=q.device)[:, None]  # (N, 1): the count i of row i
+        k_mean = k.cumsum(2) / n  # (B, H, N, D): k_mean_i
+        w = (s / n) * (q @ k.transpose(-2, -1) - (q * k_mean).sum(-1, keepdim=True)) + 1 / n  # Eq. 5, (B, H, N, N)
+        return w.tril()  # 0 for j > i
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     return (s / N) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N  # Eq. 5, (B, H, N, N)
 
@@ -110,7 +127,7 @@ def inline_attention_quadratic(q, k, v, scale=None):
     return inline_weights(q, k, scale) @ v  # (B, H, N, D)
 
 
-def inline_attention(q, k, v, scale=None):
+def inline_attention(q, k, v, scale=None, causal=False):
     """Eq. 5 in linear form, O(N D^2), never building the N x N weights.
 
     Summing Eq. 5 over j:  o_i = (s/N) q_i^T sum_j (k_j - k_mean) v_j^T + v_mean
@@ -118,14 +135,75 @@ def inline_attention(q, k, v, scale=None):
     (subtracting v_mean inside the sum changes nothing, since sum_j (k_j - k_mean) = 0). The released
     models compute the uncentred q^T (K^T V) - N (q.k_mean) v_mean instead: the same number in exact
     arithmetic, but the centred covariance keeps its precision in bf16 when the means are large.
+    causal: the same over each prefix, o_i = s q_i^T Cov_i + v_mean_i, from prefix sums of k v^T, k and v (below).
     """
     N = q.shape[2]
     s = q.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    if causal:
+        # Cov_i = (1/i) sum_{j<=i} k_j v_j^T - k_mean_i v_mean_i^T: the uncentred form, since centring on a mean that
+        # moves with i would revisit every earlier token. Its subtraction cancels the leading digits the means
+        # share: with means m times the spread, about 2 log2(m) bits are lost, most of bf16's 8 but few of fp32's
+        # 24. So the sums accumulate and subtract in fp32 (or wider) and the output is rounded once.
+        dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
+        q, k, v = q.to(acc), k.to(acc), v.to(acc)
+        n = torch.arange(1, N + 1, dtype=acc, device=q.device)[:, None]  # (N, 1): the count i
+        k_mean, v_mean = k.cumsum(2) / n, v.cumsum(2) / n  # (B, H, N, D): the prefix means
+        kv = (k.unsqueeze(-1) * v.unsqueeze(-2)).cumsum(2)  # (B, H, N, D, D): sum_{j<=i} k_j v_j^T
+        cov = kv / n[..., None] - k_mean.unsqueeze(-1) * v_mean.unsqueeze(-2)  # (B, H, N, D, D): Cov_i
+        return (s * (q.unsqueeze(-2) @ cov).squeeze(-2) + v_mean).to(dtype)  # Eq. 5 over the prefix, (B, H, N, D)
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     v_mean = v.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     # (B, H, D, D); equals K^T V / N - k_mean^T v_mean, the released models' uncentred product
     cov = (k - k_mean).transpose(-2, -1) @ (v - v_mean) / N
     return s * (q @ cov) + v_mean  # Eq. 5 summed over j, (B, H, N, D)
+
+
+def causal_products(q, k, v, kv=None, chunk=64):
+    """sum_{j<=i} (q_i.k_j) v_j for every token i, (B, H, N, D), in chunks of L tokens: the masked L x L products
+    within a chunk, a running D x D sum of k v^T across chunks, which starts from kv (B, H, D, D), the sum over the
+    tokens before these (None: none). Returns them and the running sum after the last token. O(N L D + N D^2)."""
+    B, H, N, D = q.shape
+    L = min(chunk, N)
+    qc, kc, vc = (F.pad(t, (0, 0, 0, -N % L)).reshape(B, H, -1, L, D) for t in (q, k, v))  # (B, H, N/L, L, D)
+    chunk_kv = kc.transpose(-2, -1) @ vc  # (B, H, N/L, D, D): each chunk's sum of k v^T (zero padding adds none)
+    before = F.pad(chunk_kv.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, N/L, D, D): the earlier chunks' sums
+    before = before if kv is None else before + kv.unsqueeze(2)  # and the tokens' before these
+    scores = (qc @ kc.transpose(-2, -1)).tril()  # (B, H, N/L, L, L): q_i.k_j within the chunk, j <= i
+    out = (qc @ before + scores @ vc).reshape(B, H, -1, D)[:, :, :N]  # (B, H, N, D)
+    return out, before[:, :, -1] + chunk_kv[:, :, -1]
+
+
+def inline_chunked(q, k, v, scale=None, state=None, chunk=64):
+    """Causal Eq. 5 in chunks, for training: inline_attention(causal=True)'s output without its (B, H, N, D, D)
+    prefix sums. state: inline_step's, the tokens before these (None: none), so a sequence goes on where a call
+    stopped. Returns o (B, H, N, D) and the state after the last token. Sums in fp32, as in inline_attention."""
+    B, H, N, D = q.shape
+    s = D ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    zeros = torch.zeros(B, H, D, D, dtype=acc, device=q.device)  # (B, H, D, D)
+    kv, k_sum, v_sum, count = state if state is not None else (zeros, zeros[..., 0], zeros[..., 0], 0)
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    n = count + torch.arange(1, N + 1, dtype=acc, device=q.device)[:, None]  # (N, 1): the count i
+    qkv, kv = causal_products(q, k, v, kv, chunk)  # (B, H, N, D): q_i^T sum_{j<=i} k_j v_j^T
+    k_sums, v_sums = k_sum.unsqueeze(2) + k.cumsum(2), v_sum.unsqueeze(2) + v.cumsum(2)  # (B, H, N, D): through i
+    # s q_i^T Cov_i + v_mean_i, with Cov_i = (1/i) sum_{j<=i} k_j v_j^T - k_mean_i v_mean_i^T
+    o = s * (qkv / n - (q * k_sums).sum(-1, keepdim=True) * v_sums / n ** 2) + v_sums / n  # Eq. 5 over the prefix
+    return o.to(dtype), (kv, k_sums[:, :, -1], v_sums[:, :, -1], count + N)
+
+
+def inline_step(q_t, k_t, v_t, state=None, scale=None):
+    """One token of causal Eq. 5, for generation: q_t, k_t, v_t (B, H, D) -> o_t (B, H, D) and the state after it,
+    (sum k v^T (B, H, D, D), sum k (B, H, D), sum v (B, H, D), count): one size however long the sequence, and
+    inline_chunked's; None starts a sequence. Sums in fp32, as in inline_attention."""
+    s = q_t.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    dtype, acc = q_t.dtype, torch.promote_types(q_t.dtype, torch.float32)
+    kv, k_sum, v_sum, count = state if state is not None else (0, 0, 0, 0)
+    q_t, k_t, v_t = q_t.to(acc), k_t.to(acc), v_t.to(acc)
+    kv = kv + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)  # (B, H, D, D)
+    k_sum, v_sum, count = k_sum + k_t, v_sum + v_t, count + 1  # (B, H, D)
+    cov = kv / count - (k_sum / count).unsqueeze(-1) * (v_sum / count).unsqueeze(-2)  # (B, H, D, D): Cov over 1..t
+    o_t = s * (q_t.unsqueeze(-2) @ cov).squeeze(-2) + v_sum / count  # Eq. 5 over tokens 1..t, (B, H, D)
+    return o_t.to(dtype), (kv, k_sum, v_sum, count)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,15 +240,20 @@ def residual_mlp(dim, num_heads, taps=9):
     )
 
 
-def residual_weights(mlp, x):
-    """r = W2 GELU(W1 mean_tokens(x) + b1) + b2 for x of shape (B, N, C); returns (B, T*C)."""
+def residual_weights(mlp, x, causal=False):
+    """r = W2 GELU(W1 mean_tokens(x) + b1) + b2 for x of shape (B, N, C); returns (B, T*C).
+    causal: at each token i from the mean of x_1..x_i, so that no weight looks ahead; returns (B, N, T*C)."""
+    if causal:
+        n = torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]  # (N, 1)
+        prefix = (x.to(torch.promote_types(x.dtype, torch.float32)).cumsum(1) / n).to(x.dtype)  # (B, N, C), fp32 sums
+        return mlp(prefix.transpose(1, 2)).transpose(1, 2)  # (B, C, N) -> (B, T*C, N) -> (B, N, T*C)
     return mlp(x.mean(dim=1).unsqueeze(-1)).squeeze(-1)  # (B, C, 1) -> (B, T*C, 1) -> (B, T*C)
 
 
-def local_residual(v, r, grid, size=3, dilation=1):
+def local_residual(v, r, grid, size=3, dilation=1, causal=False):
     """Eq. 6 on the last h*w of the N tokens of v (B, H, N, D): for each, the sum over its k x k neighbours t of
     r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P = N - h*w leading tokens
-    (DeiT's class token), which are not on the grid.
+    (DeiT's class token), which are not on the grid. grid None: a 1-D sequence (sequence_residual).
 
     r (B, T*C) per sample and channel, T = size^2. Neighbour t = size*dy + dx sits at offset
     (dilation*(dy - size//2), dilation*(dx - size//2)), row-major as Eq. 6 counts (dilation > 1 is the paper's
@@ -178,6 +261,8 @@ def local_residual(v, r, grid, size=3, dilation=1):
     channel is a depthwise convolution; other weights for every sample make it one convolution with B*C groups,
     each (sample, channel) plane its own group.
     """
+    if grid is None:
+        return sequence_residual(v, r, size, dilation, causal)
     B, H, N, D = v.shape
     P, (h, w) = check_grid(N, grid), grid
     if r.shape != (B, size * size * H * D):
@@ -189,16 +274,35 @@ def local_residual(v, r, grid, size=3, dilation=1):
     return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), zero for the P
 
 
-def inline_core(q, k, v, r, grid, scale=None, size=3, dilation=1):
+def sequence_residual(v, r, size=3, dilation=1, causal=False):
+    """Eq. 6 on a 1-D sequence v (B, H, N, D), T = k = size taps per channel: o_i += sum_t r[.., T*c + t] *
+    v_{i + dilation*(t - (k-1))} causal (tokens i, i-1, .., i-k+1; zero before the start), else
+    v_{i + dilation*(t - k//2)} (k tokens centred on i; zero outside). r (B, T*C) per sample, or causal
+    (B, N, T*C) per token, predicted from the prefix mean (residual_weights). A depthwise 1-D convolution."""
+    B, H, N, D = v.shape
+    if r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
+        raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
+                         f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of {tuple(v.shape)}")
+    left = dilation * (size - 1 if causal else size // 2)  # how far back the first tap reaches
+    planes = F.pad(v.transpose(-2, -1).reshape(B, H * D, N), (left, dilation * (size - 1) - left))  # (B, C, N + pad)
+    windows = planes.unfold(-1, dilation * (size - 1) + 1, 1)[..., ::dilation]  # (B, C, N, T): v_{i + d t - left}
+    taps = r.reshape(B, -1, H * D, size).transpose(1, 2)  # (B, C, N or 1, T)
+    return (windows * taps).sum(-1).reshape(B, H, D, N).transpose(-2, -1)  # Eq. 6, (B, H, N, D)
+
+
+def inline_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention core.
 
     q, k, v (B, H, N, D) with q, k already through phi; r (B, T*C) the neighbour weights, T = size^2, or None
     for no residual; grid = (h, w) of the last h*w tokens (the P = N - h*w leading ones, DeiT's class token,
-    take part in Eq. 5 but get no Eq. 6); size and dilation of Eq. 6's neighbourhood.
+    take part in Eq. 5 but get no Eq. 6); size and dilation of Eq. 6's neighbourhood. grid None: a 1-D
+    sequence, T = size; causal (grid None): Eq. 5 over each prefix, Eq. 6 over the last k tokens, r (B, N, T*C).
     kernels.inline_core_fast takes the same arguments and returns the same result, faster.
     """
-    o = inline_attention(q, k, v, scale)  # Eq. 5, (B, H, N, D)
-    return o if r is None else o + local_residual(v, r, grid, size, dilation)  # Eq. 6
+    if causal and grid is not None:
+        raise ValueError("causal attention runs over a 1-D sequence: grid must be None")
+    o = inline_attention(q, k, v, scale, causal)  # Eq. 5, (B, H, N, D)
+    return o if r is None else o + local_residual(v, r, grid, size, dilation, causal)  # Eq. 6
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,10 +321,13 @@ class InLineBase(nn.Module):
         with identity or leakyrelu).
     nonneg: the R-nonneg ablation (ours): q and k L2-normalised per head and s = 1/2, so
         s |q.(k_j - k_mean)| <= 1 and every w_ij >= 0.
+    causal: Eq. 5 (or the division) over each prefix, Eq. 6 over the last k tokens with weights from the prefix
+        mean: no output sees a later token. A 1-D sequence, as sequence=True, which alone is the bidirectional
+        form: Eq. 6 over the k tokens centred on each (T = k taps per channel, not k^2).
     """
 
     def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', local_size=3, dilation=1,
-                     nonneg=False, attention='inline', allow_divergent=False):
+                     nonneg=False, attention='inline', allow_divergent=False, causal=False, sequence=False):
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         if attention not in ('inline', 'linear'):
@@ -238,8 +345,9 @@ class InLineBase(nn.Module):
                              "whose weights are already non-negative")
         self.num_heads, self.kernel, self.attention, self.nonneg = num_heads, kernel, attention, nonneg
         self.local_size, self.dilation = size, dilation
+        self.causal, self.sequence = bool(causal), bool(sequence or causal)  # a 1-D sequence: called with no grid
         self.phi = get_kernel(kernel, dim // num_heads)
-        self.residual = residual_mlp(dim, num_heads, size * size) if size else None
+        self.residual = residual_mlp(dim, num_heads, size if self.sequence else size * size) if size else None
         # The core, Eq. 5 + Eq. 6: this reference, or its compiled twin kernels.inline_core_fast (same arguments,
         # same result), which kernels.enable_fast(model) puts here after checking that it covers these options
         self.core = inline_core
@@ -255,17 +363,19 @@ class InLineBase(nn.Module):
         """q, k, v (B, H, N, D) before phi; x (B, N', C) the tokens Eq. 6's weights are predicted from.
         Returns o (B, H, N, D)."""
         q, k, scale = self.prepare(q, k)
-        r = residual_weights(self.residual, x) if self.residual is not None else None  # (B, T*C)
+        r = residual_weights(self.residual, x, self.causal) if self.residual is not None else None  # (B, [N,] T*C)
         if self.attention == 'linear':  # the baseline: division instead of Eq. 5, then the same Eq. 6
-            o = linear_attention(q, k, v)  # (B, H, N, D)
-            return o if r is None else o + local_residual(v, r, grid, self.local_size, self.dilation)
-        return self.core(q, k, v, r, grid, scale, self.local_size, self.dilation)  # Eq. 5 + Eq. 6, (B, H, N, D)
+            o = linear_attention(q, k, v, causal=self.causal)  # (B, H, N, D)
+            return o if r is None else o + local_residual(v, r, grid, self.local_size, self.dilation, self.causal)
+        return self.core(q, k, v, r, grid, scale, self.local_size, self.dilation, self.causal)  # Eq. 5 + Eq. 6
 
     def explicit_weights(self, q, k):
         """The N x N weights of Eq. 5 (or of linear attention) for q, k (B, H, N, D) before phi. Eq. 6's
         residual is not among them: its weights are per channel, not per head."""
         q, k, scale = self.prepare(q, k)
-        return linear_attention_weights(q, k) if self.attention == 'linear' else inline_weights(q, k, scale)
+        if self.attention == 'linear':
+            return linear_attention_weights(q, k, causal=self.causal)
+        return inline_weights(q, k, scale, self.causal)
 
 
 def add_projections(module, dim, qkv_bias, separate_q):
@@ -296,7 +406,8 @@ class InLineAttention(InLineBase):
     nonneg: every weight forced >= 0 (R-nonneg, ours).
     attention: 'inline' (Eq. 5) or 'linear' (vanilla division).
     allow_divergent: let vanilla linear attention run with a signed kernel.
-    The last seven are InLineBase's; it says more of each.
+    causal, sequence: a 1-D sequence, called with no grid; causal: no output sees a later token.
+    The last nine are InLineBase's; it says more of each.
     """
 
     def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):
@@ -311,7 +422,12 @@ class InLineAttention(InLineBase):
     def project(self, x, grid):
         """x (B, N, C) -> x with the APE added, and q, k, v (B, H, N, D)."""
         B, N, C = x.shape
-        check_grid(N, grid)
+        if (grid is None) != self.sequence:
+            raise ValueError("this attention was built for a 1-D sequence (causal or sequence=True): call it with "
+                             "no grid" if self.sequence else "this attention was built for a token grid: pass grid="
+                             "(h, w), or build it with sequence=True or causal=True for a 1-D sequence")
+        if grid is not None:
+            check_grid(N, grid)
         if self.ape is not None:
             if self.ape.shape[1] != N:
                 raise ValueError(f"this attention's position embedding (ape) covers {self.ape.shape[1]} tokens, got "
@@ -324,13 +440,13 @@ class InLineAttention(InLineBase):
             k, v = self.kv(x).chunk(2, dim=-1)  # 2 x (B, N, C)
         return x, *(t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
 
-    def forward(self, x, grid):
+    def forward(self, x, grid=None):
         B, N, C = x.shape
         x, q, k, v = self.project(x, grid)
         o = self.attend(q, k, v, x, grid)  # Eq. 5 + Eq. 6, (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C)
 
-    def weights(self, x, grid):
+    def weights(self, x, grid=None):
         """The explicit attention weights (B, H, N, N) this module applies to x (B, N, C)."""
         _, q, k, _ = self.project(x, grid)
         return self.explicit_weights(q, k)

@@ -9,6 +9,7 @@ result as inline.inline_core, the reference it replaces; `enable_fast(model)` sw
     python kernels.py --bench --json          # the same, one JSON object per case
     python kernels.py --choices --threads 1   # two design choices below, timed: D constant, the per-call switches
     python kernels.py --compile               # what the first use in a process costs (compiling, or the cache)
+    python kernels.py --causal-bench          # the causal core against causal softmax SDPA, 1k to 16k tokens
     (a whole-model training step, reference against fast core: python paper.py speed --model-step)
 
 What it does, and why (RESULTS.md has the measurements, each under its command):
@@ -32,6 +33,11 @@ What it does, and why (RESULTS.md has the measurements, each under its command):
 - Compiling: the first process on a node to need a graph compiles it while the others wait, then load it from
   the inductor cache (node_lock). A failed compile or cache load is retried in a private cache folder; only if
   that fails too does the core run its closed form eagerly, after one warning that names any broken cache file.
+
+The causal core (causal=True, for sequences: inline.py's docstring) has the same design: a forward and a
+backward graph (CausalCore), Eq. 5 over each prefix in chunks of CHUNK tokens (masked GEMMs within a chunk,
+running D x D sums across chunks), with k and v less their first token so that the uncentred sums stay as
+small as the spread; Eq. 6 as k gathers with one weight per token.
 
 Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid,
 P = N - h*w leading tokens off the grid (DeiT's class token).
@@ -68,7 +74,9 @@ def neighbourhood(N, grid, device, size=3, dilation=1):
     masks (T, N, 1) float: 1 where n is on the grid and its neighbour t is too, else 0 (Eq. 6's zero
     padding). T = size^2 neighbours of the size x size neighbourhood, row-major as inline.local_residual
     counts them, spread by dilation; size 1 is the token itself (the plain residual). Clamped indices and
-    masks, rather than a zero-padded copy, keep every read in bounds."""
+    masks, rather than a zero-padded copy, keep every read in bounds. grid None: a 1-D sequence, T = size."""
+    if grid is None:
+        return sequence_neighbourhood(N, device, size, dilation)
     h, w = grid
     with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
         n = torch.arange(N, device=device)
@@ -82,7 +90,20 @@ def neighbourhood(N, grid, device, size=3, dilation=1):
         return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
 
 
+def sequence_neighbourhood(N, device, size=3, dilation=1, causal=False, flip=False):
+    """neighbourhood's index and masks on a 1-D sequence, tap t at offset dilation * (t - (size - 1)) causal (the
+    token and the size - 1 before it), else dilation * (t - size // 2), as inline.sequence_residual counts them;
+    flip: the opposite offsets, the transposed shift of Eq. 6's backward."""
+    with torch.inference_mode(False):
+        n = torch.arange(N, device=device)
+        offsets = [(-1 if flip else 1) * dilation * (t - (size - 1 if causal else size // 2)) for t in range(size)]
+        index = torch.stack([(n + o).clamp(0, N - 1) for o in offsets])  # (T, N)
+        masks = torch.stack([(n + o >= 0) & (n + o < N) for o in offsets])  # (T, N)
+        return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
+
+
 _cached_neighbourhood = functools.lru_cache(maxsize=32)(neighbourhood)
+_cached_sequence_neighbourhood = functools.lru_cache(maxsize=32)(sequence_neighbourhood)
 
 
 def neighbours(x, index, flip=False):
@@ -151,7 +172,78 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale):
     return dq, dk, dv.to(dtype), dtaps
 
 
-COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward)}
+# ---------------------------------------------------------------------------------------------------
+# The causal core, inline.inline_core(..., causal=True): Eq. 5 over each prefix in chunks (inline.inline_chunked),
+# Eq. 6 over the last k tokens with one weight per token. The same design: two graphs, the backward in closed form.
+
+CHUNK = 64  # tokens per chunk: the CHUNK x CHUNK products cost N CHUNK D per head, the running D x D sums N D^2 / CHUNK
+
+
+def scan_dtype(dtype):
+    """The dtype of the scans' GEMM operands: the input's, but fp32 for fp16, whose 5-bit exponent cannot hold the
+    1/i factors of long sequences nor the uncentred sums' cancellation (and whose GEMMs CPUs run slowly)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def causal_scan(q, k, v, reverse=False):
+    """sum_{j<=i} (q_i.k_j) v_j (reverse: j >= i) for every i, in fp32: within a chunk the masked products as
+    GEMMs of scan_dtype (bf16's accumulate in fp32, then round once); across chunks the D x D sums of k v^T in
+    fp32. q, k, v (B, H, N, D), N a multiple of CHUNK."""
+    B, H, N, D = q.shape
+    qc, kc, vc = (t.reshape(B, H, N // CHUNK, CHUNK, D) for t in (q, k, v))  # (B, H, N/L, L, D)
+    chunk_kv = wide(kc.transpose(-2, -1) @ vc)  # (B, H, N/L, D, D)
+    total = chunk_kv.cumsum(2)  # (B, H, N/L, D, D)
+    # the later (earlier) chunks' sums; the earlier ones shifted, not subtracted, so no bit depends on a later token
+    other = total[:, :, -1:] - total if reverse else F.pad(total[:, :, :-1], (0, 0, 0, 0, 1, 0))
+    scores = qc @ kc.transpose(-2, -1)  # (B, H, N/L, L, L)
+    scores = scores.triu() if reverse else scores.tril()
+    return (wide(qc) @ other + wide(scores @ vc)).reshape(B, H, N, D)
+
+
+def causal_forward(q, k, v, taps, index, masks, scale):
+    """-> o (B, H, N, D), and for the backward k and v less their first token (B, H, N, D), rounded to
+    scan_dtype, and v's first token (B, H, 1, D). taps (B, H, T, N, D): Eq. 6's weights, one per token."""
+    N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype)
+    n = torch.arange(1, N + 1, device=q.device, dtype=torch.float32)[:, None]  # (N, 1): the count i
+    # Cov_i and o_i do not change when a constant is taken from every k (or v); taking the first token's, which
+    # every output may see, makes the uncentred sums of k v^T as small as the spread, not the means (inline.py:
+    # inline_attention says what the means would cost), and keeps the GEMMs' operands small in bf16.
+    v_first = wide(v[:, :, :1])  # (B, H, 1, D)
+    k_s, v_s = (wide(k) - wide(k[:, :, :1])).to(mm), (wide(v) - v_first).to(mm)  # (B, H, N, D)
+    k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D): prefix means, shifted
+    o = (scale / n) * causal_scan(q.to(mm), k_s, v_s) - scale * (wide(q) * k_mean).sum(-1, keepdim=True) * v_mean
+    o = o + v_mean + v_first  # Eq. 5 over the prefix: s q_i^T Cov_i + v_mean_i
+    if taps is not None:
+        for t, v_t in enumerate(neighbours(v, index)):
+            o = o + wide(taps[:, :, t]) * masks[t] * wide(v_t)  # Eq. 6 over the last k tokens
+    return o.to(dtype), k_s, v_s, v_first
+
+
+def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t, scale):
+    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, N, D), given do = dLoss/do. With
+    a_i = s/i, o_i = a_i sum_{j<=i} (q_i.k_j) v_j - s (q_i.k_mean_i) v_mean_i + v_mean_i: the sum's gradients are
+    three more scans, the means' a reverse prefix sum."""
+    N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype)
+    n = torch.arange(1, N + 1, device=q.device, dtype=torch.float32)[:, None]  # (N, 1)
+    k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D), recomputed
+    g, q_w, do = wide(do), wide(q), do.to(mm)
+    qa = (q_w * (scale / n)).to(mm)  # (B, H, N, D): a_i q_i
+    gv = (g * v_mean).sum(-1, keepdim=True)  # (B, H, N, 1)
+    dq = (scale / n) * causal_scan(do, v_s, k_s) - scale * gv * k_mean
+    later = lambda x: x.flip(2).cumsum(2).flip(2)  # noqa: E731  sum over i >= j: how a prefix mean reaches token j
+    dk = causal_scan(v_s, do, qa, reverse=True) + later(-scale * gv * q_w / n)
+    dv = causal_scan(k_s, qa, do, reverse=True) + later((1 - scale * (q_w * k_mean).sum(-1, keepdim=True)) * g / n)
+    dtaps = None
+    if taps is not None:
+        for t in range(taps.shape[2]):  # Eq. 6 transposed: token j feeds token j - offset_t with weight taps_t
+            dv = dv + (wide(taps[:, :, t]) * g)[:, :, index_t[t]] * masks_t[t]
+        v = wide(v_s) + v_first  # (B, H, N, D), never stored
+        dtaps = torch.stack([g * masks[t] * v_t for t, v_t in enumerate(neighbours(v, index))], dim=2)
+        dtaps = dtaps.to(taps.dtype)  # (B, H, T, N, D)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtaps
+
+
+COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward, causal_forward, causal_backward)}
 _compile_error = []  # filled once if the compiler cannot run here
 
 
@@ -173,12 +265,12 @@ def compile_options():
 
 def symbolic_sizes(args, N):
     """B, H and N compile as symbols, so one graph serves every batch, head count and token grid: dims
-    0 and 1 of each (B, H, ...) tensor and every dim of size N. D and the T neighbours stay constants,
-    so the loops over channels, which D shapes, vectorise with no remainder loop."""
+    0 and 1 of each (B, H, ...) tensor and every other dim of size N but their last, D. D and the T neighbours
+    stay constants, so the loops over channels, which D shapes, vectorise with no remainder loop."""
     for a in args:
         if isinstance(a, torch.Tensor):
             for d in range(a.dim()):
-                if (a.dim() == 4 and d < 2) or a.shape[d] == N:
+                if (a.dim() >= 4 and d < 2) or (a.shape[d] == N and not (a.dim() >= 4 and d == a.dim() - 1)):
                     torch._dynamo.maybe_mark_dynamic(a, d)
 
 
@@ -186,10 +278,12 @@ def signature(f, args):
     """A key for what dynamo's guards on f's graph check: the device, inference flag, head dim D and
     B, H, N as 0, 1 or more (dynamo specialises 0 and 1) of args[0], whose sizes fix every other
     tensor's but the neighbour count T; each tensor's dtype and the index's T (its only 2-D tensor); the
-    other arguments (scale, or None where Eq. 6 is off). Were a guard ever to fail under a known key,
-    dynamo would still recompile, correctly, only without our switches."""
+    other arguments (scale, or None where Eq. 6 is off); for the causal core also its chunk count N / CHUNK as 1
+    or more. Were a guard ever to fail under a known key, dynamo would still recompile, correctly, only without
+    our switches."""
     x = args[0]  # q, or do: (B, H, N, D)
-    return (f.__name__, x.device, x.is_inference(), x.shape[3], *(min(s, 2) for s in x.shape[:3]),
+    chunks = (min(x.shape[2] // CHUNK, 2),) if f.__name__.startswith('causal') else ()
+    return (f.__name__, x.device, x.is_inference(), x.shape[3], *(min(s, 2) for s in x.shape[:3]), *chunks,
             *(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
             *(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
 
@@ -300,28 +394,69 @@ class InLineCore(torch.autograd.Function):
         return dq, dk, dv, dr, None, None, None, None
 
 
-def inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1):
+class CausalCore(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, r, scale, size, dilation):
+        B, H, N, D = q.shape
+        M = N + -N % CHUNK  # whole chunks: zero tokens at the end, which no earlier output sees
+        q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
+        taps = index = masks = index_t = masks_t = None
+        if r is not None:
+            build = sequence_neighbourhood if torch.compiler.is_compiling() else _cached_sequence_neighbourhood
+            index, masks = build(M, q.device, size, dilation, True)
+            index_t, masks_t = build(M, q.device, size, dilation, True, True)
+            taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)  # (B, M, H, D, T): r's channel T*c + t
+            taps = taps.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
+        o, k_s, v_s, v_first = run(causal_forward, q, k, v, taps, index, masks, scale)
+        ctx.save_for_backward(q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t)
+        ctx.scale = scale
+        return o[:, :, :N]
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t = ctx.saved_tensors
+        B, H, M, D = q.shape
+        N = do.shape[2]
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv, dtaps = run(causal_backward, F.pad(do, (0, 0, 0, M - N)).contiguous(), q, k_s, v_s, v_first,
+                                    taps, index, masks, index_t, masks_t, ctx.scale)
+        dr = dtaps.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dtaps is not None else None  # (B, N, T*C)
+        return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None
+
+
+def inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w: the same arguments, layout and result as
     inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, T*C) with T = size^2 neighbour weights per
-    channel, or None; grid = (h, w); size and dilation of Eq. 6's neighbourhood.
+    channel, or None; grid = (h, w); size and dilation of Eq. 6's neighbourhood. grid None: a 1-D sequence,
+    T = size; causal: Eq. 5 over each prefix and Eq. 6 over the last k tokens (CausalCore), r (B, N, T*C).
     Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be."""
     B, H, N, D = q.shape
-    inline.check_grid(N, grid)
-    if r is not None and r.shape != (B, size * size * H * D):
-        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C) = "
-                         f"{(B, size * size * H * D)}, got {tuple(r.shape)}")
+    if causal and grid is not None:
+        raise ValueError("causal attention runs over a 1-D sequence: grid must be None")
+    if grid is not None:
+        inline.check_grid(N, grid)
+        if r is not None and r.shape != (B, size * size * H * D):
+            raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C) = "
+                             f"{(B, size * size * H * D)}, got {tuple(r.shape)}")
+    elif r is not None and r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
+        raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
+                         f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of {tuple(v.shape)}")
     device = q.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
     with torch.autocast(device, enabled=False):
-        return InLineCore.apply(q, k, v, r, tuple(grid), D ** -0.5 if scale is None else scale, size, dilation)
+        scale = D ** -0.5 if scale is None else scale
+        if causal:
+            return CausalCore.apply(q, k, v, r, scale, size, dilation)
+        return InLineCore.apply(q, k, v, r, None if grid is None else tuple(grid), scale, size, dilation)
 
 
 def unsupported(module):
     """What of an InLine module's options (inline.InLineBase) the fast core does not cover, or None. It covers every
     option of InLine attention (kernel, residual, local_size, dilation, nonneg, APE: they change its inputs or its
-    neighbour table), but not vanilla linear attention, which divides where Eq. 5 subtracts."""
+    neighbour table; causal and sequence: CausalCore and the 1-D table), but not vanilla linear attention, which
+    divides where Eq. 5 subtracts."""
     return "attention='linear' (layout letter L, vanilla linear attention)" if module.attention == 'linear' else None
 
 
@@ -439,6 +574,34 @@ def bench_case(name, dtype, device):
     return row
 
 
+CAUSAL_TOKENS = (1024, 2048, 4096, 8192, 16384)  # python kernels.py --causal-bench: B = 1, H = 4, D = 64 (GPT-2's)
+
+
+def bench_causal(N, dtype, device, B=1, H=4, D=64):
+    """One row of --causal-bench: the fast causal core, Eq. 5 alone and with Eq. 6 over 3 tokens, against causal
+    softmax (F.scaled_dot_product_attention(is_causal=True)), forward and forward + backward, in one interleaved run.
+    (The reference's (B, H, N, D, D) prefix sums need 1 GB per tensor at 16k tokens: it is left out.)"""
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    r = 0.1 * torch.randn(B, N, 3 * H * D, generator=gen, device=device, dtype=dtype)
+    inputs = [t.requires_grad_() for t in (q, k, v, r)]
+    cores = {'sdpa': lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+             'eq5': lambda: inline_core_fast(q, k, v, None, None, causal=True),
+             'eq56': lambda: inline_core_fast(q, k, v, r, None, size=3, causal=True)}
+    fns = {}
+    for name, core in cores.items():
+        fns[f'{name}_fwd_ms'] = lambda core=core: torch.no_grad()(core)()
+        fns[f'{name}_fwdbwd_ms'] = lambda core=core, n=4 if name == 'eq56' else 3: torch.autograd.grad(
+            core(), inputs[:n], do)
+    ms = time_interleaved(fns, device, budget_s=60, max_rounds=9)
+    row = dict(tokens=N, dtype=str(dtype).replace('torch.', ''), B=B, H=H, D=D)
+    row.update({key: round(statistics.median(t), 2) for key, t in ms.items()})
+    for name in ('eq5', 'eq56'):  # how many times faster than causal SDPA: medians of per-round ratios
+        for part in ('fwd', 'fwdbwd'):
+            row[f'{name}_{part}_speedup'] = round(paired_ratio(ms, f'sdpa_{part}_ms', f'{name}_{part}_ms'), 2)
+    return row
+
+
 def bench_compile(device, dtype=torch.float32):
     """What the fast core's first use in a process costs: its first forward and backward on a small case, which
     compile the two graphs, or load them where the inductor cache (TORCHINDUCTOR_CACHE_DIR) already holds them."""
@@ -485,6 +648,10 @@ def main():
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
     parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
     parser.add_argument('--compile', action='store_true', help="time the first use: compiling the two graphs")
+    parser.add_argument('--causal-bench', action='store_true',
+                        help="time the causal core against causal softmax SDPA at --tokens")
+    parser.add_argument('--tokens', default=','.join(map(str, CAUSAL_TOKENS)),
+                        help="comma-separated sequence lengths of --causal-bench")
     parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
     parser.add_argument('--cases', default=','.join(CASES), help="comma-separated subset of " + ', '.join(CASES))
     parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
@@ -505,6 +672,21 @@ def main():
             bench_compile(device, dtype)
     if args.choices:
         bench_choices(device)
+    if args.causal_bench:
+        if not args.json:
+            ms, speedup = f"{'fwd':>7s} {'fwd+bwd':>7s}", f"{'fwd':>5s} {'f+b':>5s}"
+            print(f"{'tokens':>6s} {'dtype':>8s} | {'causal SDPA ms':>15s} | {'InLine Eq. 5 ms':>15s} | "
+                  f"{'speed-up':>11s} | {'Eq. 5 + 6 ms':>15s} | {'speed-up':>11s}\n{'':>6s} {'':>8s} | "
+                  f"{ms} | {ms} | {speedup} | {ms} | {speedup}", flush=True)
+        for N in map(int, args.tokens.split(',')):
+            for dtype in dtypes:
+                row = bench_causal(N, dtype, device)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                    continue
+                print(f"{N:6d} {row['dtype']:>8s} | {row['sdpa_fwd_ms']:7.1f} {row['sdpa_fwdbwd_ms']:7.1f} | " + ' | '.join(
+                      f"{row[f'{n}_fwd_ms']:7.1f} {row[f'{n}_fwdbwd_ms']:7.1f} | {row[f'{n}_fwd_speedup']:4.1f}x "
+                      f"{row[f'{n}_fwdbwd_speedup']:4.1f}x" for n in ('eq5', 'eq56')), flush=True)
     if args.bench:
         if not args.json:
             print(header, flush=True)

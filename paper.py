@@ -14,11 +14,13 @@ it has finished under OUT (default runs/paper/), so a rerun resumes where the la
     python paper.py speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python paper.py speed --dense          # backbones at detection sizes: forward time and peak memory
     python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
+    python paper.py recall                 # InLine on sequences: associative recall (MQAR) against state size
 
 The trained ones (locality, maps, ablations) train on Fashion-MNIST unless told (--dataset, --data-path: any
 ImageFolder too): locality and maps their four small DeiTs, ablations every experiment of models.EXPERIMENTS,
-each on first use and cached, a model that several need trained once. Nothing here trains by itself: every run
-is a `python train.py ...` subprocess, the project's one training loop. The verdicts' rules are fixed below
+each on first use and cached, a model that several need trained once. Nothing here trains images by itself: every
+image run is a `python train.py ...` subprocess, the project's one training loop; recall's small sequence models
+train in this process (its section says why). The verdicts' rules are fixed below
 (verdict) and in the tests.
 """
 import argparse
@@ -92,25 +94,29 @@ def nice_ticks(lo, hi, n=5):
     return [i * step for i in range(math.floor(lo / step), math.ceil(hi / step) + 1)]
 
 
-def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log_x=False, hlines=(), lines=True):
+def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log_x=False, hlines=(), lines=True,
+          ylim=None):
     """A line (or, lines=False, dot) chart in box = (left, top, right, bottom) of draw.
 
     series: [(label, xs, ys, errs or None)]; hlines: [(label, y)] drawn dashed; xticks the x positions to
-    label with xlabels (default the numbers themselves). Errors are drawn as vertical bars (+- err)."""
+    label with xlabels (default the numbers themselves). Errors are drawn as vertical bars (+- err), cut at
+    ylim = (lo, hi) where given (a percentage's interval beyond 0 or 100, say)."""
     left, top, right, bottom = box
     x0, y0, x1, y1 = left + 58, top + 44, right - 14, bottom - 66  # the plotting area; title above, legend below
     ys = [y + s * (e or 0) for _, _, values, errs in series for y, e in zip(values, errs or [0] * len(values))
           for s in (-1, 1) if y is not None and math.isfinite(y)] + [y for _, y in hlines]
-    lo, hi = min(ys), max(ys)
+    lo, hi = (max(min(ys), ylim[0]), min(max(ys), ylim[1])) if ylim else (min(ys), max(ys))
     pad = 0.08 * (hi - lo or abs(hi) or 1)
-    yt = nice_ticks(lo - pad if lo < 0 else max(lo - pad, 0), hi + pad)  # no negative axis for positive data
+    top_y = min(hi + pad, ylim[1]) if ylim else hi + pad
+    yt = nice_ticks(lo - pad if lo < 0 else max(lo - pad, 0), top_y)  # no negative axis for positive data
     lo, hi = yt[0], yt[-1]
     fx = (lambda x: math.log(x)) if log_x else (lambda x: x)
     xa, xb = fx(min(xticks)), fx(max(xticks))
     xspan = (xb - xa) or 1
     margin = 0.06 * xspan if not lines else 0.0
     px = lambda x: x0 + (fx(x) - xa + margin) / (xspan + 2 * margin) * (x1 - x0)  # noqa: E731
-    py = lambda y: y1 - (y - lo) / (hi - lo) * (y1 - y0)  # noqa: E731
+    clip = (lambda y: min(max(y, lo), hi)) if ylim else (lambda y: y)  # noqa: E731
+    py = lambda y: y1 - (clip(y) - lo) / (hi - lo) * (y1 - y0)  # noqa: E731
     draw.text(((left + right) / 2, top + 4), title, fill='black', font=font(14), anchor='ma')
     for y in yt:
         draw.line([(x0, py(y)), (x1, py(y))], fill=(225, 225, 225))
@@ -759,7 +765,7 @@ def cmd_speed(args):
     return rows
 
 
-def free_core(q, k, v, r, grid, scale=None):
+def free_core(q, k, v, r, grid, *options):
     """A stand-in for the InLine core that costs nothing, o = v: a step with it is as fast as any core can make
     it (the projections, r and everything else still run)."""
     return v
@@ -1369,6 +1375,269 @@ def cmd_experiments(args):
 
 
 # ---------------------------------------------------------------------------------------------------
+# recall: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), the test linear attentions are judged
+# by: key-value pairs, then queries for some of the keys, the loss on the answers only. Small causal transformers
+# (2 layers) with softmax, vanilla linear attention (division) and causal InLine (subtraction), recall against
+# the state each layer keeps. The models have 30k-110k parameters and a run takes seconds, so they train here, in
+# process: train.py is the image loop (its data pipeline, DDP and checkpoints serve runs of minutes to days).
+# Finished runs are JSON lines in RECALL_RESULTS (committed), so the tables and the picture rebuild without
+# training and a rerun trains only what is missing.
+
+RECALL_RESULTS = os.path.join(HERE, 'results', 'recall.jsonl')
+RECALL_VOCAB = 64  # keys are tokens 0..63, values 64..127
+RECALL_MODELS = {  # name: inline.InLineAttention's options, causal=True (None: softmax, causal SDPA)
+    'softmax': None,
+    'linear relu': dict(attention='linear', kernel='relu', residual='none'),
+    'linear 1+elu': dict(attention='linear', kernel='one_plus_elu', residual='none'),
+    'InLine 1+elu': dict(kernel='one_plus_elu', residual='none'),
+    'linear 1+elu + Eq. 6': dict(attention='linear', kernel='one_plus_elu', residual='local'),  # Eq. 6: the token
+    'InLine 1+elu + Eq. 6': dict(kernel='one_plus_elu', residual='local'),  # and the 2 before it
+    'InLine + Eq. 6': dict(residual='local'),  # the paper's InLine: phi = identity, Eq. 6
+}
+RECALL_INJECTIVITY = (('linear 1+elu', 'InLine 1+elu'), ('linear 1+elu + Eq. 6', 'InLine 1+elu + Eq. 6'))  # / vs -
+RECALL_SIZES = ((32, 4), (64, 4), (64, 8))  # (C, key-value pairs); 2 heads, so D = C/2; N = 2.5 pairs tokens
+RECALL_HEADS, RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH, RECALL_LR = 2, 3, 2000, 64, 3e-3
+RECALL_STEP_MS = {(32, 4): 11, (64, 4): 17, (64, 8): 25}  # CPU ms per step of InLine 1+elu, 1 thread, measured here
+RECALL_STEP_FACTOR = {'softmax': 0.65, 'Eq. 6': 1.5, 'linear': 1.1}  # another model's step against that
+
+
+def mqar_batch(batch, pairs, generator):
+    """x, y (batch, N), N = 2 pairs + pairs // 2: `pairs` distinct keys, each followed by its value, then half the
+    keys again in a random order; y holds the value at those queries and -100 (no loss) everywhere else."""
+    keys = torch.rand(batch, RECALL_VOCAB, generator=generator).argsort(-1)[:, :pairs]  # (batch, pairs), distinct
+    values = RECALL_VOCAB + torch.randint(RECALL_VOCAB, (batch, pairs), generator=generator)  # (batch, pairs)
+    asked = torch.rand(batch, pairs, generator=generator).argsort(-1)[:, :pairs // 2]  # (batch, pairs // 2)
+    x = torch.cat([torch.stack([keys, values], -1).flatten(1), keys.gather(1, asked)], 1)  # k1 v1 .. kP vP q1 ..
+    y = torch.full_like(x, -100)
+    y[:, 2 * pairs:] = values.gather(1, asked)
+    return x, y
+
+
+class CausalSoftmax(torch.nn.Module):
+    """Causal softmax attention between InLineAttention's projections: x (B, N, C) -> (B, N, C)."""
+
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        inline.add_projections(self, dim, qkv_bias=True, separate_q=False)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = (t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, N, D)
+        return self.proj(o.transpose(1, 2).reshape(B, N, C))
+
+
+class DecoderBlock(torch.nn.Module):
+    """The README's decoder block: x + attn(norm1(x)), then x + mlp(norm2(x)), on (B, N, C)."""
+
+    def __init__(self, dim, attn):
+        super().__init__()
+        self.norm1, self.attn = torch.nn.LayerNorm(dim), attn
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class RecallLM(torch.nn.Module):
+    """Token and learned position embeddings, 2 decoder blocks, a norm and a head: (B, N) -> logits (B, N, 2V)."""
+
+    def __init__(self, name, width, tokens):
+        super().__init__()
+        options = RECALL_MODELS[name]
+        self.embed = torch.nn.Embedding(2 * RECALL_VOCAB, width)
+        self.pos = torch.nn.Parameter(0.02 * torch.randn(1, tokens, width))
+        self.blocks = torch.nn.Sequential(*[DecoderBlock(width, CausalSoftmax(width, RECALL_HEADS) if options is None
+                                                         else inline.InLineAttention(width, RECALL_HEADS, causal=True,
+                                                                                     **options)) for _ in range(2)])
+        self.norm, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * RECALL_VOCAB)
+        for m in self.modules():
+            if getattr(m, 'core', None) is inline.inline_core:
+                m.core = short_sequence_core
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(self.embed(x) + self.pos[:, :x.shape[1]])))
+
+
+def short_sequence_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False):
+    """inline.inline_core through the explicit causal weights: at 20 to 40 tokens the N x N form costs a CPU the
+    least (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same function
+    (test_causal_forms_equal_the_explicit_weights)."""
+    o = inline.inline_weights(q, k, scale, causal) @ v  # Eq. 5, (B, H, N, D)
+    return o if r is None else o + inline.local_residual(v, r, grid, size, dilation, causal)  # Eq. 6
+
+
+def recall_state(name, width, tokens):
+    """Floats one layer keeps to make the next token: softmax's keys and values so far, 2 N C at the last token;
+    linear attention's H sums of k v^T and of k, H (D^2 + D); InLine's H sums of k v^T, k and v and the count,
+    H (D^2 + 2D) + 1; Eq. 6 adds the last 2 tokens' v and the running sum of its input, 3C."""
+    options, H, D = RECALL_MODELS[name], RECALL_HEADS, width // RECALL_HEADS
+    if options is None:
+        return 2 * tokens * width
+    if options.get('attention') == 'linear':
+        return H * (D * D + D)
+    return H * (D * D + 2 * D) + 1 + (3 * width if options['residual'] == 'local' else 0)
+
+
+def recall_run(name, width, pairs, seed, steps):
+    """Train one model on fresh batches (AdamW, one-cycle schedule) and count its right answers on 1024 held-out
+    sequences, the same for every run. Returns the run's JSON line as a dict."""
+    tokens = 2 * pairs + pairs // 2
+    torch.manual_seed(seed)
+    model = RecallLM(name, width, tokens)
+    opt = torch.optim.AdamW(model.parameters(), lr=RECALL_LR, weight_decay=0.1, betas=(0.9, 0.98))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, RECALL_LR, total_steps=steps, pct_start=0.1)
+    data, start = torch.Generator().manual_seed(1000 + seed), time.process_time()
+    for _ in range(steps):
+        x, y = mqar_batch(RECALL_BATCH, pairs, data)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)  # the answers only
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        schedule.step()
+    x, y = mqar_batch(1024, pairs, torch.Generator().manual_seed(12345))
+    with torch.no_grad():
+        right = (model(x).argmax(-1) == y)[y != -100].float()
+    return dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed, steps=steps, batch=RECALL_BATCH,
+                lr=RECALL_LR, recall=round(100 * right.mean().item(), 2), final_loss=round(loss.item(), 4),
+                state=recall_state(name, width, tokens), params=sum(p.numel() for p in model.parameters()),
+                cpu_s=round(time.process_time() - start, 1), threads=torch.get_num_threads())
+
+
+def recall_key(name, width, pairs, seed, steps, batch=RECALL_BATCH, lr=RECALL_LR):
+    """What makes a run: a stored run made with another batch or learning rate is not this one."""
+    return json.dumps([name, width, pairs, seed, steps, batch, lr])
+
+
+def read_recall(path):
+    """The finished runs in path, by recall_key; {} when there is no file yet."""
+    runs = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in filter(str.strip, f):
+                row = json.loads(line)
+                runs[recall_key(*(row[k] for k in ('model', 'width', 'pairs', 'seed', 'steps', 'batch', 'lr')))] = row
+    return runs
+
+
+def write_recall(path, runs):
+    """Every finished run, one JSON line each, written to a temporary file and renamed: nothing is lost mid-write."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + '.tmp', 'w') as f:
+        f.writelines(json.dumps(row) + '\n' for _, row in sorted(runs.items()))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + '.tmp', path)
+
+
+def mean_interval(values):
+    """(mean, half-width of its 95% Student-t interval over seeds; infinite with one)."""
+    n, mean = len(values), statistics.mean(values)
+    return mean, t975(n - 1) * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.inf
+
+
+def injectivity_verdict(diffs):
+    """The project's words on "injectivity helps recall" from per-seed differences, InLine minus division with the
+    same phi: reproduced when the 95% interval lies above 0, contradicted when below, else not resolved."""
+    mean, half = mean_interval(diffs)
+    return mean, half, 'reproduced' if mean - half > 0 else 'contradicted' if mean + half < 0 else 'not resolved'
+
+
+def cmd_recall(args):
+    models = args.models or list(RECALL_MODELS)
+    unknown = sorted(set(models) - set(RECALL_MODELS))
+    if unknown:
+        train.fail(f"unknown recall models {unknown}; choose from {list(RECALL_MODELS)}")
+    if args.seeds < 1 or args.steps < 1 or args.threads < 1:
+        train.fail(f"--seeds, --steps and --threads must be at least 1, got {args.seeds}, {args.steps}, {args.threads}")
+    sizes = [tuple(map(int, size.split('x'))) for size in args.sizes if re.fullmatch(r'\d+x\d+', size)]
+    if len(sizes) != len(args.sizes) or any(not 2 <= p <= RECALL_VOCAB or w < 1 or w % RECALL_HEADS for w, p in sizes):
+        train.fail(f"--sizes takes CxPAIRS, the width C a multiple of the {RECALL_HEADS} heads and 2 <= PAIRS <= "
+                   f"{RECALL_VOCAB} (distinct keys of {RECALL_VOCAB}), got {args.sizes}")
+    plan = [(name, width, pairs, seed) for width, pairs in sizes for name in models for seed in range(args.seeds)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        rows = train_recall(plan, args)
+    finally:  # a caller in this process (the tests) keeps its threads, and compiled graphs their guards
+        torch.set_num_threads(threads)
+    return recall_report(rows, models, sizes, args)
+
+
+def train_recall(plan, args):
+    """Every run of plan, from args.results where it is there, else trained and added to it at once."""
+    runs = read_recall(args.results)
+    todo = [run for run in plan if recall_key(*run, args.steps) not in runs]
+    factor = lambda name: next((f for key, f in RECALL_STEP_FACTOR.items() if key in name), 1.0)  # noqa: E731
+    # 40 ms a step where a size was not measured
+    estimate = sum(RECALL_STEP_MS.get((w, p), 40) * factor(n) * args.steps / 1e3 for n, w, p, _ in todo) / 60
+    print(f"recall (MQAR): {len(plan)} runs, {len(plan) - len(todo)} of them finished in {args.results}; training "
+          f"{len(todo)} x {args.steps} steps at {args.threads} thread(s): about {estimate:.0f} CPU-min", flush=True)
+    spent = 0.0
+    for name, width, pairs, seed in tqdm(todo, desc='recall', disable=not todo):
+        row = recall_run(name, width, pairs, seed, args.steps)
+        runs[recall_key(name, width, pairs, seed, args.steps)] = row
+        write_recall(args.results, runs)
+        spent += row['cpu_s']
+    if todo:
+        print(f"trained {len(todo)} runs in {spent / 60:.1f} CPU-min (process CPU time)")
+    return {run: runs[recall_key(*run, args.steps)] for run in plan}
+
+
+def recall_report(rows, models, sizes, args):
+    """The two tables and the picture from the finished runs: recall by model and state, and InLine minus division
+    with the same phi, seed by seed."""
+    recall = {(n, w, p): [rows[n, w, p, s]['recall'] for s in range(args.seeds)] for n, w, p, _ in rows}
+    print(f"\nMQAR: keys and values from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, {args.steps} "
+          f"steps of {RECALL_BATCH} sequences; recall = right answers on 1024 held-out sequences, mean over "
+          f"{args.seeds} seeds with its 95% Student-t interval. State: floats per layer for the next token.\n")
+    table = []
+    for (n, w, p), values in recall.items():
+        mean, half = mean_interval(values)
+        one = rows[n, w, p, 0]
+        table.append([f"{p} ({one['tokens']})", w, n, one['state'], f"{mean:.1f} ± {half:.1f}",
+                      ' '.join(f'{v:.1f}' for v in values), one['params']])
+    print_table(['pairs (tokens)', 'C', 'model', 'state', 'recall %', 'per seed', 'params'], table)
+    verdicts = []
+    for division, subtraction in RECALL_INJECTIVITY:
+        for w, p in sizes:
+            if (division, w, p) in recall and (subtraction, w, p) in recall:
+                diffs = [b - a for a, b in zip(recall[division, w, p], recall[subtraction, w, p])]
+                mean, half, word = injectivity_verdict(diffs)
+                verdicts.append([f"{p} ({rows[division, w, p, 0]['tokens']})", w, division.replace('linear ', ''),
+                                 f"{statistics.mean(recall[division, w, p]):.1f}",
+                                 f"{statistics.mean(recall[subtraction, w, p]):.1f}", f"{mean:+.1f} ± {half:.1f}",
+                                 word])
+    if verdicts:
+        print('\nInjectivity: InLine (subtraction) minus vanilla linear attention (division), the same phi (and Eq. 6 '
+              'or not), seed by seed; the verdict is on "injectivity helps recall".\n')
+        print_table(['pairs (tokens)', 'C', 'phi', 'division %', 'InLine %', 'InLine - division', 'verdict'], verdicts)
+        words = [v[-1] for v in verdicts]
+        print(f"\ninjectivity helps recall in {words.count('reproduced')} of {len(words)} comparisons, hurts it in "
+              f"{words.count('contradicted')}, and cannot be told apart in {words.count('not resolved')}.")
+    panels = []
+    for p in sorted({p for _, p in sizes}):
+        widths = [w for w, q in sizes if q == p]
+        series = []
+        for n in models:
+            points = sorted((rows[n, w, p, 0]['state'], *mean_interval(recall[n, w, p])) for w in widths)
+            series.append((n, [x for x, _, _ in points], [y for _, y, _ in points],
+                           [h if math.isfinite(h) else 0 for _, _, h in points]))
+        xs = [x for s in series for x in s[1]]
+        ticks = [2 ** e for e in range(int(math.log2(min(xs))), int(math.ceil(math.log2(max(xs)))) + 1)]
+        panels.append(dict(series=series, title=f'MQAR, {p} pairs ({rows[models[0], widths[0], p, 0]["tokens"]} '
+                           f'tokens): recall against state', xlabel='state per layer (floats), C = ' +
+                           ', '.join(map(str, widths)), ylabel='recall (%)', xticks=ticks, log_x=True,
+                           xlabels=[f'{t // 1024}k' if t >= 1024 else str(t) for t in ticks], lines=True, ylim=(0, 100),
+                           hlines=[('chance', 100 / RECALL_VOCAB), ('guess among its values', 100 / p)]))
+    charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 420))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
 # The command line
 
 def main(argv=None):
@@ -1420,9 +1689,19 @@ def main(argv=None):
     p.add_argument('--only', nargs='+', metavar='NAME', help='these experiments only')
     p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N', help=f'seeds (0, 1, ...): N for every table, TABLE=N '
                    f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')
+    p = sub.add_parser('recall', parents=[common], help='associative recall (MQAR): softmax, linear and causal InLine')
+    p.add_argument('--results', default=RECALL_RESULTS, help='finished runs, one JSON line each (default '
+                   'results/recall.jsonl beside paper.py); a rerun trains only what is missing')
+    p.add_argument('--models', nargs='+', metavar='NAME', help=f'these models only, of {", ".join(RECALL_MODELS)}')
+    p.add_argument('--sizes', nargs='+', metavar='CxPAIRS', default=[f'{w}x{p}' for w, p in RECALL_SIZES],
+                   help=f'model width C ({RECALL_HEADS} heads) and key-value pairs per sequence (default '
+                        f'{" ".join(f"{w}x{p}" for w, p in RECALL_SIZES)})')
+    p.add_argument('--seeds', type=int, default=RECALL_SEEDS, help='seeds per model and size (0, 1, ...)')
+    p.add_argument('--steps', type=int, default=RECALL_STEPS, help=f'training steps of {RECALL_BATCH} sequences')
+    p.add_argument('--threads', type=int, default=1, help='CPU threads of this process')
     args = parser.parse_args(argv)
     return {'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
-            'ablations': cmd_ablations}[args.command](args)
+            'ablations': cmd_ablations, 'recall': cmd_recall}[args.command](args)
 
 
 if __name__ == '__main__':

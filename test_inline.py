@@ -1253,6 +1253,332 @@ def test_enable_fast_swaps_exactly_the_reference_cores():
     assert kernels.enable_fast(model) == 0  # nothing left to swap
 
 
+# ===================================================================================================
+# InLine on sequences (README, "InLine on sequences"): causal Eq. 5's three forms against the explicit causal weights
+# in float64, Eq. 6 over the last k tokens against a loop, the whole module's no-look-ahead, and the fast causal core
+
+def sequence_inputs(B, H, N, D, taps=3, dtype=torch.float64, seed=0):
+    """q, k, v (B, H, N, D) with non-zero means (what the uncentred prefix sums cost), r (B, N, k*C) per token, do."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, H, N, D, generator=g, dtype=dtype) for _ in range(4))
+    k = k + torch.randn(B, H, 1, D, generator=g, dtype=dtype)
+    v = v + 0.5
+    r = 0.3 * torch.randn(B, N, taps * H * D, generator=g, dtype=dtype)
+    return q, k, v, r, do
+
+
+def stepped(q, k, v, state=None):
+    """inline_step over every token of q, k, v (B, H, N, D): the outputs (B, H, N, D) and the last state."""
+    outs = []
+    for t in range(q.shape[2]):
+        o_t, state = inline.inline_step(q[:, :, t], k[:, :, t], v[:, :, t], state)
+        outs.append(o_t)
+    return torch.stack(outs, dim=2), state
+
+
+def test_causal_weights_match_the_formula_element_by_element():
+    q, k, _ = qkv(1, 1, 7, 4)
+    w = inline.inline_weights(q, k, causal=True)
+    s = 4 ** -0.5
+    for i in range(7):
+        k_mean = k[0, 0, :i + 1].mean(0)
+        for j in range(7):
+            expected = s / (i + 1) * (q[0, 0, i] @ k[0, 0, j] - q[0, 0, i] @ k_mean) + 1 / (i + 1) if j <= i else 0.0
+            assert abs(w[0, 0, i, j].item() - float(expected)) < 1e-14
+    torch.testing.assert_close(w.sum(-1), torch.ones(1, 1, 7, dtype=torch.float64), rtol=0, atol=1e-14)
+    assert (inline.inline_weights(2 * q, k, causal=True) - w)[0, 0, 1:].abs().amax(-1).min() > 1e-3  # injective
+
+
+@pytest.mark.parametrize('N', [1, 37, 131], ids=['N1', 'N37', 'N131'])
+def test_causal_forms_equal_the_explicit_weights(N):
+    """Prefix sums (inline_attention), chunks of 16 (inline_chunked, a ragged last chunk) and the recurrent step:
+    outputs and the gradients of q, k, v against w @ v with the explicit causal weights, in float64."""
+    q, k, v, _, do = sequence_inputs(2, 3, N, 8)
+    forms = {'explicit': lambda q, k, v: inline.inline_weights(q, k, causal=True) @ v,
+             'prefix sums': lambda q, k, v: inline.inline_attention(q, k, v, causal=True),
+             'chunked': lambda q, k, v: inline.inline_chunked(q, k, v, chunk=16)[0],
+             'step': lambda q, k, v: stepped(q, k, v)[0]}
+    results = {}
+    for name, form in forms.items():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = form(*leaves)
+        results[name] = [o, *torch.autograd.grad(o, leaves, do)]
+    for name in list(forms)[1:]:
+        for what, a, b in zip(['o', 'dq', 'dk', 'dv'], results[name], results['explicit']):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=f"{name}, {what}")
+
+
+def test_a_sequence_split_in_two_and_resumed_from_its_state_equals_the_whole():
+    """The chunked form's state goes on to a second call, or to recurrent steps (a prompt, then generation):
+    the outputs and the final state equal one pass over the whole sequence."""
+    q, k, v, _, _ = sequence_inputs(2, 2, 61, 8)
+    whole, whole_state = inline.inline_chunked(q, k, v, chunk=8)
+    first, state = inline.inline_chunked(q[:, :, :23], k[:, :, :23], v[:, :, :23], chunk=8)
+    second, state = inline.inline_chunked(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], state=state, chunk=16)
+    generated, step_state = stepped(q[:, :, 40:], k[:, :, 40:], v[:, :, 40:],
+                                    inline.inline_chunked(q[:, :, :40], k[:, :, :40], v[:, :, :40])[1])
+    torch.testing.assert_close(torch.cat([first, second], 2), whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(generated, whole[:, :, 40:], rtol=0, atol=1e-12)
+    for a, b, c in zip(state, step_state, whole_state):
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(c), rtol=0, atol=1e-11)
+        torch.testing.assert_close(torch.as_tensor(b), torch.as_tensor(c), rtol=0, atol=1e-11)
+    assert state[3] == 61 and state[0].shape == (2, 2, 8, 8)  # the count, and one D x D sum per head
+
+
+def test_causal_linear_attention_matches_its_weights():
+    q, k, v = qkv(2, 2, 45, 8)
+    q, k = F.relu(q), F.relu(k)
+    w = inline.linear_attention_weights(q, k, eps=0, causal=True)
+    assert w.triu(1).abs().max() == 0
+    torch.testing.assert_close(inline.linear_attention(q, k, v, eps=0, causal=True), w @ v, rtol=0, atol=1e-12)
+
+
+def sequence_residual_loop(v, r, size, dilation, causal):
+    """Eq. 6 on a sequence, one token, channel and tap at a time."""
+    B, H, N, D = v.shape
+    out = torch.zeros_like(v)
+    for b in range(B):
+        for i in range(N):
+            for t in range(size):
+                j = i + dilation * (t - (size - 1 if causal else size // 2))
+                if 0 <= j < N:
+                    for h in range(H):
+                        for d in range(D):
+                            c = h * D + d
+                            weight = r[b, i, size * c + t] if causal else r[b, size * c + t]
+                            out[b, h, i, d] += weight * v[b, h, j, d]
+    return out
+
+
+@pytest.mark.parametrize('size,dilation,causal', [(3, 1, True), (3, 2, True), (1, 1, True), (5, 1, False),
+                                                  (3, 2, False)],
+                         ids=['k3-causal', 'k3-d2-causal', 'k1-causal', 'k5-centred', 'k3-d2-centred'])
+def test_eq6_on_a_sequence_against_an_explicit_loop(size, dilation, causal):
+    q, k, v, r, _ = sequence_inputs(2, 2, 11, 3, taps=size)
+    r = r if causal else r[:, 0]  # (B, N, kC) per token, or (B, kC) per sample
+    expected = sequence_residual_loop(v, r, size, dilation, causal)
+    torch.testing.assert_close(inline.local_residual(v, r, None, size, dilation, causal), expected, rtol=0, atol=1e-13)
+
+
+def test_causal_eq6_weights_come_from_the_prefix_mean():
+    torch.manual_seed(0)
+    mlp = inline.residual_mlp(8, 2, taps=3).double()
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    r = inline.residual_weights(mlp, x, causal=True)
+    assert r.shape == (2, 9, 24)
+    for i in range(9):
+        torch.testing.assert_close(r[:, i], inline.residual_weights(mlp, x[:, :i + 1]), rtol=0, atol=1e-14)
+
+
+def no_look_ahead(module, x, j):
+    """module(x) and module(x with token j changed): outputs before j must be equal bit for bit."""
+    changed = x.clone()
+    changed[:, j] += torch.randn(x.shape[0], x.shape[2], generator=torch.Generator().manual_seed(1), dtype=x.dtype)
+    y, z = module(x), module(changed)
+    assert torch.equal(y[:, :j], z[:, :j]), f"token {j} changed an earlier output by {(y - z)[:, :j].abs().max():.1e}"
+    assert (y[:, j] - z[:, j]).abs().max() > 1e-3  # and it does change its own
+
+
+@pytest.mark.parametrize('attention,kernel', [('inline', 'identity'), ('linear', 'one_plus_elu')],
+                         ids=['inline', 'linear-one_plus_elu'])
+def test_causal_module_never_looks_ahead(attention, kernel):
+    """The whole module with Eq. 6 (prefix-mean weights, the last 3 tokens): change token j, and every output
+    before j is unchanged exactly, in float64 and float32."""
+    torch.manual_seed(0)
+    for dtype in (torch.float64, torch.float32):
+        attn = inline.InLineAttention(24, 3, causal=True, attention=attention, kernel=kernel).to(dtype)
+        x = torch.randn(2, 45, 24, dtype=dtype)
+        for j in (0, 17, 44):
+            no_look_ahead(attn, x, j)
+    assert attn.residual[2].out_channels == 3 * 24  # k = 3 taps per channel on a sequence, not k^2
+
+
+def test_sequence_modules_and_their_errors():
+    """causal=True and sequence=True take (B, N, C) with no grid; the bidirectional one does look both ways; a grid
+    module needs its grid; bad combinations are refused, saying what is allowed."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 13, 16)
+    bidirectional = inline.InLineAttention(16, 2, sequence=True)
+    y = bidirectional(x)
+    changed = x.clone()
+    changed[:, -1] += 1
+    assert y.shape == (2, 13, 16) and (bidirectional(changed)[:, 0] - y[:, 0]).abs().max() > 0
+    assert bidirectional.weights(x).shape == (2, 2, 13, 13)
+    assert inline.InLineAttention(16, 2, causal=True).weights(x).triu(1).abs().max() == 0
+    with pytest.raises(ValueError, match=r"built for a 1-D sequence \(causal or sequence=True\): call it with no grid"):
+        inline.InLineAttention(16, 2, causal=True)(x, (1, 13))
+    with pytest.raises(ValueError, match=r"built for a token grid: pass grid=\(h, w\), or build it with sequence=True"):
+        inline.InLineAttention(16, 2)(x)
+    q, k, v, r, _ = sequence_inputs(2, 2, 13, 8)
+    with pytest.raises(ValueError, match=r"causal attention runs over a 1-D sequence: grid must be None"):
+        inline.inline_core(q, k, v, r, (1, 13), causal=True)
+    with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, \(B, N, kC\)"):
+        inline.inline_core(q, k, v, r[:, 0], None, causal=True)
+    with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel, \(B, kC\)"):
+        inline.inline_core(q, k, v, r, None)
+
+
+def causal(core, **options):
+    return functools.partial(core, causal=True, **options)
+
+
+# (B, H, N, D): odd lengths, ragged last chunks (the fast core's are 64 tokens); B, H, N are symbols of one graph
+CAUSAL_SHAPES = [(2, 3, 131, 32), (3, 2, 200, 32)]
+CAUSAL_OPTIONS = {'eq6': dict(size=3), 'eq6-dilation2': dict(size=3, dilation=2), 'no-eq6': None}
+ROUNDING = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}  # half an ulp at 1, times the tensor's largest entry
+
+
+@pytest.mark.parametrize('option', list(CAUSAL_OPTIONS))
+@pytest.mark.parametrize('shape', CAUSAL_SHAPES, ids=[f"B{B}-H{H}-N{N}-D{D}-fp32" for B, H, N, D in CAUSAL_SHAPES])
+def test_fast_causal_core_equals_reference_fp32(shape, option):
+    q, k, v, r, do = sequence_inputs(*shape)
+    options = CAUSAL_OPTIONS[option] or {}
+    r = r if CAUSAL_OPTIONS[option] else None
+    fast = run_core(causal(kernels.inline_core_fast, **options), q, k, v, r, do, None, torch.float32)
+    reference = run_core(causal(inline.inline_core, **options), q, k, v, r, do, None, torch.float32)
+    assert fast[0].shape == shape
+    assert_fp32_close(fast, reference)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
+def test_fast_causal_core_low_precision_within_twice_the_references(dtype):
+    """In bf16 and fp16 the fast causal core's error against the fp32 reference is at most twice the reference's
+    own in that dtype, plus one rounding of the tensor's scale. (The reference sums in fp32 whatever the dtype, so
+    its own error is little more than its inputs' rounding: the fast core must do as well.)"""
+    q, k, v, r, do = sequence_inputs(2, 3, 131, 32)
+    truth = run_core(causal(inline.inline_core), q, k, v, r, do, None, torch.float32)
+    fast = run_core(causal(kernels.inline_core_fast), q, k, v, r, do, None, dtype)
+    reference = run_core(causal(inline.inline_core), q, k, v, r, do, None, dtype)
+    for name, f, ref, t in zip(NAMES, fast, reference, truth):
+        fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
+        noise = ROUNDING[dtype] * t.abs().max().item()
+        print(f"{name}: {dtype} error, fast {fast_error:.3e}, reference {reference_error:.3e}, noise {noise:.1e}")
+        assert fast_error <= 2 * reference_error + noise, name
+
+
+def test_fast_core_on_a_bidirectional_sequence():
+    """grid=None without causal: Eq. 5 over the whole sequence, Eq. 6 over the 3 tokens centred on each."""
+    q, k, v, r, do = sequence_inputs(2, 3, 45, 32)
+    fast = run_core(kernels.inline_core_fast, q, k, v, r[:, 0], do, None, torch.float32)
+    assert_fp32_close(fast, run_core(inline.inline_core, q, k, v, r[:, 0], do, None, torch.float32))
+
+
+def test_fast_causal_module_never_looks_ahead():
+    """The module on the fast path, built by kernels.enable_fast, is the reference module's function and keeps its
+    no-look-ahead bit for bit across the fast core's chunks."""
+    torch.manual_seed(0)
+    reference = inline.InLineAttention(64, 2, causal=True)
+    fast = inline.InLineAttention(64, 2, causal=True)
+    fast.load_state_dict(reference.state_dict())
+    assert kernels.enable_fast(fast) == 1 and fast.core is kernels.inline_core_fast
+    x = torch.randn(2, 150, 64)
+    torch.testing.assert_close(fast(x), reference(x), rtol=0, atol=2e-5 * reference(x).abs().max().item())
+    for j in (30, 70, 149):
+        no_look_ahead(fast, x, j)
+    with pytest.raises(ValueError, match=r"the fast InLine core has no attention='linear'"):
+        kernels.enable_fast(inline.InLineAttention(64, 2, causal=True, attention='linear', kernel='relu'))
+
+
+@CUDA
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+def test_fast_causal_core_on_cuda(dtype):
+    q, k, v, r, do = (t.cuda() for t in sequence_inputs(2, 3, 131, 32))
+    truth = run_core(causal(inline.inline_core), q, k, v, r, do, None, torch.float32)
+    fast = run_core(causal(kernels.inline_core_fast), q, k, v, r, do, None, dtype)
+    if dtype == torch.float32:
+        assert_fp32_close(fast, truth, tolerance=1e-4)  # TF32 may be on for the caller's matmuls
+    else:
+        reference = run_core(causal(inline.inline_core), q, k, v, r, do, None, dtype)
+        for name, f, ref, t in zip(NAMES, fast, reference, truth):
+            fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
+            print(f"{name}: bf16 error, fast {fast_error:.3e}, reference {reference_error:.3e}")
+            assert fast_error <= 2 * reference_error + BF16_ROUNDING * t.abs().max().item(), name
+
+
+def test_fast_causal_core_rejects_what_the_reference_rejects():
+    q, k, v, r, _ = sequence_inputs(2, 2, 13, 8)
+    with pytest.raises(ValueError, match=r"causal attention runs over a 1-D sequence: grid must be None"):
+        kernels.inline_core_fast(q, k, v, r, (1, 13), causal=True)
+    with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, \(B, N, kC\)"):
+        kernels.inline_core_fast(q, k, v, r[:, 0], None, causal=True)
+
+
+def test_mqar_batches_ask_for_the_values_of_earlier_keys():
+    x, y = paper.mqar_batch(16, 8, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (16, 20)
+    keys, values = x[:, 0:16:2], x[:, 1:16:2]
+    assert (keys < paper.RECALL_VOCAB).all() and (values >= paper.RECALL_VOCAB).all()
+    assert all(len(set(row.tolist())) == 8 for row in keys)  # distinct keys in each sequence
+    assert (y[:, :16] == -100).all() and (y[:, 16:] >= paper.RECALL_VOCAB).all()
+    for b in range(16):
+        answer = dict(zip(keys[b].tolist(), values[b].tolist()))
+        assert [answer[k] for k in x[b, 16:].tolist()] == y[b, 16:].tolist()
+        assert len(set(x[b, 16:].tolist())) == 4  # half the keys, each once
+
+
+def test_recall_models_run_the_reference_function_and_count_their_state():
+    """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits; the state sizes
+    follow recall_state's formulas (C = 32, 2 heads, D = 16)."""
+    torch.manual_seed(0)
+    x, _ = paper.mqar_batch(3, 4, torch.Generator().manual_seed(0))
+    for name in ('InLine + Eq. 6', 'InLine 1+elu', 'linear 1+elu + Eq. 6', 'linear relu'):
+        model = paper.RecallLM(name, 32, 10).double()
+        cores = [m for m in model.modules() if hasattr(m, 'core')]
+        assert len(cores) == 2 and all(m.causal for m in cores)
+        logits = model(x)
+        for m in cores:
+            m.core = inline.inline_core
+        torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
+        assert logits.shape == (3, 10, 2 * paper.RECALL_VOCAB)
+    assert paper.recall_state('softmax', 32, 10) == 2 * 10 * 32
+    assert paper.recall_state('linear relu', 32, 10) == 2 * (16 * 16 + 16)
+    assert paper.recall_state('InLine 1+elu', 32, 10) == 2 * (16 * 16 + 2 * 16) + 1
+    assert paper.recall_state('InLine + Eq. 6', 32, 10) == 2 * (16 * 16 + 2 * 16) + 1 + 3 * 32
+
+
+def test_paper_recall_keeps_finished_runs_and_trains_only_the_rest(tmp_path, monkeypatch, capsys):
+    results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes', '8x2',
+                                                     '--out', str(tmp_path)]
+    threads = torch.get_num_threads()
+    paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine 1+elu'])
+    assert torch.get_num_threads() == threads  # --threads 1 held for the training only
+    with open(results) as f:
+        assert len(f.readlines()) == 4  # 2 models x 2 seeds
+    trained = []
+    real = paper.recall_run
+    monkeypatch.setattr(paper, 'recall_run', lambda *run: trained.append(run) or real(*run))
+    rows = paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine 1+elu', 'linear 1+elu'])
+    assert sorted(trained) == [('linear 1+elu', 8, 2, 0, 3), ('linear 1+elu', 8, 2, 1, 3)]
+    assert len(rows) == 6 and all(0 <= r['recall'] <= 100 and r['cpu_s'] >= 0 for r in rows.values())
+    out = capsys.readouterr().out
+    assert 'training 2 x 3 steps' in out and '| 2 (5) | 8 | linear 1+elu |' in out and '| 2 (5) | 8 | 1+elu |' in out
+    assert_png(str(tmp_path / 'recall.png'))
+    for bad, message in ((['--models', 'gpt'], "unknown recall models ['gpt']"), (['--sizes', '8x65'], '--sizes takes'),
+                         (['--sizes', '7x4'], '--sizes takes CxPAIRS'),
+                         (['--seeds', '0'], '--seeds, --steps and --threads must be at least 1')):
+        with pytest.raises(SystemExit):
+            paper.main(argv + ['--results', results] + bad)
+        assert message in capsys.readouterr().err
+
+
+def test_the_committed_recall_results_cover_the_default_run():
+    """RESULTS.md's recall tables come from results/recall.jsonl: `python paper.py recall` finds every run of its
+    default plan there and trains none."""
+    runs = paper.read_recall(paper.RECALL_RESULTS)
+    missing = [(n, w, p, s) for n in paper.RECALL_MODELS for w, p in paper.RECALL_SIZES
+               for s in range(paper.RECALL_SEEDS) if paper.recall_key(n, w, p, s, paper.RECALL_STEPS) not in runs]
+    assert not missing, f"{len(missing)} runs missing, e.g. {missing[:3]}"
+
+
+def test_injectivity_verdict_words():
+    assert paper.injectivity_verdict([10.0, 12.0, 11.0])[2] == 'reproduced'
+    assert paper.injectivity_verdict([-10.0, -12.0, -11.0])[2] == 'contradicted'
+    assert paper.injectivity_verdict([10.0, -12.0, 1.0])[2] == 'not resolved'
+    assert paper.injectivity_verdict([0.0, 0.0, 0.0])[2] == 'not resolved'  # both at 100 %, say
+    mean, half, _ = paper.injectivity_verdict([1.0, 2.0, 3.0])
+    assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-9
+
+
 # ---------------------------------------------------------------------------------------------------
 # The README's "Changing the method": each recipe followed on a throwaway change, so the recipes cannot go stale
 
