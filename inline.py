@@ -29,6 +29,7 @@ KERNELS = {
     'leakyrelu': F.leaky_relu,  # negative slope 0.01, PyTorch's default
     'exp': lambda x: torch.exp(0.2 * x),  # the 0.2 keeps exp from overflowing on raw projections
     'relu_affine': None,  # learnable: ReLUAffine below, one per attention layer
+    'zero': torch.zeros_like,  # phi = 0: Eq. 5 gives every weight 1/N, attention that cannot select (paper.py's floor)
 }
 NON_NEGATIVE_KERNELS = ('relu', 'exp', 'relu_affine')  # what vanilla linear attention needs: it divides by q.k
 
