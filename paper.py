@@ -1095,7 +1095,9 @@ MINI = {  # family: (image side, width factor, create_model sizes)
 # of the training set, the same for every run and seed; warm-up 1/12 of the epochs (the small recipe's 1 of 12).
 # On CUDA, the scale at which the miniatures converge: every training image, epochs until the curve is flat.
 BUDGET = {'cpu': dict(train_images=12_000, epochs=8), 'cuda': dict(train_images=60_000, epochs=40)}
-PRECISION = {'cpu': 'fp32', 'cuda': 'bf16'}  # fp32 on CPU: bf16 without AMX is emulated and no faster
+# bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training step of
+# the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved rounds)
+PRECISION = {'cpu': 'bf16', 'cuda': 'bf16'}
 FLOOR_MARGIN = 3.0  # top-1 points over the linear read-out that a configuration must clear for its comparisons
 # CPU-minutes of one run per family at BUDGET['cpu'] on this project's machine, two at a time, to print a length
 # before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x images
@@ -1258,7 +1260,8 @@ def recipe(e, args):
     train.py's own recipe for the data (train.SMALL). Records of different recipes never share a table."""
     own = train.SYNTHETIC if args.dataset == 'synthetic' else train.SMALL
     return dict(dataset=args.dataset, train_images=args.train_images, img_size=MINI[family(e)][0],
-                epochs=args.epochs, warmup_epochs=round(args.epochs / 12, 3), val_every=max(1, args.epochs // 4),
+                epochs=args.epochs, warmup_epochs=round(args.epochs / 12, 3),
+                val_every=1 if args.device == 'cuda' else max(1, args.epochs // 4),  # cheap on a GPU: every epoch
                 precision=PRECISION[args.device], device=args.device,
                 train={k: v for k, v in own.items() if k not in ('epochs', 'warmup_epochs', 'img_size')})
 
@@ -1332,19 +1335,23 @@ def plan_runs(chosen, every, seeds, args):
     return runs, {name: planned.get(first[keys[name]], []) for name in chosen}
 
 
-def estimate(runs, every, records, args):
-    """CPU-minutes the runs without a record should take: the mean of the records of the same family and recipe,
-    else RUN_CPU_MIN scaled by images x epochs."""
-    cpu = 0.0
+def estimate(runs, every, records):
+    """(minutes, how they were estimated) for the runs without a record: the mean CPU time (on CUDA, wall time) of
+    the records of the same family and recipe, else, on CPU, RUN_CPU_MIN scaled by images x epochs; on CUDA
+    without a record of the recipe, None: this project has measured no GPU run."""
+    total, guessed = 0.0, False
     for run in runs:
         if run.key() not in records:
-            f = family(every[run.name])
-            seen = [r['cpu_min'] for r in records.values() if r['recipe'] == run.recipe and r['name'] in every
-                    and family(every[r['name']]) == f and r['cpu_min'] > 0]
+            f, cuda = family(every[run.name]), run.recipe['device'] == 'cuda'
+            seen = [r['wall_min' if cuda else 'cpu_min'] for r in records.values() if r['recipe'] == run.recipe
+                    and r['name'] in every and family(every[r['name']]) == f and r['cpu_min'] > 0]
+            if not seen and cuda:
+                return None, 'no GPU record of this recipe yet'
+            guessed |= not seen
             scale = run.recipe['epochs'] * run.recipe['train_images'] / (BUDGET['cpu']['epochs'] *
                                                                           BUDGET['cpu']['train_images'])
-            cpu += statistics.mean(seen) if seen else RUN_CPU_MIN[f] * scale
-    return cpu
+            total += statistics.mean(seen) if seen else RUN_CPU_MIN[f] * scale
+    return total, 'RUN_CPU_MIN' if guessed else 'the records of this recipe'
 
 
 def ridge_floor(args, images):
@@ -1523,9 +1530,17 @@ def chance(args):
 
 
 def summarise(records, chance):
-    """([final-epoch val top-1 of each seed, in seed order], how many diverged); a diverged run counts at chance."""
+    """([final-epoch val top-1 of each seed, in seed order], how many diverged, the mean gain in top-1 over the
+    last quarter of the epochs: near 0 where the curve has flattened); a diverged run counts at chance."""
     accs = [chance if r['state'] == 'diverged' else r['epochs'][-1]['val_acc1'] for r in records]
-    return accs, sum(r['state'] == 'diverged' for r in records)
+    gains = []
+    for r in records:
+        curve = [(e['epoch'], e['val_acc1']) for e in r['epochs'] if 'val_acc1' in e]
+        last = r['recipe']['epochs']
+        earlier = [acc for epoch, acc in curve if epoch <= last * 3 / 4]
+        if r['state'] == 'done' and earlier:
+            gains.append(curve[-1][1] - earlier[-1])
+    return accs, sum(r['state'] == 'diverged' for r in records), statistics.mean(gains) if gains else None
 
 
 def reported_value(text):
@@ -1613,20 +1628,21 @@ def pilot_table(args, every):
     for r in records.values():
         if r['config'] in configs and r['seed'] == 0 and r['state'] == 'done' and \
                 (r['recipe']['device'], r['recipe']['dataset']) == (args.device, args.dataset):
-            budgets.setdefault((r['recipe']['train_images'], r['recipe']['epochs']), {})[configs[r['config']]] = r
+            budget = (r['recipe']['train_images'], r['recipe']['epochs'], r['recipe']['precision'])
+            budgets.setdefault(budget, {})[configs[r['config']]] = r
     rows = []
-    for (images, epochs), pair in sorted(budgets.items(), key=lambda kv: kv[0][0] * kv[0][1]):
+    for (images, epochs, precision), pair in sorted(budgets.items(), key=lambda kv: kv[0][0] * kv[0][1]):
         floor = floor_record(argparse.Namespace(**{**vars(args), 'train_images': images}), records)
         ridge = floor['epochs'][-1]['val_acc1'] if floor else None
         tops = {n: pair[n]['epochs'][-1]['val_acc1'] for n in PILOT if n in pair}
         clears = ridge is not None and len(tops) == 2 and min(tops.values()) >= ridge + FLOOR_MARGIN
-        rows.append([f'{images:,}', epochs, f'{images * epochs / 1000:.0f}k',
+        rows.append([f'{images:,}', epochs, precision, f'{images * epochs / 1000:.0f}k',
                      *[f"{tops[n]:.1f}" if n in tops else '—' for n in PILOT],
                      *[f"{pair[n]['cpu_min']:.1f}" if n in pair else '—' for n in PILOT],
                      '—' if ridge is None else f'{ridge:.1f}', 'yes' if clears else 'no'])
     print(f'Pilot: seed 0 of {" and ".join(PILOT)} at each budget recorded ({args.device}, {args.dataset}), beside '
           f'the linear read-out of the same images; a budget clears when both are {FLOOR_MARGIN:g} points over it.\n')
-    print_table(['training images', 'epochs', 'image passes', *[f'{n} top-1' for n in PILOT],
+    print_table(['training images', 'epochs', 'precision', 'image passes', *[f'{n} top-1' for n in PILOT],
                  *[f'{n} CPU-min' for n in PILOT], 'linear read-out', f'both clear +{FLOOR_MARGIN:g}'], rows)
     return rows
 
@@ -1641,22 +1657,31 @@ def cmd_ablations(args):
     chosen, seeds = choose(args, every)
     runs, planned = plan_runs(chosen, every, seeds, args)
     records = read_records(args.results)
-    cpu = estimate(runs, every, records, args)
-    todo = sum(r.key() not in records for r in runs)
+    minutes, source = estimate(runs, every, records)
+    todo = [r for r in runs if r.key() not in records]
+    passes = sum(r.recipe['epochs'] * r.recipe['train_images'] for r in todo)
     print(f'{len(chosen)} experiments, {len({tuple(r.key() for r in rs) for rs in planned.values() if rs})} distinct '
           f'configurations, {len(runs)} runs of {args.epochs} epochs x {args.train_images} images of {args.dataset} '
-          f'on {args.device} ({PRECISION[args.device]}), {args.jobs} at a time; estimate for the {todo} runs without '
-          f'a record: {cpu:.0f} CPU-minutes, about {cpu / args.jobs // 60:.0f} h {cpu / args.jobs % 60:.0f} min with '
-          f'{args.jobs} cores of their own' + (' (GPU: the CPU rate until a record of this recipe exists)'
-                                                if args.device == 'cuda' else ''))
+          f'on {args.device} ({PRECISION[args.device]}), {args.jobs} at a time; estimate for the {len(todo)} runs '
+          f'without a record ({passes / 1e6:.1f}M training image passes): ' +
+          (f'unknown ({source})' if minutes is None else
+           f'{minutes:.0f} {"GPU" if args.device == "cuda" else "CPU"}-minutes by {source}, about '
+           f'{minutes / args.jobs // 60:.0f} h {minutes / args.jobs % 60:.0f} min {args.jobs} at a time' +
+           (f' on {args.jobs} cores of their own' if args.device == 'cpu' else '')))
     done = train_runs(runs, args, desc='ablation runs')
     floor = floor_record(args, read_records(args.results))
     ridge = floor['epochs'][-1]['val_acc1'] if floor else None
     guess = chance(args)
     result = {n: summarise([done[r.key()] for r in planned[n] if r.key() in done], guess) for n in chosen}
     configs, rows, entries, m = table_rows(chosen, planned, result, ridge, every)
+    print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} training '
+          f'images, validation on its test set, {PRECISION[args.device]} on {args.device}): one row per distinct '
+          f'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) seeds, '
+          f'beside the paper\'s ImageNet-1K top-1; over the read-out: its mean minus the linear read-out\'s, under '
+          f'the floor when less than {FLOOR_MARGIN:g}; last quarter: the top-1 gained over the last quarter of the '
+          f'epochs (near 0: flat). * our construction (no released code).\n')
     print_table(['configuration', 'tables', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)',
-                 'over the read-out'], configs)
+                 'over the read-out', 'last quarter'], configs)
     header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'MDE at 80% power',
               'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
     print(f'\nComparisons, row minus reference seed by seed: the mean and its 95% Student-t interval; MDE, the '
@@ -1700,23 +1725,23 @@ def table_rows(chosen, planned, result, ridge, every):
         distinct.setdefault(tuple(r.key() for r in planned[name]) or name, []).append(name)
     cleared, configs = {}, []
     for names in distinct.values():
-        accs, diverged = result[names[0]]
+        accs, diverged, gain = result[names[0]]
         e = every[names[0]]
         why = untestable(e)
         mean = statistics.mean(accs) if accs else None
         above = None if mean is None or ridge is None else mean - ridge
-        for n in names:
-            cleared[n] = above is not None and above >= FLOOR_MARGIN
+        for n in names:  # without a read-out (data with no pixel array) there is no floor to clear
+            cleared[n] = ridge is None or above is not None and above >= FLOOR_MARGIN
         ours = ('—' if not accs else f'{mean:.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})' if len(accs) > 1 else
                 f'{accs[0]:.1f} (1)') + (f', {diverged} diverged' if diverged else '')
         configs.append([' = '.join(n + (' *' if every[n].ours else '') for n in names),
                         ', '.join(dict.fromkeys(every[n].table for n in names)), f'{parameters(e) / 1e6:.2f}M',
                         f'not trained: {why}' if why else ours,
                         ' / '.join(dict.fromkeys(every[n].reported or '—' for n in names)),
-                        '' if above is None else f'{above:+.1f}' + ('' if cleared[names[0]] else ' (under the floor)')])
+                        '' if above is None else f'{above:+.1f}' + ('' if cleared[names[0]] else ' (under the floor)'),
+                        '' if gain is None else f'{gain:+.1f}'])
     if ridge is not None:
-        configs.insert(0, ['linear read-out of the pixels (ridge)', 'floor', f'{28 * 28 + 1:,} x 10', f'{ridge:.1f}',
-                           '—', '+0.0'])
+        configs.insert(0, ['linear read-out of the pixels (ridge)', 'floor', '', f'{ridge:.1f}', '—', '+0.0', ''])
     rows, tested = [], []
     for tables, name, ref in comparisons(chosen):
         a, b = result[name][0], result[ref][0]

@@ -2169,7 +2169,7 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     assert argv0[:2] == ['--experiment', 't1_softmax'] and 'num_heads=1' in argv0  # 3 heads x 1/3: head dim 64
     assert argv0[argv0.index('--dataset'):argv0.index('--dataset') + 6] == [
         '--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'), '--train-subset', '64']
-    assert argv0[argv0.index('--amp') + 1] == 'fp32'
+    assert argv0[argv0.index('--amp') + 1] == paper.PRECISION['cpu']  # explicit, never train.py's default
     assert configs[0][0].startswith('linear read-out') and configs[1][3] == '71.0 ± 1.0 (3)'
     # per-seed differences -10, -11, -9: mean -10, sd 1; half-width 4.303 / sqrt(3) = 2.48; MDE (4.303 + 1.061) /
     # sqrt(3) = 3.10; 10 seeds bring the MDE under 1 point; one comparison, so Holm's p is its own
@@ -2185,6 +2185,30 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     fake.launched.clear()
     assert paper.main(args + ['--no-train']) == (configs, rows)
     assert fake.launched == []
+
+
+def test_paper_device_cuda_is_refused_without_a_gpu(tmp_path, capsys):
+    """--device cuda says plainly that there is no GPU here, before any run; nothing trains."""
+    if torch.cuda.is_available():
+        pytest.skip('a GPU is here: test_paper_device_cuda_plans_the_converging_scale covers it')
+    with pytest.raises(SystemExit):
+        paper.main(['ablations', '--quick', '--device', 'cuda', '--dataset', 'synthetic', '--out', str(tmp_path),
+                    '--results', str(tmp_path / 'runs.jsonl')])
+    assert '--device cuda: torch sees no CUDA device' in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_paper_device_cuda_plans_the_converging_scale():
+    """On a GPU the same experiments get BUDGET['cuda']: every training image, epochs until flat, bf16, a
+    validation every epoch; a recipe of its own, so its records never mix with the CPU's."""
+    ns = argparse.Namespace(epochs=None, train_images=None, device='cuda', dataset='fashion_mnist', data_path='x')
+    paper.resolve_budget(ns)
+    every = paper.experiments()
+    run = paper.make_run('r_residual_local', every['r_residual_local'], 0, ns)
+    assert (ns.train_images, ns.epochs) == (60_000, paper.BUDGET['cuda']['epochs'])
+    assert run.recipe['device'] == 'cuda' and run.recipe['val_every'] == 1 and '--amp' in run.argv
+    cpu = paper.make_run('r_residual_local', every['r_residual_local'], 0, argparse.Namespace(**{**vars(ns), 'device': 'cpu'}))
+    assert cpu.key() != run.key()
 
 
 def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, capsys):
