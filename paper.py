@@ -11,13 +11,18 @@ it has finished under OUT (default runs/paper/), so a rerun resumes where the la
     python paper.py speed [--quick]        # F5b, F5c: images/s against window and resolution
     python paper.py speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python paper.py speed --dense          # backbones at detection sizes: forward time and peak memory
+    python paper.py ablations --pilot      # the budget's pilot: seed 0 of R-res's pair, beside the linear read-out
+    python paper.py ablations --claims     # the claim rows at 5 seeds and their floor: the first batch
     python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
+    python paper.py ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
+    python paper.py ablations --device cuda  # the same set where the miniatures converge (all 60,000 images)
 
 The trained ones (locality, maps, ablations) train on Fashion-MNIST unless told (--dataset, --data-path: any
 ImageFolder too): locality and maps their four small DeiTs, ablations every experiment of models.EXPERIMENTS,
-each on first use and cached, a model that several need trained once. Nothing here trains by itself: every run
-is a `python train.py ...` subprocess, the project's one training loop. The verdicts' rules are fixed below
-(verdict) and in the tests.
+each on first use, a model that several need trained once. Nothing here trains by itself: every run is a
+`python train.py ...` subprocess, the project's one training loop, and each finished run appends its record to
+results/runs.jsonl, from which the tables are rebuilt. The verdicts' rules are fixed below (verdict, holm) and in
+the tests.
 """
 import argparse
 import contextlib
@@ -1445,13 +1450,12 @@ def paired(diffs):
     return statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.inf, n - 1
 
 
-def above(x, df):
-    """P(T > x) for x = (mean - delta) / se, where se may be 0 (every seed the same: x is +-inf, or 0 / 0)."""
-    return 0.5 if math.isnan(x) else 1 - t_cdf(x, df)
-
-
-def ratio(a, b):
-    return a / b if b else math.copysign(math.inf, a) if a else math.nan
+def upper(mean, delta, se, df):
+    """P(T > (mean - delta) / se): the one-sided p of "the true mean is delta or less"; with no spread (se = 0,
+    every seed alike) 0 or 1."""
+    if se == 0:
+        return 0.0 if mean > delta else 1.0 if mean < delta else 0.5
+    return 1 - t_cdf((mean - delta) / se, df)
 
 
 def interval(diffs):
@@ -1488,23 +1492,21 @@ def p_values(diffs, paper_diff):
     if df < 1:
         return 1.0, 1.0
     if round(abs(paper_diff), 1) <= PAPER_TIE:  # as printed: 80.2 - 80.0 is 0.2000000000000028
-        low, high = above(ratio(mean + MARGIN, se), df), 1 - above(ratio(mean - MARGIN, se), df)  # H0: <= -M, >= M
-        beyond = min(above(ratio(mean - MARGIN, se), df), 1 - above(ratio(mean + MARGIN, se), df))
-        return min(1.0, 2 * max(low, high)), min(1.0, 2 * beyond)
-    p = min(1.0, 2 * above(abs(ratio(mean, se)), df))
-    same = (mean > 0) == (paper_diff > 0) and mean != 0
-    return (p, 1.0) if same else (1.0, p)
+        inside = max(upper(mean, -MARGIN, se, df), 1 - upper(mean, MARGIN, se, df))  # H0: <= -M; H0: >= M
+        outside = min(upper(mean, MARGIN, se, df), 1 - upper(mean, -MARGIN, se, df))  # H0: <= M; H0: >= -M
+        return min(1.0, 2 * inside), min(1.0, 2 * outside)
+    p = min(1.0, 2 * min(upper(mean, 0, se, df), 1 - upper(mean, 0, se, df)))
+    return (p, 1.0) if mean != 0 and (mean > 0) == (paper_diff > 0) else (1.0, p)
 
 
-def verdict(diffs, paper_diff, p=None):
+def verdict(diffs, paper_diff):
     """reproduced, contradicted or not resolved: the paper's difference paper_diff against ours, the per-seed
-    differences diffs (row minus reference, seed by seed); '—' when the paper gives no difference. p: the
-    p-values to use (Holm's adjusted ones) in place of the row's own. An ordering is reproduced when the 95%
-    interval excludes 0 on the paper's side, contradicted on the other; a tie is reproduced when the interval
-    lies within +-MARGIN (TOST), contradicted when wholly outside. Anything else is not resolved."""
+    differences diffs (row minus reference, seed by seed); '—' when the paper gives no difference. An ordering is
+    reproduced when the 95% interval excludes 0 on the paper's side, contradicted on the other; a tie is
+    reproduced when the interval lies within +-MARGIN (TOST), contradicted when wholly outside. Else not resolved."""
     if paper_diff is None:
         return '—'
-    reproduce, contradict = p or p_values(diffs, paper_diff)
+    reproduce, contradict = p_values(diffs, paper_diff)
     return 'reproduced' if reproduce < ALPHA else 'contradicted' if contradict < ALPHA else 'not resolved'
 
 
@@ -1759,8 +1761,7 @@ def table_rows(chosen, planned, result, ridge, every):
             continue
         mean, half = interval(diffs)
         p = p_values(diffs, paper_diff) if paper_diff is not None else None
-        word = verdict(diffs, paper_diff)
-        floor_ok = cleared[name] and cleared[ref]
+        word, floor_ok = verdict(diffs, paper_diff), cleared[name] and cleared[ref]
         if not floor_ok and paper_diff is not None:
             word = 'untestable (under the floor)'
         chart_entry = (short_name(name), mean, half,
@@ -1768,12 +1769,10 @@ def table_rows(chosen, planned, result, ridge, every):
         p_text = '' if p is None else f'{min(p):.3f}'
         rows.append([', '.join(tables), label, paper_text, f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]',
                      f'{mde(diffs):.1f}', str(seeds_for(diffs)), p_text, word, '', chart_entry])
-        if p is not None and floor_ok:
-            tested.append((len(rows) - 1, diffs, paper_diff, p))
-    adjusted = holm([min(p) for *_, p in tested])
-    for (i, diffs, paper_diff, p), q in zip(tested, adjusted):
-        scale = q / min(p) if min(p) > 0 else 1.0  # both sides' p adjusted by the row's own factor
-        rows[i][8] = verdict(diffs, paper_diff, (min(1.0, p[0] * scale), min(1.0, p[1] * scale)))
+        if p is not None and floor_ok:  # Holm's family: every comparison with a verdict; each row's p, its smaller
+            tested.append((len(rows) - 1, min(p), word))
+    for (i, _, word), q in zip(tested, holm([p for _, p, _ in tested])):
+        rows[i][8] = word if q < ALPHA else 'not resolved'
     for r in rows:
         r[8] = r[8] or '—'
     return configs, [r[:9] for r in rows], [r[9] for r in rows], len(tested)

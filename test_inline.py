@@ -2128,14 +2128,14 @@ def fake_run(path, accs, epochs):
 
 class FakeTrain:
     """train.py stand-in for subprocess.Popen: records the command line and writes a finished run into its
-    folder, top-1 `acc(seed)` at the last epoch."""
-    def __init__(self, acc=lambda seed: 60.0 + seed):
+    folder, top-1 `acc(seed, argv)` at the last epoch."""
+    def __init__(self, acc=lambda seed, argv: 60.0 + seed):
         self.launched, self.acc = [], acc
 
     def __call__(self, argv, **kwargs):
         self.launched.append(argv)
         seed, epochs = int(argv[argv.index('--seed') + 1]), int(argv[argv.index('--epochs') + 1])
-        fake_run(argv[argv.index('--output-dir') + 1], [50.0] * (epochs - 1) + [self.acc(seed)], epochs)
+        fake_run(argv[argv.index('--output-dir') + 1], [50.0] * (epochs - 1) + [self.acc(seed, argv)], epochs)
         return types.SimpleNamespace(returncode=0, poll=lambda: 0, terminate=lambda: None)
 
 
@@ -2209,6 +2209,32 @@ def test_paper_device_cuda_plans_the_converging_scale():
     assert run.recipe['device'] == 'cuda' and run.recipe['val_every'] == 1 and '--amp' in run.argv
     cpu = paper.make_run('r_residual_local', every['r_residual_local'], 0, argparse.Namespace(**{**vars(ns), 'device': 'cpu'}))
     assert cpu.key() != run.key()
+
+
+def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch):
+    """Two comparisons each reproduced on its own (p 0.035 and 0.046, under 5%) are both not resolved under Holm
+    (0.035 x 2 = 0.07); a configuration two tables share is one row of the first table; each comparison row
+    carries its MDE at 80% power."""
+    os.makedirs(tmp_path / 'fm')
+    write_fashion_mnist(str(tmp_path / 'fm'))
+    chosen = {n: models.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q', 's_deit_t')}
+    chosen['inline_deit_t'] = paper.experiments()['inline_deit_t']
+    monkeypatch.setattr(paper, 'experiments', lambda: chosen)
+    offset = {'t1_softmax_normalised_q': (-4.0, -3.0, -2.0), 'inline_deit_t': (4.5, 3.25, 2.0)}
+
+    def acc(seed, argv):  # softmax (t1_softmax = s_deit_t) 70 at every seed; the others offset from it
+        name = argv[argv.index('--experiment') + 1] if '--experiment' in argv else argv[argv.index('--model') + 1]
+        return 70.0 + offset.get(name, (0.0, 0.0, 0.0))[seed]
+    monkeypatch.setattr(paper.subprocess, 'Popen', FakeTrain(acc))
+    configs, rows = paper.main(['ablations', '--only', *chosen, '--seeds', '3', '--epochs', '2', '--train-images', '64',
+                                '--jobs', '1', '--data-path', str(tmp_path / 'fm'), '--out', str(tmp_path),
+                                '--results', str(tmp_path / 'runs.jsonl')])
+    assert [c[0] for c in configs[1:]] == ['t1_softmax = s_deit_t', 't1_softmax_normalised_q *', 'inline_deit_t']
+    assert [c[1] for c in configs[1:]] == ['T1, S', 'T1', 'S']
+    assert [r[1] for r in rows] == ['t1_softmax_normalised_q − t1_softmax', 's_deit_t − inline_deit_t']
+    assert [float(r[6]) for r in rows] == pytest.approx([0.0352, 0.0459], abs=5e-4)
+    assert [(r[7], r[8]) for r in rows] == [('reproduced', 'not resolved')] * 2
+    assert [r[4] for r in rows] == [f'{paper.mde([-4.0, -3.0, -2.0]):.1f}', f'{paper.mde([-4.5, -3.25, -2.0]):.1f}']
 
 
 def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, capsys):
