@@ -1099,14 +1099,15 @@ MINI = {  # family: (image side, width factor, create_model sizes)
 # cheapest that lifts both FLOOR_MARGIN over the linear read-out. The first train_images of a fixed random order
 # of the training set, the same for every run and seed; warm-up 1/12 of the epochs (the small recipe's 1 of 12).
 # On CUDA, the scale at which the miniatures converge: every training image, epochs until the curve is flat.
-BUDGET = {'cpu': dict(train_images=12_000, epochs=8), 'cuda': dict(train_images=60_000, epochs=40)}
+BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=60_000, epochs=40)}
 # bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training step of
 # the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved rounds)
 PRECISION = {'cpu': 'bf16', 'cuda': 'bf16'}
 FLOOR_MARGIN = 3.0  # top-1 points over the linear read-out that a configuration must clear for its comparisons
 # CPU-minutes of one run per family at BUDGET['cpu'] on this project's machine, two at a time, to print a length
-# before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x images
-RUN_CPU_MIN = {'swin': 6.0, 'deit': 4.6, 'pvt': 11.0, 'cswin': 12.3}
+# before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x images.
+# Swin from the pilot's two runs; the others by their step costs relative to Swin's, measured before
+RUN_CPU_MIN = {'swin': 9.5, 'deit': 7.2, 'pvt': 17.0, 'cswin': 19.0}
 SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3, 'floor': 3}
 # The claim rows (README, "Verdicts"), with the seeds that give a 1-point effect 80% power at the spreads measured
 CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual',
