@@ -364,8 +364,8 @@ def record_key(r):
     return json.dumps([r['config'], r['recipe'], r['seed']], sort_keys=True)
 
 
-def read_records(path):
-    """{run key: record} of every line of the records file ({} before the first); the first record of a run
+def read_records(path, key=record_key):
+    """{key(record): record} of every line of a records file ({} before the first); the first record of a key
     counts. A line that is not a record stops with its number, never skipped."""
     found = {}
     if not os.path.exists(path):
@@ -374,9 +374,9 @@ def read_records(path):
         for i, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
-                found.setdefault(record_key(record), record)
+                found.setdefault(key(record), record)
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                train.fail(f'{path}, line {i}, is not a run record ({e}); fix or delete that line')
+                train.fail(f'{path}, line {i}, is not a record ({e}); fix or delete that line')
     return found
 
 
@@ -576,25 +576,20 @@ def deit_runs(args, seeds):
     every = {**experiments(), **F4_EXTRA}
     runs, planned = plan_runs({n: every[n] for n in F4_MODELS.values()}, every, lambda name: seeds, args)
     train_runs(runs, args, desc='training the four DeiT models')
-    found = {label: [os.path.join(r.folder(args.out), train.CHECKPOINT) for r in planned[n]]
-             for label, n in F4_MODELS.items()}
-    missing = [p for paths in found.values() for p in paths if not os.path.exists(p)]
-    if missing:
-        train.fail(f'{len(missing)} of the DeiT checkpoints F4 measures are not here (their records are, but not '
-                   f'their weights), e.g. {missing[0]}; rerun without --no-train, or with a --out that has them')
-    return found
+    return {label: [(r.key(), os.path.join(r.folder(args.out), train.CHECKPOINT)) for r in planned[n]]
+            for label, n in F4_MODELS.items()}
 
 
 def checkpoints(args, seeds=1):
-    """{name: [checkpoints]}: --checkpoints NAME=PATH ... (a name given again is another seed of it), or the four
-    small DeiTs (trained on first use)."""
+    """{name: [(run key or None, checkpoint)]}: --checkpoints NAME=PATH ... (a name given again is another seed
+    of it), or the four small DeiTs (trained on first use), each with the key of its run record."""
     if not args.checkpoints:
-        resolve_data(args)
+        resolve_data(args, need=not args.no_train)
         return deit_runs(args, seeds)
     found = {}
     for c in args.checkpoints:
         name, path = c.split('=', 1) if '=' in c else (os.path.basename(os.path.dirname(c)) or c, c)
-        found.setdefault(name, []).append(path)
+        found.setdefault(name, []).append((None, path))
     return found
 
 
@@ -697,19 +692,38 @@ def initial_model(model, ckpt):
                                                          'num_classes': model.num_classes}).eval()
 
 
+def measure_locality(path, args, key):
+    """F4's measurement of one checkpoint, trained and as its run started, as a record (lists, not tensors):
+    kept in results/locality.jsonl beside the run records when the checkpoint is one of theirs (key)."""
+    if not os.path.exists(path):
+        train.fail(f'{path} is not here and results/locality.jsonl has no measurement of it at {args.images} '
+                   f'images; rerun without --no-train (it trains the run), or with the --out that holds it')
+    model, ckpt = load_trained(path)
+    images, _, _, what = eval_images(ckpt, model, args, args.images)
+    lists = lambda shares: [{k: v.tolist() for k, v in layer.items()} for layer in shares]  # noqa: E731
+    return dict(run=key, images=args.images, what=what, grid=list(model.grid),
+                top1=(ckpt.get('log') or [{}])[-1].get('val_acc1'), trained=lists(layer_shares(model, images)),
+                untrained=lists(layer_shares(initial_model(model, ckpt), images)))
+
+
 def cmd_locality(args):
     results, top1, grid, what = {}, {}, None, ''
-    for name, paths in tqdm(checkpoints(args, args.seeds).items(), desc='locality', dynamic_ncols=True):
-        for path in paths:
-            model, ckpt = load_trained(path)
-            images, _, _, what = eval_images(ckpt, model, args, args.images)
-            results.setdefault(name, []).append(layer_shares(model, images))
-            results.setdefault(f'{name}, untrained', []).append(layer_shares(initial_model(model, ckpt), images))
-            top1.setdefault(name, []).append((ckpt.get('log') or [{}])[-1].get('val_acc1'))
-            top1.setdefault(f'{name}, untrained', []).append(None)
-            if grid not in (None, model.grid):
-                train.fail(f'the checkpoints have different token grids ({grid} and {model.grid})')
-            grid = model.grid
+    measures = os.path.join(os.path.dirname(os.path.abspath(args.results)), 'locality.jsonl')
+    stored = read_records(measures, key=lambda m: (m['run'], m['images']))
+    for name, items in tqdm(checkpoints(args, args.seeds).items(), desc='locality', dynamic_ncols=True):
+        for key, path in items:
+            m = stored.get((key, args.images)) if key else None
+            if m is None:
+                m = measure_locality(path, args, key)
+                if key:
+                    append_record(measures, m)
+            for label, shares, acc in ((name, m['trained'], m['top1']), (f'{name}, untrained', m['untrained'], None)):
+                results.setdefault(label, []).append([{k: torch.tensor(v) for k, v in layer.items()}
+                                                      for layer in shares])
+                top1.setdefault(label, []).append(acc)
+            if grid not in (None, tuple(m['grid'])):
+                train.fail(f'the checkpoints have different token grids ({grid} and {tuple(m["grid"])})')
+            grid, what = tuple(m['grid']), m['what']
     hw = grid[0] * grid[1]
     uniform = {'own': 1 / hw, 'near': (neighbourhood(grid).sum().item() - hw) / hw / hw}  # 1/hw each
     stat = lambda v: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0)  # noqa: E731
@@ -761,7 +775,7 @@ def read_image(path, size):
 
 
 def cmd_maps(args):
-    loaded = {name: load_trained(paths[0]) for name, paths in checkpoints(args).items()}  # the first seed
+    loaded = {name: load_trained(items[0][1]) for name, items in checkpoints(args).items()}  # the first seed
     sizes = {m.img_size for m, _ in loaded.values()}
     grids = {m.grid for m, _ in loaded.values()}
     if len(sizes) > 1 or len(grids) > 1:
@@ -1114,7 +1128,7 @@ CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4
               't4_window14_no_residual', 't4_window28_no_residual', 'r_residual_none', 'r_residual_local', 's_swin_t',
               'inline_swin_t')
 CLAIM_SEEDS = 5
-QUICK = ('r_residual_none', 'r_residual_local', 'floor_swin')  # R-res, the paper's pair, beside its floor
+QUICK = ('r_residual_none', 'r_residual_local')  # R-res, the paper's pair: runs the claim batch shares
 QUICK_SEEDS = 3
 # The data paper.py trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs here
 FASHION_MNIST_DEB = '/usr/share/datasets/fashion-mnist'

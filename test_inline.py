@@ -2027,6 +2027,23 @@ def test_paper_locality_and_maps_commands(tmp_path):
     assert_png(tmp_path / 'maps.png', (400, 500))
 
 
+def test_paper_locality_keeps_its_measurements_beside_the_records(tmp_path, monkeypatch):
+    """F4 of a run's checkpoint is measured once, trained and untrained, and kept in results/locality.jsonl: with
+    the checkpoint gone the same table comes back from the file; a checkpoint that is neither here nor measured
+    is a clear error."""
+    ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
+    monkeypatch.setattr(paper, 'checkpoints', lambda args, seeds=1: {'InLine': [('run-0', ours), ('run-1', ours)]})
+    argv = ['locality', '--images', '4', '--out', str(tmp_path), '--results', str(tmp_path / 'r' / 'runs.jsonl')]
+    first, _ = paper.main(argv)
+    assert sorted(first) == ['InLine', 'InLine, untrained'] and len(first['InLine']) == 2
+    os.remove(ours)
+    again, _ = paper.main(argv)
+    assert all(torch.equal(a[k], b[k]) for x, y in zip(first['InLine'], again['InLine']) for a, b in zip(x, y)
+               for k in a)
+    with pytest.raises(SystemExit):
+        paper.main(argv[:2] + ['8'] + argv[3:])  # 8 images: not measured, and the checkpoint is gone
+
+
 def test_paper_measures_on_the_data_a_checkpoint_was_trained_on(tmp_path):
     """A checkpoint trained on Fashion-MNIST is measured on Fashion-MNIST's test images (its stored arguments),
     not on the synthetic task; --dataset/--data-path choose other images."""
@@ -2253,7 +2270,7 @@ def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, c
         f.write('{"not": "a record"}\n')
     with pytest.raises(SystemExit):
         paper.read_records(path)
-    assert 'line 5, is not a run record' in capsys.readouterr().err
+    assert 'line 5, is not a record' in capsys.readouterr().err
 
 
 def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
