@@ -1124,10 +1124,11 @@ FLOOR_MARGIN = 3.0  # top-1 points over the linear read-out that a configuration
 RUN_CPU_MIN = {'swin': 9.5, 'deit': 7.2, 'pvt': 17.0, 'cswin': 19.0}
 SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3, 'floor': 3}
 # The claim rows (README, "Verdicts"), with the seeds that give a 1-point effect 80% power at the spreads measured
-CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual',
-              't4_window14_no_residual', 't4_window28_no_residual', 'r_residual_none', 'r_residual_local', 's_swin_t',
-              'inline_swin_t')
+# (in the order a batch trains them: T3's pair, R-res's (T4's at 56²), S's, then T4's windows)
+CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual', 'r_residual_none',
+              'r_residual_local', 's_swin_t', 'inline_swin_t', 't4_window14_no_residual', 't4_window28_no_residual')
 CLAIM_SEEDS = 5
+FIRST_SEEDS = 3  # a batch gives every configuration 3 seeds, in the chosen order, before it gives any a fourth
 QUICK = ('r_residual_none', 'r_residual_local')  # R-res, the paper's pair: runs the claim batch shares
 QUICK_SEEDS = 3
 # The data paper.py trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs here
@@ -1339,8 +1340,10 @@ def parameters(e):
 
 
 def plan_runs(chosen, every, seeds, args):
-    """The runs `chosen` needs, seed by seed (every configuration's seed 0 first, so a stopped batch leaves
-    balanced seeds), and each chosen name's runs in seed order. A configuration is trained under the first of all
+    """The runs `chosen` needs, in the order to train them: the first FIRST_SEEDS seeds of every configuration,
+    then the further seeds, the configurations two by two in the chosen order and the two seed by seed (the chosen
+    order puts a comparison's sides together: a batch stopped early leaves whole comparisons), and each chosen
+    name's runs in seed order. A configuration is trained under the first of all
     experiments (`every`) that builds it, whatever subset is chosen, so --quick, --only, locality and the full run
     share their runs; it gets the most seeds any chosen row asks of it. seeds(name) -> how many."""
     keys = {name: config_key(e) for name, e in every.items()}
@@ -1351,7 +1354,9 @@ def plan_runs(chosen, every, seeds, args):
         if not untestable(every[name]):
             wanted[first[keys[name]]] = max(wanted.get(first[keys[name]], 0), seeds(name))
     planned = {base: [make_run(base, every[base], s, args) for s in range(n)] for base, n in wanted.items()}
-    runs = [r for seed in range(max(wanted.values(), default=0)) for rs in planned.values() for r in rs[seed:seed + 1]]
+    order = {base: i for i, base in enumerate(planned)}
+    runs = sorted((r for rs in planned.values() for r in rs),
+                  key=lambda r: (r.seed >= FIRST_SEEDS, order[r.name] // 2, r.seed, order[r.name]))
     return runs, {name: planned.get(first[keys[name]], []) for name in chosen}
 
 
