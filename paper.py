@@ -36,6 +36,7 @@ import math
 import os
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -458,7 +459,8 @@ def train_runs(runs, args, desc='training'):
     """Train each run (Run) without a record in args.results, args.jobs at a time (cores/jobs threads each), as
     `python train.py ARGV --output-dir FOLDER`, holding a lock on FOLDER: a run another command is training is
     left to it and waited for at the end. Each finished run appends its record; an interrupted one resumes when
-    rerun. With args.no_train nothing is trained. Returns {run key: record} of the runs that have one."""
+    rerun. Stopped (SIGTERM, Ctrl-C, a failed run), it stops the running train.py (they save) and keeps their
+    CPU time. With args.no_train nothing is trained. Returns {run key: record} of the runs that have one."""
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     todo = [r for r in runs if r.key() not in read_records(args.results)]
     if len(todo) < len(runs):
@@ -469,53 +471,60 @@ def train_runs(runs, args, desc='training'):
     count, cpu_before, running, waiting = len(todo), children_cpu_s(), {}, []
     env = dict(os.environ, **({'CUDA_VISIBLE_DEVICES': ''} if args.device == 'cpu' else {}))
     bar = tqdm(total=count, desc=desc, dynamic_ncols=True)
-    while todo or running or waiting:
-        while todo and len(running) < args.jobs:
-            run = todo.pop(0)
+    stop = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM unwinds through the finally below
+    try:
+        while todo or running or waiting:
+            while todo and len(running) < args.jobs:
+                run = todo.pop(0)
+                folder = run.folder(args.out)
+                lock = lock_run(folder)
+                if lock is None:  # another command is training it
+                    waiting.append(run)
+                    continue
+                state = run_state(folder, run.recipe['epochs'])
+                if run.key() in read_records(args.results) or state:  # finished meanwhile, or never recorded
+                    if run.key() not in read_records(args.results):
+                        append_record(args.results, make_record(run, folder, state, threads))
+                    os.close(lock)
+                    bar.update()
+                    continue
+                log = open(os.path.join(folder, 'train.log'), 'a')
+                argv = [sys.executable, os.path.join(HERE, 'train.py'), *run.argv, '--output-dir', folder,
+                        '--threads', str(threads)]
+                log.write('$ ' + ' '.join(argv) + '\n')
+                log.flush()
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env,
+                                        pass_fds=(lock,))
+                running[run.key()] = (proc, run, log, lock, time.time())
+            if not running:
+                if waiting:  # only other commands' runs are left: wait for the first to end, then take it up again
+                    run = waiting.pop(0)
+                    os.close(lock_run(run.folder(args.out), wait=True))
+                    todo.append(run)
+                continue
+            key, cpu_s = wait_any(running)
+            proc, run, log, lock, start = running.pop(key)
+            log.close()
             folder = run.folder(args.out)
-            lock = lock_run(folder)
-            if lock is None:  # another command is training it
-                waiting.append(run)
-                continue
-            state = run_state(folder, run.recipe['epochs'])
-            if run.key() in read_records(args.results) or state:  # finished meanwhile, or never recorded
-                if run.key() not in read_records(args.results):
-                    append_record(args.results, make_record(run, folder, state, threads))
-                os.close(lock)
-                bar.update()
-                continue
-            log = open(os.path.join(folder, 'train.log'), 'a')
-            argv = [sys.executable, os.path.join(HERE, 'train.py'), *run.argv, '--output-dir', folder,
-                    '--threads', str(threads)]
-            log.write('$ ' + ' '.join(argv) + '\n')
-            log.flush()
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env, pass_fds=(lock,))
-            running[run.key()] = (proc, run, log, lock, time.time())
-        if not running:
-            if waiting:  # only other commands' runs are left: wait for the first to end, then take it up again
-                run = waiting.pop(0)
-                os.close(lock_run(run.folder(args.out), wait=True))
-                todo.append(run)
-            continue
-        key, cpu_s = wait_any(running)
-        proc, run, log, lock, start = running.pop(key)
-        log.close()
-        folder = run.folder(args.out)
-        spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
-        write_json(os.path.join(folder, 'cpu.json'), {'cpu_s': spent['cpu_s'] + cpu_s,
-                                                      'wall_s': spent['wall_s'] + time.time() - start})
-        with open(os.path.join(folder, 'train.log')) as f:
-            tail = f.read()[-3000:]
-        if proc.returncode and 'the loss is not finite' in tail:
-            with open(os.path.join(folder, 'diverged'), 'w') as f:
-                f.write(tail[tail.rfind('error:'):])
-        elif proc.returncode or run_state(folder, run.recipe['epochs']) != 'done':
-            for other, *_ in running.values():
-                other.terminate()  # train.py saves on SIGTERM; a rerun resumes them
-            train.fail(f'train.py failed (exit {proc.returncode}) in {folder}; its log ends:\n{tail}')
-        append_record(args.results, make_record(run, folder, run_state(folder, run.recipe['epochs']), threads))
-        os.close(lock)
-        bar.update()
+            spend(folder, cpu_s, time.time() - start)
+            with open(os.path.join(folder, 'train.log')) as f:
+                tail = f.read()[-3000:]
+            if proc.returncode and 'the loss is not finite' in tail:
+                with open(os.path.join(folder, 'diverged'), 'w') as f:
+                    f.write(tail[tail.rfind('error:'):])
+            elif proc.returncode or run_state(folder, run.recipe['epochs']) != 'done':
+                train.fail(f'train.py failed (exit {proc.returncode}) in {folder}; its log ends:\n{tail}')
+            append_record(args.results, make_record(run, folder, run_state(folder, run.recipe['epochs']), threads))
+            os.close(lock)
+            bar.update()
+    finally:  # the runs still going are stopped (train.py saves on SIGTERM; a rerun resumes them), their CPU kept
+        signal.signal(signal.SIGTERM, stop)
+        for proc, *_ in running.values():
+            proc.terminate()
+        for proc, run, log, lock, start in running.values():
+            before = children_cpu_s()
+            proc.wait()
+            spend(run.folder(args.out), children_cpu_s() - before, time.time() - start)
     bar.close()
     if count:  # CPU time hardly depends on what else the machine runs; wall time does
         cpu = children_cpu_s() - cpu_before
@@ -524,6 +533,12 @@ def train_runs(runs, args, desc='training'):
               f'their own')
     records = read_records(args.results)
     return {r.key(): records[r.key()] for r in runs if r.key() in records}
+
+
+def spend(folder, cpu_s, wall_s):
+    """Add one attempt's CPU and wall seconds to FOLDER/cpu.json, the run's total over its attempts."""
+    spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
+    write_json(os.path.join(folder, 'cpu.json'), {'cpu_s': spent['cpu_s'] + cpu_s, 'wall_s': spent['wall_s'] + wall_s})
 
 
 def children_cpu_s():

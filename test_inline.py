@@ -11,6 +11,7 @@ meta device, where shapes and FLOP counts cost no memory.
 import argparse
 import contextlib
 import functools
+import glob
 import gzip
 import hashlib
 import json
@@ -2153,7 +2154,7 @@ class FakeTrain:
         self.launched.append(argv)
         seed, epochs = int(argv[argv.index('--seed') + 1]), int(argv[argv.index('--epochs') + 1])
         fake_run(argv[argv.index('--output-dir') + 1], [50.0] * (epochs - 1) + [self.acc(seed, argv)], epochs)
-        return types.SimpleNamespace(returncode=0, poll=lambda: 0, terminate=lambda: None)
+        return types.SimpleNamespace(returncode=0, poll=lambda: 0, terminate=lambda: None, wait=lambda: 0)
 
 
 def fake_record(run, acc):
@@ -2252,6 +2253,35 @@ def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch)
     assert [float(r[6]) for r in rows] == pytest.approx([0.0352, 0.0459], abs=5e-4)
     assert [(r[7], r[8]) for r in rows] == [('reproduced', 'not resolved')] * 2
     assert [r[4] for r in rows] == [f'{paper.mde([-4.0, -3.0, -2.0]):.1f}', f'{paper.mde([-4.5, -3.25, -2.0]):.1f}']
+
+
+def test_paper_sigterm_stops_the_runs_and_keeps_their_cpu_time(tmp_path):
+    """paper.py stopped by SIGTERM stops the train.py it runs (here a stand-in that sleeps) and adds their CPU and
+    wall time to the run's cpu.json before it exits, so a resumed run's record counts every attempt."""
+    out = str(tmp_path)
+    code = ('import argparse, subprocess, sys, paper\n'
+            'real = subprocess.Popen\n'
+            'subprocess.Popen = lambda argv, **kw: real([sys.executable, "-c", "import time\\nwhile True: sum(range(9999))"],'
+            ' pass_fds=kw["pass_fds"])\n'
+            f'run = paper.Run("x", "config", {{"epochs": 1}}, 0, ["--seed", "0"])\n'
+            f'open({out!r} + "/started", "w").close()\n'
+            f'paper.train_runs([run], argparse.Namespace(jobs=1, results={out!r} + "/runs.jsonl", no_train=False, '
+            f'device="cpu", out={out!r}))\n')
+    proc = subprocess.Popen([sys.executable, '-c', code], cwd=os.path.dirname(paper.__file__))
+    deadline = time.time() + 60
+    while not glob_one(os.path.join(out, 'runs', 'x-seed0-*', 'train.log')) and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # the stand-in spends some CPU
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    spent = json.load(open(os.path.join(glob_one(os.path.join(out, 'runs', 'x-seed0-*')), 'cpu.json')))
+    assert spent['cpu_s'] > 0.2 and spent['wall_s'] > 0.5
+    assert not os.path.exists(os.path.join(out, 'runs.jsonl'))  # not finished: no record
+
+
+def glob_one(pattern):
+    found = glob.glob(pattern)
+    return found[0] if found else None
 
 
 def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, capsys):
