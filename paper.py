@@ -1791,8 +1791,9 @@ def table_rows(chosen, planned, result, ridge, every):
             rows.append([', '.join(tables), label, paper_text, '', '', '', '', 'untestable', '—', None])
             continue
         if k < 2:
-            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if k else '(no runs)',
-                         '∞', '', '', 'not resolved' if paper_diff is not None else '—', '', None])
+            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if k else '',
+                         '∞' if k else '', '', '', 'not run' if not k else 'not resolved' if paper_diff is not None
+                         else '—', '', None])
             continue
         mean, half = interval(diffs)
         p = p_values(diffs, paper_diff) if paper_diff is not None else None
