@@ -1213,16 +1213,12 @@ def comparisons(chosen):
                 pairs.append((t, name, 'r_residual_none'))  # both with the APE: Eq. 6 alone
             elif name != base:
                 pairs.append((t, name, base))
-    every = experiments()
-    found = {}
+    found, keys = {}, {name: config_key(e) for name, e in chosen.items()}
     for t, name, ref in pairs:
         if name in chosen and ref in chosen:
-            pair = frozenset((config_key(every[name]), config_key(every[ref])))
-            if pair in found:
-                found[pair] = (found[pair][0] + (t,) if t not in found[pair][0] else found[pair][0], *found[pair][1:])
-            else:
-                found[pair] = ((t,), name, ref)
-    return list(found.values())
+            tables = found.setdefault(frozenset((keys[name], keys[ref])), ([], name, ref))[0]
+            tables += [t] * (t not in tables)
+    return [(tuple(tables), name, ref) for tables, name, ref in found.values()]
 
 
 # The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's corners of
