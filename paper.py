@@ -1706,7 +1706,7 @@ def cmd_ablations(args):
     ridge = floor['epochs'][-1]['val_acc1'] if floor else None
     guess = chance(args)
     result = {n: summarise([done[r.key()] for r in planned[n] if r.key() in done], guess) for n in chosen}
-    configs, rows, entries, m = table_rows(chosen, planned, result, ridge, every)
+    configs, rows, points, m = table_rows(chosen, planned, result, ridge, every)
     print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} training '
           f'images, validation on its test set, {PRECISION[args.device]} on {args.device}): one row per distinct '
           f'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) seeds, '
@@ -1730,9 +1730,9 @@ def cmd_ablations(args):
     print_table(header, rows)
     out = args.png or os.path.join(args.out, 'ablations.png')
     panels = {}
-    for r, entry in zip(rows, entries):
-        if entry is not None:
-            panels.setdefault(r[0].split(',')[0], []).append(entry)
+    for r, point in zip(rows, points):  # one panel per table, the first a comparison names
+        if point is not None:
+            panels.setdefault(r[0].split(',')[0], []).append(point)
     charts(out, [dict(  # each comparison: our mean difference and interval beside the paper's difference
         series=[(f'here ({args.dataset}), mean difference, 95% CI', xs, [d for _, d, _, _ in entries],
                  [h or 0 for _, _, h, _ in entries]),
