@@ -2284,6 +2284,25 @@ def glob_one(pattern):
     return found[0] if found else None
 
 
+def test_paper_pilot_table_takes_the_budgets_from_the_records(tmp_path):
+    """--pilot's table: every budget recorded for seed 0 of R-res's pair, cheapest first, beside the linear
+    read-out's record of the same images; a budget clears when both models are FLOOR_MARGIN over it."""
+    results = str(tmp_path / 'runs.jsonl')
+    every = paper.experiments()
+    for images, epochs, accs in ((60, 2, (84.0, 82.5)), (30, 2, (70.0, 75.0))):
+        ns = argparse.Namespace(epochs=epochs, train_images=images, dataset='fashion_mnist', data_path='x',
+                                device='cpu')
+        for name, acc in zip(paper.PILOT, accs):
+            paper.append_record(results, fake_record(paper.make_run(name, every[name], 0, ns), acc))
+        paper.append_record(results, dict(name='ridge', config='linear read-out of the pixels (ridge)', seed=0,
+                                          recipe=dict(dataset='fashion_mnist', train_images=images), state='done',
+                                          epochs=[{'epoch': 1, 'val_acc1': 80.0 if images == 60 else 66.0}]))
+    args = argparse.Namespace(results=results, device='cpu', dataset='fashion_mnist', data_path=str(tmp_path / 'no'))
+    rows = paper.pilot_table(args, every)
+    assert [r[0] for r in rows] == ['30', '60'] and [r[-1] for r in rows] == ['yes', 'no']  # 82.5 < 80.0 + 3
+    assert rows[1][4:6] == ['84.0', '82.5'] and rows[1][-2] == '80.0'
+
+
 def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, capsys):
     """The record store: one JSON line per run, appended; the first record of a run counts (a second is ignored);
     a run of another recipe or seed is another record; a line that is not a record stops with its number."""
