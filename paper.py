@@ -710,14 +710,15 @@ def initial_model(model, ckpt):
 def measure_locality(path, args, key):
     """F4's measurement of one checkpoint, trained and as its run started, as a record (lists, not tensors):
     kept in results/locality.jsonl beside the run records when the checkpoint is one of theirs (key)."""
-    if not os.path.exists(path):
+    if key and not os.path.exists(path):
         train.fail(f'{path} is not here and results/locality.jsonl has no measurement of it at {args.images} '
                    f'images; rerun without --no-train (it trains the run), or with the --out that holds it')
     model, ckpt = load_trained(path)
     images, _, _, what = eval_images(ckpt, model, args, args.images)
     lists = lambda shares: [{k: v.tolist() for k, v in layer.items()} for layer in shares]  # noqa: E731
-    return dict(run=key, images=args.images, what=what, grid=list(model.grid),
-                top1=(ckpt.get('log') or [{}])[-1].get('val_acc1'), trained=lists(layer_shares(model, images)),
+    trained = lists(layer_shares(model, images))  # first: it says plainly when the model is not a DeiT
+    return dict(run=key, images=args.images, what=what, grid=list(model.grid), trained=trained,
+                top1=(ckpt.get('log') or [{}])[-1].get('val_acc1'),
                 untrained=lists(layer_shares(initial_model(model, ckpt), images)))
 
 
