@@ -34,6 +34,7 @@ KERNELS = {  # name -> phi; a new one is one line here (and in NON_NEGATIVE_KERN
     'exp': lambda x: torch.exp(0.2 * x),  # the 0.2 keeps exp from overflowing on raw projections
     'one_plus_elu': lambda x: 1 + F.elu(x),  # > 0: elu + 1, the map of Katharopoulos et al. (2020)'s linear attention
     'relu_affine': None,  # learnable: ReLUAffine below, one per attention layer
+    'zero': torch.zeros_like,  # phi = 0: Eq. 5 gives every weight 1/N, attention that cannot select (paper.py's floor)
 }
 # what vanilla linear attention needs: it divides by q.k
 NON_NEGATIVE_KERNELS = ('relu', 'exp', 'one_plus_elu', 'relu_affine')

@@ -13,19 +13,26 @@ it has finished under OUT (default runs/paper/), so a rerun resumes where the la
     python paper.py speed [--quick]        # F5b, F5c: images/s against window and resolution
     python paper.py speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python paper.py speed --dense          # backbones at detection sizes: forward time and peak memory
+    python paper.py ablations --pilot      # the budget's pilot: seed 0 of R-res's pair, beside the linear read-out
+    python paper.py ablations --claims     # the claim rows at 5 seeds and their floor: the first batch
     python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
+    python paper.py ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
+    python paper.py ablations --device cuda  # the same set where the miniatures converge (all 60,000 images)
     python paper.py recall                 # InLine on sequences: associative recall (MQAR) against state size
 
 The trained ones (locality, maps, ablations) train on Fashion-MNIST unless told (--dataset, --data-path: any
 ImageFolder too): locality and maps their four small DeiTs, ablations every experiment of models.EXPERIMENTS,
-each on first use and cached, a model that several need trained once. Nothing here trains images by itself: every
-image run is a `python train.py ...` subprocess, the project's one training loop; recall's small sequence models
-train in this process (its section says why). The verdicts' rules are fixed below
-(verdict) and in the tests.
+each on first use, a model that several need trained once. Nothing here trains images by itself: every image
+run is a `python train.py ...` subprocess, the project's one training loop, and each finished run appends its
+record to results/runs.jsonl, from which the tables are rebuilt; recall's small sequence models train in this
+process (its section says why) and keep theirs in results/recall.jsonl. The verdicts' rules are fixed below (verdict, holm) and in
+the tests.
 """
 import argparse
-import ctypes
 import contextlib
+import ctypes
+import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -33,10 +40,12 @@ import math
 import os
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -334,11 +343,84 @@ def cmd_injectivity(args):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Training runs: every model here is trained by `python train.py`, and a finished run is never redone
+# Training runs: every model here is trained by `python train.py`; each finished run appends its record (the
+# model, recipe, seed, per-epoch metrics, command line, CPU time, machine) to results/runs.jsonl, kept in the
+# repository, and every table and picture is rebuilt from the records: a run with a record is never redone
 
-def run_dir(out, label, argv):
-    """OUT/runs/<label>-<hash of the train.py arguments>: a changed configuration is a new run, never a stale one."""
-    return os.path.join(out, 'runs', f'{label}-{hashlib.sha1(json.dumps(argv).encode()).hexdigest()[:8]}')
+RECORDS = os.path.join(HERE, 'results', 'runs.jsonl')
+KEPT = ('epoch', 'train_loss', 'lr', 'val_loss', 'val_acc1', 'val_acc5')  # the per-epoch metrics a record keeps
+
+
+class Run(NamedTuple):
+    """One training run: the experiment it trains under, its model (config_key), its recipe (data, budget,
+    precision, device and train.py's own recipe: records of two recipes never mix), its seed, train.py's flags."""
+    name: str
+    config: str
+    recipe: dict
+    seed: int
+    argv: list
+
+    def key(self):
+        return record_key(self._asdict())
+
+    def folder(self, out):
+        """OUT/runs/<name>-seed<seed>-<digest of the key>: the run's checkpoints, log and CPU time while it trains."""
+        return os.path.join(out, 'runs', f'{self.name}-seed{self.seed}-'
+                                         f'{hashlib.sha1(self.key().encode()).hexdigest()[:8]}')
+
+
+def record_key(r):
+    return json.dumps([r['config'], r['recipe'], r['seed']], sort_keys=True)
+
+
+def read_records(path, key=record_key):
+    """{key(record): record} of every line of a records file ({} before the first); the first record of a key
+    counts. A line that is not a record stops with its number, never skipped."""
+    found = {}
+    if not os.path.exists(path):
+        return found
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+                found.setdefault(key(record), record)
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                train.fail(f'{path}, line {i}, is not a record ({e}); fix or delete that line')
+    return found
+
+
+def append_record(path, record):
+    """One line at the end of the records file, written under an exclusive lock on it and flushed to disk, so
+    commands finishing runs at the same moment never interleave their lines."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, 'a') as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(record) + '\n')
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def lock_run(folder, wait=False):
+    """An open descriptor holding an exclusive flock on FOLDER/lock, or None when another process holds it (and
+    not wait). The train.py process inherits it, so the lock lasts as long as the run, even if paper.py dies."""
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, 'lock'), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+def machine(threads):
+    """What a record says its run ran on: the CPU (and whether it has AVX-512 BF16 and AMX), the GPU if any."""
+    with open('/proc/cpuinfo') as f:
+        info = f.read()
+    name = re.search(r'model name\s*:\s*(.*)', info)
+    return dict(cpu=name.group(1).strip() if name else 'unknown', cores=os.cpu_count(), threads=threads,
+                avx512_bf16='avx512_bf16' in info, amx='amx_tile' in info, torch=torch.__version__,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 
 
 def run_state(path, epochs):
@@ -347,50 +429,124 @@ def run_state(path, epochs):
     if os.path.exists(os.path.join(path, 'diverged')):
         return 'diverged'
     try:
-        with open(os.path.join(path, 'metrics.jsonl')) as f:
-            return 'done' if [json.loads(line) for line in f][-1]['epoch'] == epochs else None
+        return 'done' if metrics(path)[-1]['epoch'] == epochs else None
     except (FileNotFoundError, IndexError):
         return None
 
 
-def train_runs(runs, jobs=1, desc='training'):
-    """Train each run, {path: (argv, epochs)}, as `python train.py ARGV --output-dir PATH`, `jobs` at a time
-    (each with cores/jobs threads), skipping the finished ones; returns {path: 'done' | 'diverged'}."""
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    todo = [p for p, (_, epochs) in runs.items() if run_state(p, epochs) is None]
+def metrics(path):
+    with open(os.path.join(path, 'metrics.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def make_record(run, folder, state, threads):
+    """The record of a run finished in its folder: its CPU and wall time summed over every attempt (cpu.json)."""
+    spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
+    log = metrics(folder) if os.path.exists(os.path.join(folder, 'metrics.jsonl')) else []
+    return dict(run._asdict(), argv=['train.py', *run.argv], state=state,
+                epochs=[{k: e[k] for k in KEPT if k in e} for e in log], cpu_min=round(spent['cpu_s'] / 60, 3),
+                wall_min=round(spent['wall_s'] / 60, 3), machine=machine(threads),
+                finished=time.strftime('%Y-%m-%d %H:%M:%S'))
+
+
+def read_json(path, default):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return default
+
+
+def write_json(path, value):
+    with open(path + '.tmp', 'w') as f:
+        json.dump(value, f)
+    os.replace(path + '.tmp', path)
+
+
+def train_runs(runs, args, desc='training'):
+    """Train each run (Run) without a record in args.results, args.jobs at a time (cores/jobs threads each), as
+    `python train.py ARGV --output-dir FOLDER`, holding a lock on FOLDER: a run another command is training is
+    left to it and waited for at the end. Each finished run appends its record; an interrupted one resumes when
+    rerun. Stopped (SIGTERM, Ctrl-C, a failed run), it stops the running train.py (they save) and keeps their
+    CPU time. With args.no_train nothing is trained. Returns {run key: record} of the runs that have one."""
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    todo = [r for r in runs if r.key() not in read_records(args.results)]
     if len(todo) < len(runs):
-        print(f'{len(runs) - len(todo)} of {len(runs)} runs already finished (cached under their folders)')
-    count, cpu_before = len(todo), children_cpu_s()
-    running, bar = {}, tqdm(total=count, desc=desc, dynamic_ncols=True)
-    while todo or running:
-        while todo and len(running) < jobs:
-            path = todo.pop(0)
-            os.makedirs(path, exist_ok=True)
-            log = open(os.path.join(path, 'train.log'), 'a')
-            argv = [sys.executable, os.path.join(HERE, 'train.py'), *runs[path][0], '--output-dir', path,
-                    '--threads', str(threads)]
-            log.write('$ ' + ' '.join(argv) + '\n')
-            log.flush()
-            running[path] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=HERE), log)
-        path, (proc, log) = wait_any(running)
-        log.close()
-        del running[path]
-        with open(os.path.join(path, 'train.log')) as f:
-            tail = f.read()[-3000:]
-        if proc.returncode and 'the loss is not finite' in tail:
-            with open(os.path.join(path, 'diverged'), 'w') as f:
-                f.write(tail[tail.rfind('error:'):])
-        elif proc.returncode or run_state(path, runs[path][1]) != 'done':
-            for other, _ in running.values():
-                other.terminate()  # train.py saves on SIGTERM; a rerun resumes them
-            train.fail(f'train.py failed (exit {proc.returncode}) in {path}; its log ends:\n{tail}')
-        bar.update()
+        print(f'{len(runs) - len(todo)} of {len(runs)} runs have their record in {args.results}')
+    if todo and args.no_train:
+        print(f'--no-train: {len(todo)} runs without a record are left out')
+        todo = []
+    count, cpu_before, running, waiting = len(todo), children_cpu_s(), {}, []
+    env = dict(os.environ, **({'CUDA_VISIBLE_DEVICES': ''} if args.device == 'cpu' else {}))
+    bar = tqdm(total=count, desc=desc, dynamic_ncols=True)
+    stop = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM unwinds through the finally below
+    try:
+        while todo or running or waiting:
+            while todo and len(running) < args.jobs:
+                run = todo.pop(0)
+                folder = run.folder(args.out)
+                lock = lock_run(folder)
+                if lock is None:  # another command is training it
+                    waiting.append(run)
+                    continue
+                state = run_state(folder, run.recipe['epochs'])
+                if run.key() in read_records(args.results) or state:  # finished meanwhile, or never recorded
+                    if run.key() not in read_records(args.results):
+                        append_record(args.results, make_record(run, folder, state, threads))
+                    os.close(lock)
+                    bar.update()
+                    continue
+                log = open(os.path.join(folder, 'train.log'), 'a')
+                argv = [sys.executable, os.path.join(HERE, 'train.py'), *run.argv, '--output-dir', folder,
+                        '--threads', str(threads)]
+                log.write('$ ' + ' '.join(argv) + '\n')
+                log.flush()
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env,
+                                        pass_fds=(lock,))
+                running[run.key()] = (proc, run, log, lock, time.time())
+            if not running:
+                if waiting:  # only other commands' runs are left: wait for the first to end, then take it up again
+                    run = waiting.pop(0)
+                    os.close(lock_run(run.folder(args.out), wait=True))
+                    todo.append(run)
+                continue
+            key, cpu_s = wait_any(running)
+            proc, run, log, lock, start = running.pop(key)
+            log.close()
+            folder = run.folder(args.out)
+            spend(folder, cpu_s, time.time() - start)
+            with open(os.path.join(folder, 'train.log')) as f:
+                tail = f.read()[-3000:]
+            if proc.returncode and 'the loss is not finite' in tail:
+                with open(os.path.join(folder, 'diverged'), 'w') as f:
+                    f.write(tail[tail.rfind('error:'):])
+            elif proc.returncode or run_state(folder, run.recipe['epochs']) != 'done':
+                train.fail(f'train.py failed (exit {proc.returncode}) in {folder}; its log ends:\n{tail}')
+            append_record(args.results, make_record(run, folder, run_state(folder, run.recipe['epochs']), threads))
+            os.close(lock)
+            bar.update()
+    finally:  # the runs still going are stopped (train.py saves on SIGTERM; a rerun resumes them), their CPU kept
+        signal.signal(signal.SIGTERM, stop)
+        for proc, *_ in running.values():
+            proc.terminate()
+        for proc, run, log, lock, start in running.values():
+            before = children_cpu_s()
+            proc.wait()
+            spend(run.folder(args.out), children_cpu_s() - before, time.time() - start)
     bar.close()
     if count:  # CPU time hardly depends on what else the machine runs; wall time does
         cpu = children_cpu_s() - cpu_before
         print(f'{count} train.py runs took {cpu / 60:.1f} CPU-minutes ({cpu / 60 / count:.1f} per run): '
-              f'about {cpu / 60 / (threads * jobs):.1f} min of wall time on {threads * jobs} cores of their own')
-    return {p: run_state(p, epochs) for p, (_, epochs) in runs.items()}
+              f'about {cpu / 60 / (threads * args.jobs):.1f} min of wall time on {threads * args.jobs} cores of '
+              f'their own')
+    records = read_records(args.results)
+    return {r.key(): records[r.key()] for r in runs if r.key() in records}
+
+
+def spend(folder, cpu_s, wall_s):
+    """Add one attempt's CPU and wall seconds to FOLDER/cpu.json, the run's total over its attempts."""
+    spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
+    write_json(os.path.join(folder, 'cpu.json'), {'cpu_s': spent['cpu_s'] + cpu_s, 'wall_s': spent['wall_s'] + wall_s})
 
 
 def children_cpu_s():
@@ -400,17 +556,14 @@ def children_cpu_s():
 
 
 def wait_any(running):
-    """The first of the running {path: (process, log)} to finish."""
+    """(the first of the running {key: (process, ...)} to finish, its CPU seconds): the children's CPU time grows
+    by exactly the process that poll() reaps."""
     while True:
-        for path, (proc, log) in running.items():
+        for key, (proc, *_) in running.items():
+            before = children_cpu_s()
             if proc.poll() is not None:
-                return path, (proc, log)
+                return key, children_cpu_s() - before
         time.sleep(0.5)
-
-
-def metrics(path):
-    with open(os.path.join(path, 'metrics.jsonl')) as f:
-        return [json.loads(line) for line in f]
 
 
 def load_trained(path):
@@ -442,23 +595,24 @@ def deit_runs(args, seeds):
     """{label: [checkpoint of each seed]}: the four models F4 and F3 look at by default, the ablations' miniature
     DeiT (64 px images, 8 px patches: an 8x8 token grid, on which a 3x3 neighbourhood is 9 of 64 tokens; 6 blocks of
     width 64) trained with the ablations' budget and data; the runs the ablations share are not trained twice."""
+    resolve_budget(args)
     every = {**experiments(), **F4_EXTRA}
-    runs, folders = plan_runs({n: every[n] for n in F4_MODELS.values()}, every, lambda name: seeds, args)
-    states = train_runs(runs, args.jobs, desc='training the four DeiT models')
-    return {label: [os.path.join(p, train.CHECKPOINT) for p in folders[n] if states[p] == 'done']
+    runs, planned = plan_runs({n: every[n] for n in F4_MODELS.values()}, every, lambda name: seeds, args)
+    train_runs(runs, args, desc='training the four DeiT models')
+    return {label: [(r.key(), os.path.join(r.folder(args.out), train.CHECKPOINT)) for r in planned[n]]
             for label, n in F4_MODELS.items()}
 
 
 def checkpoints(args, seeds=1):
-    """{name: [checkpoints]}: --checkpoints NAME=PATH ... (a name given again is another seed of it), or the four
-    small DeiTs (trained on first use)."""
+    """{name: [(run key or None, checkpoint)]}: --checkpoints NAME=PATH ... (a name given again is another seed
+    of it), or the four small DeiTs (trained on first use), each with the key of its run record."""
     if not args.checkpoints:
-        resolve_data(args)
+        resolve_data(args, need=not args.no_train)
         return deit_runs(args, seeds)
     found = {}
     for c in args.checkpoints:
         name, path = c.split('=', 1) if '=' in c else (os.path.basename(os.path.dirname(c)) or c, c)
-        found.setdefault(name, []).append(path)
+        found.setdefault(name, []).append((None, path))
     return found
 
 
@@ -555,39 +709,76 @@ def layer_shares(model, images, batch=128):
 SHARES = {'near': 'other 8 of the 3x3', 'own': 'own token', 'class': 'class token', 'eq6': "Eq. 6's share"}
 
 
+def initial_model(model, ckpt):
+    """The model a trained one's run started from: built as train.py builds it, after torch.manual_seed(its seed)."""
+    torch.manual_seed(ckpt['args'].get('seed') or 0)
+    return models.create_model(ckpt['args']['model'], **{**ckpt['arch'], 'img_size': model.img_size,
+                                                         'num_classes': model.num_classes}).eval()
+
+
+def measure_locality(path, args, key):
+    """F4's measurement of one checkpoint, trained and as its run started, as a record (lists, not tensors):
+    kept in results/locality.jsonl beside the run records when the checkpoint is one of theirs (key)."""
+    if key and not os.path.exists(path):
+        train.fail(f'{path} is not here and results/locality.jsonl has no measurement of it at {args.images} '
+                   f'images; rerun without --no-train (it trains the run), or with the --out that holds it')
+    model, ckpt = load_trained(path)
+    images, _, _, what = eval_images(ckpt, model, args, args.images)
+    lists = lambda shares: [{k: v.tolist() for k, v in layer.items()} for layer in shares]  # noqa: E731
+    trained = lists(layer_shares(model, images))  # first: it says plainly when the model is not a DeiT
+    return dict(run=key, images=args.images, what=what, grid=list(model.grid), trained=trained,
+                top1=(ckpt.get('log') or [{}])[-1].get('val_acc1'),
+                untrained=lists(layer_shares(initial_model(model, ckpt), images)))
+
+
 def cmd_locality(args):
     results, top1, grid, what = {}, {}, None, ''
-    for name, paths in tqdm(checkpoints(args, args.seeds).items(), desc='locality', dynamic_ncols=True):
-        for path in paths:
-            model, ckpt = load_trained(path)
-            images, _, _, what = eval_images(ckpt, model, args, args.images)
-            results.setdefault(name, []).append(layer_shares(model, images))
-            top1.setdefault(name, []).append((ckpt.get('log') or [{}])[-1].get('val_acc1'))
-            if grid not in (None, model.grid):
-                train.fail(f'the checkpoints have different token grids ({grid} and {model.grid})')
-            grid = model.grid
+    measures = os.path.join(os.path.dirname(os.path.abspath(args.results)), 'locality.jsonl')
+    stored = read_records(measures, key=lambda m: (m['run'], m['images']))
+    for name, items in tqdm(checkpoints(args, args.seeds).items(), desc='locality', dynamic_ncols=True):
+        for key, path in items:
+            m = stored.get((key, args.images)) if key else None
+            if m is None:
+                m = measure_locality(path, args, key)
+                if key:
+                    append_record(measures, m)
+            for label, shares, acc in ((name, m['trained'], m['top1']), (f'{name}, untrained', m['untrained'], None)):
+                results.setdefault(label, []).append([{k: torch.tensor(v) for k, v in layer.items()}
+                                                      for layer in shares])
+                top1.setdefault(label, []).append(acc)
+            if grid not in (None, tuple(m['grid'])):
+                train.fail(f'the checkpoints have different token grids ({grid} and {tuple(m["grid"])})')
+            grid, what = tuple(m['grid']), m['what']
     hw = grid[0] * grid[1]
     uniform = {'own': 1 / hw, 'near': (neighbourhood(grid).sum().item() - hw) / hw / hw}  # 1/hw each
     stat = lambda v: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0)  # noqa: E731
     print(f'F4: per layer, means over {what}, the {grid[0]}x{grid[1]} grid queries and the heads (per head in '
           f'brackets), ± the standard deviation over seeds. Own token and the other 8 of the 3x3: among the grid '
           f'weights renormalised without the class token; uniform weights give {uniform["own"]:.4f} and '
-          f'{uniform["near"]:.4f}. Eq. 6\'s share: |Eq. 6| / (|Eq. 5| + |Eq. 6|) of each output.\n')
+          f'{uniform["near"]:.4f}. Eq. 6\'s share: |Eq. 6| / (|Eq. 5| + |Eq. 6|) of each output. "untrained": the '
+          f'same model at the weights its run started from; the last column, the 3x3 share trained minus untrained, '
+          f'seed by seed, with its 95% Student-t interval: what training did to locality at this budget.\n')
     rows, curves = [], {k: [] for k in SHARES}
     for name, per_seed in results.items():
         accs = [a for a in top1[name] if a is not None]
+        start = results.get(f'{name}, untrained')
         for layer in range(len(per_seed[0])):
             cells = []
             for key in SHARES:
                 heads = torch.stack([seed[layer][key] for seed in per_seed])  # (seeds, H)
                 m, s = stat(heads.mean(1).tolist())
                 cells.append(f'{m:.3f} ± {s:.3f} (' + ' / '.join(f'{h:.2f}' for h in heads.mean(0).tolist()) + ')')
+            moved = ''
+            if start and len(per_seed) > 1:  # seed by seed: the trained model against the one it started from
+                mean, half = interval([(a[layer]['near'] - b[layer]['near']).mean().item()
+                                       for a, b in zip(per_seed, start)])
+                moved = f'{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]'
             rows.append([name, layer + 1, (f'{statistics.mean(accs):.1f} ({len(accs)} seeds)' if accs else '—')
-                         if layer == 0 else '', *cells])
+                         if layer == 0 else '', *cells, moved])
         for key in SHARES:
             series = [stat([seed[layer][key].mean().item() for seed in per_seed]) for layer in range(len(per_seed[0]))]
             curves[key].append((name, list(range(1, len(series) + 1)), [m for m, _ in series], [s for _, s in series]))
-    print_table(['model', 'layer', 'top-1', *SHARES.values()], rows)
+    print_table(['model', 'layer', 'top-1', *SHARES.values(), '3x3: trained − untrained [95% CI]'], rows)
     layers = max(len(s[1]) for s in curves['near'])
     charts(args.png or os.path.join(args.out, 'locality.png'), [dict(
         series=curves[key], title=f'F4: {label}, by layer', xlabel='layer', ylabel='share',
@@ -609,7 +800,7 @@ def read_image(path, size):
 
 
 def cmd_maps(args):
-    loaded = {name: load_trained(paths[0]) for name, paths in checkpoints(args).items()}  # the first seed
+    loaded = {name: load_trained(items[0][1]) for name, items in checkpoints(args).items()}  # the first seed
     sizes = {m.img_size for m, _ in loaded.values()}
     grids = {m.grid for m, _ in loaded.values()}
     if len(sizes) > 1 or len(grids) > 1:
@@ -930,39 +1121,55 @@ def cmd_speed_dense(args):
 # ---------------------------------------------------------------------------------------------------
 # The ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py
 
-# The miniature, the same for every experiment of a family: 64 px images (Fashion-MNIST's 28 px resized), so Swin's
-# stage 1 is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at 224 px, and DeiT's 8 px patches give an 8x8 grid.
-# Everything measured in stage-1 tokens shrinks by 16/56: the InLine windows 7, 14, 28, 56 of T4 become 2, 4, 8, 16
-# (1/8, 1/4, 1/2 and all of the stage, as in the paper); Swin's softmax window becomes 4. Widths shrink by the
-# family's factor with the head dim kept, so head counts shrink with them (the softmax originals' own counts too);
-# depths as listed, the same for a softmax original as for its InLine version. The README says why.
-MINI_IMG, MINI_STAGE1 = 64, 16  # image side; Swin's stage-1 side at that size (56 at 224 px)
-MINI = {  # family: (width factor, create_model sizes)
-    'swin': (1 / 3, dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), softmax_window=4)),
-    'deit': (1 / 3, dict(patch_size=8, embed_dim=64, depth=6, num_heads=2)),
-    'pvt': (1, dict(depths=(1, 1, 1, 1), sr_ratios=(4, 2, 1, 1))),
+# The miniature, the same for every experiment of a family, at an image size per family: 64 px (Fashion-MNIST's
+# 28 px resized), so Swin's stage 1 is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at 224 px, and DeiT's 8 px
+# patches give an 8x8 grid. Everything measured in stage-1 tokens shrinks by 16/56: the InLine windows 7, 14, 28,
+# 56 of T4 become 2, 4, 8, 16 (1/8, 1/4, 1/2 and all of the stage, as in the paper); Swin's softmax window becomes
+# 4. Widths shrink by the family's factor with the head dim kept, so head counts shrink with them (the softmax
+# originals' own counts too); depths as listed, the same for a softmax original as for its InLine version.
+MINI = {  # family: (image side, width factor, create_model sizes)
+    'swin': (64, 1 / 3, dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), softmax_window=4)),
+    'deit': (64, 1 / 3, dict(patch_size=8, embed_dim=64, depth=6, num_heads=2)),
+    'pvt': (64, 1, dict(depths=(1, 1, 1, 1), sr_ratios=(4, 2, 1, 1))),
     # CSwin keeps its width: its two-branch softmax blocks split the heads in halves, and stage 1 has 2
-    'cswin': (1, dict(depths=(1, 2, 2, 1), stripes=(1, 2, 2, 2))),
+    'cswin': (64, 1, dict(depths=(1, 2, 2, 1), stripes=(1, 2, 2, 2))),
 }
-# The budget of every run, measured before it was chosen (README, "Ablations"): a fixed subset of the training
-# images (the small-data regime, where a locality bias matters most), trained until the learning curve is flat
-EPOCHS, TRAIN_IMAGES, VAL_EVERY = 12, 4000, 4
-# CPU-minutes of one run at that budget per family on this project's 2-core machine (AVX-512 BF16), two runs at a
-# time, to print the run's length before it starts; scaled by epochs x images for another budget. Swin and DeiT
-# measured by whole runs, PVT and CSwin by their training steps' cost relative to Swin's
-RUN_CPU_MIN = {'swin': 2.75, 'deit': 2.1, 'pvt': 5.0, 'cswin': 5.6}
-# Seeds per table (README, "Verdicts"): 3, the fewest that give a 95% interval, for every table, so that the whole
-# run fits one working session of this machine; each row prints how many would resolve 1 point
-SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3}
-QUICK = ('s_deit_t', 'inline_deit_t', 'r_residual_none', 'r_residual_local')  # S on DeiT; Eq. 6 with the APE
-QUICK_SEEDS = 3  # 2 DeiT and 2 Swin configurations x 3 seeds: the least that gives a 95% interval at all (t = 4.30)
+# The budget of every run (RESULTS.md, "Ablations"), chosen by the pilot of r_residual_local and r_residual_none: the
+# cheapest that lifts both FLOOR_MARGIN over the linear read-out. The first train_images of a fixed random order
+# of the training set, the same for every run and seed; warm-up 1/12 of the epochs (the small recipe's 1 of 12).
+# On CUDA, the scale at which the miniatures converge: every training image, epochs until the curve is flat.
+BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=60_000, epochs=40)}
+# bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training step of
+# the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved rounds)
+PRECISION = {'cpu': 'bf16', 'cuda': 'bf16'}
+FLOOR_MARGIN = 3.0  # top-1 points over the linear read-out that a configuration must clear for its comparisons
+# CPU-minutes of one run per family at BUDGET['cpu'] on this project's machine, two at a time, to print a length
+# before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x images.
+# Swin from the pilot's two runs; the others by their step costs relative to Swin's, measured before
+RUN_CPU_MIN = {'swin': 9.5, 'deit': 7.2, 'pvt': 17.0, 'cswin': 19.0}
+SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3, 'floor': 3}
+# The claim rows (RESULTS.md, "Verdicts"), with the seeds that give a 1-point effect 80% power at the spreads measured
+# (in the order a batch trains them: T3's pair, R-res's (T4's at 56²), S's, then T4's windows)
+CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual', 'r_residual_none',
+              'r_residual_local', 's_swin_t', 'inline_swin_t', 't4_window14_no_residual', 't4_window28_no_residual')
+CLAIM_SEEDS = 5
+FIRST_SEEDS = 3  # a batch gives every configuration 3 seeds, in the chosen order, before it gives any a fourth
+QUICK = ('r_residual_none', 'r_residual_local')  # R-res, the paper's pair: runs the claim batch shares
+QUICK_SEEDS = 3
 # The data paper.py trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs here
 FASHION_MNIST_DEB = '/usr/share/datasets/fashion-mnist'
+RIDGE_LAMBDAS = (0.1, 1.0, 10.0, 100.0, 1000.0)
+
+
+def family(e):
+    return e.model.split('_')[1]
 
 
 def experiments():
     """{name: Experiment}: every entry of models.EXPERIMENTS that the miniature covers (the smallest size of each
-    family: S rows of bigger variants repeat the same miniature), and the released InLine variants for S."""
+    family: S rows of bigger variants repeat the same miniature), the released InLine variants for S, and each
+    family's attention-free floor: InLine with phi = 0, so every weight is 1/N and no token selects another, no
+    Eq. 6, no APE, every stage (Swin's softmax stage 4 too); the patch embeddings, merges and MLPs are the same."""
     chosen = {n: e for n, e in models.EXPERIMENTS.items() if e.table != 'S' or e.model.endswith('_t')}
     none, local = chosen['r_residual_none'], chosen['r_residual_local']
     chosen['r_residual_none_matched'] = models.Experiment(
@@ -970,7 +1177,10 @@ def experiments():
         True, "no residual (APE), every MLP widened to Eq. 6's parameter count")
     inline_t = {n: models.Experiment(n, {}, 'S', str(models.RELEASED[n][2]), False, f'{n} as released')
                 for n in ('inline_swin_t', 'inline_deit_t', 'inline_pvt_t', 'inline_cswin_t')}
-    return {**chosen, **inline_t}
+    floors = {f'floor_{f}': models.Experiment(f'inline_{f}_t', dict(
+        layout='I' if f == 'deit' else 'IIII', kernel='zero', residual='none', **({'ape': False} if f == 'swin' else {})),
+        'floor', None, True, f'{f} miniature, attention-free: every weight 1/N, no Eq. 6') for f in MINI}
+    return {**chosen, **inline_t, **floors}
 
 
 def matched_mlp_ratio(e, count):
@@ -984,24 +1194,41 @@ def matched_mlp_ratio(e, count):
     return round(ratio + (count - sum(p.numel() for p in model.parameters())) / per_unit, 3)
 
 
-def reference(name, table):
-    """The row each row is compared with, so the paper's ordering can be checked pair by pair; None for the table's
-    reference row itself. T3: division against subtraction with the same kernel; T4: without against with the
-    local residual at each window, and each window against 56; R-res: against the released InLine-Swin-T, and
-    the two corners of the 2x2 (Eq. 6 x APE) against the row with the same APE; T10, R-dil, R-nonneg: against the
-    released InLine-Swin-T; T1: against softmax; S: each softmax original against its InLine version."""
-    if table == 'T3':
-        return name.replace('linear', 'inline') if '_linear_' in name else name.replace('inline', 'linear')
-    if table == 'T4':
-        return (name.replace('_no_residual', '_residual') if name.endswith('_no_residual') else
-                't4_window56_residual' if name != 't4_window56_residual' else 't4_window56_no_residual')
-    if table == 'S':
-        return name.replace('s_', 'inline_', 1) if name.startswith('s_') else None
-    if name == 'r_residual_local_ape':
-        return 'r_residual_none'  # both with the APE: Eq. 6 alone
-    base = {'T10': 't10_kernel_identity', 'R-res': 'r_residual_local', 'R-dil': 'r_dilation1',
-            'R-nonneg': 'r_residual_local', 'T1': 't1_softmax'}[table]
-    return None if name == base else base
+def comparisons(chosen):
+    """[(tables, row, reference)]: the pairs the verdicts compare, row minus reference seed by seed, in the
+    order of the tables; a pair two tables make (T4's Eq. 6 at 56² is R-res's pair) comes once, naming both. T3:
+    division against subtraction, the same phi; T4: without against with Eq. 6 at each window, and each window
+    against the whole stage, with and without Eq. 6 (the paper's four no-Eq. 6 rows are a tie); R-res: against
+    the released InLine-Swin-T, and the two corners of the 2x2 (Eq. 6 x APE) against the row with the same APE;
+    T10, R-dil, R-nonneg: against InLine-Swin-T; T1: against softmax; S: each softmax original against its
+    InLine version; floor: each family's InLine model against its attention-free floor."""
+    pairs = []
+    for name, e in chosen.items():
+        t = e.table
+        if t == 'T3' and '_linear_' in name:
+            pairs.append((t, name, name.replace('linear', 'inline')))
+        elif t == 'T4' and name != 't4_window56_residual':
+            pairs.append((t, name, name.replace('_no_residual', '_residual') if 'no_residual' in name else
+                          't4_window56_residual'))
+            if 'no_residual' in name and name != 't4_window56_no_residual':
+                pairs.append((t, name, 't4_window56_no_residual'))
+        elif t == 'S' and name.startswith('s_'):
+            pairs.append((t, name, name.replace('s_', 'inline_', 1)))
+        elif t == 'floor':
+            pairs.append((t, e.model, name))
+        elif t in ('T10', 'R-res', 'R-dil', 'R-nonneg', 'T1'):
+            base = {'T10': 't10_kernel_identity', 'R-res': 'r_residual_local', 'R-dil': 'r_dilation1',
+                    'R-nonneg': 'r_residual_local', 'T1': 't1_softmax'}[t]
+            if name == 'r_residual_local_ape':
+                pairs.append((t, name, 'r_residual_none'))  # both with the APE: Eq. 6 alone
+            elif name != base:
+                pairs.append((t, name, base))
+    found, keys = {}, {name: config_key(e) for name, e in chosen.items()}
+    for t, name, ref in pairs:
+        if name in chosen and ref in chosen:
+            tables = found.setdefault(frozenset((keys[name], keys[ref])), ([], name, ref))[0]
+            tables += [t] * (t not in tables)
+    return [(tuple(tables), name, ref) for tables, name, ref in found.values()]
 
 
 # The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's corners of
@@ -1013,9 +1240,9 @@ CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape
 
 def mini_kwargs(e):
     """The create_model overrides that make an experiment's miniature, on top of its own: the family's sizes, head
-    counts the experiment sets scaled by the family's width factor, windows scaled to the 16x16 stage 1 (None,
-    the whole stage, where they cover it). CSwin's softmax original keeps the miniature's depths, not its own."""
-    width, sizes = MINI[e.model.split('_')[1]]
+    counts the experiment sets scaled by the family's width factor, windows scaled to Swin's stage 1 (None, the
+    whole stage, where they cover it). CSwin's softmax original keeps the miniature's depths, not its own."""
+    img, width, sizes = MINI[family(e)]
     kwargs = dict(sizes)
     if 'num_heads' in e.overrides:
         heads = e.overrides['num_heads']
@@ -1024,18 +1251,30 @@ def mini_kwargs(e):
             raise ValueError(f'{e.model}: {heads} heads do not scale by {width:.3g} to whole heads')
         kwargs['num_heads'] = tuple(round(h) for h in scaled) if isinstance(heads, tuple) else round(scaled[0])
     if e.overrides.get('window') is not None:
-        window = e.overrides['window'] * MINI_STAGE1 // 56
-        kwargs['window'] = None if window >= MINI_STAGE1 else window
+        window = e.overrides['window'] * (img // 4) // 56
+        kwargs['window'] = None if window >= img // 4 else window
     return kwargs
 
 
-def resolve_data(args):
+def untestable(e):
+    """Why an experiment's miniature cannot test what its row claims, or None: T4's windows must be larger than
+    Eq. 6's 3x3 neighbourhood, or Eq. 6 covers the window it is compared in (at 64 px, the 7² window is 2x2)."""
+    window = mini_kwargs(e).get('window')
+    if e.table == 'T4' and window is not None and window <= 3:
+        return f"its {window}x{window} window is not larger than Eq. 6's 3x3"
+    return None
+
+
+def resolve_data(args, need=True):
     """Fill --dataset (default Fashion-MNIST) and --data-path, download once if asked (not once per run), and stop
-    with how to get the data when it is missing, before any run starts."""
+    with how to get the data when it is missing, before any run starts (need=False: rebuilding from records)."""
     args.dataset = args.dataset or 'fashion_mnist'
     if args.data_path is None and args.dataset != 'synthetic':
         args.data_path = FASHION_MNIST_DEB if args.dataset == 'fashion_mnist' and os.path.isdir(FASHION_MNIST_DEB) \
             else 'data'
+    if not need:
+        args.data_path = args.data_path and os.path.abspath(args.data_path)
+        return
     if args.dataset in train.SMALL_DATASETS:
         if args.download:  # torchvision fetches every split's files at once
             train.SMALL_DATASETS[args.dataset](args.data_path, download=True)
@@ -1048,47 +1287,73 @@ def resolve_data(args):
         args.data_path = os.path.abspath(args.data_path)
 
 
+def resolve_budget(args):
+    """--device (cpu; cuda only where there is a GPU), and --epochs, --train-images from BUDGET where not given."""
+    args.device = getattr(args, 'device', None) or 'cpu'
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        train.fail('--device cuda: torch sees no CUDA device here; run on a machine with a GPU, or --device cpu')
+    for k, v in BUDGET[args.device].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
+def recipe(e, args):
+    """What makes a run's result, besides its model and seed: the data, the budget, the precision, the device and
+    train.py's own recipe for the data (train.SMALL). Records of different recipes never share a table."""
+    own = train.SYNTHETIC if args.dataset == 'synthetic' else train.SMALL
+    return dict(dataset=args.dataset, train_images=args.train_images, img_size=MINI[family(e)][0],
+                epochs=args.epochs, warmup_epochs=round(args.epochs / 12, 3),
+                val_every=1 if args.device == 'cuda' else max(1, args.epochs // 4),  # cheap on a GPU: every epoch
+                precision=PRECISION[args.device], device=args.device,
+                train={k: v for k, v in own.items() if k not in ('epochs', 'warmup_epochs', 'img_size')})
+
+
 def data_argv(args):
     """train.py's data flags: the dataset and a fixed subset of its training images, or fresh synthetic ones. An
     ImageFolder gets the small datasets' recipe (train.SMALL) in place of the released ImageNet one."""
     if args.dataset == 'synthetic':
         return ['--synthetic-train', str(args.train_images)]
     small = [] if args.dataset != 'imagefolder' else ['--accum-steps', '1', '--ema-decay', '0'] + [
-        x for k, v in train.SMALL.items() if k != 'epochs' for x in (f'--{k.replace("_", "-")}', str(v))]
+        x for k, v in train.SMALL.items() if k not in ('epochs', 'warmup_epochs')
+        for x in (f'--{k.replace("_", "-")}', str(v))]
     return ['--dataset', args.dataset, '--data-path', args.data_path, '--train-subset', str(args.train_images), *small]
 
 
-def ablation_argv(name, e, seed, args):
-    """The train.py command line of one run: the experiment by name, its miniature, the budget, the data, the seed.
-    Validation every VAL_EVERY epochs and in bf16 where bf16 is train.py's default (training is in bf16 there):
-    the 10,000 test images, every epoch in fp32, would cost more than the training itself."""
+def make_run(name, e, seed, args):
+    """One run of an experiment: train.py's command line (the experiment by name, its miniature, the budget, the
+    data, the precision, the seed) and what its record is keyed by. Validation every val_every epochs and after
+    the last: the 10,000 test images, every epoch, would cost much of a short run."""
+    r = recipe(e, args)
     registered = name in models.EXPERIMENTS  # else its overrides go on the command line
     kwargs = {**({} if registered else e.overrides), **mini_kwargs(e)}
-    argv = (['--experiment', name] if registered else ['--model', e.model]) + ['--img-size', str(MINI_IMG),
-                                                                              '--model-kwargs']
-    argv += [f'{k}={v!r}' for k, v in kwargs.items()]
-    device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    amp = ['--amp', 'bf16'] if train.default_amp(device)[0] == 'bf16' else []
-    return argv + ['--epochs', str(args.epochs), '--val-every', str(VAL_EVERY), *data_argv(args), *amp,
-                   '--seed', str(seed)]
+    argv = (['--experiment', name] if registered else ['--model', e.model]) + [
+        '--img-size', str(r['img_size']), '--model-kwargs', *[f'{k}={v!r}' for k, v in kwargs.items()],
+        '--epochs', str(r['epochs']), '--warmup-epochs', str(r['warmup_epochs']), '--val-every', str(r['val_every']),
+        *data_argv(args), '--amp', r['precision'], '--seed', str(seed)]
+    return Run(name, config_key(e), r, seed, argv)
 
 
 def config_key(e):
     """Experiments that build the same model share their runs (InLine-Swin-T is T10's identity row, R-res's local
-    row, R-dil's dilation 1 and S's InLine row): the model's resolved attention (models.describe) and sizes."""
+    row, R-dil's dilation 1 and S's InLine row): the variant, layout, attention options away from their defaults
+    (so a new option with a default leaves the keys as they are), Swin's window and APE, the sizes, the count."""
     model = miniature(e)
-    described = models.describe(model)
-    if 'L' not in model.layout:  # kernel=None and kernel='identity' are the same model when no block is linear
-        described = described.replace('kernel identity (I) / relu (L)', 'kernel identity')
-    count = sum(p.numel() for p in model.parameters())  # tells apart what describe does not name (mlp_ratio)
-    return json.dumps([e.model, described, sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window'),
-                       count], default=str)
+    o = dict(model.options)
+    if o['kernel'] is None and 'L' not in model.layout:  # kernel=None is identity when no block is linear
+        o['kernel'] = 'identity'
+    o = {k: v for k, v in o.items() if k not in models.ATTENTION_OPTIONS or v != models.ATTENTION_OPTIONS[k]}
+    if model.family == 'swin':
+        o.update(window=model.window, ape=bool(model.ape))
+    count = sum(p.numel() for p in model.parameters())  # tells apart what the options do not name (mlp_ratio)
+    return json.dumps([e.model, model.layout, sorted(o.items()),
+                       sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window'), count], default=str)
 
 
 def miniature(e):
     """An experiment's miniature on the meta device: its architecture and parameter shapes, no memory."""
     with torch.device('meta'):
-        return models.create_model(e.model, img_size=MINI_IMG, num_classes=10, **{**e.overrides, **mini_kwargs(e)})
+        return models.create_model(e.model, img_size=MINI[family(e)][0], num_classes=10,
+                                   **{**e.overrides, **mini_kwargs(e)})
 
 
 def parameters(e):
@@ -1096,91 +1361,205 @@ def parameters(e):
 
 
 def plan_runs(chosen, every, seeds, args):
-    """The runs that `chosen` needs, {path: (argv, epochs)}, and each chosen name's run folders in seed order.
-    A configuration is trained under the first of all experiments (`every`) that builds it, whatever subset is
-    chosen, so --quick, --only, locality and the full run share their finished runs; it gets the most seeds any
-    chosen row asks of it. seeds(name) -> how many."""
+    """The runs `chosen` needs, in the order to train them: the first FIRST_SEEDS seeds of every configuration,
+    then the further seeds, the configurations two by two in the chosen order and the two seed by seed (the chosen
+    order puts a comparison's sides together: a batch stopped early leaves whole comparisons), and each chosen
+    name's runs in seed order. A configuration is trained under the first of all
+    experiments (`every`) that builds it, whatever subset is chosen, so --quick, --only, locality and the full run
+    share their runs; it gets the most seeds any chosen row asks of it. seeds(name) -> how many."""
     keys = {name: config_key(e) for name, e in every.items()}
     first, wanted = {}, {}
     for name in every:
         first.setdefault(keys[name], name)
     for name in chosen:
-        wanted[first[keys[name]]] = max(wanted.get(first[keys[name]], 0), seeds(name))
-    runs, folders = {}, {}
-    for base, count in wanted.items():
-        for seed in range(count):
-            argv = ablation_argv(base, every[base], seed, args)
-            path = run_dir(args.out, f'{base}-seed{seed}', argv)
-            runs[path] = (argv, args.epochs)
-            folders.setdefault(base, []).append(path)
-    return runs, {name: folders[first[keys[name]]] for name in chosen}
+        if not untestable(every[name]):
+            wanted[first[keys[name]]] = max(wanted.get(first[keys[name]], 0), seeds(name))
+    planned = {base: [make_run(base, every[base], s, args) for s in range(n)] for base, n in wanted.items()}
+    order = {base: i for i, base in enumerate(planned)}
+    runs = sorted((r for rs in planned.values() for r in rs),
+                  key=lambda r: (r.seed >= FIRST_SEEDS, order[r.name] // 2, r.seed, order[r.name]))
+    return runs, {name: planned.get(first[keys[name]], []) for name in chosen}
 
 
-def estimate(runs, every, args):
-    """The wall-clock minutes the runs not yet finished should take, from RUN_CPU_MIN."""
-    cpu = 0.0
-    for path, (argv, epochs) in runs.items():
-        if run_state(path, epochs) is None:
-            name = os.path.basename(path).rsplit('-seed', 1)[0]
-            family = every[name].model.split('_')[1]
-            cpu += RUN_CPU_MIN[family] * args.epochs * args.train_images / (EPOCHS * TRAIN_IMAGES)
-    return cpu, cpu / max(1, min(args.jobs, os.cpu_count() or 1))
+def estimate(runs, every, records):
+    """(minutes, how they were estimated) for the runs without a record: the mean CPU time (on CUDA, wall time) of
+    the records of the same family and recipe, else, on CPU, RUN_CPU_MIN scaled by images x epochs; on CUDA
+    without a record of the recipe, None: this project has measured no GPU run."""
+    total, guessed = 0.0, False
+    for run in runs:
+        if run.key() not in records:
+            f, cuda = family(every[run.name]), run.recipe['device'] == 'cuda'
+            seen = [r['wall_min' if cuda else 'cpu_min'] for r in records.values() if r['recipe'] == run.recipe
+                    and r['name'] in every and family(every[r['name']]) == f and r['cpu_min'] > 0]
+            if not seen and cuda:
+                return None, 'no GPU record of this recipe yet'
+            guessed |= not seen
+            scale = run.recipe['epochs'] * run.recipe['train_images'] / (BUDGET['cpu']['epochs'] *
+                                                                          BUDGET['cpu']['train_images'])
+            total += statistics.mean(seen) if seen else RUN_CPU_MIN[f] * scale
+    return total, 'RUN_CPU_MIN' if guessed else 'the records of this recipe'
+
+
+def ridge_floor(args, images):
+    """The linear read-out of the pixels, as a record: ridge regression of one-hot labels on the raw pixels (and
+    a bias) of the same training images the runs train on, scored on the test set. Lambda from RIDGE_LAMBDAS by
+    the last fifth of those images held out, then refitted on all. Seconds; None on data without a pixel array."""
+    if args.dataset not in train.SMALL_DATASETS:
+        return None
+    (x, y, _), (xt, yt, _) = (train.read_small(args.dataset, args.data_path, split) for split in (True, False))
+    keep = train.subset_indices(len(y), images)
+    x, y = x[keep].flatten(1).double() / 255, y[keep]
+    xt = xt.flatten(1).double() / 255
+
+    def fit(x, y, lam):
+        a = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)  # (n, pixels + 1)
+        gram = a.T @ a + lam * torch.diag(torch.cat([torch.ones(a.shape[1] - 1), torch.zeros(1)]).double())
+        return torch.linalg.solve(gram, a.T @ F.one_hot(y, 10 if args.dataset != 'cifar100' else 100).double())
+
+    def top1(w, x, y):
+        return 100 * ((torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1) @ w).argmax(1) == y).double().mean()
+
+    cut = len(y) * 4 // 5
+    lam = max(RIDGE_LAMBDAS, key=lambda lam: top1(fit(x[:cut], y[:cut], lam), x[cut:], y[cut:]).item())
+    acc = top1(fit(x, y, lam), xt, yt).item()
+    return dict(name='ridge', config='linear read-out of the pixels (ridge)', recipe=dict(
+        dataset=args.dataset, train_images=len(y)), seed=0, argv=[], state='done', lam=lam,
+        epochs=[{'epoch': 1, 'val_acc1': round(acc, 4)}], cpu_min=0.0, wall_min=0.0, machine=machine(1),
+        finished=time.strftime('%Y-%m-%d %H:%M:%S'))
 
 
 # ---------------------------------------------------------------------------------------------------
-# Verdicts, fixed before the runs (README, "Verdicts"): 95% Student-t intervals on per-seed paired differences
+# Verdicts, fixed before the runs (RESULTS.md, "Verdicts"): paired Student-t tests on per-seed differences, computed
+# here from the t distribution itself (no table, no scipy), Holm's adjustment across the rows of one run
 
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-MARGIN = 1.0  # top-1 points: a tie here is a difference surely smaller than the 1 point the claim rows resolve
+MARGIN = 1.0  # top-1 points: TOST's tie margin, and the effect the claim rows' seeds are chosen to detect
 PAPER_TIE = 0.2  # the paper's own ties: rows 0.2 or less apart, as it reads T10 (82.4, 82.5) and T4 (82.3, 82.4)
+ALPHA, POWER = 0.05, 0.8  # every test's level (two-sided; TOST 2.5% a side) and the power seeds are chosen for
 WORDS = ('reproduced', 'contradicted', 'not resolved')
 
 
-def t975(df):
-    """Student's t 0.975 quantile: the table to 30 degrees of freedom, then the Cornish-Fisher expansion in 1/df
-    about the normal's 1.95996 (error under 1e-4 beyond 30)."""
+def incomplete_beta(x, a, b):
+    """The regularized incomplete beta function I_x(a, b) = B(x; a, b) / B(a, b), from its continued fraction
+    x^a (1-x)^b / (a B(a, b)) / (1 + d1 / (1 + d2 / ...)), d_2m = m (b - m) x / ((a + 2m - 1)(a + 2m)),
+    d_2m+1 = -(a + m)(a + b + m) x / ((a + 2m)(a + 2m + 1)), evaluated by Lentz's method; where it converges
+    slowly (x above the mean (a + 1) / (a + b + 2)) through I_x(a, b) = 1 - I_1-x(b, a)."""
+    if x <= 0 or x >= 1:
+        return float(x >= 1)
+    if x > (a + 1) / (a + b + 2):
+        return 1 - incomplete_beta(1 - x, b, a)
+    log_front = a * math.log(x) + b * math.log1p(-x) + math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+    tiny, f, c, d = 1e-300, 1e-300, 1e-300, 0.0  # f = c = tiny stands for the fraction's leading 0
+    for j in range(1, 1000):
+        m = (j - 1) // 2
+        num = (1.0 if j == 1 else m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if j % 2 == 1 else
+               -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))  # j = 1: 1; then d_1, d_2, ...
+        d = 1 / (1 + num * d if abs(1 + num * d) > tiny else tiny)
+        c = 1 + num / c if abs(1 + num / c) > tiny else tiny
+        f *= c * d
+        if abs(c * d - 1) < 1e-15:
+            break
+    return math.exp(log_front) / a * f
+
+
+def t_cdf(t, df):
+    """P(T <= t) for Student's t with df degrees of freedom: 1 - I_x(df/2, 1/2) / 2 at x = df / (df + t^2)."""
+    if math.isinf(t):
+        return float(t > 0)
+    tail = incomplete_beta(df / (df + t * t), df / 2, 0.5) / 2  # P(T > |t|)
+    return 1 - tail if t > 0 else tail
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p, df):
+    """The t with P(T <= t) = p, by bisection on t_cdf (to 1e-12); infinite without degrees of freedom."""
     if df < 1:
-        return math.inf
-    if df <= len(T975):
-        return T975[df - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+        return math.inf if p > 0.5 else -math.inf if p < 0.5 else 0.0
+    lo, hi = -1.0, 1.0
+    while t_cdf(lo, df) > p:
+        lo *= 2
+    while t_cdf(hi, df) < p:
+        hi *= 2
+    while hi - lo > 1e-12 * max(1.0, abs(hi)):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired(diffs):
+    """(mean, standard error, degrees of freedom) of per-seed differences; infinite error with one seed."""
+    n = len(diffs)
+    return statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.inf, n - 1
+
+
+def upper(mean, delta, se, df):
+    """P(T > (mean - delta) / se): the one-sided p of "the true mean is delta or less"; with no spread (se = 0,
+    every seed alike) 0 or 1."""
+    if se == 0:
+        return 0.0 if mean > delta else 1.0 if mean < delta else 0.5
+    return 1 - t_cdf((mean - delta) / se, df)
 
 
 def interval(diffs):
-    """(mean, half-width) of the 95% interval of the mean of per-seed differences; infinite with one seed. The
-    half-width is also the smallest effect the run could detect: a mean difference this far from 0 excludes 0."""
-    n = len(diffs)
-    mean = statistics.mean(diffs)
-    return mean, t975(n - 1) * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.inf
+    """(mean, half-width) of the 95% Student-t interval of the mean of per-seed differences; infinite with one."""
+    mean, se, df = paired(diffs)
+    return mean, t_quantile(1 - ALPHA / 2, df) * se if df else math.inf
 
 
-def seeds_for(diffs, effect=1.0):
-    """How many seeds would make the 95% half-width smaller than `effect`, at the spread these seeds show;
-    None with fewer than 2."""
+def mde(diffs):
+    """The minimum detectable effect at 80% power: the true mean difference that the two-sided 5% paired t-test
+    of these seeds rejects 0 for with probability 0.8 at their spread, (t_0.975,df + t_0.8,df) sd / sqrt(n), the
+    usual approximation to the noncentral t (it counts only the side the effect is on)."""
+    _, se, df = paired(diffs)
+    return (t_quantile(1 - ALPHA / 2, df) + t_quantile(POWER, df)) * se if df else math.inf
+
+
+def seeds_for(diffs, effect=MARGIN):
+    """How many seeds would bring the minimum detectable effect at 80% power to `effect` or under, at the spread
+    these seeds show; None with fewer than 2."""
     if len(diffs) < 2:
         return None
     sd = statistics.stdev(diffs)
-    return next((n for n in range(2, 1000) if t975(n - 1) * sd / math.sqrt(n) < effect), 1000)
+    return next((n for n in range(2, 1000) if (t_quantile(1 - ALPHA / 2, n - 1) + t_quantile(POWER, n - 1)) * sd
+                 / math.sqrt(n) <= effect), 1000)
+
+
+def p_values(diffs, paper_diff):
+    """(p that the paper's claim is reproduced, p that it is contradicted), each rejected at ALPHA. A paper ordering:
+    the two-sided paired t-test of a zero mean, counted on the side the mean is on. A paper tie (|paper_diff| <=
+    PAPER_TIE): TOST, the two one-sided tests of -MARGIN and +MARGIN at 2.5% each (the 95% interval inside
+    +-MARGIN), its larger p doubled to the 5% scale; contradicted when the difference lies beyond the margin on
+    one side at 2.5% (the whole interval outside +-MARGIN), likewise doubled."""
+    mean, se, df = paired(diffs)
+    if df < 1:
+        return 1.0, 1.0
+    if round(abs(paper_diff), 1) <= PAPER_TIE:  # as printed: 80.2 - 80.0 is 0.2000000000000028
+        inside = max(upper(mean, -MARGIN, se, df), 1 - upper(mean, MARGIN, se, df))  # H0: <= -M; H0: >= M
+        outside = min(upper(mean, MARGIN, se, df), 1 - upper(mean, -MARGIN, se, df))  # H0: <= M; H0: >= -M
+        return min(1.0, 2 * inside), min(1.0, 2 * outside)
+    p = min(1.0, 2 * min(upper(mean, 0, se, df), 1 - upper(mean, 0, se, df)))
+    return (p, 1.0) if mean != 0 and (mean > 0) == (paper_diff > 0) else (1.0, p)
 
 
 def verdict(diffs, paper_diff):
     """reproduced, contradicted or not resolved: the paper's difference paper_diff against ours, the per-seed
-    differences diffs (row minus reference, seed by seed); '—' when the paper gives no difference. A paper
-    ordering is reproduced when the 95% interval excludes 0 on its side, contradicted when on the other; a paper
-    tie (|paper_diff| <= PAPER_TIE, as printed) is reproduced when the whole interval lies within +-MARGIN,
-    contradicted when it lies wholly outside. Anything else is not resolved."""
+    differences diffs (row minus reference, seed by seed); '—' when the paper gives no difference. An ordering is
+    reproduced when the 95% interval excludes 0 on the paper's side, contradicted on the other; a tie is
+    reproduced when the interval lies within +-MARGIN (TOST), contradicted when wholly outside. Else not resolved."""
     if paper_diff is None:
         return '—'
-    mean, half = interval(diffs)
-    lo, hi = mean - half, mean + half
-    if round(abs(paper_diff), 1) <= PAPER_TIE:  # as printed: 80.2 - 80.0 is 0.2000000000000028
-        return 'reproduced' if -MARGIN <= lo and hi <= MARGIN else \
-            'contradicted' if hi < -MARGIN or lo > MARGIN else 'not resolved'
-    if lo > 0 or hi < 0:
-        return 'reproduced' if (lo > 0) == (paper_diff > 0) else 'contradicted'
-    return 'not resolved'
+    reproduce, contradict = p_values(diffs, paper_diff)
+    return 'reproduced' if reproduce < ALPHA else 'contradicted' if contradict < ALPHA else 'not resolved'
+
+
+def holm(ps):
+    """Holm's step-down adjustment of p-values [p_1 .. p_m], in their order: the i-th smallest is multiplied by
+    m - i + 1, each kept at least the one before it, at most 1. Rejecting where the adjusted p < ALPHA keeps the
+    chance of any false rejection among the m at ALPHA."""
+    order, adjusted, running = sorted(range(len(ps)), key=lambda i: ps[i]), [1.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 def chance(args):
@@ -1193,10 +1572,18 @@ def chance(args):
     return 100 / classes
 
 
-def summarise(paths, states, chance):
-    """([final-epoch val top-1 of each seed, in seed order], how many diverged); a diverged run counts at chance."""
-    accs = [chance if states[path] == 'diverged' else metrics(path)[-1]['val_acc1'] for path in paths]
-    return accs, sum(states[path] == 'diverged' for path in paths)
+def summarise(records, chance):
+    """([final-epoch val top-1 of each seed, in seed order], how many diverged, the mean gain in top-1 over the
+    last quarter of the epochs: near 0 where the curve has flattened); a diverged run counts at chance."""
+    accs = [chance if r['state'] == 'diverged' else r['epochs'][-1]['val_acc1'] for r in records]
+    gains = []
+    for r in records:
+        curve = [(e['epoch'], e['val_acc1']) for e in r['epochs'] if 'val_acc1' in e]
+        last = r['recipe']['epochs']
+        earlier = [acc for epoch, acc in curve if epoch <= last * 3 / 4]
+        if r['state'] == 'done' and earlier:
+            gains.append(curve[-1][1] - earlier[-1])
+    return accs, sum(r['state'] == 'diverged' for r in records), statistics.mean(gains) if gains else None
 
 
 def reported_value(text):
@@ -1213,10 +1600,12 @@ def paper_claim(name, ref, every):
     """(text, difference) the paper gives for row minus reference; difference None where it gives none."""
     if name in CLAIMS:
         return CLAIMS[name]
+    if every[ref].table == 'floor':
+        return '—', None
     paper, paper_ref = reported_value(every[name].reported), reported_value(every[ref].reported)
     if paper is None or paper_ref is None:
         return every[name].reported or '—', None
-    return every[name].reported, paper - paper_ref
+    return f'{every[name].reported} vs {every[ref].reported}', paper - paper_ref
 
 
 def seeds_option(values, default):
@@ -1233,101 +1622,225 @@ def seeds_option(values, default):
     return table
 
 
-def cmd_ablations(args):
-    resolve_data(args)
-    every = experiments()
-    chosen = every
+def choose(args, every):
+    """The experiments a command asks for: --quick, --claims (the claim rows and the floors of their families),
+    --only NAMES, else all; and seeds(name): the claim rows CLAIM_SEEDS unless --seeds names their table."""
     if args.quick:
-        chosen = {n: every[n] for n in QUICK}
+        chosen = QUICK
+    elif args.claims:
+        chosen = CLAIM_ROWS + tuple(f'floor_{f}' for f in dict.fromkeys(family(every[n]) for n in CLAIM_ROWS))
     elif args.only:
         unknown = sorted(set(args.only) - set(every))
         if unknown:
             train.fail(f'unknown experiments {unknown}; choose from {", ".join(every)}')
-        chosen = {n: every[n] for n in args.only}
+        chosen = args.only
+    else:
+        chosen = every
     per_table = seeds_option(args.seeds, {t: QUICK_SEEDS for t in SEEDS} if args.quick else SEEDS)
-    runs, folders = plan_runs(chosen, every, lambda name: per_table[every[name].table], args)
-    cpu, wall = estimate(runs, every, args)
-    todo = sum(run_state(p, epochs) is None for p, (_, epochs) in runs.items())
-    print(f'{len(chosen)} experiments, {len(set(map(tuple, folders.values())))} distinct configurations,'
-          f' {len(runs)} runs of {args.epochs} epochs x {args.train_images} images of {args.dataset} '
-          f'(seeds per table {per_table}), {args.jobs} at a time; estimate for the {todo} '
-          f'runs to do: {cpu:.0f} CPU-minutes, about {wall // 60:.0f} h {wall % 60:.0f} min with {args.jobs} cores of '
-          f'their own (RUN_CPU_MIN)')
-    states = train_runs(runs, args.jobs, desc='ablation runs')
-    guess = chance(args)
-    result = {name: summarise(folders[name], states, guess) for name in chosen}
+    named = {v.rpartition('=')[0] or '*' for v in args.seeds or []}
+    claims = () if args.quick else CLAIM_ROWS
 
-    rows, panels = [], {}
-    for name, e in chosen.items():
-        wanted = reference(name, e.table)
-        ref = wanted if wanted in chosen else None
-        accs, diverged = result[name]
-        n = len(accs)
-        ours = (f'{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f} ({n})' if n > 1 else
-                f'{accs[0]:.1f} (1)') + (f', {diverged} diverged' if diverged else '')
-        cells = ['', '', '', '']
-        paper_text = e.reported or '—'
-        if ref:
-            k = min(n, len(result[ref][0]))  # seed by seed: the runs of one seed share the training order and init
-            diffs = [a - b for a, b in zip(accs[:k], result[ref][0][:k])]
-            paper_text, paper_diff = paper_claim(name, ref, every)
-            mean, half = interval(diffs)
-            need = seeds_for(diffs)
-            cells = [f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]' if k > 1 else f'{mean:+.1f} (1 seed)',
-                     f'±{half:.1f}' if k > 1 else '∞', str(need) if need else '', verdict(diffs, paper_diff)]
-            panels.setdefault(e.table, []).append((
-                name, mean, half if math.isfinite(half) else None,
-                paper_diff if paper_diff is not None and math.isfinite(paper_diff) else None))
-        rows.append([e.table, name + (' *' if e.ours else ''), f'{parameters(e) / 1e6:.2f}M', ours, paper_text,
-                     ref or (f'({wanted} not chosen)' if wanted else '(reference)'), *cells])
-    print(f'\nAblations on the miniature ({MINI_IMG} px {args.dataset}, {args.epochs} epochs x {args.train_images} '
-          f'training images, validation on its test set): final-epoch top-1 (%), mean ± standard deviation over '
-          f'(n) seeds, beside the paper\'s ImageNet-1K top-1. Difference: the mean of per-seed differences from the '
-          f'compared row [its 95% Student-t interval]; detectable: the interval\'s half-width, the smallest '
-          f'difference these seeds could tell from 0; seeds for ±1: how many would make it under 1 point. Verdict '
-          f'(README, "Verdicts"): a paper ordering is reproduced when the interval excludes 0 on its side, '
-          f'contradicted on the other; a paper tie (≤ {PAPER_TIE}) is reproduced when the interval lies within '
-          f'±{MARGIN}, contradicted outside it; else not resolved. * our construction (no released code). '
-          f'A diverged run counts at chance ({guess:.3g}%).\n')
-    print_table(['table', 'experiment', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)', 'compared with',
-                 'difference here [95% CI]', 'detectable', 'seeds for ±1', 'verdict'], rows)
+    def seeds(name):
+        table = every[name].table
+        return per_table[table] if name not in claims or table in named or '*' in named else \
+            max(per_table[table], CLAIM_SEEDS)
+    return {n: every[n] for n in chosen}, seeds
+
+
+def floor_record(args, records):
+    """The linear read-out's record for the runs' data and images: from the records, else computed and appended
+    (seconds); None where the data has no pixel array or is not here."""
+    recipe = dict(dataset=args.dataset, train_images=args.train_images)
+    found = records.get(record_key(dict(config='linear read-out of the pixels (ridge)', recipe=recipe, seed=0)))
+    if found is None and os.path.exists(args.data_path or ''):
+        found = ridge_floor(args, args.train_images)
+        if found:
+            append_record(args.results, found)
+    return found
+
+
+PILOT = ('r_residual_local', 'r_residual_none')  # the budget's pilot: seed 0 of R-res's pair
+
+
+def pilot_table(args, every):
+    """Every budget the records hold seed 0 of the pilot pair at (on this device and data), cheapest first: each
+    one's top-1 and CPU-minutes beside the linear read-out of the same images, and whether both clear it by
+    FLOOR_MARGIN. Returns the rows."""
+    records, configs = read_records(args.results), {config_key(every[n]): n for n in PILOT}
+    budgets = {}
+    for r in records.values():
+        if r['config'] in configs and r['seed'] == 0 and r['state'] == 'done' and \
+                (r['recipe']['device'], r['recipe']['dataset']) == (args.device, args.dataset):
+            budget = (r['recipe']['train_images'], r['recipe']['epochs'], r['recipe']['precision'])
+            budgets.setdefault(budget, {})[configs[r['config']]] = r
+    rows = []
+    for (images, epochs, precision), pair in sorted(budgets.items(), key=lambda kv: kv[0][0] * kv[0][1]):
+        floor = floor_record(argparse.Namespace(**{**vars(args), 'train_images': images}), records)
+        ridge = floor['epochs'][-1]['val_acc1'] if floor else None
+        tops = {n: pair[n]['epochs'][-1]['val_acc1'] for n in PILOT if n in pair}
+        clears = ridge is not None and len(tops) == 2 and min(tops.values()) >= ridge + FLOOR_MARGIN
+        rows.append([f'{images:,}', epochs, precision, f'{images * epochs / 1000:.0f}k',
+                     *[f"{tops[n]:.1f}" if n in tops else '—' for n in PILOT],
+                     *[f"{pair[n]['cpu_min']:.1f}" if n in pair else '—' for n in PILOT],
+                     '—' if ridge is None else f'{ridge:.1f}', 'yes' if clears else 'no'])
+    print(f'Pilot: seed 0 of {" and ".join(PILOT)} at each budget recorded ({args.device}, {args.dataset}), beside '
+          f'the linear read-out of the same images; a budget clears when both are {FLOOR_MARGIN:g} points over it.\n')
+    print_table(['training images', 'epochs', 'precision', 'image passes', *[f'{n} top-1' for n in PILOT],
+                 *[f'{n} CPU-min' for n in PILOT], 'linear read-out', f'both clear +{FLOOR_MARGIN:g}'], rows)
+    return rows
+
+
+def cmd_ablations(args):
+    resolve_budget(args)
+    resolve_data(args, need=not args.no_train)
+    every = experiments()
+    if args.pilot:
+        train_runs(plan_runs({n: every[n] for n in PILOT}, every, lambda name: 1, args)[0], args, desc='pilot')
+        return pilot_table(args, every)
+    chosen, seeds = choose(args, every)
+    runs, planned = plan_runs(chosen, every, seeds, args)
+    records = read_records(args.results)
+    minutes, source = estimate(runs, every, records)
+    todo = [r for r in runs if r.key() not in records]
+    passes = sum(r.recipe['epochs'] * r.recipe['train_images'] for r in todo)
+    print(f'{len(chosen)} experiments, {len({tuple(r.key() for r in rs) for rs in planned.values() if rs})} distinct '
+          f'configurations, {len(runs)} runs of {args.epochs} epochs x {args.train_images} images of {args.dataset} '
+          f'on {args.device} ({PRECISION[args.device]}), {args.jobs} at a time; estimate for the {len(todo)} runs '
+          f'without a record ({passes / 1e6:.1f}M training image passes): ' +
+          (f'unknown ({source})' if minutes is None else
+           f'{minutes:.0f} {"GPU" if args.device == "cuda" else "CPU"}-minutes by {source}, about '
+           f'{minutes / args.jobs // 60:.0f} h {minutes / args.jobs % 60:.0f} min {args.jobs} at a time' +
+           (f' on {args.jobs} cores of their own' if args.device == 'cpu' else '')))
+    done = train_runs(runs, args, desc='ablation runs')
+    floor = floor_record(args, read_records(args.results))
+    ridge = floor['epochs'][-1]['val_acc1'] if floor else None
+    guess = chance(args)
+    result = {n: summarise([done[r.key()] for r in planned[n] if r.key() in done], guess) for n in chosen}
+    configs, rows, points, m = table_rows(chosen, planned, result, ridge, every)
+    print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} training '
+          f'images, validation on its test set, {PRECISION[args.device]} on {args.device}): one row per distinct '
+          f'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) seeds, '
+          f'beside the paper\'s ImageNet-1K top-1; over the read-out: its mean minus the linear read-out\'s, under '
+          f'the floor when less than {FLOOR_MARGIN:g}; last quarter: the top-1 gained over the last quarter of the '
+          f'epochs (near 0: flat). * our construction (no released code).\n')
+    print_table(['configuration', 'tables', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)',
+                 'over the read-out', 'last quarter'], configs)
+    header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'MDE at 80% power',
+              'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
+    print(f'\nComparisons, row minus reference seed by seed: the mean and its 95% Student-t interval; MDE, the '
+          f'minimum detectable effect at 80% power: the true difference a 5% two-sided paired t-test of these seeds '
+          f'catches 4 times in 5, (t_0.975 + t_0.8) sd / sqrt(n); seeds for 1 point: how many would bring the MDE to '
+          f'1. Verdict (RESULTS.md, "Verdicts"): an ordering is reproduced when the interval excludes 0 on the paper\'s '
+          f'side, contradicted on the other; a paper tie (≤ {PAPER_TIE}) by TOST, reproduced when the interval lies '
+          f'within ±{MARGIN}, contradicted wholly outside it; else not resolved; untestable where a configuration is '
+          f'under the read-out + {FLOOR_MARGIN:g}. Holm verdict: the same test with its p adjusted by Holm\'s method '
+          f'over the {m} comparisons with a verdict, so that the chance of '
+          f'any false verdict among them is at most 5%. † a claim row. A diverged run counts at chance '
+          f'({guess:.3g}%).\n')
+    print_table(header, rows)
     out = args.png or os.path.join(args.out, 'ablations.png')
-    charts(out, [dict(  # each row against its reference row
+    panels = {}
+    for r, point in zip(rows, points):  # one panel per table, the first a comparison names
+        if point is not None:
+            panels.setdefault(r[0].split(',')[0], []).append(point)
+    charts(out, [dict(  # each comparison: our mean difference and interval beside the paper's difference
         series=[(f'here ({args.dataset}), mean difference, 95% CI', xs, [d for _, d, _, _ in entries],
                  [h or 0 for _, _, h, _ in entries]),
                 ('paper (ImageNet)', xs, [p for _, _, _, p in entries], None)],
         title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
-        xlabels=[short_name(n) for n, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
+        xlabels=[label for label, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
         for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
-        series=[('here', list(range(1, len(chosen) + 1)), [statistics.mean(result[n][0]) for n in chosen], None)],
-        title='top-1 here', xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
+        series=[('here', list(range(1, len(chosen) + 1)), [statistics.mean(result[n][0] or [0]) for n in chosen],
+                 None)], title='top-1 here', xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
         xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
     curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
-    learning_curves(os.path.join(os.path.dirname(out), curves), chosen, folders, states)
-    return rows
+    learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done, ridge)
+    return configs, rows
 
 
-def learning_curves(path, chosen, folders, states):
-    """One panel per family: validation top-1 by epoch, mean over seeds, for each of its configurations (up to
-    eight, the family's InLine and softmax models first), so a reader sees whether training had flattened."""
-    panels = []
-    for family in ('swin', 'deit', 'pvt', 'cswin'):
-        names = sorted((n for n, e in chosen.items() if e.model.split('_')[1] == family),
-                       key=lambda n: (not n.startswith(('inline_', 's_')), n))
-        seen, series = set(), []
-        for name in names:
-            if tuple(folders[name]) in seen or len(series) == 8:
+def table_rows(chosen, planned, result, ridge, every):
+    """The two tables: one row per distinct configuration (its names, tables, top-1, how far over the linear
+    read-out), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart entry
+    (label, mean, half-width, the paper's difference) and the number of comparisons Holm's method adjusts over."""
+    distinct = {}
+    for name, e in chosen.items():
+        distinct.setdefault(tuple(r.key() for r in planned[name]) or name, []).append(name)
+    cleared, configs = {}, []
+    for names in distinct.values():
+        accs, diverged, gain = result[names[0]]
+        e = every[names[0]]
+        why = untestable(e)
+        mean = statistics.mean(accs) if accs else None
+        above = None if mean is None or ridge is None else mean - ridge
+        for n in names:  # without a read-out (data with no pixel array) there is no floor to clear
+            cleared[n] = ridge is None or above is not None and above >= FLOOR_MARGIN
+        ours = ('—' if not accs else f'{mean:.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})' if len(accs) > 1 else
+                f'{accs[0]:.1f} (1)') + (f', {diverged} diverged' if diverged else '')
+        configs.append([' = '.join(n + (' *' if every[n].ours else '') for n in names),
+                        ', '.join(dict.fromkeys(every[n].table for n in names)), f'{parameters(e) / 1e6:.2f}M',
+                        f'not trained: {why}' if why else ours,
+                        ' / '.join(dict.fromkeys(every[n].reported or '—' for n in names)),
+                        '' if above is None else f'{above:+.1f}' + ('' if cleared[names[0]] else ' (under the floor)'),
+                        '' if gain is None else f'{gain:+.1f}'])
+    if ridge is not None:
+        configs.insert(0, ['linear read-out of the pixels (ridge)', 'floor', '', f'{ridge:.1f}', '—', '+0.0', ''])
+    rows, tested = [], []
+    for tables, name, ref in comparisons(chosen):
+        a, b = result[name][0], result[ref][0]
+        k = min(len(a), len(b))  # seed by seed: the runs of one seed share the training order and init
+        diffs = [x - y for x, y in zip(a[:k], b[:k])]
+        paper_text, paper_diff = paper_claim(name, ref, every)
+        claim = '†' if name in CLAIM_ROWS and ref in CLAIM_ROWS else ''
+        label = f'{name} − {ref}{claim}'
+        if untestable(every[name]) or untestable(every[ref]):
+            rows.append([', '.join(tables), label, paper_text, '', '', '', '', 'untestable', '—', None])
+            continue
+        if k < 2:
+            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if k else '',
+                         '∞' if k else '', '', '', 'not run' if not k else 'not resolved' if paper_diff is not None
+                         else '—', '', None])
+            continue
+        mean, half = interval(diffs)
+        p = p_values(diffs, paper_diff) if paper_diff is not None else None
+        word, floor_ok = verdict(diffs, paper_diff), cleared[name] and cleared[ref]
+        if not floor_ok and paper_diff is not None:
+            word = 'untestable (under the floor)'
+        chart_entry = (short_name(name), mean, half,
+                       paper_diff if paper_diff is not None and math.isfinite(paper_diff) else None)
+        p_text = '' if p is None else f'{min(p):.3f}'
+        rows.append([', '.join(tables), label, paper_text, f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]',
+                     f'{mde(diffs):.1f}', str(seeds_for(diffs)), p_text, word, '', chart_entry])
+        if p is not None and floor_ok:  # Holm's family: every comparison with a verdict; each row's p, its smaller
+            tested.append((len(rows) - 1, min(p), word))
+    for (i, _, word), q in zip(tested, holm([p for _, p, _ in tested])):
+        rows[i][8] = word if q < ALPHA else 'not resolved'
+    for r in rows:
+        r[8] = r[8] or '—'
+    return configs, [r[:9] for r in rows], [r[9] for r in rows], len(tested)
+
+
+def learning_curves(path, chosen, planned, done, ridge):
+    """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration of
+    the table (each drawn once, in the first table that has it), beside the linear read-out, so a reader sees
+    whether training had flattened for every model the text speaks of."""
+    panels, drawn = [], set()
+    for table in dict.fromkeys(e.table for e in chosen.values()):
+        series = []
+        for name in (n for n, e in chosen.items() if e.table == table):
+            key = tuple(r.key() for r in planned[name])
+            logs = [[e for e in done[r.key()]['epochs'] if 'val_acc1' in e] for r in planned[name]
+                    if r.key() in done and done[r.key()]['state'] == 'done']
+            if not logs or key in drawn:
                 continue
-            seen.add(tuple(folders[name]))
-            logs = [[e for e in metrics(p) if 'val_acc1' in e] for p in folders[name] if states[p] == 'done']
-            if logs:
-                points = min(len(log) for log in logs)
-                series.append((short_name(name), [e['epoch'] for e in logs[0][:points]],
-                               [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)], None))
+            drawn.add(key)
+            points = min(len(log) for log in logs)
+            series.append((short_name(name), [e['epoch'] for e in logs[0][:points]],
+                           [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)], None))
         if series:
-            panels.append(dict(series=series, title=f'{family}: validation top-1 by epoch', xlabel='epoch',
-                               ylabel='top-1 (%)', xticks=sorted({x for s in series for x in s[1]})))
+            panels.append(dict(series=series, title=f'{table}: validation top-1 by epoch', xlabel='epoch',
+                               ylabel='top-1 (%)', xticks=sorted({x for s in series for x in s[1]}),
+                               hlines=[(f'linear read-out {ridge:.1f}', ridge)] if ridge else []))
     if panels:
         charts(path, panels, cols=2, size=(480, 360))
 
@@ -1337,7 +1850,8 @@ def short_name(name):
     for pattern, short in ((r't3_linear_(\w+)', r'lin \1'), (r't3_inline_(\w+)', r'InL \1'),
                            (r't4_window(\d+)_no_residual', r'w\1'), (r't4_window(\d+)_residual', r'w\1 + res'),
                            (r't10_kernel_(\w+)', r'\1'), (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
-                           (r't1_softmax_normalised_q', 'normalised q'), (r's_(\w+)_t', r'softmax \1')):
+                           (r't1_softmax_normalised_q', 'normalised q'), (r's_(\w+)_t', r'softmax \1'),
+                           (r'inline_(\w+)_t', r'InLine \1'), (r'floor_(\w+)', r'floor \1')):
         if re.fullmatch(pattern, name):
             return re.sub(pattern, short, name)
     return name
@@ -1533,17 +2047,7 @@ def write_recall(path, runs):
     os.replace(path + '.tmp', path)
 
 
-def mean_interval(values):
-    """(mean, half-width of its 95% Student-t interval over seeds; infinite with one)."""
-    n, mean = len(values), statistics.mean(values)
-    return mean, t975(n - 1) * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.inf
-
-
-def injectivity_verdict(diffs):
-    """The project's words on "injectivity helps recall" from per-seed differences, InLine minus division with the
-    same phi: reproduced when the 95% interval lies above 0, contradicted when below, else not resolved."""
-    mean, half = mean_interval(diffs)
-    return mean, half, 'reproduced' if mean - half > 0 else 'contradicted' if mean + half < 0 else 'not resolved'
+RECALL_CLAIM = 1.0  # "injectivity helps recall", as verdict reads a paper's difference: InLine above division
 
 
 def cmd_recall(args):
@@ -1596,34 +2100,39 @@ def recall_report(rows, models, sizes, args):
           f"{args.seeds} seeds with its 95% Student-t interval. State: floats per layer for the next token.\n")
     table = []
     for (n, w, p), values in recall.items():
-        mean, half = mean_interval(values)
+        mean, half = interval(values)
         one = rows[n, w, p, 0]
         table.append([f"{p} ({one['tokens']})", w, n, one['state'], f"{mean:.1f} ± {half:.1f}",
                       ' '.join(f'{v:.1f}' for v in values), one['params']])
     print_table(['pairs (tokens)', 'C', 'model', 'state', 'recall %', 'per seed', 'params'], table)
-    verdicts = []
+    verdicts, ps = [], []
     for division, subtraction in RECALL_INJECTIVITY:
         for w, p in sizes:
             if (division, w, p) in recall and (subtraction, w, p) in recall:
                 diffs = [b - a for a, b in zip(recall[division, w, p], recall[subtraction, w, p])]
-                mean, half, word = injectivity_verdict(diffs)
+                mean, half = interval(diffs)
                 verdicts.append([f"{p} ({rows[division, w, p, 0]['tokens']})", w, division.replace('linear ', ''),
                                  f"{statistics.mean(recall[division, w, p]):.1f}",
                                  f"{statistics.mean(recall[subtraction, w, p]):.1f}", f"{mean:+.1f} ± {half:.1f}",
-                                 word])
+                                 verdict(diffs, RECALL_CLAIM)])
+                ps.append(min(p_values(diffs, RECALL_CLAIM)))
+    for row, q in zip(verdicts, holm(ps)):  # Holm over the comparisons of this table
+        row.append(row[-1] if q < ALPHA else 'not resolved')
     if verdicts:
         print('\nInjectivity: InLine (subtraction) minus vanilla linear attention (division), the same phi (and Eq. 6 '
-              'or not), seed by seed; the verdict is on "injectivity helps recall".\n')
-        print_table(['pairs (tokens)', 'C', 'phi', 'division %', 'InLine %', 'InLine - division', 'verdict'], verdicts)
+              'or not), seed by seed; the verdict is on "injectivity helps recall" (RESULTS.md, "Verdicts"), the Holm '
+              f'verdict the same over the {len(verdicts)} comparisons.\n')
+        print_table(['pairs (tokens)', 'C', 'phi', 'division %', 'InLine %', 'InLine - division', 'verdict',
+                     'Holm verdict'], verdicts)
         words = [v[-1] for v in verdicts]
-        print(f"\ninjectivity helps recall in {words.count('reproduced')} of {len(words)} comparisons, hurts it in "
-              f"{words.count('contradicted')}, and cannot be told apart in {words.count('not resolved')}.")
+        print(f"\nunder Holm, injectivity helps recall in {words.count('reproduced')} of {len(words)} comparisons, "
+              f"hurts it in {words.count('contradicted')}, and cannot be told apart in {words.count('not resolved')}.")
     panels = []
     for p in sorted({p for _, p in sizes}):
         widths = [w for w, q in sizes if q == p]
         series = []
         for n in models:
-            points = sorted((rows[n, w, p, 0]['state'], *mean_interval(recall[n, w, p])) for w in widths)
+            points = sorted((rows[n, w, p, 0]['state'], *interval(recall[n, w, p])) for w in widths)
             series.append((n, [x for x, _, _ in points], [y for _, y, _ in points],
                            [h if math.isfinite(h) else 0 for _, _, h in points]))
         xs = [x for s in series for x in s[1]]
@@ -1651,10 +2160,17 @@ def main(argv=None):
     sub.add_parser('experiments', help='every experiment of the paper by name, with its params and the paper\'s top-1')
     sub.add_parser('injectivity', parents=[common], help='F1: identical weight rows under softmax, linear and InLine')
     budget = argparse.ArgumentParser(add_help=False, parents=[common])  # what each train.py run gets
-    budget.add_argument('--epochs', type=int, default=EPOCHS, help=f'epochs of every training run ({EPOCHS})')
-    budget.add_argument('--train-images', type=int, default=TRAIN_IMAGES,
-                        help=f'training images: a fixed subset of the dataset, or synthetic ones per epoch '
-                             f'({TRAIN_IMAGES})')
+    budget.add_argument('--epochs', type=int, help=f'epochs of every training run (CPU {BUDGET["cpu"]["epochs"]}, '
+                                                   f'CUDA {BUDGET["cuda"]["epochs"]})')
+    budget.add_argument('--train-images', type=int,
+                        help=f'training images: a fixed subset of the dataset, or synthetic ones per epoch (CPU '
+                             f'{BUDGET["cpu"]["train_images"]:,}, CUDA {BUDGET["cuda"]["train_images"]:,})')
+    budget.add_argument('--device', choices=['cpu', 'cuda'], default='cpu',
+                        help='where train.py runs: cpu, or cuda at the scale where the miniatures converge (BUDGET)')
+    budget.add_argument('--results', default=RECORDS, help='the run records, one JSON line per finished run '
+                                                          '(default results/runs.jsonl beside paper.py)')
+    budget.add_argument('--no-train', action='store_true',
+                        help='train nothing: rebuild from the records, leaving out the runs without one')
     budget.add_argument('--dataset', choices=['synthetic', 'imagefolder', *train.SMALL_DATASETS],
                         help='the data every run trains on (default fashion_mnist); with --checkpoints, the images '
                              'to measure on (default: each checkpoint\'s own)')
@@ -1687,6 +2203,9 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true',
                    help=f'{QUICK_SEEDS} seeds of {len(QUICK)} experiments: {", ".join(QUICK)}')
     p.add_argument('--only', nargs='+', metavar='NAME', help='these experiments only')
+    p.add_argument('--claims', action='store_true', help=f'the claim rows ({CLAIM_SEEDS} seeds) and their floors')
+    p.add_argument('--pilot', action='store_true', help=f'seed 0 of {" and ".join(PILOT)} at this budget, then every '
+                   f'budget recorded for them beside the linear read-out')
     p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N', help=f'seeds (0, 1, ...): N for every table, TABLE=N '
                    f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')
     p = sub.add_parser('recall', parents=[common], help='associative recall (MQAR): softmax, linear and causal InLine')

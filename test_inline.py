@@ -11,6 +11,7 @@ meta device, where shapes and FLOP counts cost no memory.
 import argparse
 import contextlib
 import functools
+import glob
 import gzip
 import hashlib
 import json
@@ -20,9 +21,11 @@ import re
 import signal
 import socket
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
+import types
 import warnings
 
 import numpy as np
@@ -1570,13 +1573,14 @@ def test_the_committed_recall_results_cover_the_default_run():
     assert not missing, f"{len(missing)} runs missing, e.g. {missing[:3]}"
 
 
-def test_injectivity_verdict_words():
-    assert paper.injectivity_verdict([10.0, 12.0, 11.0])[2] == 'reproduced'
-    assert paper.injectivity_verdict([-10.0, -12.0, -11.0])[2] == 'contradicted'
-    assert paper.injectivity_verdict([10.0, -12.0, 1.0])[2] == 'not resolved'
-    assert paper.injectivity_verdict([0.0, 0.0, 0.0])[2] == 'not resolved'  # both at 100 %, say
-    mean, half, _ = paper.injectivity_verdict([1.0, 2.0, 3.0])
-    assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-9
+def test_recall_verdict_reads_injectivity_as_a_claimed_ordering():
+    """InLine minus division, seed by seed: the ablations' verdict with "InLine above" as the paper's side."""
+    assert paper.verdict([10.0, 12.0, 11.0], paper.RECALL_CLAIM) == 'reproduced'
+    assert paper.verdict([-10.0, -12.0, -11.0], paper.RECALL_CLAIM) == 'contradicted'
+    assert paper.verdict([10.0, -12.0, 1.0], paper.RECALL_CLAIM) == 'not resolved'
+    assert paper.verdict([0.0, 0.0, 0.0], paper.RECALL_CLAIM) == 'not resolved'  # both at 100 %, say
+    mean, half = paper.interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2518,6 +2522,23 @@ def test_paper_locality_and_maps_commands(tmp_path):
     assert_png(tmp_path / 'maps.png', (400, 500))
 
 
+def test_paper_locality_keeps_its_measurements_beside_the_records(tmp_path, monkeypatch):
+    """F4 of a run's checkpoint is measured once, trained and untrained, and kept in results/locality.jsonl: with
+    the checkpoint gone the same table comes back from the file; a checkpoint that is neither here nor measured
+    is a clear error."""
+    ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
+    monkeypatch.setattr(paper, 'checkpoints', lambda args, seeds=1: {'InLine': [('run-0', ours), ('run-1', ours)]})
+    argv = ['locality', '--images', '4', '--out', str(tmp_path), '--results', str(tmp_path / 'r' / 'runs.jsonl')]
+    first, _ = paper.main(argv)
+    assert sorted(first) == ['InLine', 'InLine, untrained'] and len(first['InLine']) == 2
+    os.remove(ours)
+    again, _ = paper.main(argv)
+    assert all(torch.equal(a[k], b[k]) for x, y in zip(first['InLine'], again['InLine']) for a, b in zip(x, y)
+               for k in a)
+    with pytest.raises(SystemExit):
+        paper.main(argv[:2] + ['8'] + argv[3:])  # 8 images: not measured, and the checkpoint is gone
+
+
 def test_paper_measures_on_the_data_a_checkpoint_was_trained_on(tmp_path):
     """A checkpoint trained on Fashion-MNIST is measured on Fashion-MNIST's test images (its stored arguments),
     not on the synthetic task; --dataset/--data-path choose other images."""
@@ -2617,49 +2638,213 @@ def fake_run(path, accs, epochs):
         f.writelines(json.dumps({'epoch': e + 1, 'val_acc1': acc}) + '\n' for e, acc in enumerate(accs[:epochs]))
 
 
-def test_paper_ablations_reuse_finished_runs_and_train_the_rest(tmp_path, monkeypatch, capsys):
-    """Finished runs are read, not retrained; an unfinished one is handed to train.py, with the experiment's
-    miniature and its data on its command line; the table compares each row with its reference, seed by seed,
-    in the three words; the learning curves are drawn."""
+class FakeTrain:
+    """train.py stand-in for subprocess.Popen: records the command line and writes a finished run into its
+    folder, top-1 `acc(seed, argv)` at the last epoch."""
+    def __init__(self, acc=lambda seed, argv: 60.0 + seed):
+        self.launched, self.acc = [], acc
+
+    def __call__(self, argv, **kwargs):
+        self.launched.append(argv)
+        seed, epochs = int(argv[argv.index('--seed') + 1]), int(argv[argv.index('--epochs') + 1])
+        fake_run(argv[argv.index('--output-dir') + 1], [50.0] * (epochs - 1) + [self.acc(seed, argv)], epochs)
+        return types.SimpleNamespace(returncode=0, poll=lambda: 0, terminate=lambda: None, wait=lambda: 0)
+
+
+def fake_record(run, acc):
+    """A finished run's record, as train_runs writes it."""
+    return dict(run._asdict(), argv=['train.py', *run.argv], state='done', cpu_min=1.0, wall_min=1.0,
+                epochs=[{'epoch': run.recipe['epochs'], 'val_acc1': acc}], machine={'cpu': 'test'}, finished='')
+
+
+def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch, capsys):
+    """Runs with a record are read, not retrained; the others go to train.py with the experiment's miniature, its
+    data and its precision on the command line, and append their records; the tables compare seed by seed, with
+    the MDE, Holm's verdict and the linear read-out's floor; --no-train rebuilds the same tables from the records
+    alone, and the learning curves are drawn."""
     os.makedirs(tmp_path / 'fm')
     write_fashion_mnist(str(tmp_path / 'fm'))
     chosen = {n: models.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q')}
     monkeypatch.setattr(paper, 'experiments', lambda: chosen)
+    results = str(tmp_path / 'runs.jsonl')
     args = ['ablations', '--only', *chosen, '--seeds', 'T1=3', '--epochs', '2', '--train-images', '64', '--jobs', '1',
-            '--data-path', str(tmp_path / 'fm'), '--out', str(tmp_path)]
-    launched = []
-
-    class Popen:  # train.py stand-in: records the command line, writes a finished run
-        def __init__(self, argv, **kwargs):
-            launched.append(argv)
-            seed = int(argv[argv.index('--seed') + 1])
-            fake_run(argv[argv.index('--output-dir') + 1], [50.0, 60.0 + seed], 2)
-            self.returncode = 0
-
-        def poll(self):
-            return 0
-
-    monkeypatch.setattr(paper.subprocess, 'Popen', Popen)
-    ns = argparse.Namespace(epochs=2, train_images=64, dataset='fashion_mnist', data_path=str(tmp_path / 'fm'))
-    argv0 = paper.ablation_argv('t1_softmax', chosen['t1_softmax'], 0, ns)
-    for seed, acc in ((0, 70.0), (1, 72.0), (2, 71.0)):  # softmax: every seed already finished
-        fake_run(paper.run_dir(str(tmp_path), f't1_softmax-seed{seed}',
-                               paper.ablation_argv('t1_softmax', chosen['t1_softmax'], seed, ns)), [1.0, acc], 2)
-    rows = paper.main(args)
-    assert len(launched) == 3 and all('t1_softmax_normalised_q' in a for a in launched)  # only the unfinished
+            '--data-path', str(tmp_path / 'fm'), '--out', str(tmp_path), '--results', results]
+    fake = FakeTrain()
+    monkeypatch.setattr(paper.subprocess, 'Popen', fake)
+    ns = argparse.Namespace(epochs=2, train_images=64, dataset='fashion_mnist', data_path=str(tmp_path / 'fm'),
+                            device='cpu')
+    for seed, acc in ((0, 70.0), (1, 72.0), (2, 71.0)):  # softmax: every seed has its record
+        paper.append_record(results, fake_record(paper.make_run('t1_softmax', chosen['t1_softmax'], seed, ns), acc))
+    configs, rows = paper.main(args)
+    assert len(fake.launched) == 3 and all('t1_softmax_normalised_q' in a for a in fake.launched)
+    argv0 = paper.make_run('t1_softmax', chosen['t1_softmax'], 0, ns).argv
     assert argv0[:2] == ['--experiment', 't1_softmax'] and 'num_heads=1' in argv0  # 3 heads x 1/3: head dim 64
     assert argv0[argv0.index('--dataset'):argv0.index('--dataset') + 6] == [
         '--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'), '--train-subset', '64']
-    # per-seed differences -10, -11, -9: mean -10, sd 1, half-width 4.303 / sqrt(3) = 2.48
-    assert rows[0][:6] == ['T1', 't1_softmax', rows[0][2], '71.0 ± 1.0 (3)', '72.2', '(reference)']
-    assert rows[1][3:] == ['61.0 ± 1.0 (3)', '70.6 / 69.9', 't1_softmax', '-10.0 [-12.5, -7.5]', '±2.5', '7',
-                           'reproduced']
-    assert 'estimate for the 3 runs to do' in capsys.readouterr().out
+    assert argv0[argv0.index('--amp') + 1] == paper.PRECISION['cpu']  # explicit, never train.py's default
+    assert configs[0][0].startswith('linear read-out') and configs[1][3] == '71.0 ± 1.0 (3)'
+    # per-seed differences -10, -11, -9: mean -10, sd 1; half-width 4.303 / sqrt(3) = 2.48; MDE (4.303 + 1.061) /
+    # sqrt(3) = 3.10; 10 seeds bring the MDE under 1 point; one comparison, so Holm's p is its own
+    assert rows == [['T1', 't1_softmax_normalised_q − t1_softmax', '70.6 / 69.9 vs 72.2', '-10.0 [-12.5, -7.5]',
+                     '3.1', '10', rows[0][6], 'reproduced', 'reproduced']]
+    assert float(rows[0][6]) < 0.01
+    records = paper.read_records(results)
+    assert len(records) == 7  # 6 runs and the linear read-out
+    assert all(r['cpu_min'] >= 0 and r['machine'] for r in records.values())
+    assert 'estimate for the 3 runs without a record' in capsys.readouterr().out
     assert_png(tmp_path / 'ablations.png', (300, 200))
     assert_png(tmp_path / 'curves.png', (300, 200))
-    launched.clear()
-    paper.main(args)
-    assert launched == []  # everything cached now
+    fake.launched.clear()
+    assert paper.main(args + ['--no-train']) == (configs, rows)
+    assert fake.launched == []
+
+
+def test_paper_device_cuda_is_refused_without_a_gpu(tmp_path, capsys):
+    """--device cuda says plainly that there is no GPU here, before any run; nothing trains."""
+    if torch.cuda.is_available():
+        pytest.skip('a GPU is here: test_paper_device_cuda_plans_the_converging_scale covers it')
+    with pytest.raises(SystemExit):
+        paper.main(['ablations', '--quick', '--device', 'cuda', '--dataset', 'synthetic', '--out', str(tmp_path),
+                    '--results', str(tmp_path / 'runs.jsonl')])
+    assert '--device cuda: torch sees no CUDA device' in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_paper_device_cuda_plans_the_converging_scale():
+    """On a GPU the same experiments get BUDGET['cuda']: every training image, epochs until flat, bf16, a
+    validation every epoch; a recipe of its own, so its records never mix with the CPU's."""
+    ns = argparse.Namespace(epochs=None, train_images=None, device='cuda', dataset='fashion_mnist', data_path='x')
+    paper.resolve_budget(ns)
+    every = paper.experiments()
+    run = paper.make_run('r_residual_local', every['r_residual_local'], 0, ns)
+    assert (ns.train_images, ns.epochs) == (60_000, paper.BUDGET['cuda']['epochs'])
+    assert run.recipe['device'] == 'cuda' and run.recipe['val_every'] == 1 and '--amp' in run.argv
+    cpu = paper.make_run('r_residual_local', every['r_residual_local'], 0, argparse.Namespace(**{**vars(ns), 'device': 'cpu'}))
+    assert cpu.key() != run.key()
+
+
+def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch):
+    """Two comparisons each reproduced on its own (p 0.035 and 0.046, under 5%) are both not resolved under Holm
+    (0.035 x 2 = 0.07); a configuration two tables share is one row of the first table; each comparison row
+    carries its MDE at 80% power."""
+    os.makedirs(tmp_path / 'fm')
+    write_fashion_mnist(str(tmp_path / 'fm'))
+    chosen = {n: models.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q', 's_deit_t')}
+    chosen['inline_deit_t'] = paper.experiments()['inline_deit_t']
+    monkeypatch.setattr(paper, 'experiments', lambda: chosen)
+    offset = {'t1_softmax_normalised_q': (-4.0, -3.0, -2.0), 'inline_deit_t': (4.5, 3.25, 2.0)}
+
+    def acc(seed, argv):  # softmax (t1_softmax = s_deit_t) 70 at every seed; the others offset from it
+        name = argv[argv.index('--experiment') + 1] if '--experiment' in argv else argv[argv.index('--model') + 1]
+        return 70.0 + offset.get(name, (0.0, 0.0, 0.0))[seed]
+    monkeypatch.setattr(paper.subprocess, 'Popen', FakeTrain(acc))
+    configs, rows = paper.main(['ablations', '--only', *chosen, '--seeds', '3', '--epochs', '2', '--train-images', '64',
+                                '--jobs', '1', '--data-path', str(tmp_path / 'fm'), '--out', str(tmp_path),
+                                '--results', str(tmp_path / 'runs.jsonl')])
+    assert [c[0] for c in configs[1:]] == ['t1_softmax = s_deit_t', 't1_softmax_normalised_q *', 'inline_deit_t']
+    assert [c[1] for c in configs[1:]] == ['T1, S', 'T1', 'S']
+    assert [r[1] for r in rows] == ['t1_softmax_normalised_q − t1_softmax', 's_deit_t − inline_deit_t']
+    assert [float(r[6]) for r in rows] == pytest.approx([0.0352, 0.0459], abs=5e-4)
+    assert [(r[7], r[8]) for r in rows] == [('reproduced', 'not resolved')] * 2
+    assert [r[4] for r in rows] == [f'{paper.mde([-4.0, -3.0, -2.0]):.1f}', f'{paper.mde([-4.5, -3.25, -2.0]):.1f}']
+
+
+def test_paper_sigterm_stops_the_runs_and_keeps_their_cpu_time(tmp_path):
+    """paper.py stopped by SIGTERM stops the train.py it runs (here a stand-in that sleeps) and adds their CPU and
+    wall time to the run's cpu.json before it exits, so a resumed run's record counts every attempt."""
+    out = str(tmp_path)
+    code = ('import argparse, subprocess, sys, paper\n'
+            'real = subprocess.Popen\n'
+            'subprocess.Popen = lambda argv, **kw: real([sys.executable, "-c", "import time\\nwhile True: sum(range(9999))"],'
+            ' pass_fds=kw["pass_fds"])\n'
+            f'run = paper.Run("x", "config", {{"epochs": 1}}, 0, ["--seed", "0"])\n'
+            f'open({out!r} + "/started", "w").close()\n'
+            f'paper.train_runs([run], argparse.Namespace(jobs=1, results={out!r} + "/runs.jsonl", no_train=False, '
+            f'device="cpu", out={out!r}))\n')
+    proc = subprocess.Popen([sys.executable, '-c', code], cwd=os.path.dirname(paper.__file__))
+    deadline = time.time() + 60
+    while not glob_one(os.path.join(out, 'runs', 'x-seed0-*', 'train.log')) and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # the stand-in spends some CPU
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    spent = json.load(open(os.path.join(glob_one(os.path.join(out, 'runs', 'x-seed0-*')), 'cpu.json')))
+    assert spent['cpu_s'] > 0.2 and spent['wall_s'] > 0.5
+    assert not os.path.exists(os.path.join(out, 'runs.jsonl'))  # not finished: no record
+
+
+def glob_one(pattern):
+    found = glob.glob(pattern)
+    return found[0] if found else None
+
+
+def test_paper_pilot_table_takes_the_budgets_from_the_records(tmp_path):
+    """--pilot's table: every budget recorded for seed 0 of R-res's pair, cheapest first, beside the linear
+    read-out's record of the same images; a budget clears when both models are FLOOR_MARGIN over it."""
+    results = str(tmp_path / 'runs.jsonl')
+    every = paper.experiments()
+    for images, epochs, accs in ((60, 2, (84.0, 82.5)), (30, 2, (70.0, 75.0))):
+        ns = argparse.Namespace(epochs=epochs, train_images=images, dataset='fashion_mnist', data_path='x',
+                                device='cpu')
+        for name, acc in zip(paper.PILOT, accs):
+            paper.append_record(results, fake_record(paper.make_run(name, every[name], 0, ns), acc))
+        paper.append_record(results, dict(name='ridge', config='linear read-out of the pixels (ridge)', seed=0,
+                                          recipe=dict(dataset='fashion_mnist', train_images=images), state='done',
+                                          epochs=[{'epoch': 1, 'val_acc1': 80.0 if images == 60 else 66.0}]))
+    args = argparse.Namespace(results=results, device='cpu', dataset='fashion_mnist', data_path=str(tmp_path / 'no'))
+    rows = paper.pilot_table(args, every)
+    assert [r[0] for r in rows] == ['30', '60'] and [r[-1] for r in rows] == ['yes', 'no']  # 82.5 < 80.0 + 3
+    assert rows[1][4:6] == ['84.0', '82.5'] and rows[1][-2] == '80.0'
+
+
+def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, capsys):
+    """The record store: one JSON line per run, appended; the first record of a run counts (a second is ignored);
+    a run of another recipe or seed is another record; a line that is not a record stops with its number."""
+    path = str(tmp_path / 'r' / 'runs.jsonl')
+    assert paper.read_records(path) == {}
+    run = paper.Run('x', 'config', {'epochs': 2}, 0, ['--seed', '0'])
+    paper.append_record(path, fake_record(run, 50.0))
+    paper.append_record(path, fake_record(run, 99.0))
+    paper.append_record(path, fake_record(run._replace(recipe={'epochs': 3}), 60.0))
+    paper.append_record(path, fake_record(run._replace(seed=1), 70.0))
+    found = paper.read_records(path)
+    assert len(found) == 3 and found[run.key()]['epochs'][-1]['val_acc1'] == 50.0
+    with open(path, 'a') as f:
+        f.write('{"not": "a record"}\n')
+    with pytest.raises(SystemExit):
+        paper.read_records(path)
+    assert 'line 5, is not a record' in capsys.readouterr().err
+
+
+def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
+    """A run's lock is exclusive, and the train.py process inherits it: it holds after the parent lets go. A
+    command that finds a run locked trains the others, waits for it, and takes its record without training it."""
+    folder = str(tmp_path / 'run')
+    fd = paper.lock_run(folder)
+    assert fd is not None and paper.lock_run(folder) is None
+    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1.5)'], pass_fds=(fd,))
+    os.close(fd)
+    assert paper.lock_run(folder) is None  # the child still holds it
+    child.wait()
+    again = paper.lock_run(folder)
+    assert again is not None
+    os.close(again)
+
+    results = str(tmp_path / 'runs.jsonl')
+    runs = [paper.Run(f'x{i}', 'config', {'epochs': 1}, i, ['--epochs', '1', '--seed', str(i)]) for i in range(2)]
+    other = runs[0].folder(str(tmp_path))  # another command trains run 0: it holds the lock, then records it
+    code = (f'import paper, json, time, os; fd = paper.lock_run({other!r}); open({other!r} + "/held", "w").close(); '
+            f'time.sleep(2); paper.append_record({results!r}, json.loads({json.dumps(json.dumps(fake_record(runs[0], 42.0)))}))')
+    holder = subprocess.Popen([sys.executable, '-c', code], cwd=os.path.dirname(paper.__file__))
+    while not os.path.exists(os.path.join(other, 'held')):
+        time.sleep(0.05)
+    fake = FakeTrain()
+    monkeypatch.setattr(paper.subprocess, 'Popen', fake)
+    done = paper.train_runs(runs, argparse.Namespace(jobs=1, results=results, no_train=False, device='cpu',
+                                                     out=str(tmp_path)))
+    holder.wait()
+    assert [a[a.index('--seed') + 1] for a in fake.launched] == ['1']  # run 0 was left to its holder
+    assert done[runs[0].key()]['epochs'][-1]['val_acc1'] == 42.0 and runs[1].key() in done
 
 
 def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
@@ -2668,13 +2853,14 @@ def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
     root = str(tmp_path / 'data')
     write_image_folder(root, {'train': 2, 'val': 1})
     ns = argparse.Namespace(out=str(tmp_path), epochs=2, train_images=3, dataset='imagefolder', data_path=root,
-                            download=False)
+                            download=False, device='cpu')
     paper.resolve_data(ns)
-    run = resolved(paper.ablation_argv('inline_deit_t', paper.experiments()['inline_deit_t'], 0, ns))
+    run = resolved(paper.make_run('inline_deit_t', paper.experiments()['inline_deit_t'], 0, ns).argv)
     a = run.args
     assert (a.dataset, a.train_subset, a.epochs, a.accum_steps, a.ema_decay) == ('imagefolder', 3, 2, 1, 0.0)
-    assert {k: getattr(a, k) for k in train.SMALL if k != 'epochs'} == {k: v for k, v in train.SMALL.items()
-                                                                      if k != 'epochs'}
+    assert {k: getattr(a, k) for k in train.SMALL if k not in ('epochs', 'warmup_epochs')} == {
+        k: v for k, v in train.SMALL.items() if k not in ('epochs', 'warmup_epochs')}
+    assert a.warmup_epochs == round(2 / 12, 3)  # the budget's: 1/12 of the epochs
     assert len(train.load_data(a)[0]) == 3
     assert paper.chance(ns) == 50.0  # a diverged run counts as a guess among the folder's two classes
 
@@ -2695,12 +2881,12 @@ def test_paper_distinct_configurations_never_share_a_run():
     """Two different models never get the same train.py command line, so never the same run folder: the
     experiments outside models.EXPERIMENTS (the released InLine variants, F4's DeiTs) carry their overrides."""
     every = {**paper.experiments(), **paper.F4_EXTRA}
-    ns = argparse.Namespace(epochs=1, train_images=8, dataset='synthetic')
+    ns = argparse.Namespace(epochs=1, train_images=8, dataset='synthetic', device='cpu')
     owner = {}
     for name, e in every.items():
-        argv = json.dumps(paper.ablation_argv(name, e, 0, ns))
+        argv = json.dumps(paper.make_run(name, e, 0, ns).argv)
         assert owner.setdefault(argv, paper.config_key(e)) == paper.config_key(e), name
-    assert "layout='L'" in paper.ablation_argv('deit_linear_relu', every['deit_linear_relu'], 0, ns)
+    assert "layout='L'" in paper.make_run('deit_linear_relu', every['deit_linear_relu'], 0, ns).argv
 
 
 def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, monkeypatch):
@@ -2708,24 +2894,15 @@ def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, mo
     the one of the registry's first name, so --only (or --quick) and the full run never train it twice."""
     every = {n: models.EXPERIMENTS[n] for n in ('t4_window56_residual', 'r_residual_local')}
     monkeypatch.setattr(paper, 'experiments', lambda: every)
-    launched = []
-
-    class Popen:
-        def __init__(self, argv, **kwargs):
-            launched.append(argv)
-            fake_run(argv[argv.index('--output-dir') + 1], [50.0], 1)
-            self.returncode = 0
-
-        def poll(self):
-            return 0
-
-    monkeypatch.setattr(paper.subprocess, 'Popen', Popen)
+    fake = FakeTrain()
+    monkeypatch.setattr(paper.subprocess, 'Popen', fake)
     common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--dataset', 'synthetic',
-              '--out', str(tmp_path)]
+              '--out', str(tmp_path), '--results', str(tmp_path / 'runs.jsonl')]
     paper.main(['ablations', '--only', 'r_residual_local', *common])
-    assert len(launched) == 1 and launched[0][launched[0].index('--experiment') + 1] == 't4_window56_residual'
+    assert len(fake.launched) == 1
+    assert fake.launched[0][fake.launched[0].index('--experiment') + 1] == 't4_window56_residual'
     paper.main(['ablations', '--only', 't4_window56_residual', *common])
-    assert len(launched) == 1  # cached
+    assert len(fake.launched) == 1  # recorded
 
 
 def test_paper_every_ablation_miniature_builds_and_runs():
@@ -2734,14 +2911,17 @@ def test_paper_every_ablation_miniature_builds_and_runs():
     torch.manual_seed(0)
     chosen = paper.experiments()
     for name, e in chosen.items():
-        model = models.create_model(e.model, img_size=paper.MINI_IMG, num_classes=10,
-                                    **{**e.overrides, **paper.mini_kwargs(e)})
-        assert model(torch.randn(1, 3, 64, 64)).shape == (1, 10), name
+        size = paper.MINI[paper.family(e)][0]
+        model = models.create_model(e.model, img_size=size, num_classes=10, **{**e.overrides, **paper.mini_kwargs(e)})
+        assert model(torch.randn(1, 3, size, size)).shape == (1, 10), name
     keys = {name: paper.config_key(e) for name, e in chosen.items()}
     assert keys['r_residual_local'] == keys['t10_kernel_identity'] == keys['inline_swin_t'] == keys['r_dilation1']
     assert keys['t4_window56_no_residual'] == keys['r_residual_none'] == keys['t3_inline_identity']
     assert keys['t4_window28_residual'] != keys['t4_window56_residual'] != keys['t4_window56_no_residual']
     assert paper.mini_kwargs(chosen['t4_window7_residual'])['window'] == 2  # 7/56 of the 16x16 stage 1
+    assert paper.untestable(chosen['t4_window7_residual']) and not paper.untestable(chosen['t4_window14_residual'])
+    assert keys['floor_swin'] != keys['r_residual_none_no_ape']  # phi = 0: the same shapes, another model
+    assert paper.MINI['deit'][0] // paper.MINI['deit'][2]['patch_size'] == 8  # DeiT's 8x8 grid
 
 
 def test_paper_matched_row_has_eq6s_parameter_count_and_runs_of_its_own():
@@ -2752,9 +2932,7 @@ def test_paper_matched_row_has_eq6s_parameter_count_and_runs_of_its_own():
     matched, local, none = (every[n] for n in ('r_residual_none_matched', 'r_residual_local', 'r_residual_none'))
     counts = {}
     for name, e in (('matched', matched), ('local', local), ('none', none)):
-        with torch.device('meta'):
-            model = models.create_model(e.model, img_size=paper.MINI_IMG, num_classes=10,
-                                        **{**e.overrides, **paper.mini_kwargs(e)})
+        model = paper.miniature(e)
         counts[name] = sum(p.numel() for p in model.parameters())
         if name == 'matched':
             assert model.options['residual'] == 'none' and matched.overrides['mlp_ratio'] > 4
@@ -2763,7 +2941,7 @@ def test_paper_matched_row_has_eq6s_parameter_count_and_runs_of_its_own():
     assert counts['local'] - counts['none'] > 100_000  # Eq. 6's MLPs: the gap the widening closes
     assert abs(counts['matched'] - counts['local']) < 1e-3 * counts['local']
     assert paper.config_key(matched) != paper.config_key(none)
-    assert paper.reference('r_residual_none_matched', 'R-res') == 'r_residual_local'
+    assert (('R-res',), 'r_residual_none_matched', 'r_residual_local') in paper.comparisons(every)
     assert paper.paper_claim('r_residual_none_matched', 'r_residual_local', every)[1] == -2.2
 
 
@@ -2776,9 +2954,24 @@ def student_t_cdf_above_0(t, df, steps=20_000):
 
 
 @pytest.mark.parametrize('df', [1, 2, 3, 4, 5, 9, 10, 29, 30, 31, 45, 60, 120, 1000])
-def test_t_quantile_is_student_t_at_95_percent(df):
-    """paper.t975(df) leaves 2.5% above it: its table (to 30) and its expansion (beyond) against the density itself."""
-    assert student_t_cdf_above_0(paper.t975(df), df) == pytest.approx(0.475, abs=2e-5)
+@pytest.mark.parametrize('p', [0.8, 0.975])
+def test_t_quantile_against_the_density_itself(df, p):
+    """paper.t_quantile(p, df) leaves 1 - p above it: against Simpson's rule on Student's t density."""
+    assert student_t_cdf_above_0(paper.t_quantile(p, df), df) == pytest.approx(p - 0.5, abs=2e-5)
+
+
+def test_t_distribution_against_published_values():
+    """Quantiles from the published t table (3 decimals) and CDF values in closed form: df = 1 is Cauchy's,
+    1/2 + atan(t)/pi; df = 2 is 1/2 + t / (2 sqrt(2 + t^2))."""
+    for p, df, table in ((0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 4, 2.776), (0.975, 10, 2.228),
+                         (0.975, 30, 2.042), (0.8, 2, 1.061), (0.8, 4, 0.941), (0.8, 9, 0.883), (0.9, 20, 1.325),
+                         (0.995, 5, 4.032), (0.95, 5, 2.015)):
+        assert round(paper.t_quantile(p, df), 3) == table, (p, df)
+        assert paper.t_quantile(1 - p, df) == pytest.approx(-table, abs=1e-3)
+    for t in (-3.0, -0.5, 0.0, 1.0, 2.0, 7.5):
+        assert paper.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)
+        assert paper.t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
+    assert paper.t_cdf(1.959964, 10 ** 6) == pytest.approx(0.975, abs=1e-5)  # the normal's, in the limit
 
 
 @pytest.mark.parametrize('diffs,paper_diff,expected', [  # per-seed differences (row minus reference), the paper's
@@ -2789,10 +2982,11 @@ def test_t_quantile_is_student_t_at_95_percent(df):
     ([0.5, 2.0, 0.1], 1.0, 'not resolved'),  # the same sign on every seed, but +-2.5 at 3 seeds (t = 4.30, not 2)
     ([1, 1, 1], 2.4, 'reproduced'),  # the seeds spread top-1 widely, yet each gains 1: paired
     ([-60, -58, -63], float('-inf'), 'reproduced'),  # 'does not converge' against a number
-    ([0.1, -0.1, 0.0, 0.2, -0.2], 0.1, 'reproduced'),  # a paper tie: the whole interval within +-MARGIN
+    ([0.1, -0.1, 0.0, 0.2, -0.2], 0.1, 'reproduced'),  # a paper tie: TOST, the whole interval within +-MARGIN
     ([5, 5.5, 4.5], 0.0, 'contradicted'),  # ... wholly outside it
     ([0.5, 1.5, 1.0], 0.1, 'not resolved'),  # ... neither: [-0.24, 2.24]
     ([-2, 2, 0], 0.2000000000000028, 'not resolved'),  # a tie as printed; no power is not agreement
+    ([0.0, 0.0, 0.0], 0.0, 'reproduced'),  # no spread at all: inside the margin for certain
     ([5], -1.6, 'not resolved'),  # one seed: no interval
     ([-10, -9, -11], None, '—')])
 def test_paper_verdict_rules(diffs, paper_diff, expected):
@@ -2800,12 +2994,40 @@ def test_paper_verdict_rules(diffs, paper_diff, expected):
     assert expected in paper.WORDS + ('—',)
 
 
-def test_paper_interval_and_seeds_to_resolve_a_point():
+def test_paper_p_values_agree_with_the_interval():
+    """Each verdict's p crosses 0.05 exactly where its interval rule flips: the paired t-test where the 95%
+    interval's edge reaches 0; TOST (2.5% a side, doubled) where its edge reaches the margin."""
+    for shift in (-0.02, 0.02):
+        diffs = [1.0, 2.0, 3.0]
+        mean, half = paper.interval(diffs)
+        moved = [d - mean + half + shift for d in diffs]  # the interval's lower edge at +shift
+        assert (paper.p_values(moved, 1.5)[0] < 0.05) == (shift > 0)
+        diffs = [0.1, 0.2, 0.3]  # sd 0.1: an interval narrow enough to fit inside +-MARGIN
+        mean, half = paper.interval(diffs)
+        tie = [d - mean + paper.MARGIN - half - shift for d in diffs]  # its upper edge at MARGIN - shift
+        assert (paper.p_values(tie, 0.0)[0] < 0.05) == (shift > 0)
+
+
+def test_paper_interval_mde_and_seeds_for_power():
+    """The interval, the minimum detectable effect at 80% power and the seeds it takes, against the t table; the
+    MDE against a simulation: a true effect of that size is caught about 80% of the time."""
     mean, half = paper.interval([1.0, 2.0, 3.0])  # sd 1, 3 seeds: 4.303 / sqrt(3)
-    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3))
-    assert paper.interval([1.0])[1] == math.inf
-    # sd 1: t(5) / sqrt(6) = 1.05 > 1, t(6) / sqrt(7) = 0.92: seven seeds resolve 1 point
-    assert paper.seeds_for([1.0, 2.0, 3.0]) == 7 and paper.seeds_for([1.0]) is None
+    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
+    assert paper.interval([1.0])[1] == math.inf and paper.mde([1.0]) == math.inf
+    assert paper.mde([1.0, 2.0, 3.0]) == pytest.approx((4.303 + 1.061) / math.sqrt(3), abs=1e-3)
+    # sd 1: (t_0.975,8 + t_0.8,8) / 3 = (2.306 + 0.889) / 3 = 1.065; (2.262 + 0.883) / sqrt(10) = 0.995
+    assert paper.seeds_for([1.0, 2.0, 3.0]) == 10 and paper.seeds_for([1.0]) is None
+    g = np.random.default_rng(0)
+    n, effect = 5, paper.mde([-1.0, -0.5, 0.0, 0.5, 1.0]) / math.sqrt(statistics.variance([-1, -0.5, 0, 0.5, 1]))
+    sims = g.standard_normal((20_000, n)) + effect  # sd 1, true mean = the MDE at sd 1
+    t = sims.mean(1) / (sims.std(1, ddof=1) / math.sqrt(n))
+    assert abs(t).__gt__(paper.t_quantile(0.975, n - 1)).mean() == pytest.approx(0.8, abs=0.03)
+
+
+def test_paper_holm_adjusts_against_a_worked_example():
+    """Holm: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 -> 0.02, 0.03, 0.06, 0.04, kept increasing -> 0.06."""
+    assert paper.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert paper.holm([0.5, 0.9]) == [1.0, 1.0] and paper.holm([]) == []
 
 
 def test_paper_seeds_per_table(capsys):

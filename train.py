@@ -404,12 +404,18 @@ def load_data(args):
     train_set, val_set = found
     if train_set.classes != val_set.classes:
         fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; they must match')
-    if args.train_subset and args.train_subset < len(train_set):  # the same images whatever --seed
-        keep = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0))[:args.train_subset]
-        train_set, train_set.classes = Subset(train_set, keep.tolist()), train_set.classes
+    if args.train_subset and args.train_subset < len(train_set):
+        train_set, train_set.classes = Subset(train_set, subset_indices(len(train_set), args.train_subset)), \
+            train_set.classes
     print0(f'data: {args.dataset} in {root}, {len(train_set.classes)} classes, {len(train_set):,} training and '
            f'{len(val_set):,} validation images, {args.img_size} px')
     return train_set, val_set
+
+
+def subset_indices(total, size):
+    """--train-subset's images: the first `size` of one fixed random order of the `total` (the same whatever
+    --seed, and a larger subset holds every smaller one)."""
+    return torch.randperm(total, generator=torch.Generator().manual_seed(0))[:size].tolist()
 
 
 class ResumableSampler(DistributedSampler):
