@@ -1396,6 +1396,18 @@ def test_causal_module_never_looks_ahead(attention, kernel):
     assert attn.residual[2].out_channels == 3 * 24  # k = 3 taps per channel on a sequence, not k^2
 
 
+def test_readme_decoder_block_never_looks_ahead():
+    """The README's decoder block, run as written: (B, N, C) in and out, and no output sees a later token."""
+    scope = {}
+    exec(readme_block('## InLine on sequences'), scope)
+    torch.manual_seed(0)
+    block = scope['DecoderBlock'](32, 4).double()
+    x = torch.randn(2, 19, 32, dtype=torch.float64)
+    assert block(x).shape == x.shape
+    for j in (0, 9, 18):
+        no_look_ahead(block, x, j)
+
+
 def test_sequence_modules_and_their_errors():
     """causal=True and sequence=True take (B, N, C) with no grid; the bidirectional one does look both ways; a grid
     module needs its grid; bad combinations are refused, saying what is allowed."""
