@@ -1585,6 +1585,16 @@ def test_the_committed_recall_results_cover_the_default_run():
     assert not missing, f"{len(missing)} runs missing, e.g. {missing[:3]}"
 
 
+def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys):
+    """RESULTS.md's claim tables are what `paper.py ablations --claims --no-train` prints from results/runs.jsonl,
+    line for line: the evidence cannot drift from its records."""
+    paper.main(['ablations', '--claims', '--no-train', '--out', str(tmp_path), '--png', str(tmp_path / 'a.png')])
+    tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
+    with open(os.path.join(os.path.dirname(paper.__file__), 'RESULTS.md')) as f:
+        results = f.read().splitlines()
+    assert len(tables) > 10 and [line for line in tables if line not in results] == []
+
+
 def test_recall_verdict_reads_injectivity_as_a_claimed_ordering():
     """InLine minus division, seed by seed: the ablations' verdict with "InLine above" as the paper's side."""
     assert paper.verdict([10.0, 12.0, 11.0], paper.RECALL_CLAIM) == 'reproduced'
