@@ -1980,7 +1980,7 @@ def short_sequence_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal
     """inline.inline_core through the explicit causal weights: at 20 to 40 tokens the N x N form costs a CPU the
     least (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same function
     (test_causal_forms_equal_the_explicit_weights)."""
-    o = inline.inline_weights(q, k, scale, causal) @ v  # Eq. 5, (B, H, N, D)
+    o = inline.inline_attention_quadratic(q, k, v, scale, causal)  # Eq. 5, (B, H, N, D)
     return o if r is None else o + inline.local_residual(v, r, grid, size, dilation, causal)  # Eq. 6
 
 
@@ -2026,25 +2026,9 @@ def recall_key(name, width, pairs, seed, steps, batch=RECALL_BATCH, lr=RECALL_LR
     return json.dumps([name, width, pairs, seed, steps, batch, lr])
 
 
-def read_recall(path):
-    """The finished runs in path, by recall_key; {} when there is no file yet."""
-    runs = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in filter(str.strip, f):
-                row = json.loads(line)
-                runs[recall_key(*(row[k] for k in ('model', 'width', 'pairs', 'seed', 'steps', 'batch', 'lr')))] = row
-    return runs
-
-
-def write_recall(path, runs):
-    """Every finished run, one JSON line each, written to a temporary file and renamed: nothing is lost mid-write."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + '.tmp', 'w') as f:
-        f.writelines(json.dumps(row) + '\n' for _, row in sorted(runs.items()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
+def recall_row_key(row):
+    """A stored run's recall_key, for read_records: the recall runs are records too, one JSON line each."""
+    return recall_key(*(row[k] for k in ('model', 'width', 'pairs', 'seed', 'steps', 'batch', 'lr')))
 
 
 RECALL_CLAIM = 1.0  # "injectivity helps recall", as verdict reads a paper's difference: InLine above division
@@ -2073,7 +2057,7 @@ def cmd_recall(args):
 
 def train_recall(plan, args):
     """Every run of plan, from args.results where it is there, else trained and added to it at once."""
-    runs = read_recall(args.results)
+    runs = read_records(args.results, key=recall_row_key)
     todo = [run for run in plan if recall_key(*run, args.steps) not in runs]
     factor = lambda name: next((f for key, f in RECALL_STEP_FACTOR.items() if key in name), 1.0)  # noqa: E731
     # 40 ms a step where a size was not measured
@@ -2084,7 +2068,7 @@ def train_recall(plan, args):
     for name, width, pairs, seed in tqdm(todo, desc='recall', disable=not todo):
         row = recall_run(name, width, pairs, seed, args.steps)
         runs[recall_key(name, width, pairs, seed, args.steps)] = row
-        write_recall(args.results, runs)
+        append_record(args.results, row)
         spent += row['cpu_s']
     if todo:
         print(f"trained {len(todo)} runs in {spent / 60:.1f} CPU-min (process CPU time)")

@@ -1579,7 +1579,7 @@ def test_paper_recall_keeps_finished_runs_and_trains_only_the_rest(tmp_path, mon
 def test_the_committed_recall_results_cover_the_default_run():
     """RESULTS.md's recall tables come from results/recall.jsonl: `python paper.py recall` finds every run of its
     default plan there and trains none."""
-    runs = paper.read_recall(paper.RECALL_RESULTS)
+    runs = paper.read_records(paper.RECALL_RESULTS, key=paper.recall_row_key)
     missing = [(n, w, p, s) for n in paper.RECALL_MODELS for w, p in paper.RECALL_SIZES
                for s in range(paper.RECALL_SEEDS) if paper.recall_key(n, w, p, s, paper.RECALL_STEPS) not in runs]
     assert not missing, f"{len(missing)} runs missing, e.g. {missing[:3]}"
