@@ -123,9 +123,9 @@ def inline_weights(q, k, scale=None, causal=False):
     return (s / N) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N  # Eq. 5, (B, H, N, N)
 
 
-def inline_attention_quadratic(q, k, v, scale=None):
-    """o_i = sum_j w_ij v_j with the explicit weights: O(N^2 D), for teaching and tests."""
-    return inline_weights(q, k, scale) @ v  # (B, H, N, D)
+def inline_attention_quadratic(q, k, v, scale=None, causal=False):
+    """o_i = sum_j w_ij v_j with the explicit weights (causal: over each prefix): O(N^2 D), for teaching and tests."""
+    return inline_weights(q, k, scale, causal) @ v  # (B, H, N, D)
 
 
 def inline_attention(q, k, v, scale=None, causal=False):

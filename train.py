@@ -165,8 +165,9 @@ def get_args_parser():
     a('--color-jitter', type=float, help='colour jitter strength (used only when RandAugment is off, as in timm)')
     a('--random-erase', type=float, help='random erasing probability (random per-pixel values)')
     a('--ema-decay', type=float, help='EMA decay per optimizer step, 0: off (CSwin: 0.9996^(total batch/4096))')
-    a('--amp', choices=['bf16', 'fp16', 'fp32'], help='autocast dtype (default, for training: bf16 on a GPU with bf16 '
-      'or a CPU with AMX, fp16 on other GPUs, else fp32; validation in fp32, as released, unless --amp is given)')
+    a('--amp', choices=['bf16', 'fp16', 'fp32'], help='autocast dtype (default, for training: the faster one here, '
+      'default_amp: bf16 on a GPU with bf16 or a CPU with AMX, fp16 on other GPUs, on a CPU with AVX-512 BF16 alone '
+      'bf16 if a probe finds it faster, else fp32; validation in fp32, as released, unless --amp is given)')
     a('--compile', action='store_true', help='torch.compile the model for training')
     a('--workers', type=int, help='data-loading processes per training process')
     a('--threads', type=int, help='CPU threads per process (default: this node\'s cores shared out among them)')
