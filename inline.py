@@ -54,6 +54,13 @@ class ReLUAffine(nn.Module):
         return F.relu(F.linear(x, self.weight, self.bias))  # (..., D) -> (..., D)
 
 
+def attention_scale(D):
+    """D^-1/2, the default scale s of q.k in Eq. 5 and in softmax, the paper's: the one place it is written. A scale
+    given instead may be a number or a tensor that broadcasts against (B, H, N, 1), such as a learnable per-head
+    temperature (1, H, 1, 1) (README, "Changing the method")."""
+    return D ** -0.5
+
+
 def get_kernel(name, head_dim=None):
     """The kernel function phi by name; 'relu_affine' is a module with parameters, built for head_dim."""
     if name not in KERNELS:
@@ -61,13 +68,23 @@ def get_kernel(name, head_dim=None):
     return ReLUAffine(head_dim) if name == 'relu_affine' else KERNELS[name]
 
 
-def check_grid(N, grid):
-    """The last h*w of the N tokens lie on the (h, w) grid; the N - h*w before them (P >= 0) do not."""
+def check_grid(N, grid, leading_tokens=None):
+    """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w. leading_tokens is what the module
+    declares (DeiT's class token: 1; Swin's windows, PVT and CSwin: 0), and any other N is an error; None (the
+    cores, whose module has checked): any P >= 0. grid must be a pair of positive whole numbers."""
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in grid)):
+        raise ValueError(f"grid must be a pair (h, w) of positive whole numbers, the token grid; got {grid!r}")
     h, w = grid
-    if h < 1 or w < 1 or N < h * w:
-        raise ValueError(f"{N} tokens cannot hold a {h}x{w} token grid: need N = P + h*w with P >= 0 "
-                         f"leading tokens (e.g. a class token) and h, w >= 1")
-    return N - h * w
+    if leading_tokens is None:
+        if N < h * w:
+            raise ValueError(f"{N} tokens cannot hold a {h}x{w} token grid of {h * w}")
+        return N - h * w
+    if N != leading_tokens + h * w:
+        raise ValueError(f"{N} tokens, but this attention declares {leading_tokens} leading token(s) (leading_tokens, "
+                         f"e.g. DeiT's class token) before its {h}x{w} grid: N must be {leading_tokens} + {h * w} = "
+                         f"{leading_tokens + h * w}")
+    return leading_tokens
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -76,7 +93,7 @@ def check_grid(N, grid):
 
 def softmax_attention(q, k, v, scale=None):
     """w_ij = exp(s q_i.k_j) / sum_t exp(s q_i.k_t). Injective, O(N^2)."""
-    s = q.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    s = attention_scale(q.shape[-1]) if scale is None else scale
     w = torch.softmax(s * q @ k.transpose(-2, -1), dim=-1)  # (B, H, N, N)
     return w @ v
 
@@ -113,7 +130,7 @@ def inline_weights(q, k, scale=None, causal=False):
     k_mean_i the mean of k_1..k_i; rows still sum to 1, and w is injective in q_i for the same reason.
     """
     N = q.shape[2]
-    s = q.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    s = attention_scale(q.shape[-1]) if scale is None else scale
     if causal:
         n = torch.arange(1, N + 1, dtype=q.dtype, device=q.device)[:, None]  # (N, 1): the count i of row i
         k_mean = k.cumsum(2) / n  # (B, H, N, D): k_mean_i
@@ -139,7 +156,7 @@ def inline_attention(q, k, v, scale=None, causal=False):
     causal: the same over each prefix, o_i = s q_i^T Cov_i + v_mean_i, from prefix sums of k v^T, k and v (below).
     """
     N = q.shape[2]
-    s = q.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    s = attention_scale(q.shape[-1]) if scale is None else scale
     if causal:
         # Cov_i = (1/i) sum_{j<=i} k_j v_j^T - k_mean_i v_mean_i^T: the uncentred form, since centring on a mean that
         # moves with i would revisit every earlier token. Its subtraction cancels the leading digits the means
@@ -179,7 +196,7 @@ def inline_chunked(q, k, v, scale=None, state=None, chunk=64):
     prefix sums. state: inline_step's, the tokens before these (None: none), so a sequence goes on where a call
     stopped. Returns o (B, H, N, D) and the state after the last token. Sums in fp32, as in inline_attention."""
     B, H, N, D = q.shape
-    s = D ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    s = attention_scale(D) if scale is None else scale
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     zeros = torch.zeros(B, H, D, D, dtype=acc, device=q.device)  # (B, H, D, D)
     kv, k_sum, v_sum, count = state if state is not None else (zeros, zeros[..., 0], zeros[..., 0], 0)
@@ -196,7 +213,7 @@ def inline_step(q_t, k_t, v_t, state=None, scale=None):
     """One token of causal Eq. 5, for generation: q_t, k_t, v_t (B, H, D) -> o_t (B, H, D) and the state after it,
     (sum k v^T (B, H, D, D), sum k (B, H, D), sum v (B, H, D), count): one size however long the sequence, and
     inline_chunked's; None starts a sequence. Sums in fp32, as in inline_attention."""
-    s = q_t.shape[-1] ** -0.5 if scale is None else scale  # D^-1/2 unless given
+    s = attention_scale(q_t.shape[-1]) if scale is None else scale
     dtype, acc = q_t.dtype, torch.promote_types(q_t.dtype, torch.float32)
     kv, k_sum, v_sum, count = state if state is not None else (0, 0, 0, 0)
     q_t, k_t, v_t = q_t.to(acc), k_t.to(acc), v_t.to(acc)
@@ -211,9 +228,10 @@ def inline_step(q_t, k_t, v_t, state=None, scale=None):
 # The local attention residual, Eq. 6: o_i += sum_t r_t v_{N_t(i)} over the k x k neighbourhood of token i
 
 RESIDUALS = ('local', 'plain', 'none')  # Eq. 6; o_i += r * v_i (the R-res ablation); none
+LOCAL_SIZE = 3  # the side k of Eq. 6's k x k neighbourhood in the paper: every default of it is this name
 
 
-def neighbourhood_size(residual, local_size=3):
+def neighbourhood_size(residual, local_size=LOCAL_SIZE):
     """Eq. 6's neighbourhood side k, decided here for every piece that depends on it: the T = k^2 neighbour
     weights per channel (residual_mlp), the reference (local_residual), the fast path's neighbour table and the
     tests. 'local': local_size, odd and >= 1 (3 is the paper's); 'plain': 1, the token itself (o_i += r * v_i);
@@ -251,31 +269,37 @@ def residual_weights(mlp, x, causal=False):
     return mlp(x.mean(dim=1).unsqueeze(-1)).squeeze(-1)  # (B, C, 1) -> (B, T*C, 1) -> (B, T*C)
 
 
-def local_residual(v, r, grid, size=3, dilation=1, causal=False):
+def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1, causal=False):
     """Eq. 6 on the last h*w of the N tokens of v (B, H, N, D): for each, the sum over its k x k neighbours t of
     r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P = N - h*w leading tokens
     (DeiT's class token), which are not on the grid. grid None: a 1-D sequence (sequence_residual).
 
-    r (B, T*C) per sample and channel, T = size^2. Neighbour t = size*dy + dx sits at offset
-    (dilation*(dy - size//2), dilation*(dx - size//2)), row-major as Eq. 6 counts (dilation > 1 is the paper's
-    R-dil ablation; size 1 is the plain residual o_i += r * v_i). A sum over a neighbourhood with one weight per
-    channel is a depthwise convolution; other weights for every sample make it one convolution with B*C groups,
-    each (sample, channel) plane its own group.
+    r (B, T*C) per sample and channel, T = size^2, as residual_weights predicts it; or (B, N, T*C), per token too
+    (a change of the method: README, "Changing the method"; the leading tokens' rows are not read). Neighbour
+    t = size*dy + dx sits at offset (dilation*(dy - size//2), dilation*(dx - size//2)), row-major as Eq. 6 counts
+    (dilation > 1 is the paper's R-dil ablation; size 1 is the plain residual o_i += r * v_i). A sum over a
+    neighbourhood with one weight per channel is a depthwise convolution; other weights for every sample make it
+    one convolution with B*C groups, each (sample, channel) plane its own group.
     """
     if grid is None:
         return sequence_residual(v, r, size, dilation, causal)
     B, H, N, D = v.shape
     P, (h, w) = check_grid(N, grid), grid
-    if r.shape != (B, size * size * H * D):
+    if r.shape not in ((B, size * size * H * D), (B, N, size * size * H * D)):
         raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C) = "
-                         f"{(B, size * size * H * D)}, got {tuple(r.shape)}")
+                         f"{(B, size * size * H * D)}, or per token too, (B, N, {size * size}C); got {tuple(r.shape)}")
+    if r.dim() == 3:  # per token: each token's k x k neighbours unfolded beside it, channel c's at rows T*c + t
+        planes = v[:, :, P:].transpose(-2, -1).reshape(B, H * D, h, w)  # (B, C, h, w)
+        cols = F.unfold(planes, size, dilation=dilation, padding=dilation * (size // 2))  # (B, T*C, h*w)
+        out = (cols * r[:, P:].transpose(1, 2)).unflatten(1, (H * D, -1)).sum(2)  # Eq. 6, (B, C, h*w)
+        return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), zero for the P
     planes = v[:, :, P:].transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w), plane b*C + head*D + j
     taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k): the neighbour weights of each sample and channel
     out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation, groups=B * H * D)  # Eq. 6
     return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), zero for the P
 
 
-def sequence_residual(v, r, size=3, dilation=1, causal=False):
+def sequence_residual(v, r, size=LOCAL_SIZE, dilation=1, causal=False):
     """Eq. 6 on a 1-D sequence v (B, H, N, D), T = k = size taps per channel: o_i += sum_t r[.., T*c + t] *
     v_{i + dilation*(t - (k-1))} causal (tokens i, i-1, .., i-k+1; zero before the start), else
     v_{i + dilation*(t - k//2)} (k tokens centred on i; zero outside). r (B, T*C) per sample, or causal
@@ -291,7 +315,7 @@ def sequence_residual(v, r, size=3, dilation=1, causal=False):
     return (windows * taps).sum(-1).reshape(B, H, D, N).transpose(-2, -1)  # Eq. 6, (B, H, N, D)
 
 
-def inline_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False):
+def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, causal=False):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention core.
 
     q, k, v (B, H, N, D) with q, k already through phi; r (B, T*C) the neighbour weights, T = size^2, or None
@@ -325,10 +349,13 @@ class InLineBase(nn.Module):
     causal: Eq. 5 (or the division) over each prefix, Eq. 6 over the last k tokens with weights from the prefix
         mean: no output sees a later token. A 1-D sequence, as sequence=True, which alone is the bidirectional
         form: Eq. 6 over the k tokens centred on each (T = k taps per channel, not k^2).
+    leading_tokens: P, the tokens before the (h, w) grid, which take part in Eq. 5 but get no Eq. 6 (DeiT's class
+        token: 1); every call must bring exactly P + h*w tokens. 0 on a 1-D sequence.
     """
 
-    def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', local_size=3, dilation=1,
-                     nonneg=False, attention='inline', allow_divergent=False, causal=False, sequence=False):
+    def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', local_size=LOCAL_SIZE, dilation=1,
+                     nonneg=False, attention='inline', allow_divergent=False, causal=False, sequence=False,
+                     leading_tokens=0):
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         if attention not in ('inline', 'linear'):
@@ -344,21 +371,27 @@ class InLineBase(nn.Module):
         if nonneg and attention != 'inline':
             raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear attention, "
                              "whose weights are already non-negative")
-        self.num_heads, self.kernel, self.attention, self.nonneg = num_heads, kernel, attention, nonneg
+        if not (isinstance(leading_tokens, int) and leading_tokens >= 0) or (leading_tokens and (causal or sequence)):
+            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be a whole number "
+                             f">= 0, and 0 on a 1-D sequence; got {leading_tokens!r}")
+        self.num_heads, self.head_dim, self.leading_tokens = num_heads, dim // num_heads, leading_tokens
+        self.kernel, self.attention, self.nonneg = kernel, attention, nonneg
         self.local_size, self.dilation = size, dilation
         self.causal, self.sequence = bool(causal), bool(sequence or causal)  # a 1-D sequence: called with no grid
         self.phi = get_kernel(kernel, dim // num_heads)
+        self.scale = attention_scale(dim // num_heads)  # Eq. 5's s, which prepare returns
         self.residual = residual_mlp(dim, num_heads, size if self.sequence else size * size) if size else None
         # The core, Eq. 5 + Eq. 6: this reference, or its compiled twin kernels.inline_core_fast (same arguments,
         # same result), which kernels.enable_fast(model) puts here after checking that it covers these options
         self.core = inline_core
 
     def prepare(self, q, k):
-        """q, k (B, H, N, D) -> phi(q), phi(k) and the scale s (None: D^-1/2)."""
+        """q, k (B, H, N, D) -> phi(q), phi(k) and the scale s: self.scale, a number or a tensor that broadcasts
+        against (B, H, N, 1), such as a learnable per-head temperature (1, H, 1, 1) (attention_scale)."""
         q, k = self.phi(q), self.phi(k)
         if self.nonneg:  # R-nonneg: |q| = |k_j| = 1, so |q.(k_j - k_mean)| <= 2 and s = 1/2 keeps w_ij >= 0
             return F.normalize(q, dim=-1), F.normalize(k, dim=-1), 0.5
-        return q, k, None
+        return q, k, self.scale
 
     def attend(self, q, k, v, x, grid):
         """q, k, v (B, H, N, D) before phi; x (B, N', C) the tokens Eq. 6's weights are predicted from.
@@ -408,7 +441,8 @@ class InLineAttention(InLineBase):
     attention: 'inline' (Eq. 5) or 'linear' (vanilla division).
     allow_divergent: let vanilla linear attention run with a signed kernel.
     causal, sequence: a 1-D sequence, called with no grid; causal: no output sees a later token.
-    The last nine are InLineBase's; it says more of each.
+    leading_tokens: the tokens before the grid (a class token first: 1), so a call brings leading_tokens + h*w.
+    The last ten are InLineBase's; it says more of each.
     """
 
     def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):
@@ -428,7 +462,7 @@ class InLineAttention(InLineBase):
                              "no grid" if self.sequence else "this attention was built for a token grid: pass grid="
                              "(h, w), or build it with sequence=True or causal=True for a 1-D sequence")
         if grid is not None:
-            check_grid(N, grid)
+            check_grid(N, grid, self.leading_tokens)
         if self.ape is not None:
             if self.ape.shape[1] != N:
                 raise ValueError(f"this attention's position embedding (ape) covers {self.ape.shape[1]} tokens, got "
@@ -466,7 +500,7 @@ def _demo():
 
     print("1. Injectivity: does the query q get different weights from 2q? (16 random keys)")
     pairs = {
-        'softmax': lambda q: torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5, dim=-1),
+        'softmax': lambda q: torch.softmax(q @ k.transpose(-2, -1) * attention_scale(D), dim=-1),
         'linear (relu)': lambda q: linear_attention_weights(relu(q), relu(k), eps=0),
         'InLine': lambda q: inline_weights(q, k),
     }

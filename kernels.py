@@ -45,6 +45,7 @@ P = N - h*w leading tokens off the grid (DeiT's class token).
 import argparse
 import atexit
 import contextlib
+import copy
 import fcntl
 import functools
 import hashlib
@@ -69,7 +70,7 @@ import inline
 # ---------------------------------------------------------------------------------------------------
 # Eq. 6 on the token axis: neighbour t of grid token n sits at n + (dy - 1) * w + (dx - 1)
 
-def neighbourhood(N, grid, device, size=3, dilation=1):
+def neighbourhood(N, grid, device, size=inline.LOCAL_SIZE, dilation=1):
     """index (T, N) int64: token n's neighbour t, clamped into [0, N) so every read is in bounds;
     masks (T, N, 1) float: 1 where n is on the grid and its neighbour t is too, else 0 (Eq. 6's zero
     padding). T = size^2 neighbours of the size x size neighbourhood, row-major as inline.local_residual
@@ -90,7 +91,7 @@ def neighbourhood(N, grid, device, size=3, dilation=1):
         return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
 
 
-def sequence_neighbourhood(N, device, size=3, dilation=1, causal=False, flip=False):
+def sequence_neighbourhood(N, device, size=inline.LOCAL_SIZE, dilation=1, causal=False, flip=False):
     """neighbourhood's index and masks on a 1-D sequence, tap t at offset dilation * (t - (size - 1)) causal (the
     token and the size - 1 before it), else dilation * (t - size // 2), as inline.sequence_residual counts them;
     flip: the opposite offsets, the transposed shift of Eq. 6's backward."""
@@ -424,12 +425,12 @@ class CausalCore(torch.autograd.Function):
         return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None
 
 
-def inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False):
+def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w: the same arguments, layout and result as
     inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, T*C) with T = size^2 neighbour weights per
     channel, or None; grid = (h, w); size and dilation of Eq. 6's neighbourhood. grid None: a 1-D sequence,
     T = size; causal: Eq. 5 over each prefix and Eq. 6 over the last k tokens (CausalCore), r (B, N, T*C).
-    Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be."""
+    scale: None (D^-1/2), a number, or a tensor that broadcasts against (B, H, N, 1). Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be."""
     B, H, N, D = q.shape
     if causal and grid is not None:
         raise ValueError("causal attention runs over a 1-D sequence: grid must be None")
@@ -437,16 +438,19 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=Fa
         inline.check_grid(N, grid)
         if r is not None and r.shape != (B, size * size * H * D):
             raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C) = "
-                             f"{(B, size * size * H * D)}, got {tuple(r.shape)}")
+                             f"{(B, size * size * H * D)}, got {tuple(r.shape)}; the fast core has no other Eq. 6 "
+                             f"weights on a grid (inline.local_residual also takes them per token)")
     elif r is not None and r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
         raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
                          f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of {tuple(v.shape)}")
+    if isinstance(scale, torch.Tensor):  # a learnable temperature, say: s q^T Cov = (s q)^T Cov, over each prefix too,
+        q, scale = q * scale, 1.0  # so it joins q outside the core and autograd takes its gradient
     device = q.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
     with torch.autocast(device, enabled=False):
-        scale = D ** -0.5 if scale is None else scale
+        scale = inline.attention_scale(D) if scale is None else scale
         if causal:
             return CausalCore.apply(q, k, v, r, scale, size, dilation)
         return InLineCore.apply(q, k, v, r, None if grid is None else tuple(grid), scale, size, dilation)
@@ -460,17 +464,127 @@ def unsupported(module):
     return "attention='linear' (layout letter L, vanilla linear attention)" if module.attention == 'linear' else None
 
 
-def enable_fast(model, core=inline_core_fast):
+def configuration(module):
+    """What decides an InLine module's computation besides its weights: its class, its plain attributes (options,
+    head count and dim, leading tokens, and any a change in code adds) and its parameters' names. Modules alike in
+    these run the same code, so one check serves them all."""
+    plain = (bool, int, float, str, tuple, type(None))
+    attributes = sorted((k, v) for k, v in vars(module).items() if isinstance(v, plain) and k != 'training')
+    return type(module), tuple(attributes), tuple(name for name, _ in module.named_parameters())
+
+
+def check_inputs(module, device, generator):
+    """A small random call of module.attend: q, k, v (2, H, N, D) and x (2, N, C) in fp32, and its grid: a 6x7 grid
+    after the module's leading tokens, or a 1-D sequence of 130 tokens (three chunks of the causal core)."""
+    H, D = module.num_heads, module.head_dim
+    grid = None if module.sequence else (6, 7)
+    N = 2 * CHUNK + 2 if module.sequence else module.leading_tokens + 42
+    q, k, v = (torch.randn(2, H, N, D, generator=generator, device='cpu').to(device) for _ in range(3))
+    return q, k, v, torch.randn(2, N, H * D, generator=generator, device='cpu').to(device), grid
+
+
+def attend_and_differentiate(module, inputs, do):
+    """module.attend's output and the gradients of every input and parameter, for upstream gradient do:
+    {quantity: tensor, or None where nothing reaches it}."""
+    inputs = [t.detach().to(do.dtype).requires_grad_() for t in inputs[:4]] + [inputs[4]]
+    o = module.attend(*inputs)
+    params = dict(module.named_parameters())
+    grads = torch.autograd.grad(o, inputs[:4] + list(params.values()), do.to(o.dtype), allow_unused=True)
+    return dict(zip(['output', 'gradient of q', 'gradient of k', 'gradient of v', 'gradient of x'] +
+                    [f'gradient of {name}' for name in params], [o, *grads]))
+
+
+def difference(exact, reference, fast):
+    """Why fast is not the reference's number, or None. exact: the reference in float64; reference: in fp32. The
+    fast core may err by twice the fp32 reference's own error, plus 1e-5 of the quantity's largest value (summation
+    order; a wrong formula or a lost gradient is off by far more). None (no gradient reaches it) counts as 0."""
+    if exact is None and fast is None:
+        return None
+    size = (exact if exact is not None else fast).abs().max().item()
+    if fast is None or exact is None:
+        return None if size == 0 else f"reference {size if exact is not None else 0:.1e}, fast " \
+                                      f"{'none' if fast is None else f'{size:.1e}'}"
+    error, own = (fast.double() - exact).abs().max().item(), (reference.double() - exact).abs().max().item()
+    bound = 2 * own + 1e-5 * size
+    if not error <= bound:  # also NaN
+        return (f"max |fast - float64 reference| {error:.1e}, beyond {bound:.1e} (twice the fp32 reference's own "
+                f"error {own:.1e}, plus 1e-5 of its largest value {size:.1e})")
+    return None
+
+
+def check_against_reference(path, module, core, device):
+    """Raise ValueError unless core, put in module's place of inline.inline_core, gives module.attend the output and
+    the gradients of q, k, v, x and every parameter of the reference path (on check_inputs, against the reference in
+    float64, with difference's tolerance). Copies of the module run it, so the model and the global random state
+    are untouched; a module on the meta device is checked with random weights."""
+    with torch.device(device):  # also inside a `with torch.device('meta')` that built the model
+        _check_against_reference(path, module, core, device)
+
+
+def _check_against_reference(path, module, core, device):
+    generator = torch.Generator().manual_seed(0)
+    reference = copy.deepcopy(module)
+    if any(p.is_meta for p in reference.parameters()):
+        reference.to_empty(device=device)
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator, device='cpu'))
+        for b in reference.buffers():
+            b.zero_()
+    reference = reference.to(device).float()
+    reference.core = inline.inline_core
+    fast = copy.deepcopy(reference)
+    fast.core = core
+    inputs = check_inputs(reference, device, generator)
+    do = torch.randn(inputs[0].shape, generator=generator, device='cpu').to(device)
+    where = f"{path or 'the model'} ({type(module).__name__})"
+    with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), torch.enable_grad(), \
+            torch.autocast(device.type, enabled=False):
+        exact = attend_and_differentiate(copy.deepcopy(reference).double(), inputs, do.double())
+        ours = attend_and_differentiate(reference, inputs, do)
+        try:
+            theirs = attend_and_differentiate(fast, inputs, do)
+        except Exception as e:  # whatever the fast core cannot take: refused here, not at the first step
+            theirs = f"the fast core raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    why = theirs if isinstance(theirs, str) else next(
+        (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))), None)
+    if why:
+        name = why.split(':')[0].replace('gradient of ', '')
+        if name in dict(module.named_parameters()) and path:  # name the parameter by its path in the model
+            why = why.replace(f'gradient of {name}', f'gradient of {path}.{name}', 1)
+        raise ValueError(f"the fast InLine core does not compute what {where} computes on the reference path: {why}. "
+                         f"Build the model with fast=False (train.py: --attention-impl reference), or make the change "
+                         f"in a form the fast core follows (README, \"Changing the method\")")
+
+
+def enable_fast(model, core=inline_core_fast, device=None, log=print):
     """Set `.core = core` (the fast one) on every InLine module of model whose core is the reference; returns how
-    many. Every module is checked first, so a model is fast throughout or refused when it is built, with an error
-    naming the option the fast core lacks; never half fast."""
-    modules = [m for m in model.modules() if hasattr(m, 'core')]  # each InLineBase.setup_inline gave one
-    lacking = sorted({unsupported(m) for m in modules} - {None})
+    many. First every module is checked, so a model is fast throughout or refused when it is built, never half
+    fast: an option the fast core lacks (unsupported) is refused by name; then one module of each configuration
+    is run on both paths (check_against_reference), so a change made in code that the fast core does not follow
+    (a scale without its gradient, Eq. 6 weights of another shape) is refused too, naming the module and the
+    quantity that differs. device: where the check runs (default: the model's; the meta device's on the CPU);
+    log: how each configuration's check reports its cost (None: silent)."""
+    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]  # each setup_inline gave one
+    lacking = sorted({unsupported(m) for _, m in modules} - {None})
     if lacking:
         raise ValueError(f"the fast InLine core has no {', '.join(lacking)}: build this model with fast=False "
                          f"(train.py: --attention-impl reference)")
-    swapped = [m for m in modules if m.core is inline.inline_core]
-    for m in swapped:
+    swapped = [(path, m) for path, m in modules if m.core is inline.inline_core]
+    if device is None:
+        device = next((p.device for p in model.parameters() if not p.is_meta), torch.device('cpu'))
+    checked = {}
+    for path, m in swapped:
+        key = configuration(m)
+        if key not in checked:
+            start = time.perf_counter()
+            check_against_reference(path, m, core, torch.device(device))
+            checked[key] = (path, m, time.perf_counter() - start)
+    for path, m, seconds in checked.values() if log else ():
+        alike = sum(configuration(other) == configuration(m) for _, other in swapped)
+        log(f"kernels.enable_fast: {path or type(m).__name__} ({type(m).__name__}, H {m.num_heads}, D {m.head_dim}"
+            f"{', causal' if m.causal else ''}; {alike} module(s) alike) equals the reference: {seconds:.1f} s")
+    for _, m in swapped:
         m.core = core
     return len(swapped)
 
@@ -621,7 +735,7 @@ def bench_choices(device):
         gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
         return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
                 0.1 * torch.randn(B, H, 9, D, generator=gen, device=device), *neighbourhood(N, (side, side), device),
-                D ** -0.5]
+                inline.attention_scale(D)]
     B, H, side, _ = CASES['swin_t_stage1']
     constant, symbolic, small = inputs(B, H, side), inputs(B, H, side), inputs(1, 1, 7)
     symbolic_sizes(constant, side * side), symbolic_sizes(symbolic, side * side)

@@ -96,8 +96,8 @@ def stage_grids(img_size):
     return [(img_size[0] // 2 ** (i + 2), img_size[1] // 2 ** (i + 2)) for i in range(4)]
 
 
-ATTENTION_OPTIONS = dict(kernel=None, residual='local', local_size=3, dilation=1, nonneg=False, normalise_q=False,
-                         allow_divergent=False)  # every family's attention switches and their defaults
+ATTENTION_OPTIONS = dict(kernel=None, residual='local', local_size=inline.LOCAL_SIZE, dilation=1, nonneg=False,
+                         normalise_q=False, allow_divergent=False)  # every family's attention switches and their defaults
 
 
 def attention_options(family, options, letters):
@@ -151,11 +151,12 @@ class SoftmaxAttention(nn.Module):
     `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours):
     softmax over L2-normalised queries, so q and a*q (a > 0) get the same weights, scale D^-1/2 as usual."""
 
-    def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False):
+    def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False, leading_tokens=0):
         super().__init__()
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         self.num_heads, self.sr_ratio, self.normalise_q = num_heads, sr_ratio, normalise_q
+        self.leading_tokens = leading_tokens  # tokens before the grid (DeiT's class token), as InLineAttention's
         inline.add_projections(self, dim, qkv_bias, separate_q)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, sr_ratio, stride=sr_ratio)
@@ -164,6 +165,7 @@ class SoftmaxAttention(nn.Module):
     def project(self, x, grid):
         """x (B, N, C) -> q (B, H, N, D), k and v (B, H, N', D), N' = N / sr_ratio^2 with spatial reduction."""
         B, N, C = x.shape
+        inline.check_grid(N, grid, self.leading_tokens)
         split = lambda t: t.reshape(B, t.shape[1], self.num_heads, -1).transpose(1, 2)  # noqa: E731
         if hasattr(self, 'qkv'):
             return [split(t) for t in self.qkv(x).chunk(3, dim=-1)]
@@ -184,7 +186,7 @@ class SoftmaxAttention(nn.Module):
         """The explicit attention weights (B, H, N, N') this module applies to x (B, N, C)."""
         q, k, _ = self.project(x, grid)
         q = F.normalize(q, dim=-1) if self.normalise_q else q
-        return torch.softmax(q.shape[-1] ** -0.5 * q @ k.transpose(-2, -1), dim=-1)
+        return torch.softmax(inline.attention_scale(q.shape[-1]) * q @ k.transpose(-2, -1), dim=-1)
 
 
 class Block(nn.Module):
@@ -303,7 +305,7 @@ class InLineDeiT(Backbone):
         self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], embed_dim))
         self.patch_embed = PatchEmbed(3, embed_dim, patch_size)
         self.blocks = nn.ModuleList([
-            Block(embed_dim, mlp_ratio, dp, 1e-6, make_attention(c, embed_dim, num_heads, self.options))
+            Block(embed_dim, mlp_ratio, dp, 1e-6, make_attention(c, embed_dim, num_heads, self.options, leading_tokens=1))
             for c, dp in zip(letters, rates)])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.init_weights()
@@ -453,7 +455,7 @@ class WindowAttention(nn.Module):
         q, k, v = self.qkv(x).view(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B*nW, H, N, D)
         index = relative_position_index(*window, self.window, x.device)  # (N, N)
         bias = self.relative_position_bias_table[index].permute(2, 0, 1)  # (H, N, N)
-        o = masked_softmax_attention(q, k, v, q.shape[-1] ** -0.5, bias, mask)  # (B*nW, H, N, D)
+        o = masked_softmax_attention(q, k, v, inline.attention_scale(q.shape[-1]), bias, mask)  # (B*nW, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B_, N, C))  # (B*nW, N, C)
 
 
@@ -636,7 +638,8 @@ class StripeAttention(inline.InLineBase):
         lepe = self.get_v(v_windows.transpose(1, 2).unflatten(-1, (wh, ww)))  # (B*nW, C, wh, ww)
         lepe = lepe.flatten(2).unflatten(1, (self.num_heads, -1)).transpose(-2, -1)  # (B*nW, H, N, D)
         if self.letter == 'S':
-            o = masked_softmax_attention(q, k, v, q.shape[-1] ** -0.5, mask=window_mask(h, w, wh, ww, 0, 0, q.device))
+            mask = window_mask(h, w, wh, ww, 0, 0, q.device)
+            o = masked_softmax_attention(q, k, v, inline.attention_scale(q.shape[-1]), mask=mask)
         else:
             o = self.attend(q, k, v, x, (h, w))  # Eq. 5 + Eq. 6 over the whole map, (B, H, N, D)
         o = (o + lepe).transpose(1, 2).flatten(2)  # (B*nW, N, C)

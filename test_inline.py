@@ -71,6 +71,20 @@ def test_eq5_explicit_equals_linear_form(kernel, N):
     torch.testing.assert_close(inline.inline_attention(q, k, v), w @ v, rtol=0, atol=1e-12)
 
 
+def test_eq5_reference_keeps_its_precision_in_bf16():
+    """inline_attention centres k and v before their product, as its docstring promises, so keys whose means are 20
+    times their spread cost bf16 nothing: its error against float64 on the same bf16 inputs stays under a fixed
+    bound (about 0.002 here; the uncentred k^T (v - v_mean) would be about 0.08)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 196, 32, generator=g) for _ in range(3))
+    q, k, v = q.bfloat16(), (20 + k).bfloat16(), v.bfloat16()
+    exact = inline.inline_attention(q.double(), k.double(), v.double())
+    error = (inline.inline_attention(q, k, v).double() - exact).abs().max().item()
+    print(f"bf16 reference against float64, key means 20x their spread: {error:.4f} (outputs up to "
+          f"{exact.abs().max().item():.2f})")
+    assert error < 0.01
+
+
 def test_eq5_weights_match_the_formula_element_by_element():
     q, k, _ = qkv(1, 1, 7, 4)
     w = inline.inline_weights(q, k)
@@ -275,7 +289,8 @@ def golden_block(name, cfg):
         assert cfg['shift'] in (0, cfg['window'] // 2)
         return models.SwinBlock(dim, heads, cfg['attn'], cfg['window'], cfg['shift'] > 0, cfg['mlp_ratio'], 0., DEFAULTS)
     if name in ('deit_block', 'pvt_block'):
-        attn = models.make_attention('I', dim, heads, DEFAULTS, separate_q=name == 'pvt_block')
+        attn = models.make_attention('I', dim, heads, DEFAULTS, separate_q=name == 'pvt_block',
+                                     leading_tokens=int(name == 'deit_block'))  # DeiT's class token
         return models.Block(dim, cfg['mlp_ratio'], 0., cfg['norm_eps'], attn)
     if name.startswith('cswin_block'):
         return models.CSwinBlock(dim, heads, cfg['attn'], cfg['split'], cfg['grid'], cfg['mlp_ratio'], 0., DEFAULTS)
@@ -1696,6 +1711,121 @@ def test_recipe_a_new_experiment_by_name(monkeypatch):
     assert 'r_local5' in every and paper.config_key(every['r_local5']) != paper.config_key(every['r_residual_local'])
 
 
+def add_a_learnable_temperature(monkeypatch):
+    """The README's recipe, as a reader makes it in inline.py: setup_inline makes Eq. 5's scale a per-head parameter
+    (1, H, 1, 1) that starts at D^-1/2; prepare returns it, as it returns every scale."""
+    setup = inline.InLineBase.setup_inline
+
+    def setup_with_a_temperature(self, dim, num_heads, **options):
+        setup(self, dim, num_heads, **options)
+        self.scale = nn.Parameter(torch.full((1, num_heads, 1, 1), inline.attention_scale(dim // num_heads)))
+    monkeypatch.setattr(inline.InLineBase, 'setup_inline', setup_with_a_temperature)
+
+
+def test_recipe_a_learnable_temperature_in_eq5(monkeypatch):
+    """A learnable per-head temperature as Eq. 5's scale: the fast core follows it (a tensor scale joins q), so the
+    check passes and the whole model's logits and every gradient, the temperature's included, equal the reference's;
+    and three optimizer steps move it alike on both paths."""
+    add_a_learnable_temperature(monkeypatch)
+    assert_fast_model_equals_reference('inline_swin_t')
+    torch.manual_seed(0)
+    pair = [nn.Module(), nn.Module()]
+    pair[0].attn, pair[1].attn = perturb(inline.InLineAttention(32, 2)), inline.InLineAttention(32, 2)
+    pair[1].load_state_dict(pair[0].state_dict())
+    assert kernels.enable_fast(pair[1]) == 1
+    x, target = torch.randn(4, 49, 32), torch.randn(4, 49, 32)
+    for block in pair:
+        optimizer = torch.optim.SGD(block.parameters(), lr=0.1)  # linear in the gradients, as AdamW's first steps are not
+        for _ in range(3):
+            optimizer.zero_grad()
+            F.mse_loss(block.attn(x, (7, 7)), target).backward()
+            optimizer.step()
+    taus = [block.attn.scale.flatten() for block in pair]
+    print('temperature after 3 steps, reference and fast:', taus[0].tolist(), taus[1].tolist())
+    assert (taus[0] - 16 ** -0.5).abs().min() > 1e-3  # it trained from D^-1/2
+    torch.testing.assert_close(taus[1], taus[0], rtol=1e-5, atol=1e-6)
+
+
+def test_fast_path_refuses_a_core_that_drops_a_gradient(monkeypatch):
+    """The check at build time: a fast core that ignored the scale's gradient (as one that detached its inputs did)
+    is refused before any step, naming the module, the quantity, both values and the way out."""
+    add_a_learnable_temperature(monkeypatch)
+    block = nn.Module()
+    block.attn = inline.InLineAttention(32, 2)
+
+    def detaching_core(q, k, v, r, grid, scale, *args):
+        return kernels.inline_core_fast(q, k, v, r, grid, scale.detach(), *args)
+    with pytest.raises(ValueError, match=r"does not compute what attn \(InLineAttention\) computes on the reference "
+                                         r"path: gradient of attn\.scale: reference \d\.\de[+-]\d\d, fast none\. Build "
+                                         r"the model with fast=False \(train\.py: --attention-impl reference\)"):
+        kernels.enable_fast(block, core=detaching_core)
+    assert block.attn.core is inline.inline_core  # refused: nothing swapped
+
+
+def eq6_weights_per_token(mlp, x, causal=False):
+    """The README's recipe for another Eq. 6 predictor: weights from each token, (B, N, T*C), not from the mean."""
+    return mlp(x.transpose(1, 2)).transpose(1, 2)  # (B, C, N) -> (B, T*C, N) -> (B, N, T*C)
+
+
+def test_recipe_eq6_weights_per_token(monkeypatch):
+    """Eq. 6 weights predicted per token: the reference applies them (inline.local_residual takes r per token, and
+    equals the per-sample form when every token's weights are the same), and the model trains on it; the fast core
+    has one weight set per sample, so create_model(fast=True) refuses it when the model is built, naming the module,
+    what failed and the way out."""
+    q, k, v = qkv(2, 2, 1 + 12, 4)
+    r = torch.randn(2, 9 * 8, dtype=torch.float64)
+    torch.testing.assert_close(inline.local_residual(v, r[:, None].expand(2, 13, -1), (3, 4)),
+                               inline.local_residual(v, r, (3, 4)), rtol=0, atol=1e-14)
+    monkeypatch.setattr(inline, 'residual_weights', eq6_weights_per_token)
+    torch.manual_seed(0)
+    config = dict(FAST_SMALL['inline_deit_t'], num_classes=5)
+    model = models.create_model('inline_deit_t', **config)
+    F.cross_entropy(model(torch.randn(2, 3, 48, 80)), torch.tensor([0, 1])).backward()
+    assert model.blocks[0].attn.residual[0].weight.grad.abs().max() > 0
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn \(InLineAttention\) computes on the reference path: the fast "
+                                         r"core raised ValueError: r must hold 3x3 neighbour weights per channel.*"
+                                         r"Build the model with fast=False"):
+        models.create_model('inline_deit_t', fast=True, **config)
+
+
+def test_readme_vit_example_runs_on_both_paths():
+    """The README's own ViT, run as written: a class token first, then the patch grid; the fast path's logits and
+    gradients equal the reference's."""
+    scope = {}
+    exec(readme_block('### InLine attention in your own ViT'), scope)
+    reference, fast = scope['TinyViT'](), scope['TinyViT']()
+    fast.load_state_dict(reference.state_dict())
+    assert kernels.enable_fast(fast, log=None) == 2
+    x, upstream = torch.randn(2, 3, 32, 32), torch.randn(2, 10)
+    logits = [model(x) for model in (reference, fast)]
+    for model, out in zip((reference, fast), logits):
+        out.backward(upstream)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    for (key, p), q in zip(reference.named_parameters(), fast.parameters()):
+        assert (q.grad - p.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, key
+
+
+def test_grid_and_leading_tokens_are_declared():
+    """The module says how many tokens precede its grid; any other N is an error naming N, the grid and that count,
+    and a grid that is not a pair of positive whole numbers says so. DeiT's attention declares its class token."""
+    x = torch.randn(1, 17, 32)
+    with pytest.raises(ValueError, match=r"17 tokens, but this attention declares 0 leading token\(s\).* before its "
+                                         r"3x5 grid: N must be 0 \+ 15 = 15"):
+        inline.InLineAttention(32, 2)(x, (3, 5))
+    with pytest.raises(ValueError, match=r"17 tokens, but this attention declares 1 leading token"):
+        inline.InLineAttention(32, 2, leading_tokens=1)(x, (3, 5))
+    assert inline.InLineAttention(32, 2, leading_tokens=2)(x, (3, 5)).shape == x.shape
+    for grid in (4, (4,), (4, 0), (2.0, 8), (True, 8), '44'):
+        with pytest.raises(ValueError, match=r"grid must be a pair \(h, w\) of positive whole numbers"):
+            inline.InLineAttention(32, 2)(torch.randn(1, 16, 32), grid)
+    with pytest.raises(ValueError, match=r"leading_tokens .* must be a whole number >= 0, and 0 on a 1-D sequence"):
+        inline.InLineAttention(32, 2, causal=True, leading_tokens=1)
+    with pytest.raises(ValueError, match=r"declares 0 leading token"):
+        models.SoftmaxAttention(32, 2)(x, (3, 5))
+    assert [meta_model('inline_deit_t', layout=c).blocks[0].attn.leading_tokens for c in 'IS'] == [1, 1]
+    assert {m.leading_tokens for m in meta_model('inline_swin_t').modules() if hasattr(m, 'core')} == {0}
+
+
 # ===================================================================================================
 # train.py, run as a user runs it: in a subprocess (one process, or two under torchrun with gloo), on
 # the smallest variant at the smallest size; checks what it leaves behind and what it prints
@@ -2115,6 +2245,26 @@ def refused(argv, capsys):
     with pytest.raises(SystemExit):
         resolved(argv)
     return capsys.readouterr().err
+
+
+def test_the_loop_smooths_labels_and_averages_weights_as_its_flags_say():
+    """What fit() trains with, built from --label-smoothing and --ema-decay: the loss of one batch equals
+    F.cross_entropy(..., label_smoothing=0.2), and one EMA update is ema = d * ema + (1 - d) * weights, d = 0.9."""
+    run = resolved(SYNTHETIC_ARGS + ['--label-smoothing', '0.2', '--ema-decay', '0.9'])
+    torch.manual_seed(0)
+    raw = models.create_model('inline_deit_t', img_size=32, num_classes=10)
+    t, _, _ = train.prepare_training(run, raw, train.SyntheticShapes(48, 32, 0, True))
+    logits, y = torch.randn(8, 10), torch.randint(0, 10, (8,))
+    torch.testing.assert_close(t.criterion(logits, y), F.cross_entropy(logits, y, label_smoothing=0.2))
+    assert not torch.allclose(t.criterion(logits, y), F.cross_entropy(logits, y))
+    t.ema.update_parameters(raw)  # the first update copies the weights
+    before = [p.detach().clone() for p in t.ema.module.parameters()]
+    with torch.no_grad():
+        for p in raw.parameters():
+            p.add_(1.0)
+    t.ema.update_parameters(raw)
+    for old, new, p in zip(before, t.ema.module.parameters(), raw.parameters()):
+        torch.testing.assert_close(new, 0.9 * old + 0.1 * p, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize('name', list(RELEASED_RECIPE))

@@ -655,12 +655,17 @@ def build_model(run, num_classes):
     overrides = dict(run.arch, img_size=args.img_size, drop_path_rate=args.drop_path)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     try:
-        model = models.create_model(args.model, fast=args.attention_impl == 'fast', num_classes=num_classes,
-                                    **overrides)
-    except ImportError as e:
-        fail(f'the fast attention path is unavailable ({e}); pass --attention-impl reference')
+        model = models.create_model(args.model, num_classes=num_classes, **overrides)
     except (ValueError, TypeError) as e:
         fail(f'cannot build {args.model} with {overrides}: {e}')
+    if args.attention_impl == 'fast':  # checked against the reference on the run's device, before any step
+        try:
+            import kernels
+            kernels.enable_fast(model, device=run.device, log=print0)
+        except ImportError as e:
+            fail(f'the fast attention path is unavailable ({e}); pass --attention-impl reference')
+        except ValueError as e:
+            fail(str(e))
     if args.finetune:  # the authors' 384 px fine-tunes start from the 224 px weights, the EMA where there is one
         saved = read_checkpoint(args.finetune)
         key = next((k for k in models.EMA_KEYS if saved.get(k) is not None), 'model')
