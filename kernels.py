@@ -517,8 +517,20 @@ def check_against_reference(path, module, core, device):
     the gradients of q, k, v, x and every parameter of the reference path (on check_inputs, against the reference in
     float64, with difference's tolerance). Copies of the module run it, so the model and the global random state
     are untouched; a module on the meta device is checked with random weights."""
-    with torch.device(device):  # also inside a `with torch.device('meta')` that built the model
+    with outside_function_modes():
         _check_against_reference(path, module, core, device)
+
+
+@contextlib.contextmanager
+def outside_function_modes():
+    """Run without the torch-function modes in force, such as the `with torch.device('meta')` a model may be built
+    under: a graph compiled under a mode is guarded on it, and every later call without it would compile again."""
+    modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def _check_against_reference(path, module, core, device):

@@ -46,7 +46,7 @@ from inline import InLineAttention
 
 # The authors' figures for each variant at its released size: params and GMACs of their model definitions,
 # counted as count_macs counts, and the ImageNet-1K top-1 the paper reports for the released weights (README,
-# "Models", shows the table; `python models.py` prints ours beside it).
+# "Models", shows the table; `python paper.py models` prints ours beside it).
 RELEASED = {
     'inline_deit_t': (6_477_736, 1.109, 74.5), 'inline_deit_s': (16_734_760, 4.966, 80.2),
     'inline_deit_b': (23_797_096, 17.169, 82.3),

@@ -9,11 +9,13 @@ outputs; keys/<variant>.tsv.gz, every key of each released state dict. Big model
 meta device, where shapes and FLOP counts cost no memory.
 """
 import argparse
+import ast
 import contextlib
 import functools
 import glob
 import gzip
 import hashlib
+import io
 import json
 import math
 import os
@@ -25,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tokenize
 import types
 import warnings
 
@@ -199,7 +202,7 @@ def test_residual_mlp_is_block_diagonal_per_head():
 
 def test_module_with_class_token_and_non_square_grid_backward():
     torch.manual_seed(0)
-    attn = inline.InLineAttention(32, 2)
+    attn = inline.InLineAttention(32, 2, leading_tokens=1)
     x = torch.randn(2, 1 + 4 * 6, 32, requires_grad=True)
     out = attn(x, (4, 6))
     out.backward(torch.randn_like(out))
@@ -221,8 +224,10 @@ def test_linear_baseline_and_no_residual_switches():
 # Bad input
 
 def test_bad_input_errors():
-    with pytest.raises(ValueError, match=r"cannot hold a 5x5 token grid"):
+    with pytest.raises(ValueError, match=r"16 tokens, but this attention declares 0 leading token.*5x5 grid"):
         inline.InLineAttention(32, 2)(torch.randn(1, 16, 32), (5, 5))
+    with pytest.raises(ValueError, match=r"16 tokens cannot hold a 5x5 token grid of 25"):
+        inline.inline_core(*qkv(1, 2, 16, 16), torch.zeros(1, 9 * 32, dtype=torch.float64), (5, 5))
     with pytest.raises(ValueError, match=r"channels \(30\) must be divisible by heads \(4\)"):
         inline.InLineAttention(30, 4)
     with pytest.raises(ValueError, match=r"unknown kernel function 'gelu'; choose one of \['exp', 'identity'"):
@@ -730,12 +735,12 @@ def test_shifted_inline_windows_equal_an_explicit_loop():
 
 def test_nonneg_inline_weights_are_non_negative_and_rows_sum_to_one():
     torch.manual_seed(0)
-    attn = perturb(inline.InLineAttention(32, 2, nonneg=True).double())
+    attn = perturb(inline.InLineAttention(32, 2, nonneg=True, leading_tokens=1).double())
     x = 5 * torch.randn(3, 1 + 36, 32, dtype=torch.float64)  # large inputs: plain InLine goes negative here
     w = attn.weights(x, (6, 6))
     assert w.shape == (3, 2, 37, 37) and w.min() >= 0
     torch.testing.assert_close(w.sum(-1), torch.ones(3, 2, 37, dtype=torch.float64), rtol=0, atol=1e-12)
-    plain = perturb(inline.InLineAttention(32, 2).double())
+    plain = perturb(inline.InLineAttention(32, 2, leading_tokens=1).double())
     assert plain.weights(x, (6, 6)).min() < 0  # without the switch the same inputs give negative weights
 
 
@@ -744,7 +749,7 @@ def test_normalised_q_softmax_is_not_injective():
     torch.manual_seed(0)
     x = torch.randn(2, 10, 24, dtype=torch.float64)
     for normalise_q, same in ((True, True), (False, False)):
-        attn = models.SoftmaxAttention(24, 3, normalise_q=normalise_q).double()
+        attn = models.SoftmaxAttention(24, 3, normalise_q=normalise_q, leading_tokens=1).double()
         nn.init.zeros_(attn.qkv.bias)
         w, w2 = attn.weights(x, (3, 3)), None
         with torch.no_grad():
@@ -1684,7 +1689,7 @@ def test_recipe_a_new_kernel_function(monkeypatch):
 
 def test_recipe_another_neighbourhood_for_eq6():
     """Eq. 6 over 5x5 neighbours is one option, local_size=5: the weight layout, the reference, the fast path and
-    the APE rule all take their tap count from it (the explicit loop at 5x5 is test_eq6_against_explicit_loop)."""
+    the APE rule all take their tap count from it (the explicit loop at 5x5 is test_eq6_against_explicit_loop_on_a_non_square_grid)."""
     model = meta_model('inline_swin_t', local_size=5)
     attns = [m for m in model.modules() if isinstance(m, inline.InLineAttention)]
     assert attns and all(m.residual[2].out_channels == 25 * m.proj.in_features for m in attns)
@@ -1803,6 +1808,77 @@ def test_readme_vit_example_runs_on_both_paths():
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     for (key, p), q in zip(reference.named_parameters(), fast.parameters()):
         assert (q.grad - p.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, key
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DOCUMENTS = ['README.md', 'RESULTS.md', 'inline.py', 'kernels.py', 'models.py', 'train.py', 'paper.py', 'test_inline.py']
+
+
+def prose(document):
+    """What a document says to its reader: a Markdown file whole; of a Python file, its docstrings and comments."""
+    text = open(os.path.join(HERE, document)).read()
+    if not document.endswith('.py'):
+        return text
+    nodes = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+    comments = [tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT]
+    return '\n'.join([ast.get_docstring(n) or '' for n in nodes] + comments)
+
+
+def test_the_documents_name_only_what_exists():
+    """Every test the README, RESULTS.md and the files' docstrings and comments name is a test here; every
+    `python <file>.py [command]` they give has an entry point (and paper.py the command); every `inline.X`,
+    `kernels.X`, `models.X`, `train.X`, `paper.X` and `<file>.py:Name` the README names is there."""
+    tests = set(re.findall(r'^def (test_\w+)', open(os.path.join(HERE, 'test_inline.py')).read(), re.M))
+    commands = set(re.findall(r"sub\.add_parser\('(\w+)'", open(os.path.join(HERE, 'paper.py')).read()))
+    modules = dict(inline=inline, kernels=kernels, models=models, train=train, paper=paper)
+    missing = []
+    for document in DOCUMENTS:
+        text = prose(document)
+        missing += [f"{document}: {name}" for name in re.findall(r'\b(test_\w+)\b(?!\.py)', text) if name not in tests]
+        for script, command in re.findall(r'python (?:-m )?(\w+)\.py(?: ([a-z]\w*))?', text):
+            path = os.path.join(HERE, f'{script}.py')
+            if not os.path.exists(path) or "if __name__ == '__main__':" not in open(path).read():
+                missing.append(f"{document}: python {script}.py (no entry point)")
+            elif script == 'paper' and command and command not in commands:
+                missing.append(f"{document}: python paper.py {command} (no such command)")
+    readme = open(os.path.join(HERE, 'README.md')).read()
+    for module, name in re.findall(r'(?<![\w.])(inline|kernels|models|train|paper)\.([A-Za-z_]\w*)', readme):
+        if name != 'py' and not hasattr(modules[module], name):
+            missing.append(f"README.md: {module}.{name}")
+    for module, path in re.findall(r'\b(inline|kernels|models|train|paper)\.py:([\w.]+)', readme):
+        obj = modules[module]
+        for part in path.split('.'):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            missing.append(f"README.md: {module}.py:{path}")
+    assert not missing, f"named but not there: {sorted(set(missing))}"
+
+
+def test_a_failure_reads_on_one_screen(tmp_path):
+    """A failing assertion in a test that uses the fast path, while torch's trace logger writes debug records (as
+    it does while compiling), shows its message within 40 lines of the report and none of those records: pytest.ini
+    keeps what torch logs out of failure reports."""
+    test = tmp_path / 'test_failing.py'
+    test.write_text(f"""import logging, sys
+sys.path.insert(0, {HERE!r})
+import torch, kernels
+
+def test_fails():
+    trace = logging.getLogger('torch.__trace')
+    trace.propagate = True
+    for i in range(300):
+        trace.debug('a torch trace record %d', i)
+    q, k, v = (torch.randn(2, 2, 49, 8) for _ in range(3))
+    assert kernels.inline_core_fast(q, k, v, None, (7, 7)).sum().item() == 12345.0, 'the deliberate message'
+""")
+    result = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-c',
+                             os.path.join(HERE, 'pytest.ini'), '--rootdir', str(tmp_path), str(test)],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout[-2000:]
+    first = next(i for i, line in enumerate(lines) if 'AssertionError: the deliberate message' in line)
+    print(f"the message on line {first + 1} of {len(lines)}")
+    assert first < 40 and not any('a torch trace record 7' in line for line in lines)  # a record, not the source
 
 
 def test_grid_and_leading_tokens_are_declared():
