@@ -430,7 +430,8 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, T*C) with T = size^2 neighbour weights per
     channel, or None; grid = (h, w); size and dilation of Eq. 6's neighbourhood. grid None: a 1-D sequence,
     T = size; causal: Eq. 5 over each prefix and Eq. 6 over the last k tokens (CausalCore), r (B, N, T*C).
-    scale: None (D^-1/2), a number, or a tensor that broadcasts against (B, H, N, 1). Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be."""
+    scale: None (D^-1/2), a number, or a tensor that broadcasts against (B, H, N, 1). Under autocast the inputs are
+    cast to the autocast dtype, as the reference's matmuls would be."""
     B, H, N, D = q.shape
     if causal and grid is not None:
         raise ValueError("causal attention runs over a 1-D sequence: grid must be None")
@@ -595,7 +596,7 @@ def enable_fast(model, core=inline_core_fast, device=None, log=print):
     for path, m, seconds in checked.values() if log else ():
         alike = sum(configuration(other) == configuration(m) for _, other in swapped)
         log(f"kernels.enable_fast: {path or type(m).__name__} ({type(m).__name__}, H {m.num_heads}, D {m.head_dim}"
-            f"{', causal' if m.causal else ''}; {alike} module(s) alike) equals the reference: {seconds:.1f} s")
+            f"{', causal' if m.causal else ''}; {alike} module(s) of this configuration) equals the reference: {seconds:.1f} s")
     for _, m in swapped:
         m.core = core
     return len(swapped)

@@ -24,6 +24,7 @@ Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C
 (h, w) the token grid, P leading tokens off the grid (DeiT's class token), nW windows per image,
 (wh, ww) a window, (Hp, Wp) the grid padded to whole windows. Images are (B, 3, *img_size).
 """
+import inspect
 import math
 import os
 import pickle
@@ -96,8 +97,13 @@ def stage_grids(img_size):
     return [(img_size[0] // 2 ** (i + 2), img_size[1] // 2 ** (i + 2)) for i in range(4)]
 
 
-ATTENTION_OPTIONS = dict(kernel=None, residual='local', local_size=inline.LOCAL_SIZE, dilation=1, nonneg=False,
-                         normalise_q=False, allow_divergent=False)  # every family's attention switches and their defaults
+INLINE_DEFAULTS = {name: p.default for name, p in inspect.signature(inline.InLineBase.setup_inline).parameters.items()
+                   if p.kind is p.KEYWORD_ONLY}  # InLineBase's options and their defaults, written there alone
+# every family's attention switches and their defaults: InLineBase's, but the kernel (None: each letter's, below),
+# and softmax's normalise_q
+ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residual', 'local_size', 'dilation',
+                                                                         'nonneg')},
+                         normalise_q=False, allow_divergent=INLINE_DEFAULTS['allow_divergent'])
 
 
 def attention_options(family, options, letters):
@@ -151,7 +157,8 @@ class SoftmaxAttention(nn.Module):
     `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours):
     softmax over L2-normalised queries, so q and a*q (a > 0) get the same weights, scale D^-1/2 as usual."""
 
-    def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False, leading_tokens=0):
+    def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False,
+                 leading_tokens=0):
         super().__init__()
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
@@ -305,7 +312,8 @@ class InLineDeiT(Backbone):
         self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], embed_dim))
         self.patch_embed = PatchEmbed(3, embed_dim, patch_size)
         self.blocks = nn.ModuleList([
-            Block(embed_dim, mlp_ratio, dp, 1e-6, make_attention(c, embed_dim, num_heads, self.options, leading_tokens=1))
+            Block(embed_dim, mlp_ratio, dp, 1e-6,
+                  make_attention(c, embed_dim, num_heads, self.options, leading_tokens=1))  # the class token
             for c, dp in zip(letters, rates)])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.init_weights()

@@ -53,6 +53,7 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
 from tqdm import tqdm
 
+import inline
 import models
 
 # ------------------------------------------------------------------------------------------------- recipe
@@ -119,7 +120,7 @@ def get_args_parser():
     a('--experiment', metavar='NAME', help='one of the paper\'s experiments (`python paper.py experiments` '
       'lists them): its model and overrides, under which the flags below win')
     a('--layout', help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
-    a('--kernel', help='phi of the I and L blocks: identity, relu, leakyrelu, exp, relu_affine')
+    a('--kernel', help=f'phi of the I and L blocks: {", ".join(inline.KERNELS)}')
     a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
     a('--local-size', type=int, help='side k of Eq. 6\'s k x k neighbourhood (odd; released: 3)')
     a('--dilation', type=int, help='dilation of Eq. 6\'s neighbourhood')
