@@ -1,9 +1,11 @@
 """The fast InLine attention core: Eq. 5 + Eq. 6 as two compiled graphs with a closed-form backward.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. `inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1)` takes the same arguments, layout and
-result as inline.inline_core, the reference it replaces; `enable_fast(model)` swaps it into a model
-(models.create_model(name, fast=True) calls it). test_inline.py proves the two equal.
+arXiv 2412.06590. `inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1)` takes the same arguments,
+layout and result as inline.inline_core, the reference it replaces; `enable_fast(model)` swaps it into a model
+(models.create_model(name, fast=True) calls it) once it has run each of the model's attention configurations on
+both paths and found the output and every gradient equal (check_against_reference), so a change made in the
+reference that the fast core does not follow is refused when the model is built. test_inline.py proves the two equal.
 
     python kernels.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python kernels.py --bench --json          # the same, one JSON object per case
@@ -503,7 +505,7 @@ def difference(exact, reference, fast):
         return None
     size = (exact if exact is not None else fast).abs().max().item()
     if fast is None or exact is None:
-        return None if size == 0 else f"reference {size if exact is not None else 0:.1e}, fast " \
+        return None if size == 0 else f"reference {'none' if exact is None else f'{size:.1e}'}, fast " \
                                       f"{'none' if fast is None else f'{size:.1e}'}"
     error, own = (fast.double() - exact).abs().max().item(), (reference.double() - exact).abs().max().item()
     bound = 2 * own + 1e-5 * size
@@ -511,15 +513,6 @@ def difference(exact, reference, fast):
         return (f"max |fast - float64 reference| {error:.1e}, beyond {bound:.1e} (twice the fp32 reference's own "
                 f"error {own:.1e}, plus 1e-5 of its largest value {size:.1e})")
     return None
-
-
-def check_against_reference(path, module, core, device):
-    """Raise ValueError unless core, put in module's place of inline.inline_core, gives module.attend the output and
-    the gradients of q, k, v, x and every parameter of the reference path (on check_inputs, against the reference in
-    float64, with difference's tolerance). Copies of the module run it, so the model and the global random state
-    are untouched; a module on the meta device is checked with random weights."""
-    with outside_function_modes():
-        _check_against_reference(path, module, core, device)
 
 
 @contextlib.contextmanager
@@ -534,40 +527,45 @@ def outside_function_modes():
             torch._C._push_on_torch_function_stack(mode)
 
 
-def _check_against_reference(path, module, core, device):
-    generator = torch.Generator().manual_seed(0)
-    reference = copy.deepcopy(module)
-    if any(p.is_meta for p in reference.parameters()):
-        reference.to_empty(device=device)
-        with torch.no_grad():
-            for p in reference.parameters():
-                p.copy_(0.1 * torch.randn(p.shape, generator=generator, device='cpu'))
-        for b in reference.buffers():
-            b.zero_()
-    reference = reference.to(device).float()
-    reference.core = inline.inline_core
-    fast = copy.deepcopy(reference)
-    fast.core = core
-    inputs = check_inputs(reference, device, generator)
-    do = torch.randn(inputs[0].shape, generator=generator, device='cpu').to(device)
-    where = f"{path or 'the model'} ({type(module).__name__})"
-    with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), torch.enable_grad(), \
-            torch.autocast(device.type, enabled=False):
-        exact = attend_and_differentiate(copy.deepcopy(reference).double(), inputs, do.double())
-        ours = attend_and_differentiate(reference, inputs, do)
-        try:
-            theirs = attend_and_differentiate(fast, inputs, do)
-        except Exception as e:  # whatever the fast core cannot take: refused here, not at the first step
-            theirs = f"the fast core raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    why = theirs if isinstance(theirs, str) else next(
-        (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))), None)
-    if why:
-        name = why.split(':')[0].replace('gradient of ', '')
-        if name in dict(module.named_parameters()) and path:  # name the parameter by its path in the model
-            why = why.replace(f'gradient of {name}', f'gradient of {path}.{name}', 1)
-        raise ValueError(f"the fast InLine core does not compute what {where} computes on the reference path: {why}. "
-                         f"Build the model with fast=False (train.py: --attention-impl reference), or make the change "
-                         f"in a form the fast core follows (README, \"Changing the method\")")
+def check_against_reference(path, module, core, device):
+    """Raise ValueError unless core, put in module's place of inline.inline_core, gives module.attend the output and
+    the gradients of q, k, v, x and every parameter of the reference path (on check_inputs, against the reference in
+    float64, with difference's tolerance). Copies of the module run it, so the model and the global random state
+    are untouched; a module on the meta device is checked with random weights."""
+    with outside_function_modes():
+        generator = torch.Generator().manual_seed(0)
+        reference = copy.deepcopy(module)
+        if any(p.is_meta for p in reference.parameters()):
+            reference.to_empty(device=device)
+            with torch.no_grad():
+                for p in reference.parameters():
+                    p.copy_(0.1 * torch.randn(p.shape, generator=generator, device='cpu'))
+            for b in reference.buffers():
+                b.zero_()
+        reference = reference.to(device).float()
+        reference.core = inline.inline_core
+        fast = copy.deepcopy(reference)
+        fast.core = core
+        inputs = check_inputs(reference, device, generator)
+        do = torch.randn(inputs[0].shape, generator=generator, device='cpu').to(device)
+        where = f"{path or 'the model'} ({type(module).__name__})"
+        with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), torch.enable_grad(), \
+                torch.autocast(device.type, enabled=False):
+            exact = attend_and_differentiate(copy.deepcopy(reference).double(), inputs, do.double())
+            ours = attend_and_differentiate(reference, inputs, do)
+            try:
+                theirs = attend_and_differentiate(fast, inputs, do)
+            except Exception as e:  # whatever the fast core cannot take: refused here, not at the first step
+                theirs = f"the fast core raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        why = theirs if isinstance(theirs, str) else next(
+            (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))), None)
+        if why:
+            name = why.split(':')[0].replace('gradient of ', '')
+            if name in dict(module.named_parameters()) and path:  # name the parameter by its path in the model
+                why = why.replace(f'gradient of {name}', f'gradient of {path}.{name}', 1)
+            raise ValueError(f"the fast InLine core does not compute what {where} computes on the reference path: "
+                             f"{why}. Build the model with fast=False (train.py: --attention-impl reference), or make "
+                             f"the change in a form the fast core follows (README, \"Changing the method\")")
 
 
 def enable_fast(model, core=inline_core_fast, device=None, log=print):
@@ -586,17 +584,16 @@ def enable_fast(model, core=inline_core_fast, device=None, log=print):
     swapped = [(path, m) for path, m in modules if m.core is inline.inline_core]
     if device is None:
         device = next((p.device for p in model.parameters() if not p.is_meta), torch.device('cpu'))
-    checked = {}
+    configurations = {}  # configuration: the modules that have it
     for path, m in swapped:
-        key = configuration(m)
-        if key not in checked:
-            start = time.perf_counter()
-            check_against_reference(path, m, core, torch.device(device))
-            checked[key] = (path, m, time.perf_counter() - start)
-    for path, m, seconds in checked.values() if log else ():
-        alike = sum(configuration(other) == configuration(m) for _, other in swapped)
-        log(f"kernels.enable_fast: {path or type(m).__name__} ({type(m).__name__}, H {m.num_heads}, D {m.head_dim}"
-            f"{', causal' if m.causal else ''}; {alike} module(s) of this configuration) equals the reference: {seconds:.1f} s")
+        configurations.setdefault(configuration(m), []).append((path, m))
+    for alike in configurations.values():
+        (path, m), start = alike[0], time.perf_counter()
+        check_against_reference(path, m, core, torch.device(device))
+        if log:
+            log(f"kernels.enable_fast: {path or type(m).__name__} ({type(m).__name__}, H {m.num_heads}, "
+                f"D {m.head_dim}{', causal' if m.causal else ''}; {len(alike)} module(s) of this configuration) "
+                f"equals the reference: {time.perf_counter() - start:.1f} s")
     for _, m in swapped:
         m.core = core
     return len(swapped)
