@@ -19,6 +19,7 @@ it has finished under OUT (default runs/paper/), so a rerun resumes where the la
     python paper.py ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
     python paper.py ablations --device cuda  # the same set where the miniatures converge (all 60,000 images)
     python paper.py recall                 # InLine on sequences: associative recall (MQAR) against state size
+    python paper.py mosaics --png figures/fashion_recall.png  # train.py's fashion_recall mosaics, with their labels
 
 The trained ones (locality, maps, ablations) train on Fashion-MNIST unless told (--dataset, --data-path: any
 ImageFolder too): locality and maps their four small DeiTs, ablations every experiment of models.EXPERIMENTS,
@@ -2133,6 +2134,26 @@ def recall_report(rows, models, sizes, args):
 # ---------------------------------------------------------------------------------------------------
 # The command line
 
+def cmd_mosaics(args):
+    """Samples of train.py's --dataset fashion_recall, test split, each task a row, every mosaic under its label."""
+    images, labels, classes = train.read_small('fashion_mnist', args.data_path, train=False)
+    rows = [(f'recall, {p} pairs', train.FashionRecall(images, labels, 8, 0, False, task='recall', pairs=p))
+            for p in (2, 4)] + [('below, 6 items', train.FashionRecall(images, labels, 8, 0, False, task='below', pairs=3))]
+    scale, pad, text = 3, 12, 30  # each 64 px mosaic drawn 192 px wide, its label under it
+    img = Image.new('RGB', (150 + 8 * (64 * scale + pad), len(rows) * (64 * scale + text + pad)), 'white')
+    draw = ImageDraw.Draw(img)
+    for r, (name, mosaics) in enumerate(rows):
+        y = r * (64 * scale + text + pad)
+        draw.text((8, y + 90), name, fill='black', font=font(14))
+        for i in range(8):
+            x, label = mosaics[i]
+            pixels = (x[0] * train.STD[0] + train.MEAN[0]).clamp(0, 1).mul(255).byte()  # (64, 64), the gray channel
+            tile = Image.fromarray(pixels.numpy(), 'L').resize((64 * scale,) * 2, Image.NEAREST)
+            img.paste(tile, (150 + i * (64 * scale + pad), y))
+            draw.text((150 + i * (64 * scale + pad), y + 64 * scale + 6), classes[label], fill='black', font=font(14))
+    save_png(img, args.png or os.path.join(args.out, 'mosaics.png'))
+
+
 def main(argv=None):
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument('--out', default=os.path.join('runs', 'paper'),
@@ -2202,8 +2223,10 @@ def main(argv=None):
     p.add_argument('--seeds', type=int, default=RECALL_SEEDS, help='seeds per model and size (0, 1, ...)')
     p.add_argument('--steps', type=int, default=RECALL_STEPS, help=f'training steps of {RECALL_BATCH} sequences')
     p.add_argument('--threads', type=int, default=1, help='CPU threads of this process')
+    p = sub.add_parser('mosaics', parents=[common], help="train.py's fashion_recall mosaics, with their labels")
+    p.add_argument('--data-path', default=FASHION_MNIST_DEB, help='Fashion-MNIST\'s IDX files')
     args = parser.parse_args(argv)
-    return {'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
+    return {'mosaics': cmd_mosaics, 'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
             'ablations': cmd_ablations, 'recall': cmd_recall}[args.command](args)
 
 

@@ -2194,6 +2194,50 @@ def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
     assert train.load_data(args)[0].indices == train_set.indices
 
 
+@pytest.mark.parametrize('task, pairs, query', [('recall', 2, 'other'), ('recall', 4, 'same'), ('below', 3, 'other')])
+def test_fashion_recall_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, query):
+    """Every label of a batch of mosaics, checked against the layout: recall's keys and values distinct in class, each
+    key right above its value, the framed query of one key's class (the key's own image with query='same'), the
+    label that key's value; below's framed item in row 1 and the label the class right below it. The pixels are the
+    layout's items (at 14 px, in their cells) with the framed cell's border lit; test mosaics hold test images."""
+    write_fashion_mnist(str(tmp_path), train=30, test=20)
+    args = train.get_args_parser().parse_args(['--dataset', 'fashion_recall', '--data-path', str(tmp_path),
+                                               '--recall-task', task, '--recall-pairs', str(pairs),
+                                               '--recall-query', query, '--synthetic-train', '40',
+                                               '--synthetic-val', '30'])
+    args.seed = 0
+    train_set, val_set = train.load_data(args)
+    assert (len(train_set), len(val_set)) == (40, 30) and train_set.classes == datasets.FashionMNIST.classes
+    test_images, test_labels, _ = train.read_small('fashion_mnist', str(tmp_path), train=False)
+    for i in range(30):
+        classes, roles, images, label = val_set.layout(i)
+        cells = {(r, c): (classes[r][c], roles[r][c], images[r][c]) for r in range(4) for c in range(4)}
+        framed = [cell for cell, (_, role, _) in cells.items() if role in ('query', 'framed')]
+        assert len(framed) == 1
+        (fr, fc), = framed
+        if task == 'recall':
+            keys = [cell for cell, (_, role, _) in cells.items() if role == 'key']
+            assert len(keys) == pairs and all(cells[r + 1, c][1] == 'value' for r, c in keys)
+            assert len({cells[k][0] for k in keys}) == pairs == len({cells[r + 1, c][0] for r, c in keys})
+            (kr, kc), = [k for k in keys if cells[k][0] == cells[fr, fc][0]]
+            assert label == cells[kr + 1, kc][0]
+            assert (cells[fr, fc][2] == cells[kr, kc][2]) == (query == 'same') or query == 'other'
+        else:
+            assert fr == 1 and cells[2, fc][1] == 'below' and label == cells[2, fc][0]
+            assert sum(role != '' for _, role, _ in cells.values()) == 2 * pairs
+        assert all(test_labels[source] == c for c, _, source in cells.values() if source >= 0)  # the test split's
+        x, y = val_set[i]
+        pixels = (x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None])[0] * 255
+        assert y == label and x.shape == (3, 64, 64)
+        for (r, c), (_, role, source) in cells.items():
+            inner = pixels[16 * r + 1:16 * r + 15, 16 * c + 1:16 * c + 15]
+            expected = val_set.items[source].float() if source >= 0 else torch.zeros(14, 14)
+            torch.testing.assert_close(inner, expected, rtol=0, atol=1e-3)
+            border = pixels[16 * r:16 * r + 16, 16 * c:16 * c + 16].clone()
+            border[1:-1, 1:-1] = 255 if role in ('query', 'framed') else 0
+            assert (border == 255).all() if role in ('query', 'framed') else (border.abs() < 1e-3).all()
+
+
 @pytest.mark.parametrize('name', ['cifar10', 'cifar100'])
 def test_cifar_reads_its_python_batches(tmp_path, name):
     written = write_cifar(str(tmp_path), name)

@@ -131,8 +131,13 @@ def get_args_parser():
     a('--normalise-q', action=argparse.BooleanOptionalAction, help='softmax over L2-normalised queries (T1)')
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
       help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
-    a('--dataset', choices=['synthetic', 'imagefolder', *SMALL_DATASETS], help='default: synthetic, imagefolder with '
-      '--data-path; the small ones read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
+    a('--dataset', choices=['synthetic', 'imagefolder', *SMALL_DATASETS, 'fashion_recall'], help='default: synthetic, '
+      'imagefolder with --data-path; the small ones read their files as distributed in --data-path (data/): IDX .gz, '
+      'CIFAR batches; fashion_recall: mosaics of Fashion-MNIST items (FashionRecall), 64 px')
+    a('--recall-task', default='recall', choices=['recall', 'below'], help="fashion_recall's task: recall (a key's value) or below (the item below "
+      "the framed one)")
+    a('--recall-pairs', type=int, default=2, help="fashion_recall's key-value pairs, 1-4 (below: 2 x this many items)")
+    a('--recall-query', default='other', choices=['other', 'same'], help="fashion_recall's query: another image of the key's class, or the same")
     a('--data-path', help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
     a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
     a('--train-subset', type=int, help='train on this many images, a fixed random subset (the same for every seed)')
@@ -144,7 +149,8 @@ def get_args_parser():
     a('--finetune', help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
     a('--grad-checkpoint', action='store_true', help='recompute each block in the backward: less memory, slower')
     a('--synthetic-train', type=int, help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
-    a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
+    a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,}); '
+      f'fashion_recall: its training and test mosaics (20,000 and 10,000)')
     a('--epochs', type=int, help='epochs of the cosine schedule (cool-down epochs come on top)')
     a('--val-every', type=int, default=1, help='validate every this many epochs, and after the last (1)')
     a('--batch-size', type=int, help='per-process batch size (images)')
@@ -373,6 +379,85 @@ class TensorImages(Dataset):
         return self.transform(self.images[index]), int(self.labels[index])
 
 
+class FashionRecall(Dataset):
+    """Visual associative recall on Fashion-MNIST, a task where attention must select: pooling keeps which items a
+    mosaic holds but cannot bind one to the query. Mosaic i is a pure function of (seed, split, i) (layout), drawn
+    from one split's images only, so test mosaics hold test images alone.
+
+    A 64-px mosaic of 4x4 cells of 16 px, each empty or holding one item at 14 px, one cell framed (its 1-px border
+    lit). task 'recall': `pairs` (1-4) key-value pairs, each key right above its value, in cells at random; key
+    classes distinct, value classes distinct; the framed query cell holds another image of one key's class
+    (query='same': the key's own image), and the label is that key's value's class. task 'below': 2 * `pairs` items
+    of distinct classes at random cells, one framed in row 1 and another right below it in row 2, so that the pair
+    straddles the 2x2 cell blocks that the last stages merge; the label is the class of the item below the framed.
+    No augmentation: a flip or a crop would move the roles."""
+    classes = datasets.FashionMNIST.classes
+
+    def __init__(self, images, labels, size, seed, train, task='recall', pairs=2, query='other'):
+        if task not in ('recall', 'below') or query not in ('other', 'same') or not 1 <= pairs <= 4:
+            fail(f"fashion_recall: task is 'recall' or 'below', query 'other' or 'same', pairs 1 to 4 (4 pairs always "
+                 f"fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
+        self.size, self.seed, self.train, self.task, self.pairs, self.query = size, seed, train, task, pairs, query
+        items = F.resize(images[:, :1], [14, 14], antialias=True)  # (N, 1, 14, 14) uint8: one channel of the gray
+        self.items, self.labels = items[:, 0], labels
+        self.by_class = [torch.nonzero(labels == c).flatten() for c in range(len(self.classes))]
+        self.to_tensor = T.Compose(TO_TENSOR)
+
+    def __len__(self):
+        return self.size
+
+    def layout(self, index):
+        """(classes (4, 4): each cell's item class, -1 if empty; roles (4, 4) of 'key', 'value', 'query', 'item',
+        'framed', 'below' or ''; images (4, 4): the source image of each cell, -1 if empty; the label)."""
+        g = torch.Generator().manual_seed(hash((self.seed, self.train, index)) % 2**62)
+        pick = lambda n, k: torch.randperm(n, generator=g)[:k].tolist()  # noqa: E731  k distinct of range(n)
+        image = lambda c: int(self.by_class[c][torch.randint(len(self.by_class[c]), (), generator=g)])  # noqa: E731
+        classes, roles, images = [[-1] * 4 for _ in range(4)], [[''] * 4 for _ in range(4)], [[-1] * 4 for _ in range(4)]
+
+        def put(cell, c, role, source=None):
+            (r, col) = cell
+            classes[r][col], roles[r][col], images[r][col] = c, role, image(c) if source is None else source
+        if self.task == 'below':
+            framed = (1, pick(4, 1)[0])
+            others = [divmod(i, 4) for i in pick(16, 16) if divmod(i, 4) not in (framed, (2, framed[1]))]
+            kinds = pick(10, 2 * self.pairs)
+            put(framed, kinds[0], 'framed')
+            put((2, framed[1]), kinds[1], 'below')
+            for cell, c in zip(others, kinds[2:]):
+                put(cell, c, 'item')
+            return classes, roles, images, kinds[1]
+        tops = [divmod(i, 4) for i in pick(12, 12)]  # key cells in rows 0-2, so the value below fits
+        keys = []
+        for top in tops:  # the first `pairs` that do not overlap: each blocks at most 3 tops, so 4 always fit
+            if len(keys) < self.pairs and all(top != k and top != (k[0] + 1, k[1]) and (top[0] + 1, top[1]) != k
+                                              for k in keys):
+                keys.append(top)
+        key_classes, value_classes = pick(10, self.pairs), pick(10, self.pairs)
+        for (r, col), kc, vc in zip(keys, key_classes, value_classes):
+            put((r, col), kc, 'key')
+            put((r + 1, col), vc, 'value')
+        asked = pick(self.pairs, 1)[0]
+        free = [divmod(i, 4) for i in pick(16, 16) if classes[i // 4][i % 4] < 0]
+        r, col = keys[asked]
+        source = images[r][col]
+        while self.query == 'other' and source == images[r][col] and len(self.by_class[key_classes[asked]]) > 1:
+            source = image(key_classes[asked])  # another image of the key's class
+        put(free[0], key_classes[asked], 'query', source)
+        return classes, roles, images, value_classes[asked]
+
+    def __getitem__(self, index):
+        classes, roles, images, label = self.layout(index)
+        mosaic = torch.zeros(64, 64, dtype=torch.uint8)
+        for r in range(4):
+            for col in range(4):
+                if images[r][col] >= 0:
+                    mosaic[16 * r + 1:16 * r + 15, 16 * col + 1:16 * col + 15] = self.items[images[r][col]]
+                if roles[r][col] in ('query', 'framed'):
+                    cell = mosaic[16 * r:16 * r + 16, 16 * col:16 * col + 16]
+                    cell[[0, -1], :], cell[:, [0, -1]] = 255, 255
+        return self.to_tensor(mosaic.expand(3, -1, -1)), label
+
+
 def load_data(args):
     """(training set, validation set): the synthetic task; ROOT/train and ROOT/val as ImageFolders with the
     released transforms; or a small dataset's training and test sets, --train-subset of the training images."""
@@ -383,7 +468,11 @@ def load_data(args):
                f'px, {len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
         return train_set, val_set
     found, root = [], args.data_path
-    if args.dataset in SMALL_DATASETS:
+    if args.dataset == 'fashion_recall':
+        options = dict(task=args.recall_task, pairs=args.recall_pairs, query=args.recall_query)
+        found = [FashionRecall(*read_small('fashion_mnist', root or 'data', train)[:2], size, args.seed, train, **options)
+                 for train, size in ((True, args.synthetic_train or 20_000), (False, args.synthetic_val or 10_000))]
+    elif args.dataset in SMALL_DATASETS:
         root = root or 'data'
         if args.download:  # torchvision fetches every split's files at once
             SMALL_DATASETS[args.dataset](root, download=True)
@@ -501,6 +590,8 @@ def default_output_dir(run):
     """runs/<experiment or model>[-<overrides beyond its own>]-<data>: two ablations never resume into each other."""
     data = dataset(run.args)
     data = os.path.basename(os.path.normpath(run.args.data_path)) if data == 'imagefolder' else data
+    if data == 'fashion_recall':  # another task is another run
+        data += f'-{run.args.recall_task}{run.args.recall_pairs}-{run.args.recall_query}'
     return os.path.join('runs', f'{run.name}-{data}')
 
 
@@ -554,8 +645,8 @@ def resolve(run):
     if args.img_size is None and (imagenet or args.throughput):
         with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
             args.img_size = models.create_model(args.model).img_size[0]  # (H, W); the released sizes are square
-    if args.img_size is None:
-        args.img_size = 64 if family == 'deit' else 32  # DeiT's 16 px patches: a 4x4 token grid
+    if args.img_size is None:  # DeiT's 16 px patches: a 4x4 token grid; fashion_recall's mosaics are 64 px
+        args.img_size = 64 if family == 'deit' or args.dataset == 'fashion_recall' else 32
     if args.accum_steps is None:
         wanted = recipe['batch_size'] * PROCESSES  # the released total batch
         args.accum_steps = 1 if not imagenet else max(1, round(wanted / args.batch_size / run.world))
@@ -618,6 +709,9 @@ def check_args(args):
                               ('random_erase', 0 <= args.random_erase <= 1, 'in [0, 1]')):
         if not ok:
             fail(f'--{name.replace("_", "-")} {getattr(args, name)} is out of range: it must be {allowed}')
+    if args.dataset == 'fashion_recall' and args.img_size != 64:
+        fail(f'--dataset fashion_recall makes 64 px mosaics of 4x4 cells; --img-size {args.img_size} would resample '
+             f'them: leave it unset or give 64')
 
 
 def setup(args):
@@ -896,7 +990,8 @@ def prepare_training(run, raw, train_set):
     else:
         torch.manual_seed(args.seed + run.rank)  # augmentation, Mixup/CutMix and drop path differ between ranks
     recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)',
-              'imagefolder': f'released ImageNet-1K recipe for {args.model}'}.get(
+              'imagefolder': f'released ImageNet-1K recipe for {args.model}',
+              'fashion_recall': 'small-image recipe without its crop and flip, which would move the roles'}.get(
         args.dataset, f'small-image recipe for {args.dataset} (random crop padded by {args.img_size // 8} px, flip)')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
            f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
