@@ -1826,8 +1826,9 @@ def prose(document):
 
 def test_the_documents_name_only_what_exists():
     """Every test the README, RESULTS.md and the files' docstrings and comments name is a test here; every
-    `python <file>.py [command]` they give has an entry point (and paper.py the command); every `inline.X`,
-    `kernels.X`, `models.X`, `train.X`, `paper.X` and `<file>.py:Name` the README names is there."""
+    `python <file>.py [command]` they give has an entry point (and paper.py the command); every picture and record
+    the README and RESULTS.md show is in figures/ or results/; every `inline.X`, `kernels.X`, `models.X`, `train.X`,
+    `paper.X` and `<file>.py:Name` the README names is there."""
     tests = set(re.findall(r'^def (test_\w+)', open(os.path.join(HERE, 'test_inline.py')).read(), re.M))
     commands = set(re.findall(r"sub\.add_parser\('(\w+)'", open(os.path.join(HERE, 'paper.py')).read()))
     modules = dict(inline=inline, kernels=kernels, models=models, train=train, paper=paper)
@@ -1841,6 +1842,10 @@ def test_the_documents_name_only_what_exists():
                 missing.append(f"{document}: python {script}.py (no entry point)")
             elif script == 'paper' and command and command not in commands:
                 missing.append(f"{document}: python paper.py {command} (no such command)")
+    for document in ('README.md', 'RESULTS.md'):  # the pictures and records they show or cite
+        for path in re.findall(r'\b((?:figures|results|golden)/[\w./-]*\w)', prose(document)):
+            if not os.path.exists(os.path.join(HERE, path)):
+                missing.append(f"{document}: {path}")
     readme = open(os.path.join(HERE, 'README.md')).read()
     for module, name in re.findall(r'(?<![\w.])(inline|kernels|models|train|paper)\.([A-Za-z_]\w*)', readme):
         if name != 'py' and not hasattr(modules[module], name):
