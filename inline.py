@@ -382,7 +382,8 @@ class InLineBase(nn.Module):
         self.scale = attention_scale(dim // num_heads)  # Eq. 5's s, which prepare returns
         self.residual = residual_mlp(dim, num_heads, size if self.sequence else size * size) if size else None
         # The core, Eq. 5 + Eq. 6: this reference, or its compiled twin kernels.inline_core_fast (same arguments,
-        # same result), which kernels.enable_fast(model) puts here after checking that it covers these options
+        # same result), which kernels.enable_fast(model) puts here once it has run this module both ways and found
+        # the same output and gradients
         self.core = inline_core
 
     def prepare(self, q, k):
