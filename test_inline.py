@@ -194,6 +194,20 @@ def test_residual_mlp_is_block_diagonal_per_head():
     assert (r[:, 9 * C // 2:] - r2[:, 9 * C // 2:]).abs().max() > 1e-6
 
 
+@pytest.mark.parametrize('causal', [False, True], ids=['per-sample', 'causal'])
+def test_residual_weights_are_the_released_grouped_convolutions(causal):
+    """residual_weights multiplies the token mean by W1's and W2's per-head blocks: the number the released two 1x1
+    grouped convolutions give on the mean as a 1-token sequence (per-sample), or on each prefix mean (causal)."""
+    torch.manual_seed(0)
+    B, N, C, H = 2, 11, 12, 3
+    mlp = inline.residual_mlp(C, H, taps=9).double()
+    x = torch.randn(B, N, C, dtype=torch.float64)
+    means = x.cumsum(1) / torch.arange(1, N + 1)[:, None] if causal else x.mean(1, keepdim=True)  # (B, N or 1, C)
+    expected = mlp(means.transpose(1, 2)).transpose(1, 2)  # (B, N or 1, 9C): the convolutions themselves
+    r = inline.residual_weights(mlp, x, causal)
+    torch.testing.assert_close(r, expected if causal else expected[:, 0], rtol=0, atol=1e-14)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The module (its golden outputs are checked with the other golden blocks below)
 
