@@ -131,8 +131,14 @@ def sum_scale(dtype, N):
     return N ** -0.5 if dtype == torch.float16 else 1.0
 
 
+def token_major(x):
+    """x (B, H, N, D) stored token by token, as (B, N, H, D): the layout in which the module's
+    o.transpose(1, 2).reshape(B, N, C) is a view, not a copy, and in which o's gradient comes back."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def core_forward(q, k, v, taps, index, masks, scale):
-    """-> o (B, H, N, D), and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as rounded to
+    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as rounded to
     the input dtype (the GEMM's operands, computed anyway), v_mean (B, H, 1, D) and s/N Cov (B, H, D, D)."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
@@ -148,11 +154,11 @@ def core_forward(q, k, v, taps, index, masks, scale):
     if taps is not None:
         for t, v_t in enumerate(neighbours(v, index)):
             o = o + wide(taps[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
-    return o.to(dtype), k_c, v_c, v_mean, cov
+    return token_major(o.to(dtype)), k_c, v_c, v_mean, cov
 
 
 def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale):
-    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, D), given do = dLoss/do."""
+    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, D), given do = dLoss/do stored token-major."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
@@ -367,20 +373,26 @@ def run(f, *args):
     return f(*args)
 
 
+def forward_graph(q, k, v, r, grid, scale, size, dilation):
+    """core_forward run on inline_core's arguments: o (B, H, N, D), stored token-major, and what the backward keeps."""
+    B, H, N, D = q.shape
+    # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
+    # need these copies of a model's strided q, k, v views anyway.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    index = masks = None
+    if r is not None:  # built once per shape, except while a whole-model torch.compile traces us
+        build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
+        index, masks = build(N, grid, q.device, size, dilation)
+    taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
+    o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale)
+    return o, (q, k_c, v_c, taps, index, masks, v_mean, cov)
+
+
 class InLineCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, r, grid, scale, size, dilation):
-        B, H, N, D = q.shape
-        # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
-        # need these copies of a model's strided q, k, v views anyway.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        index = masks = None
-        if r is not None:  # built once per shape, except while a whole-model torch.compile traces us
-            build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
-            index, masks = build(N, grid, q.device, size, dilation)
-        taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
-        o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale)
-        ctx.save_for_backward(q, k_c, v_c, taps, index, masks, v_mean, cov)  # freed with ctx under no_grad
+        o, saved = forward_graph(q, k, v, r, grid, scale, size, dilation)
+        ctx.save_for_backward(*saved)
         ctx.scale = scale
         return o
 
@@ -388,8 +400,8 @@ class InLineCore(torch.autograd.Function):
     def backward(ctx, do):
         q, k_c, v_c, taps, index, masks, v_mean, cov = ctx.saved_tensors
         B, H, N, D = q.shape
-        with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv, dtaps = run(core_backward, do.contiguous(), q, k_c, v_c, taps, index, masks, v_mean, cov,
+        with torch.autocast(q.device.type, enabled=False):  # do as o was stored: a copy only if it comes otherwise
+            dq, dk, dv, dtaps = run(core_backward, token_major(do), q, k_c, v_c, taps, index, masks, v_mean, cov,
                                     ctx.scale)
         dr = dtaps.transpose(-2, -1).reshape(B, -1) if dtaps is not None else None  # (B, T*C)
         return dq, dk, dv, dr, None, None, None, None
@@ -453,7 +465,10 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
         scale = inline.attention_scale(D) if scale is None else scale
         if causal:
             return CausalCore.apply(q, k, v, r, scale, size, dilation)
-        return InLineCore.apply(q, k, v, r, None if grid is None else tuple(grid), scale, size, dilation)
+        grid = None if grid is None else tuple(grid)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r)):
+            return InLineCore.apply(q, k, v, r, grid, scale, size, dilation)
+        return forward_graph(q, k, v, r, grid, scale, size, dilation)[0]  # no gradient asked: no autograd Function
 
 
 def unsupported(module):
