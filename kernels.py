@@ -9,6 +9,7 @@ result as inline.inline_core, the reference it replaces; `enable_fast(model)` sw
     python kernels.py --bench --json          # the same, one JSON object per case
     python kernels.py --choices --threads 1   # two design choices below, timed: D constant, the per-call switches
     python kernels.py --compile               # what the first use in a process costs (compiling, or the cache)
+    python kernels.py --per-call              # one call's cost beside its work: 197 tokens, 7x7 windows, 56x56
     python kernels.py --causal-bench          # the causal core against causal softmax SDPA, 1k to 16k tokens
     (a whole-model training step, reference against fast core: python paper.py speed --model-step)
 
@@ -20,7 +21,9 @@ What it does, and why (RESULTS.md has the measurements, each under its command):
   (T, N) neighbour table (T = k^2 neighbours of Eq. 6's k x k neighbourhood). B, H and N are symbolic: one
   graph per dtype, head dim and T serves every batch, head count, token grid and dilation; D is a
   constant, so the channel loops vectorise without remainder loops.
-  Inside a torch.compile'd model the math is traced inline.
+  Inside a torch.compile'd model the core steps aside (torch.compiler.disable): the model's graph stops at it and
+  it runs its own two graphs, as it does eagerly; traced into a whole-model graph, its Eq. 6 gathers ran 5-10x
+  slower and made a compiled training step slower than the uncompiled one (RESULTS.md, "Whole models").
 - Eq. 5 in centred-covariance form, as inline.py: k and v centred in fp32 before the GEMM, so no sum over
   tokens sees the means. Means and every other sum accumulate in fp32; bf16 GEMMs accumulate in fp32 and
   round once. In fp16 one operand of each sum over tokens is pre-scaled by N^-1/2 (sum_scale), so the
@@ -354,8 +357,6 @@ def compile_and_call(f, args, key):
 def run(f, *args):
     """The compiled f, or, if this machine cannot compile, the same closed form eagerly after one warning."""
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
-    if torch.compiler.is_compiling():  # inside a torch.compile'd model: its graph takes in ours
-        return f(*args)
     if not _compile_error:
         key = signature(f, args)
         try:
@@ -380,9 +381,8 @@ def forward_graph(q, k, v, r, grid, scale, size, dilation):
     # need these copies of a model's strided q, k, v views anyway.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     index = masks = None
-    if r is not None:  # built once per shape, except while a whole-model torch.compile traces us
-        build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
-        index, masks = build(N, grid, q.device, size, dilation)
+    if r is not None:  # built once per shape
+        index, masks = _cached_neighbourhood(N, grid, q.device, size, dilation)
     taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
     o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale)
     return o, (q, k_c, v_c, taps, index, masks, v_mean, cov)
@@ -415,7 +415,7 @@ class CausalCore(torch.autograd.Function):
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
         taps = index = masks = index_t = masks_t = None
         if r is not None:
-            build = sequence_neighbourhood if torch.compiler.is_compiling() else _cached_sequence_neighbourhood
+            build = _cached_sequence_neighbourhood
             index, masks = build(M, q.device, size, dilation, True)
             index_t, masks_t = build(M, q.device, size, dilation, True, True)
             taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)  # (B, M, H, D, T): r's channel T*c + t
@@ -437,6 +437,7 @@ class CausalCore(torch.autograd.Function):
         return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None
 
 
+@torch.compiler.disable(reason="the fast InLine core runs its own compiled graphs, also inside a compiled model")
 def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w: the same arguments, layout and result as
     inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, T*C) with T = size^2 neighbour weights per
@@ -772,11 +773,47 @@ def bench_choices(device):
           f"switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
 
 
+PER_CALL = {  # python kernels.py --per-call: (batch, heads, tokens before the grid, grid side, head dim)
+    'InLine-DeiT-T, 224 px (197 tokens)': (1, 6, 1, 14, 32), 'InLine-Swin-T windows of 7x7 (49 tokens)': (64, 3, 0, 7, 32),
+    'InLine-Swin-T stage 1 (56x56 tokens)': (1, 3, 0, 56, 32),
+}
+
+
+def bench_per_call(device, dtypes):
+    """What one call of the fast core costs beside its work, forward only, in one interleaved run per case: the whole
+    call without and with a gradient asked (the autograd Function), its compiled graph called straight with the
+    arguments ready (dynamo's guards and wrappers, inductor's kernels and the GEMMs), the two GEMMs of Eq. 5 alone
+    (K^T V and Q Cov, eager: the work no implementation avoids), and softmax SDPA on the same q, k, v."""
+    print(f"{'case':44s} {'dtype':>8s} | {'call us':>8s} {'w/ grad':>8s} | {'graph':>7s} {'GEMMs':>7s} | "
+          f"{'call - graph':>12s} | {'SDPA us':>8s}")
+    for name, (B, H, P, side, D) in PER_CALL.items():
+        for dtype in dtypes:
+            N, gen = P + side * side, torch.Generator(device).manual_seed(0)
+            q, k, v = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(3))
+            r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
+            grads = [t.detach().requires_grad_() for t in (q, k, v, r)]
+            cov = torch.randn(B, H, D, D, generator=gen, device=device, dtype=dtype)
+            taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous()
+            args = [q, k, v, taps, *_cached_neighbourhood(N, (side, side), device), inline.attention_scale(D)]
+            with torch.no_grad():
+                inline_core_fast(q, k, v, r, (side, side))
+            inline_core_fast(*grads, (side, side))
+            fns = {'call': lambda: torch.no_grad()(inline_core_fast)(q, k, v, r, (side, side)),
+                   'grad': lambda: inline_core_fast(*grads, (side, side)),
+                   'graph': lambda: torch.no_grad()(COMPILED['core_forward'])(*args),
+                   'gemms': lambda: (k.mT @ v, q @ cov), 'sdpa': lambda: F.scaled_dot_product_attention(q, k, v)}
+            us = {n: 1e3 * statistics.median(t) for n, t in time_interleaved(fns, device, 2.0, 200).items()}
+            print(f"{name:44s} {str(dtype)[6:]:>8s} | {us['call']:8.0f} {us['grad']:8.0f} | {us['graph']:7.0f} "
+                  f"{us['gemms']:7.0f} | {us['call'] - us['graph']:12.0f} | {us['sdpa']:8.0f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
     parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
     parser.add_argument('--compile', action='store_true', help="time the first use: compiling the two graphs")
+    parser.add_argument('--per-call', action='store_true', help="what one call costs beside its work, at 197 tokens, "
+                        "49-token windows and 56x56 tokens (see bench_per_call)")
     parser.add_argument('--causal-bench', action='store_true',
                         help="time the causal core against causal softmax SDPA at --tokens")
     parser.add_argument('--tokens', default=','.join(map(str, CAUSAL_TOKENS)),
@@ -801,6 +838,8 @@ def main():
             bench_compile(device, dtype)
     if args.choices:
         bench_choices(device)
+    if args.per_call:
+        bench_per_call(device, dtypes)
     if args.causal_bench:
         if not args.json:
             ms, speedup = f"{'fwd':>7s} {'fwd+bwd':>7s}", f"{'fwd':>5s} {'f+b':>5s}"

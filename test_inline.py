@@ -1270,10 +1270,20 @@ def test_fast_model_with_the_ablation_switches():
     assert_fast_model_equals_reference('inline_swin_t', window=2, kernel='relu_affine', dilation=2)
 
 
-def test_fast_core_inside_a_compiled_model():
-    """train.py --compile: torch.compile(model) traces the core's closed forms into the model's graph
-    (kernels.run); logits and gradients equal the eager reference model's."""
+def test_fast_core_inside_a_compiled_model(monkeypatch):
+    """train.py --compile: inside torch.compile(model) the core steps aside and runs its own compiled graphs
+    (kernels.run) on every call, forward and backward; logits and gradients equal the eager reference model's."""
+    calls = []
+    run = kernels.run
+    monkeypatch.setattr(kernels, 'run', lambda f, *args: (calls.append(f.__name__), run(f, *args))[1])
     assert_fast_model_equals_reference('inline_deit_t', compile_fast=True)
+    depth = FAST_SMALL['inline_deit_t']['depth']
+    assert calls.count('core_forward') >= depth and calls.count('core_backward') >= depth
+    compiled = torch.compile(models.create_model('inline_deit_t', fast=True, **dict(FAST_SMALL['inline_deit_t'])))
+    x = torch.randn(2, 3, *FAST_SMALL['inline_deit_t']['img_size'])
+    calls.clear()  # enable_fast's check ran the core too
+    compiled(x).sum().backward(), compiled(x)  # the second forward runs what the first compiled
+    assert calls == ['core_forward'] * depth + ['core_backward'] * depth + ['core_forward'] * depth
 
 
 def test_enable_fast_swaps_exactly_the_reference_cores():
