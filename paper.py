@@ -1103,7 +1103,8 @@ def forward_profile(model, x, dtype, rounds=5):
             add('every copy and cast (aten::copy_), wherever called', e.self_cpu_time_total)
     if CORE_LABEL in groups:
         inner = sum(groups.get(g, (0, 0))[0] for g in groups if g.startswith('  of which'))
-        add('  of which its call in Python: checks, contiguous copies, table', 1e3 * rounds * (groups[CORE_LABEL][0] - inner), 0)
+        add("  of which the rest of its call: Python (checks, the table, torch.compile's entry) and contiguous copies",
+            1e3 * rounds * (groups[CORE_LABEL][0] - inner), 0)
     return groups
 
 
@@ -1137,18 +1138,16 @@ def cmd_speed_whole(args):
                         ('DeiT-T', models.create_experiment('s_deit_t'))):
         for dtype in dtypes:
             profiles[f'{name} {str(dtype)[6:]}'] = forward_profile(model.eval().to(device), x, dtype)
-    groups = list(dict.fromkeys(g for p in profiles.values() for g in sorted(p, key=lambda g: -p[g][0])))
-    groups = [g for g in groups if not g.startswith('  ')]
+    groups = dict.fromkeys(g for p in profiles.values() for g in sorted(p, key=lambda g: -p[g][0]))
     order = []
-    for g in groups:
-        order.append(g)
-        if g == CORE_LABEL:
-            order += [s for p in profiles.values() for s in p if s.startswith('  ') and s not in order]
+    for g in (g for g in groups if not g.startswith('  ')):  # the core's parts under it
+        order += [g] + ([s for s in groups if s.startswith('  ')] if g == CORE_LABEL else [])
     print(f"\nWhere a forward of batch 1 at 224 px spends its time (eval, inference_mode; torch.profiler, the mean "
           f"of 5 forwards; ms per forward, with calls per forward): InLine-DeiT-T through the fast core, DeiT-T "
           f"through SDPA.\n")
     print_table(['where'] + list(profiles), [[g.replace('  ', '… ')] + [
-        f"{p[g][0]:.2f} ({p[g][1]:.0f})" if g in p else '' for p in profiles.values()] for g in order] +
+        (f"{p[g][0]:.2f}" + (f" ({p[g][1]:.0f})" if p[g][1] else '')) if g in p else '' for p in profiles.values()]
+        for g in order] +
         [['total'] + [f"{sum(v[0] for k, v in p.items() if not k.startswith('  ') and not k.startswith('every')):.2f}"
                       for p in profiles.values()]])
     return rows
