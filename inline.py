@@ -245,12 +245,11 @@ def neighbourhood_size(residual, local_size=LOCAL_SIZE):
 
 
 def residual_mlp(dim, num_heads, taps=9):
-    """Predicts the T neighbour weights of every channel from the token mean of the input.
-
-    Two 1x1 grouped convolutions, one group per head (block-diagonal per head), GELU between:
-    C -> C -> T*C. Output channel T*c + t is the weight of neighbour t (row-major over the k x k
-    neighbourhood, T = k^2) for channel c = head*D + j. Keys: residual.0.*, residual.2.* as in the released
-    checkpoints.
+    """Holds the parameters that predict the T neighbour weights of every channel from the token mean of the input:
+    W1 (C -> C) and W2 (C -> T*C), each block-diagonal with one block per head, GELU between (residual_weights
+    computes with them). Kept as the released model's two 1x1 grouped convolutions, one group per head, so the keys
+    (residual.0.*, residual.2.*) and shapes ((C, D, 1), (T*C, D, 1)) are the released checkpoints'. Output channel
+    T*c + t is the weight of neighbour t (row-major over the k x k neighbourhood, T = k^2) for channel c = head*D + j.
     """
     return nn.Sequential(
         nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
@@ -260,13 +259,27 @@ def residual_mlp(dim, num_heads, taps=9):
 
 
 def residual_weights(mlp, x, causal=False):
-    """r = W2 GELU(W1 mean_tokens(x) + b1) + b2 for x of shape (B, N, C); returns (B, T*C).
-    causal: at each token i from the mean of x_1..x_i, so that no weight looks ahead; returns (B, N, T*C)."""
+    """Eq. 6's weights r = W2 GELU(W1 m + b1) + b2 from m, the token mean of x (B, N, C); returns (B, T*C).
+    causal: at each token i from the mean m_i of x_1..x_i, so that no weight looks ahead; returns (B, N, T*C).
+
+    W1 and W2 are block-diagonal, one D x D (and T*D x D) block per head, so each head's slice of m is multiplied by
+    its own block: H small matmuls in one batch, what the released 1x1 grouped convolutions compute on a sequence of
+    length 1 (mlp holds their weights; a convolution would treat the (B, C) vector as a 1-token image)."""
+    conv1, act, conv2 = mlp
+    H = conv1.groups
     if causal:
         n = torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]  # (N, 1)
-        prefix = (x.to(torch.promote_types(x.dtype, torch.float32)).cumsum(1) / n).to(x.dtype)  # (B, N, C), fp32 sums
-        return mlp(prefix.transpose(1, 2)).transpose(1, 2)  # (B, C, N) -> (B, T*C, N) -> (B, N, T*C)
-    return mlp(x.mean(dim=1).unsqueeze(-1)).squeeze(-1)  # (B, C, 1) -> (B, T*C, 1) -> (B, T*C)
+        m = (x.to(torch.promote_types(x.dtype, torch.float32)).cumsum(1) / n).to(x.dtype)  # (B, N, C), fp32 sums
+    else:
+        m = x.mean(dim=1, keepdim=True)  # (B, 1, C)
+    B, M, C = m.shape
+    m = m.reshape(B * M, H, C // H).transpose(0, 1)  # (H, B*M, D): each head's slice of each mean
+    w1 = conv1.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, D): W1's blocks
+    w2 = conv2.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, T*D): W2's blocks
+    hidden = act(torch.baddbmm(conv1.bias.reshape(H, 1, -1), m, w1))  # (H, B*M, D)
+    r = torch.baddbmm(conv2.bias.reshape(H, 1, -1), hidden, w2)  # (H, B*M, T*D): head g's channels T*c + t
+    r = r.transpose(0, 1).reshape(B, M, -1)  # (B, M, T*C)
+    return r if causal else r[:, 0]  # (B, N, T*C) or (B, T*C)
 
 
 def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1, causal=False):

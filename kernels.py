@@ -11,6 +11,7 @@ reference that the fast core does not follow is refused when the model is built.
     python kernels.py --bench --json          # the same, one JSON object per case
     python kernels.py --choices --threads 1   # two design choices below, timed: D constant, the per-call switches
     python kernels.py --compile               # what the first use in a process costs (compiling, or the cache)
+    python kernels.py --per-call              # one call's cost beside its work: 197 tokens, 7x7 windows, 56x56
     python kernels.py --causal-bench          # the causal core against causal softmax SDPA, 1k to 16k tokens
     (a whole-model training step, reference against fast core: python paper.py speed --model-step)
 
@@ -22,7 +23,9 @@ What it does, and why (RESULTS.md has the measurements, each under its command):
   (T, N) neighbour table (T = k^2 neighbours of Eq. 6's k x k neighbourhood). B, H and N are symbolic: one
   graph per dtype, head dim and T serves every batch, head count, token grid and dilation; D is a
   constant, so the channel loops vectorise without remainder loops.
-  Inside a torch.compile'd model the math is traced inline.
+  Inside a torch.compile'd model the core steps aside (torch.compiler.disable): the model's graph stops at it and
+  it runs its own two graphs, as it does eagerly; traced into a whole-model graph, its Eq. 6 gathers ran 5-10x
+  slower and made a compiled training step slower than the uncompiled one (RESULTS.md, "Whole models").
 - Eq. 5 in centred-covariance form, as inline.py: k and v centred in fp32 before the GEMM, so no sum over
   tokens sees the means. Means and every other sum accumulate in fp32; bf16 GEMMs accumulate in fp32 and
   round once. In fp16 one operand of each sum over tokens is pre-scaled by N^-1/2 (sum_scale), so the
@@ -133,8 +136,14 @@ def sum_scale(dtype, N):
     return N ** -0.5 if dtype == torch.float16 else 1.0
 
 
+def token_major(x):
+    """x (B, H, N, D) stored token by token, as (B, N, H, D): the layout in which the module's
+    o.transpose(1, 2).reshape(B, N, C) is a view, not a copy, and in which o's gradient comes back."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def core_forward(q, k, v, taps, index, masks, scale):
-    """-> o (B, H, N, D), and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as rounded to
+    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as rounded to
     the input dtype (the GEMM's operands, computed anyway), v_mean (B, H, 1, D) and s/N Cov (B, H, D, D)."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
@@ -150,11 +159,11 @@ def core_forward(q, k, v, taps, index, masks, scale):
     if taps is not None:
         for t, v_t in enumerate(neighbours(v, index)):
             o = o + wide(taps[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
-    return o.to(dtype), k_c, v_c, v_mean, cov
+    return token_major(o.to(dtype)), k_c, v_c, v_mean, cov
 
 
 def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale):
-    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, D), given do = dLoss/do."""
+    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, D), given do = dLoss/do stored token-major."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
@@ -350,8 +359,6 @@ def compile_and_call(f, args, key):
 def run(f, *args):
     """The compiled f, or, if this machine cannot compile, the same closed form eagerly after one warning."""
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
-    if torch.compiler.is_compiling():  # inside a torch.compile'd model: its graph takes in ours
-        return f(*args)
     if not _compile_error:
         key = signature(f, args)
         try:
@@ -369,20 +376,25 @@ def run(f, *args):
     return f(*args)
 
 
+def forward_graph(q, k, v, r, grid, scale, size, dilation):
+    """core_forward run on inline_core's arguments: o (B, H, N, D), stored token-major, and what the backward keeps."""
+    B, H, N, D = q.shape
+    # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
+    # need these copies of a model's strided q, k, v views anyway.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    index = masks = None
+    if r is not None:  # built once per shape
+        index, masks = _cached_neighbourhood(N, grid, q.device, size, dilation)
+    taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
+    o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale)
+    return o, (q, k_c, v_c, taps, index, masks, v_mean, cov)
+
+
 class InLineCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, r, grid, scale, size, dilation):
-        B, H, N, D = q.shape
-        # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
-        # need these copies of a model's strided q, k, v views anyway.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        index = masks = None
-        if r is not None:  # built once per shape, except while a whole-model torch.compile traces us
-            build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
-            index, masks = build(N, grid, q.device, size, dilation)
-        taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
-        o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale)
-        ctx.save_for_backward(q, k_c, v_c, taps, index, masks, v_mean, cov)  # freed with ctx under no_grad
+        o, saved = forward_graph(q, k, v, r, grid, scale, size, dilation)
+        ctx.save_for_backward(*saved)
         ctx.scale = scale
         return o
 
@@ -390,8 +402,8 @@ class InLineCore(torch.autograd.Function):
     def backward(ctx, do):
         q, k_c, v_c, taps, index, masks, v_mean, cov = ctx.saved_tensors
         B, H, N, D = q.shape
-        with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv, dtaps = run(core_backward, do.contiguous(), q, k_c, v_c, taps, index, masks, v_mean, cov,
+        with torch.autocast(q.device.type, enabled=False):  # do as o was stored: a copy only if it comes otherwise
+            dq, dk, dv, dtaps = run(core_backward, token_major(do), q, k_c, v_c, taps, index, masks, v_mean, cov,
                                     ctx.scale)
         dr = dtaps.transpose(-2, -1).reshape(B, -1) if dtaps is not None else None  # (B, T*C)
         return dq, dk, dv, dr, None, None, None, None
@@ -405,7 +417,7 @@ class CausalCore(torch.autograd.Function):
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
         taps = index = masks = index_t = masks_t = None
         if r is not None:
-            build = sequence_neighbourhood if torch.compiler.is_compiling() else _cached_sequence_neighbourhood
+            build = _cached_sequence_neighbourhood
             index, masks = build(M, q.device, size, dilation, True)
             index_t, masks_t = build(M, q.device, size, dilation, True, True)
             taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)  # (B, M, H, D, T): r's channel T*c + t
@@ -427,6 +439,7 @@ class CausalCore(torch.autograd.Function):
         return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None
 
 
+@torch.compiler.disable(reason="the fast InLine core runs its own compiled graphs, also inside a compiled model")
 def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w: the same arguments, layout and result as
     inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, T*C) with T = size^2 neighbour weights per
@@ -456,7 +469,10 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
         scale = inline.attention_scale(D) if scale is None else scale
         if causal:
             return CausalCore.apply(q, k, v, r, scale, size, dilation)
-        return InLineCore.apply(q, k, v, r, None if grid is None else tuple(grid), scale, size, dilation)
+        grid = None if grid is None else tuple(grid)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r)):
+            return InLineCore.apply(q, k, v, r, grid, scale, size, dilation)
+        return forward_graph(q, k, v, r, grid, scale, size, dilation)[0]  # no gradient asked: no autograd Function
 
 
 def unsupported(module):
@@ -767,11 +783,45 @@ def bench_choices(device):
           f"switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
 
 
+PER_CALL = {  # python kernels.py --per-call: (batch, heads, tokens before the grid, grid side, head dim)
+    'InLine-DeiT-T, 224 px (197 tokens)': (1, 6, 1, 14, 32), 'InLine-Swin-T windows of 7x7 (49 tokens)': (64, 3, 0, 7, 32),
+    'InLine-Swin-T stage 1 (56x56 tokens)': (1, 3, 0, 56, 32),
+}
+
+
+def bench_per_call(device, dtypes):
+    """What one call of the fast core costs beside its work, forward only, in one interleaved run per case: the whole
+    call without and with a gradient asked (the autograd Function), the two GEMMs of Eq. 5 alone (K^T V and Q Cov,
+    eager: the work no implementation avoids) and softmax SDPA on the same q, k, v. Call minus GEMMs is what the
+    call adds: the fused passes over q, k, v (means, centring, Eq. 6) and the cost of calling a compiled graph."""
+    print(f"{'case':44s} {'dtype':>8s} | {'call us':>8s} {'w/ grad':>8s} | {'GEMMs':>7s} {'call - GEMMs':>12s} | "
+          f"{'SDPA us':>8s}")
+    for name, (B, H, P, side, D) in PER_CALL.items():
+        for dtype in dtypes:
+            N, gen = P + side * side, torch.Generator(device).manual_seed(0)
+            q, k, v = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(3))
+            r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
+            grads = [t.detach().requires_grad_() for t in (q, k, v, r)]
+            cov = torch.randn(B, H, D, D, generator=gen, device=device, dtype=dtype)
+
+            def call():
+                with torch.no_grad():
+                    inline_core_fast(q, k, v, r, (side, side))
+
+            fns = {'call': call, 'grad': lambda: inline_core_fast(*grads, (side, side)),
+                   'gemms': lambda: (k.mT @ v, q @ cov), 'sdpa': lambda: F.scaled_dot_product_attention(q, k, v)}
+            us = {n: 1e3 * statistics.median(t) for n, t in time_interleaved(fns, device, 2.0, 200).items()}
+            print(f"{name:44s} {str(dtype)[6:]:>8s} | {us['call']:8.0f} {us['grad']:8.0f} | {us['gemms']:7.0f} "
+                  f"{us['call'] - us['gemms']:12.0f} | {us['sdpa']:8.0f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
     parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
     parser.add_argument('--compile', action='store_true', help="time the first use: compiling the two graphs")
+    parser.add_argument('--per-call', action='store_true', help="what one call costs beside its work, at 197 tokens, "
+                        "49-token windows and 56x56 tokens (see bench_per_call)")
     parser.add_argument('--causal-bench', action='store_true',
                         help="time the causal core against causal softmax SDPA at --tokens")
     parser.add_argument('--tokens', default=','.join(map(str, CAUSAL_TOKENS)),
@@ -796,6 +846,8 @@ def main():
             bench_compile(device, dtype)
     if args.choices:
         bench_choices(device)
+    if args.per_call:
+        bench_per_call(device, dtypes)
     if args.causal_bench:
         if not args.json:
             ms, speedup = f"{'fwd':>7s} {'fwd+bwd':>7s}", f"{'fwd':>5s} {'f+b':>5s}"

@@ -13,6 +13,7 @@ it has finished under OUT (default runs/paper/), so a rerun resumes where the la
     python paper.py speed [--quick]        # F5b, F5c: images/s against window and resolution
     python paper.py speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python paper.py speed --dense          # backbones at detection sizes: forward time and peak memory
+    python paper.py speed --whole [--compile]  # whole models against softmax; where a forward's time goes
     python paper.py ablations --pilot      # the budget's pilot: seed 0 of R-res's pair, beside the linear read-out
     python paper.py ablations --claims     # the claim rows at 5 seeds and their floor: the first batch
     python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
@@ -911,6 +912,8 @@ def speed_point(figure, point, dtype, device, batch, rounds):
 def cmd_speed(args):
     if args.dense:
         return cmd_speed_dense(args)
+    if args.whole:
+        return cmd_speed_whole(args)
     devices = [torch.device('cpu')] + ([torch.device('cuda')] if torch.cuda.is_available() else [])
     dtypes = [torch.float32, torch.bfloat16]
     points = [(fig, p) for fig, (_, values, _) in SPEED.items() for p in (SPEED_QUICK[fig] if args.quick else values)]
@@ -1000,6 +1003,155 @@ def model_step_table(devices, dtypes):
           'returns v and costs nothing: no InLine core can make the step faster than that.\n')
     print_table(['device', 'dtype', 'reference core', 'fast core', 'fast core + whole-model torch.compile',
                  'free core (the bound)'], rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# python paper.py speed --whole: whole models, InLine against the softmax original a user would pick instead
+
+WHOLE = (  # (what, InLine model, its softmax original (models.EXPERIMENTS), image side, batch on CPU, training step?)
+    ('InLine-Swin-T inference', 'inline_swin_t', 's_swin_t', 224, 32, False),
+    ('InLine-Swin-T training step', 'inline_swin_t', 's_swin_t', 224, 8, True),
+    ('InLine-DeiT-T inference', 'inline_deit_t', 's_deit_t', 224, 1, False),
+    ('InLine-DeiT-T inference', 'inline_deit_t', 's_deit_t', 512, 1, False),
+    ('InLine-DeiT-T inference', 'inline_deit_t', 's_deit_t', 1024, 1, False),
+)
+
+
+def whole_step(model, x, y, dtype, training):
+    """One forward (eval, inference_mode) or one training step (forward, cross-entropy, backward) under autocast."""
+    autocast = torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32)
+    if not training:
+        with torch.inference_mode(), autocast:
+            return model(x)
+    with autocast:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def whole_point(row, dtype, device, rounds, compiled):
+    """One row of --whole at one dtype: ms of the softmax original, of InLine through the fast core and (compiled)
+    of InLine under whole-model torch.compile, in one interleaved run; speed-ups as medians of per-round ratios."""
+    what, name, softmax_name, side, batch, training = row
+    drop = dict(drop_path_rate=0.0)  # no random depth: every round runs the same blocks
+    softmax = models.create_experiment(softmax_name, img_size=side, **drop).train(training).to(device)
+    inline_model = models.create_model(name, img_size=side, fast=True, **drop).train(training).to(device)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 3, side, side, generator=gen).to(device), torch.randint(0, 1000, (batch,)).to(device)
+    if not training:
+        check_sdpa(softmax, x[:1])
+    fns = {'softmax': lambda: whole_step(softmax, x, y, dtype, training),
+           'InLine': lambda: whole_step(inline_model, x, y, dtype, training)}
+    if compiled:
+        compiled_model = torch.compile(inline_model)
+        fns['compiled'] = lambda: whole_step(compiled_model, x, y, dtype, training)
+    ms = kernels.time_interleaved(fns, device, budget_s=1e9, max_rounds=rounds)
+    out = dict(what=what, side=side, batch=batch, dtype=str(dtype)[6:], device=device.type, rounds=rounds,
+               **{f'{n}_ms': statistics.median(t) for n, t in ms.items()},
+               speedup=kernels.paired_ratio(ms, 'softmax', 'InLine'))
+    if compiled:
+        out.update(compiled_speedup=kernels.paired_ratio(ms, 'softmax', 'compiled'),
+                   compiled_over_fast=kernels.paired_ratio(ms, 'InLine', 'compiled'))
+    return out
+
+
+PROFILE_GROUPS = {  # top-level operator -> what it is in a ViT forward
+    'aten::linear': 'Linear layers (qkv, proj, MLP, head)', 'aten::layer_norm': 'LayerNorm',
+    'aten::gelu': "GELU (the MLP's)", 'aten::scaled_dot_product_attention': 'softmax attention (SDPA)',
+    'aten::add': 'residual adds', 'aten::conv2d': 'patch embedding', 'aten::cat': 'class token and position',
+    'aten::to': 'casts and copies', 'aten::contiguous': 'casts and copies', 'aten::copy_': 'casts and copies',
+}
+CORE_LABEL, PREDICTOR_LABEL = 'InLine core, Eq. 5 + Eq. 6 (kernels.inline_core_fast)', 'Eq. 6 predictor (residual_weights)'
+
+
+def forward_profile(model, x, dtype, rounds=5):
+    """Where one forward (eval, inference_mode, batch 1) spends its time: {group: (ms, calls) per forward}, from
+    torch.profiler's top-level operators, grouped by PROFILE_GROUPS; the InLine core and Eq. 6's predictor are
+    labelled around their calls, and the core split into its compiled graph's kernels (inductor's code and the GEMMs
+    it calls), dynamo's guards and wrappers around them, and its call in Python (checks, contiguous copies, table)."""
+    cores = [m for m in model.modules() if getattr(m, 'core', None) is not None]
+    saved = [(m, m.core) for m in cores], inline.residual_weights
+    for m in cores:
+        m.core = functools.partial(labelled_call, CORE_LABEL, m.core)
+    inline.residual_weights = functools.partial(labelled_call, PREDICTOR_LABEL, inline.residual_weights)
+    try:
+        for _ in range(2):
+            whole_step(model, x, None, dtype, False)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(rounds):
+                whole_step(model, x, None, dtype, False)
+    finally:
+        for m, core in saved[0]:
+            m.core = core
+        inline.residual_weights = saved[1]
+    groups = {}
+
+    def add(group, us, calls=1):
+        ms, n = groups.get(group, (0.0, 0))
+        groups[group] = (ms + us / 1e3 / rounds, n + calls / rounds)
+
+    events = prof.events()
+    for e in events:
+        if e.cpu_parent is None:  # top-level: every microsecond of the forward is in exactly one of these
+            add(e.name if e.name in (CORE_LABEL, PREDICTOR_LABEL) else PROFILE_GROUPS.get(e.name, 'other'),
+                e.cpu_time_total)
+        if e.name.startswith('## Call CompiledFxGraph'):
+            add('  of which its compiled graph (kernels and GEMMs)', e.cpu_time_total)
+        elif e.name.startswith('Torch-Compiled Region'):
+            add("  of which dynamo's guards and wrappers", e.cpu_time_total - sum(
+                c.cpu_time_total for c in e.cpu_children if c.name.startswith('## Call CompiledFxGraph')))
+        if e.name in ('aten::copy_',):
+            add('every copy and cast (aten::copy_), wherever called', e.self_cpu_time_total)
+    if CORE_LABEL in groups:
+        inner = sum(groups.get(g, (0, 0))[0] for g in groups if g.startswith('  of which'))
+        add("  of which the rest of its call: Python (checks, the table, torch.compile's entry) and contiguous copies",
+            1e3 * rounds * (groups[CORE_LABEL][0] - inner), 0)
+    return groups
+
+
+def labelled_call(label, f, *args, **kwargs):
+    with torch.profiler.record_function(label):
+        return f(*args, **kwargs)
+
+
+def cmd_speed_whole(args):
+    device = torch.device(args.device or 'cpu')
+    rounds = args.rounds or (5 if device.type == 'cpu' else 20)
+    dtypes = [torch.float32, torch.bfloat16]
+    rows = [whole_point(row, dtype, device, rounds, args.compile)
+            for row in tqdm(WHOLE, desc='whole', dynamic_ncols=True) for dtype in dtypes]
+    info = machine(torch.get_num_threads())
+    print(f"\nWhole models, InLine through the fast core against the softmax original built with F.scaled_dot_product_"
+          f"attention, the same sizes; {rounds} interleaved rounds, ms = median, speed-up = median of per-round "
+          f"ratios (softmax time / InLine time: above 1, InLine is faster). {device.type}: {info['cpu']}, "
+          f"AVX-512 BF16 {'yes' if info['avx512_bf16'] else 'no'}, AMX {'yes' if info['amx'] else 'no'}, "
+          f"{info['threads']} threads, torch {info['torch']}.\n")
+    header = ['model', 'image', 'batch', 'dtype', 'softmax ms', 'InLine ms', 'InLine speed-up']
+    if args.compile:
+        header += ['InLine compiled ms', 'compiled speed-up', 'compiled / fast core alone']
+    print_table(header, [[r['what'], f"{r['side']} px", r['batch'], r['dtype'], f"{r['softmax_ms']:.1f}",
+                          f"{r['InLine_ms']:.1f}", f"{r['speedup']:.2f}x"] + ([
+                          f"{r['compiled_ms']:.1f}", f"{r['compiled_speedup']:.2f}x", f"{r['compiled_over_fast']:.2f}x"]
+                          if args.compile else []) for r in rows])
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)
+    profiles = {}
+    for name, model in (('InLine-DeiT-T', models.create_model('inline_deit_t', fast=True)),
+                        ('DeiT-T', models.create_experiment('s_deit_t'))):
+        for dtype in dtypes:
+            profiles[f'{name} {str(dtype)[6:]}'] = forward_profile(model.eval().to(device), x, dtype)
+    groups = dict.fromkeys(g for p in profiles.values() for g in sorted(p, key=lambda g: -p[g][0]))
+    order = []
+    for g in (g for g in groups if not g.startswith('  ')):  # the core's parts under it
+        order += [g] + ([s for s in groups if s.startswith('  ')] if g == CORE_LABEL else [])
+    print(f"\nWhere a forward of batch 1 at 224 px spends its time (eval, inference_mode; torch.profiler, the mean "
+          f"of 5 forwards; ms per forward, with calls per forward): InLine-DeiT-T through the fast core, DeiT-T "
+          f"through SDPA.\n")
+    print_table(['where'] + list(profiles), [[g.replace('  ', '… ')] + [
+        (f"{p[g][0]:.2f}" + (f" ({p[g][1]:.0f})" if p[g][1] else '')) if g in p else '' for p in profiles.values()]
+        for g in order] +
+        [['total'] + [f"{sum(v[0] for k, v in p.items() if not k.startswith('  ') and not k.startswith('every')):.2f}"
+                      for p in profiles.values()]])
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2202,6 +2354,12 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, help='interleaved rounds per point (default: CPU 5, quick 3; CUDA 20)')
     p.add_argument('--model-step', action='store_true',
                    help='also time a whole InLine-Swin-T training step: reference vs fast core')
+    p.add_argument('--whole', action='store_true', help='whole models against their softmax originals: '
+                   'InLine-Swin-T inference and training step, InLine-DeiT-T inference at 224, 512, 1024 px, and '
+                   'a profile of an InLine-DeiT-T forward (instead of F5b, F5c)')
+    p.add_argument('--compile', action='store_true', help='--whole: also time InLine under whole-model torch.compile '
+                   '(compiling takes minutes)')
+    p.add_argument('--device', help='--whole: cpu (default) or cuda')
     p.add_argument('--dense', action='store_true', help='backbone forward time and peak memory at detection sizes, '
                    '512x512 to 800x1344: Swin-T, PVT-S, DeiT-T, each softmax against InLine (instead of F5b, F5c)')
     p = sub.add_parser('ablations', parents=[budget], help='T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small')

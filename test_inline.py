@@ -197,6 +197,20 @@ def test_residual_mlp_is_block_diagonal_per_head():
     assert (r[:, 9 * C // 2:] - r2[:, 9 * C // 2:]).abs().max() > 1e-6
 
 
+@pytest.mark.parametrize('causal', [False, True], ids=['per-sample', 'causal'])
+def test_residual_weights_are_the_released_grouped_convolutions(causal):
+    """residual_weights multiplies the token mean by W1's and W2's per-head blocks: the number the released two 1x1
+    grouped convolutions give on the mean as a 1-token sequence (per-sample), or on each prefix mean (causal)."""
+    torch.manual_seed(0)
+    B, N, C, H = 2, 11, 12, 3
+    mlp = inline.residual_mlp(C, H, taps=9).double()
+    x = torch.randn(B, N, C, dtype=torch.float64)
+    means = x.cumsum(1) / torch.arange(1, N + 1)[:, None] if causal else x.mean(1, keepdim=True)  # (B, N or 1, C)
+    expected = mlp(means.transpose(1, 2)).transpose(1, 2)  # (B, N or 1, 9C): the convolutions themselves
+    r = inline.residual_weights(mlp, x, causal)
+    torch.testing.assert_close(r, expected if causal else expected[:, 0], rtol=0, atol=1e-14)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The module (its golden outputs are checked with the other golden blocks below)
 
@@ -1261,10 +1275,20 @@ def test_fast_model_with_the_ablation_switches():
     assert_fast_model_equals_reference('inline_swin_t', window=2, kernel='relu_affine', dilation=2)
 
 
-def test_fast_core_inside_a_compiled_model():
-    """train.py --compile: torch.compile(model) traces the core's closed forms into the model's graph
-    (kernels.run); logits and gradients equal the eager reference model's."""
+def test_fast_core_inside_a_compiled_model(monkeypatch):
+    """train.py --compile: inside torch.compile(model) the core steps aside and runs its own compiled graphs
+    (kernels.run) on every call, forward and backward; logits and gradients equal the eager reference model's."""
+    calls = []
+    run = kernels.run
+    monkeypatch.setattr(kernels, 'run', lambda f, *args: (calls.append(f.__name__), run(f, *args))[1])
     assert_fast_model_equals_reference('inline_deit_t', compile_fast=True)
+    depth = FAST_SMALL['inline_deit_t']['depth']
+    assert calls.count('core_forward') >= depth and calls.count('core_backward') >= depth
+    compiled = torch.compile(models.create_model('inline_deit_t', fast=True, **dict(FAST_SMALL['inline_deit_t'])))
+    x = torch.randn(2, 3, *FAST_SMALL['inline_deit_t']['img_size'])
+    calls.clear()  # enable_fast's check ran the core too
+    compiled(x).sum().backward(), compiled(x)  # the second forward runs what the first compiled
+    assert calls == ['core_forward'] * depth + ['core_backward'] * depth + ['core_forward'] * depth
 
 
 def test_enable_fast_swaps_exactly_the_reference_cores():
