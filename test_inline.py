@@ -85,15 +85,43 @@ def test_eq5_reference_keeps_its_precision_in_bf16():
     assert error < 0.01
 
 
-def test_eq5_weights_match_the_formula_element_by_element():
+@pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-N', 'printed-s'])
+def test_eq5_weights_match_the_formula_element_by_element(scale_by_count):
+    """s/N (the released models') or s (the paper's printed Eq. 5) times q_i.(k_j - k_mean), plus 1/N."""
     q, k, _ = qkv(1, 1, 7, 4)
-    w = inline.inline_weights(q, k)
+    w = inline.inline_weights(q, k, scale_by_count=scale_by_count)
     s, N = 4 ** -0.5, 7
+    g = s / N if scale_by_count else s
     k_mean = k[0, 0].mean(0)
     for i in range(N):
         for j in range(N):
-            expected = s / N * (q[0, 0, i] @ k[0, 0, j] - q[0, 0, i] @ k_mean) + 1 / N
+            expected = g * (q[0, 0, i] @ k[0, 0, j] - q[0, 0, i] @ k_mean) + 1 / N
             assert abs(w[0, 0, i, j].item() - expected.item()) < 1e-14
+
+
+def test_printed_eq5_linear_form_and_core_equal_its_weights():
+    """scale_by_count=False on an image: the linear form and the core (Eq. 5 without Eq. 6) give w @ v with the
+    printed weights, outputs and gradients, in float64; the module passes the option to its core and its weights."""
+    q, k, v, do = qkv(2, 3, 49, 8) + [torch.randn(2, 3, 49, 8, dtype=torch.float64)]
+    forms = {'explicit': lambda q, k, v: inline.inline_weights(q, k, scale_by_count=False) @ v,
+             'linear': lambda q, k, v: inline.inline_attention(q, k, v, scale_by_count=False),
+             'core': lambda q, k, v: inline.inline_core(q, k, v, None, (7, 7), scale_by_count=False)}
+    results = {}
+    for name, form in forms.items():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = form(*leaves)
+        results[name] = [o, *torch.autograd.grad(o, leaves, do)]
+    for name in ('linear', 'core'):
+        for what, a, b in zip(['o', 'dq', 'dk', 'dv'], results[name], results['explicit']):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=f"{name}, {what}")
+    assert (results['explicit'][0] - inline.inline_weights(q, k) @ v).abs().max() > 1e-2  # the two factors differ
+    torch.manual_seed(0)
+    attn = inline.InLineAttention(16, 2, scale_by_count=False).double()
+    x = torch.randn(2, 49, 16, dtype=torch.float64)
+    _, q, k, _ = attn.project(x, (7, 7))
+    torch.testing.assert_close(attn.weights(x, (7, 7)), inline.inline_weights(q, k, scale_by_count=False))
+    with pytest.raises(ValueError, match="nonneg .* needs scale_by_count=True"):
+        inline.InLineAttention(16, 2, nonneg=True, scale_by_count=False)
 
 
 def test_uncentred_form_of_the_released_models_is_the_same_number():
@@ -1285,37 +1313,62 @@ def sequence_inputs(B, H, N, D, taps=3, dtype=torch.float64, seed=0):
     return q, k, v, r, do
 
 
-def stepped(q, k, v, state=None):
+def stepped(q, k, v, state=None, scale_by_count=True):
     """inline_step over every token of q, k, v (B, H, N, D): the outputs (B, H, N, D) and the last state."""
     outs = []
     for t in range(q.shape[2]):
-        o_t, state = inline.inline_step(q[:, :, t], k[:, :, t], v[:, :, t], state)
+        o_t, state = inline.inline_step(q[:, :, t], k[:, :, t], v[:, :, t], state, scale_by_count=scale_by_count)
         outs.append(o_t)
     return torch.stack(outs, dim=2), state
 
 
-def test_causal_weights_match_the_formula_element_by_element():
+@pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-i', 'printed-s'])
+def test_causal_weights_match_the_formula_element_by_element(scale_by_count):
+    """Each prefix 1..i written out by hand: w_ij = g_i (q_i.k_j - q_i.k_mean_i) + 1/i, g_i = s/i or s (printed)."""
     q, k, _ = qkv(1, 1, 7, 4)
-    w = inline.inline_weights(q, k, causal=True)
+    w = inline.inline_weights(q, k, causal=True, scale_by_count=scale_by_count)
     s = 4 ** -0.5
     for i in range(7):
         k_mean = k[0, 0, :i + 1].mean(0)
+        g = s / (i + 1) if scale_by_count else s
         for j in range(7):
-            expected = s / (i + 1) * (q[0, 0, i] @ k[0, 0, j] - q[0, 0, i] @ k_mean) + 1 / (i + 1) if j <= i else 0.0
+            expected = g * (q[0, 0, i] @ k[0, 0, j] - q[0, 0, i] @ k_mean) + 1 / (i + 1) if j <= i else 0.0
             assert abs(w[0, 0, i, j].item() - float(expected)) < 1e-14
     torch.testing.assert_close(w.sum(-1), torch.ones(1, 1, 7, dtype=torch.float64), rtol=0, atol=1e-14)
-    assert (inline.inline_weights(2 * q, k, causal=True) - w)[0, 0, 1:].abs().amax(-1).min() > 1e-3  # injective
+    assert (inline.inline_weights(2 * q, k, causal=True, scale_by_count=scale_by_count)
+            - w)[0, 0, 1:].abs().amax(-1).min() > 1e-3  # 2q gives other weights in every row with two tokens or more
 
 
+@pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-i', 'printed-s'])
+def test_causal_injectivity_needs_d_plus_1_tokens(scale_by_count):
+    """Row i is injective in q_i only where the centred keys k_j - k_mean_i (j <= i) span all D dimensions, i >= D + 1:
+    a change of q_i orthogonal to all of them (their null space, which exists while i <= D) leaves row i as it was,
+    and at i >= D + 1 there is no such change: the same step along the last right-singular vector moves the row."""
+    D = 6
+    q, k, _ = qkv(1, 1, 12, D)
+    for i in range(1, 12):  # row i counts i + 1 tokens
+        centred = k[0, 0, :i + 1] - k[0, 0, :i + 1].mean(0)  # (i + 1, D)
+        direction = torch.linalg.svd(centred).Vh[-1]  # (D,): in the null space while i + 1 <= D
+        moved = q.clone()
+        moved[0, 0, i] += 3.0 * direction
+        w, w_moved = (inline.inline_weights(t, k, causal=True, scale_by_count=scale_by_count)[0, 0, i]
+                      for t in (q, moved))
+        change = (w - w_moved).abs().max().item()
+        assert change < 1e-14 if i + 1 <= D else change > 1e-4, (i + 1, change)
+
+
+@pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-i', 'printed-s'])
 @pytest.mark.parametrize('N', [1, 37, 131], ids=['N1', 'N37', 'N131'])
-def test_causal_forms_equal_the_explicit_weights(N):
+def test_causal_forms_equal_the_explicit_weights(N, scale_by_count):
     """Prefix sums (inline_attention), chunks of 16 (inline_chunked, a ragged last chunk) and the recurrent step:
-    outputs and the gradients of q, k, v against w @ v with the explicit causal weights, in float64."""
+    outputs and the gradients of q, k, v against w @ v with the explicit causal weights, in float64, under either
+    factor of Eq. 5 (the explicit weights are the hand formula: test_causal_weights_match_the_formula_...)."""
     q, k, v, _, do = sequence_inputs(2, 3, N, 8)
-    forms = {'explicit': lambda q, k, v: inline.inline_weights(q, k, causal=True) @ v,
-             'prefix sums': lambda q, k, v: inline.inline_attention(q, k, v, causal=True),
-             'chunked': lambda q, k, v: inline.inline_chunked(q, k, v, chunk=16)[0],
-             'step': lambda q, k, v: stepped(q, k, v)[0]}
+    c = dict(scale_by_count=scale_by_count)
+    forms = {'explicit': lambda q, k, v: inline.inline_weights(q, k, causal=True, **c) @ v,
+             'prefix sums': lambda q, k, v: inline.inline_attention(q, k, v, causal=True, **c),
+             'chunked': lambda q, k, v: inline.inline_chunked(q, k, v, chunk=16, **c)[0],
+             'step': lambda q, k, v: stepped(q, k, v, **c)[0]}
     results = {}
     for name, form in forms.items():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -1341,6 +1394,35 @@ def test_a_sequence_split_in_two_and_resumed_from_its_state_equals_the_whole():
         torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(c), rtol=0, atol=1e-11)
         torch.testing.assert_close(torch.as_tensor(b), torch.as_tensor(c), rtol=0, atol=1e-11)
     assert state[3] == 61 and state[0].shape == (2, 2, 8, 8)  # the count, and one D x D sum per head
+
+
+def state_numel(state):
+    """Floats a step's state holds: every tensor in it, however nested."""
+    if isinstance(state, (tuple, list)):
+        return sum(state_numel(t) for t in state)
+    return state.numel() if isinstance(state, torch.Tensor) else 0
+
+
+@pytest.mark.parametrize('options', [dict(), dict(kernel='one_plus_elu', scale_by_count=False),
+                                     dict(local_size=5, dilation=2), dict(residual='none')],
+                         ids=['eq6', 'one_plus_elu-printed-s', 'eq6-k5-dilation2', 'no-eq6'])
+def test_module_step_with_eq6_equals_the_whole_sequence(options):
+    """Generation runs the trained module: InLineAttention(causal=True).step token by token gives forward's output
+    on the whole sequence, Eq. 6 included (its weights from the running mean of x, its last dilation*(k-1) values
+    kept), in float64; the state's size does not grow with the tokens."""
+    torch.manual_seed(0)
+    attn = inline.InLineAttention(24, 3, causal=True, **options).double()
+    x = torch.randn(2, 23, 24, dtype=torch.float64)
+    whole, state, sizes = attn(x), None, []
+    steps = []
+    for t in range(23):
+        y_t, state = attn.step(x[:, t], state)
+        steps.append(y_t)
+        sizes.append(state_numel(state))
+    torch.testing.assert_close(torch.stack(steps, 1), whole, rtol=0, atol=1e-12)
+    assert len(set(sizes[1:])) == 1, sizes  # from the second token on, one size
+    with pytest.raises(ValueError, match="a step is causal InLine's"):
+        inline.InLineAttention(24, 3, sequence=True).double().step(x[:, 0])
 
 
 def test_causal_linear_attention_matches_its_weights():
@@ -1454,7 +1536,8 @@ def causal(core, **options):
 
 # (B, H, N, D): odd lengths, ragged last chunks (the fast core's are 64 tokens); B, H, N are symbols of one graph
 CAUSAL_SHAPES = [(2, 3, 131, 32), (3, 2, 200, 32)]
-CAUSAL_OPTIONS = {'eq6': dict(size=3), 'eq6-dilation2': dict(size=3, dilation=2), 'no-eq6': None}
+CAUSAL_OPTIONS = {'eq6': dict(size=3), 'eq6-dilation2': dict(size=3, dilation=2), 'no-eq6': None,
+                  'eq6-printed-s': dict(size=3, scale_by_count=False)}  # the paper's printed Eq. 5: s, not s/i
 ROUNDING = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}  # half an ulp at 1, times the tensor's largest entry
 
 
@@ -1463,27 +1546,41 @@ ROUNDING = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}  # half an ulp at 
 def test_fast_causal_core_equals_reference_fp32(shape, option):
     q, k, v, r, do = sequence_inputs(*shape)
     options = CAUSAL_OPTIONS[option] or {}
-    r = r if CAUSAL_OPTIONS[option] else None
+    r = r if 'size' in options else None
     fast = run_core(causal(kernels.inline_core_fast, **options), q, k, v, r, do, None, torch.float32)
     reference = run_core(causal(inline.inline_core, **options), q, k, v, r, do, None, torch.float32)
     assert fast[0].shape == shape
     assert_fp32_close(fast, reference)
 
 
+@pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-i', 'printed-s'])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
-def test_fast_causal_core_low_precision_within_twice_the_references(dtype):
+def test_fast_causal_core_low_precision_within_twice_the_references(dtype, scale_by_count):
     """In bf16 and fp16 the fast causal core's error against the fp32 reference is at most twice the reference's
     own in that dtype, plus one rounding of the tensor's scale. (The reference sums in fp32 whatever the dtype, so
-    its own error is little more than its inputs' rounding: the fast core must do as well.)"""
+    its own error is little more than its inputs' rounding: the fast core must do as well.) Under either factor of
+    Eq. 5: the printed s makes the outputs grow with i, the scans' sums unscaled."""
     q, k, v, r, do = sequence_inputs(2, 3, 131, 32)
-    truth = run_core(causal(inline.inline_core), q, k, v, r, do, None, torch.float32)
-    fast = run_core(causal(kernels.inline_core_fast), q, k, v, r, do, None, dtype)
-    reference = run_core(causal(inline.inline_core), q, k, v, r, do, None, dtype)
+    c = dict(scale_by_count=scale_by_count)
+    truth = run_core(causal(inline.inline_core, **c), q, k, v, r, do, None, torch.float32)
+    fast = run_core(causal(kernels.inline_core_fast, **c), q, k, v, r, do, None, dtype)
+    reference = run_core(causal(inline.inline_core, **c), q, k, v, r, do, None, dtype)
     for name, f, ref, t in zip(NAMES, fast, reference, truth):
         fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
         noise = ROUNDING[dtype] * t.abs().max().item()
         print(f"{name}: {dtype} error, fast {fast_error:.3e}, reference {reference_error:.3e}, noise {noise:.1e}")
         assert fast_error <= 2 * reference_error + noise, name
+
+
+def test_fast_core_with_the_printed_scale_on_an_image():
+    """scale_by_count=False on a 7x7 window (Eq. 5 with s, not s/N): the fast core's output and every gradient equal
+    the reference's in fp32, and the module built with it passes enable_fast's check."""
+    shape = (2, 3, 0, (7, 7), 32)
+    q, k, v, r, do = core_inputs(*shape)
+    printed = lambda core: functools.partial(core, scale_by_count=False)  # noqa: E731
+    fast = run_core(printed(kernels.inline_core_fast), q, k, v, r, do, (7, 7), torch.float32)
+    assert_fp32_close(fast, run_core(printed(inline.inline_core), q, k, v, r, do, (7, 7), torch.float32))
+    assert kernels.enable_fast(inline.InLineAttention(32, 2, scale_by_count=False), log=None) == 1
 
 
 def test_fast_core_on_a_bidirectional_sequence():
