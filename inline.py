@@ -3,12 +3,12 @@
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. Linear attention normalises by division (w_ij = q_i.k_j / sum_t q_i.k_t), which maps
 q and 2q to the same weights: it is not injective. InLine normalises by subtraction instead (Eq. 5),
-which is injective and still linear in N, and adds a local attention residual over each token's 3x3
+which is injective (given D + 1 tokens or more: inline_weights) and still linear in N, and adds a local attention residual over each token's 3x3
 neighbourhood (Eq. 6), because linear attention alone attends too little to nearby tokens.
 
 On sequences (README, "InLine on sequences"): `causal=True` gives Eq. 5 over each prefix 1..i, in three forms
-(prefix sums, chunks for training, a recurrent step for generation), and Eq. 6 over the last k tokens;
-InLineAttention(dim, num_heads, causal=True) takes (B, N, C) with no grid, as does sequence=True (not causal).
+(prefix sums, chunks for training, a recurrent step for generation: InLineAttention.step), and Eq. 6 over the last
+k tokens; InLineAttention(dim, num_heads, causal=True) takes (B, N, C) with no grid, as does sequence=True.
 
 This file favours clarity over speed; kernels.py holds the fast path and is tested against it.
 

@@ -1631,70 +1631,116 @@ def test_fast_causal_core_rejects_what_the_reference_rejects():
 
 
 def test_mqar_batches_ask_for_the_values_of_earlier_keys():
-    x, y = paper.mqar_batch(16, 8, torch.Generator().manual_seed(0))
-    assert x.shape == y.shape == (16, 20)
-    keys, values = x[:, 0:16:2], x[:, 1:16:2]
-    assert (keys < paper.RECALL_VOCAB).all() and (values >= paper.RECALL_VOCAB).all()
+    x, y = paper.mqar_batch(16, 8, 30, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (16, 30)
+    keys, values, filler = x[:, 0:16:2], x[:, 1:16:2], x[:, 16:22]
+    assert (keys < paper.RECALL_VOCAB).all() and ((values >= paper.RECALL_VOCAB) & (values < 2 * paper.RECALL_VOCAB)).all()
+    assert (filler >= 2 * paper.RECALL_VOCAB).all()
     assert all(len(set(row.tolist())) == 8 for row in keys)  # distinct keys in each sequence
-    assert (y[:, :16] == -100).all() and (y[:, 16:] >= paper.RECALL_VOCAB).all()
+    assert (y[:, :22] == -100).all() and (y[:, 22:] >= paper.RECALL_VOCAB).all()
     for b in range(16):
         answer = dict(zip(keys[b].tolist(), values[b].tolist()))
-        assert [answer[k] for k in x[b, 16:].tolist()] == y[b, 16:].tolist()
-        assert len(set(x[b, 16:].tolist())) == 4  # half the keys, each once
+        assert [answer[k] for k in x[b, 22:].tolist()] == y[b, 22:].tolist()
 
 
-def test_recall_models_run_the_reference_function_and_count_their_state():
-    """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits; the state sizes
-    follow recall_state's formulas (C = 32, 2 heads, D = 16)."""
+def test_recall_sizes_put_every_query_where_inline_is_injective():
+    """Every query of the default sizes sits at token D + 1 or later (D = C / 2), where the prefix's centred keys can
+    span D dimensions (test_causal_injectivity_needs_d_plus_1_tokens)."""
+    for width, pairs, tokens in paper.RECALL_SIZES:
+        _, y = paper.mqar_batch(2, pairs, tokens, torch.Generator().manual_seed(0))
+        first_query = (y[0] != -100).nonzero().min().item() + 1  # counting tokens from 1
+        assert first_query >= width // paper.RECALL_HEADS + 1
+
+
+def test_most_frequent_guess_against_a_hand_count():
+    """Values 64, 64, 65, 66 with queries asking for each key once: the guess answers 64, right 2 times in 4."""
+    x = torch.tensor([[0, 64, 1, 64, 2, 65, 3, 66, 0, 1, 2, 3]])
+    y = torch.full_like(x, -100)
+    y[0, 8:] = torch.tensor([64, 64, 65, 66])
+    assert paper.most_frequent_guess(x, y, 4) == 50.0
+
+
+def test_recall_models_run_the_reference_function():
+    """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits, under either factor
+    of Eq. 5; q-norm models give q and 2q the same weights (injectivity in q's length off), the others do not."""
     torch.manual_seed(0)
-    x, _ = paper.mqar_batch(3, 4, torch.Generator().manual_seed(0))
-    for name in ('InLine + Eq. 6', 'InLine 1+elu', 'linear 1+elu + Eq. 6', 'linear relu'):
-        model = paper.RecallLM(name, 32, 10).double()
+    x, _ = paper.mqar_batch(3, 4, 12, torch.Generator().manual_seed(0))
+    for name in ('InLine s/i', 'InLine 1+elu s', 'InLine s/i q-norm', 'linear 1+elu', 'floor phi=0'):
+        model = paper.RecallLM(name, 16, 12).double()
         cores = [m for m in model.modules() if hasattr(m, 'core')]
         assert len(cores) == 2 and all(m.causal for m in cores)
+        assert all(m.scale_by_count == paper.RECALL_MODELS[name].get('scale_by_count', True) for m in cores)
         logits = model(x)
         for m in cores:
             m.core = inline.inline_core
         torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
-        assert logits.shape == (3, 10, 2 * paper.RECALL_VOCAB)
-    assert paper.recall_state('softmax', 32, 10) == 2 * 10 * 32
-    assert paper.recall_state('linear relu', 32, 10) == 2 * (16 * 16 + 16)
-    assert paper.recall_state('InLine 1+elu', 32, 10) == 2 * (16 * 16 + 2 * 16) + 1
-    assert paper.recall_state('InLine + Eq. 6', 32, 10) == 2 * (16 * 16 + 2 * 16) + 1 + 3 * 32
+        assert logits.shape == (3, 12, 3 * paper.RECALL_VOCAB)
+    q = torch.randn(2, 2, 12, 8, dtype=torch.float64)
+    normalise = paper.NormalisedQ(2, 8).double()
+    torch.testing.assert_close(normalise(q), normalise(2 * q))
+    attn = paper.CausalInLine(16, 2, normalise_q=True, residual='none').double()
+    q, k, _ = qkv(2, 2, 12, 8)
+    assert (attn.explicit_weights(q, k) - attn.explicit_weights(2 * q, k)).abs().max() < 1e-12
+    attn = paper.CausalInLine(16, 2, residual='none').double()
+    assert (attn.explicit_weights(q, k) - attn.explicit_weights(2 * q, k)).abs().max() > 1e-3
 
 
-def test_paper_recall_keeps_finished_runs_and_trains_only_the_rest(tmp_path, monkeypatch, capsys):
-    results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes', '8x2',
+def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only_the_rest(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Seed 0 at every learning rate, then seed 1 at the one that recalled most on the held-out sequences; a rerun
+    trains only what is missing, and --no-train trains nothing."""
+    results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes', '8x2x6',
                                                      '--out', str(tmp_path)]
     threads = torch.get_num_threads()
-    paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine 1+elu'])
+    runs = paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i'])
     assert torch.get_num_threads() == threads  # --threads 1 held for the training only
     with open(results) as f:
-        assert len(f.readlines()) == 4  # 2 models x 2 seeds
+        assert len(f.readlines()) == 2 * (len(paper.RECALL_LRS) + 1)  # 2 models x (3 learning rates + seed 1)
+    for name in ('softmax', 'InLine s/i'):
+        best = max((r for r in runs.values() if r['model'] == name and r['seed'] == 0),
+                   key=lambda r: (r['valid'], -r['lr']))
+        assert [r['lr'] for r in runs.values() if r['model'] == name and r['seed'] == 1] == [best['lr']]
     trained = []
     real = paper.recall_run
     monkeypatch.setattr(paper, 'recall_run', lambda *run: trained.append(run) or real(*run))
-    rows = paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine 1+elu', 'linear 1+elu'])
-    assert sorted(trained) == [('linear 1+elu', 8, 2, 0, 3), ('linear 1+elu', 8, 2, 1, 3)]
-    assert len(rows) == 6 and all(0 <= r['recall'] <= 100 and r['cpu_s'] >= 0 for r in rows.values())
+    paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i', 'linear 1+elu'])
+    assert len(trained) == len(paper.RECALL_LRS) + 1 and {run[0] for run in trained} == {'linear 1+elu'}
+    paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine s', '--no-train'])
+    assert len(trained) == len(paper.RECALL_LRS) + 1
     out = capsys.readouterr().out
-    assert 'training 2 x 3 steps' in out and '| 2 (5) | 8 | linear 1+elu |' in out and '| 2 (5) | 8 | 1+elu |' in out
+    assert '| 8 / 2 / 6 | linear 1+elu |' in out and '| 8 / 2 / 6 | InLine s | - - - | - | - |' in out
     assert_png(str(tmp_path / 'recall.png'))
-    for bad, message in ((['--models', 'gpt'], "unknown recall models ['gpt']"), (['--sizes', '8x65'], '--sizes takes'),
-                         (['--sizes', '7x4'], '--sizes takes CxPAIRS'),
+    for bad, message in ((['--models', 'gpt'], "unknown recall models ['gpt']"),
+                         (['--sizes', '8x65x200'], '--sizes takes'), (['--sizes', '7x4x12'], '--sizes takes'),
+                         (['--sizes', '16x4x10'], 'every query sits at token D + 1 or later'),
                          (['--seeds', '0'], '--seeds, --steps and --threads must be at least 1')):
         with pytest.raises(SystemExit):
             paper.main(argv + ['--results', results] + bad)
         assert message in capsys.readouterr().err
 
 
-def test_the_committed_recall_results_cover_the_default_run():
-    """RESULTS.md's recall tables come from results/recall.jsonl: `python paper.py recall` finds every run of its
-    default plan there and trains none."""
-    runs = paper.read_records(paper.RECALL_RESULTS, key=paper.recall_row_key)
-    missing = [(n, w, p, s) for n in paper.RECALL_MODELS for w, p in paper.RECALL_SIZES
-               for s in range(paper.RECALL_SEEDS) if paper.recall_key(n, w, p, s, paper.RECALL_STEPS) not in runs]
-    assert not missing, f"{len(missing)} runs missing, e.g. {missing[:3]}"
+def test_recall_comparisons_are_untestable_under_the_floor_or_the_guess(tmp_path, capsys):
+    """Records made up for one size: a comparison whose two models clear the floor (phi = 0) and the guess by
+    RECALL_GATE gets a verdict; one whose model sits at the floor is untestable, and Holm counts only the first."""
+    width, pairs, tokens, steps = 16, 4, 12, 7
+    recall = {'softmax': [99.0, 98.5, 99.5], 'softmax q-norm': [60.0, 58.0, 61.0], 'floor phi=0': [27.0, 26.5, 27.5],
+              'InLine s/i': [27.2, 26.8, 27.1], 'InLine s/i q-norm': [26.9, 27.3, 27.0]}
+    path = tmp_path / 'recall.jsonl'
+    for name, values in recall.items():
+        for lr in paper.RECALL_LRS:
+            paper.append_record(str(path), dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=0,
+                                                steps=steps, batch=paper.RECALL_BATCH, lr=lr, cpu_s=1.0,
+                                                valid=values[0] + (lr == paper.RECALL_LRS[1]), recall=values[0]))
+        for seed, value in enumerate(values[1:], 1):
+            paper.append_record(str(path), dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed,
+                                                steps=steps, batch=paper.RECALL_BATCH, lr=paper.RECALL_LRS[1],
+                                                cpu_s=1.0, valid=0.0, recall=value))
+    paper.main(['recall', '--no-train', '--results', str(path), '--steps', str(steps), '--seeds', '3', '--sizes',
+                f'{width}x{pairs}x{tokens}', '--models', *recall, '--out', str(tmp_path)])
+    out = capsys.readouterr().out
+    assert '| injectivity within softmax | 16 / 4 / 12 | 59.7 | 99.0 | +39.3 ± ' in out
+    assert '| reproduced | reproduced |' in out
+    assert '| injectivity within InLine | 16 / 4 / 12 | 27.1 | 27.0 | ' in out and '| untestable | untestable |' in out
 
 
 def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys):
@@ -1707,8 +1753,18 @@ def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys
     assert len(tables) > 10 and [line for line in tables if line not in results] == []
 
 
-def test_recall_verdict_reads_injectivity_as_a_claimed_ordering():
-    """InLine minus division, seed by seed: the ablations' verdict with "InLine above" as the paper's side."""
+def test_the_committed_recall_records_rebuild_the_results_recall_tables(tmp_path, capsys):
+    """RESULTS.md's recall tables are what `paper.py recall --no-train` prints from results/recall.jsonl, line for
+    line."""
+    paper.main(['recall', '--no-train', '--out', str(tmp_path)])
+    tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
+    with open(os.path.join(os.path.dirname(paper.__file__), 'RESULTS.md')) as f:
+        results = f.read().splitlines()
+    assert len(tables) > 10 and [line for line in tables if line not in results] == []
+
+
+def test_recall_verdict_reads_a_claimed_ordering():
+    """b minus a, seed by seed: the ablations' verdict with "b above a" as the claimed side."""
     assert paper.verdict([10.0, 12.0, 11.0], paper.RECALL_CLAIM) == 'reproduced'
     assert paper.verdict([-10.0, -12.0, -11.0], paper.RECALL_CLAIM) == 'contradicted'
     assert paper.verdict([10.0, -12.0, 1.0], paper.RECALL_CLAIM) == 'not resolved'
