@@ -1901,7 +1901,7 @@ def cmd_experiments(args):
 RECALL_RESULTS = os.path.join(HERE, 'results', 'recall.jsonl')
 RECALL_VOCAB = 64  # keys are tokens 0..63, values 64..127, filler 128..191
 RECALL_HEADS = 2
-RECALL_SIZES = ((16, 4, 12), (16, 8, 24), (32, 8, 24))  # (C, key-value pairs, tokens); D = C / 2, queries from 2P + 1 >= D + 1
+RECALL_SIZES = ((32, 8, 24), (32, 12, 36), (32, 16, 48))  # (C, key-value pairs, tokens); D = C / 2, queries from 2P + 1 >= D + 1
 RECALL_MODELS = {  # name: how its attention is built (RecallLM); every model without Eq. 6
     'softmax': dict(attention='softmax'),
     'softmax q-norm': dict(attention='softmax', normalise_q=True),  # T1 on sequences: q/|q| times a learned gain
@@ -2115,7 +2115,7 @@ def cmd_recall(args):
         torch.set_num_threads(args.threads)
         try:
             for size in sizes:  # a size finished before the next, so a stopped study has verdicts where it went
-                for stage in ('learning rates', 'seeds'):  # the seeds' learning rates come from the first stage's runs
+                for stage in ('first pass', 'second pass'):  # the second trains the seeds of learning rates the first chose
                     train_recall(runs, recall_plan(runs, models, [size], args.seeds, args.steps),
                                  f"{'x'.join(map(str, size))}, {stage}", args)
         finally:  # a caller in this process (the tests) keeps its threads
@@ -2144,7 +2144,7 @@ def recall_report(runs, models, sizes, args):
           f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on 1024 test sequences, mean over "
           f"the seeds with its 95% Student-t interval, each model at the learning rate of {', '.join(map(str, RECALL_LRS))}"
           f" that recalled most on 1024 held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
-    recall, table, guesses, cpu = {}, [], {}, 0.0
+    recall, table, guesses, missing = {}, [], {}, []
     for w, p, n in sizes:
         guesses[w, p, n] = most_frequent_guess(*mqar_batch(1024, p, n, torch.Generator().manual_seed(RECALL_TEST)), p)
         for name in models:
@@ -2154,6 +2154,9 @@ def recall_report(runs, models, sizes, args):
             values = [] if lr is None else [runs[k]['recall'] for s in range(args.seeds)
                                             if (k := recall_key(name, w, p, n, s, lr, args.steps)) in runs]
             recall[name, w, p, n] = values
+            if tried == ' '.join('-' * len(RECALL_LRS)):
+                missing.append(f"{name} at {w} / {p} / {n}")
+                continue
             mean, half = interval(values) if values else (math.nan, math.nan)
             table.append([f"{w} / {p} / {n}", name, tried, lr or '-', f"{mean:.1f} ± {half:.1f}" if values else '-',
                           ' '.join(f'{v:.1f}' for v in values), len(values)])
@@ -2162,7 +2165,7 @@ def recall_report(runs, models, sizes, args):
     print_table(['C / pairs / tokens', 'model', 'held-out % at each lr', 'lr', 'recall %', 'per seed', 'seeds'], table)
     print('\nthe guess: a model that knows the values of its sequence and answers the most frequent (simulated on the '
           'test sequences): ' + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
-          f'. CPU time of these runs: {cpu / 60:.1f} min.')
+          f'. CPU time of these runs: {cpu / 60:.1f} min.' + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
     verdicts, ps = [], []
     for question, a, b in RECALL_COMPARISONS:
         for w, p, n in sizes:
@@ -2194,10 +2197,12 @@ def recall_report(runs, models, sizes, args):
     for w, p, n in sizes:
         series = [(name, list(RECALL_LRS), [runs[k]['valid'] if (k := recall_key(name, w, p, n, 0, r, args.steps))
                                             in runs else None for r in RECALL_LRS], None) for name in models]
+        if all(y is None for _, _, ys, _ in series for y in ys):
+            continue  # no runs at this size yet
         panels.append(dict(series=series, title=f'MQAR, C {w}, {p} pairs, {n} tokens: held-out recall, seed 0',
                            xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True,
                            lines=True, ylim=(0, 100), hlines=[('the guess', guesses[w, p, n])]))
-    if any(y is not None for panel in panels for s in panel['series'] for y in s[2]):
+    if panels:
         charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 460))
     return runs
 
