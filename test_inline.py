@@ -1583,6 +1583,15 @@ def test_fast_core_with_the_printed_scale_on_an_image():
     assert kernels.enable_fast(inline.InLineAttention(32, 2, scale_by_count=False), log=None) == 1
 
 
+def test_the_scale_option_is_part_of_the_compiled_graphs_key():
+    """scale_by_count is a Python bool the graphs specialise on: kernels.signature keys the two apart, so a call under
+    one never reuses the switches and marks recorded for the other's graph."""
+    q, k, v, _, _ = sequence_inputs(2, 2, 130, 8, dtype=torch.float32)
+    for f in (kernels.causal_forward, kernels.core_forward):
+        keys = {kernels.signature(f, [q, k, v, None, None, None, 8 ** -0.5, c]) for c in (True, False)}
+        assert len(keys) == 2
+
+
 def test_fast_core_on_a_bidirectional_sequence():
     """grid=None without causal: Eq. 5 over the whole sequence, Eq. 6 over the 3 tokens centred on each."""
     q, k, v, r, do = sequence_inputs(2, 3, 45, 32)
