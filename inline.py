@@ -3,12 +3,13 @@
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. Linear attention normalises by division (w_ij = q_i.k_j / sum_t q_i.k_t), which maps
 q and 2q to the same weights: it is not injective. InLine normalises by subtraction instead (Eq. 5),
-which is injective and still linear in N, and adds a local attention residual over each token's 3x3
-neighbourhood (Eq. 6), because linear attention alone attends too little to nearby tokens.
+which is injective (given D + 1 tokens or more: inline_weights) and still linear in N, and adds a local attention
+residual over each token's 3x3 neighbourhood (Eq. 6), because linear attention alone attends too little to nearby
+tokens.
 
 On sequences (README, "InLine on sequences"): `causal=True` gives Eq. 5 over each prefix 1..i, in three forms
-(prefix sums, chunks for training, a recurrent step for generation), and Eq. 6 over the last k tokens;
-InLineAttention(dim, num_heads, causal=True) takes (B, N, C) with no grid, as does sequence=True (not causal).
+(prefix sums, chunks for training, a recurrent step for generation: InLineAttention.step), and Eq. 6 over the last
+k tokens; InLineAttention(dim, num_heads, causal=True) takes (B, N, C) with no grid, as does sequence=True.
 
 This file favours clarity over speed; kernels.py holds the fast path and is tested against it.
 
@@ -119,41 +120,53 @@ def linear_attention_weights(q, k, eps=1e-6, causal=False):
 
 
 # ---------------------------------------------------------------------------------------------------
-# InLine attention, Eq. 5: w_ij = (s/N) (q_i.k_j - q_i.k_mean) + 1/N
+# InLine attention, Eq. 5: w_ij = s (q_i.k_j - q_i.k_mean) + 1/N, with s/N in place of s in the released models
 
-def inline_weights(q, k, scale=None, causal=False):
+def eq5_gain(s, n, scale_by_count=True):
+    """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens, decided here for every form. scale_by_count: s/n, the
+    released models' (they fold s/N into phi(Q); on a prefix it becomes s/i), which the authors' logits need; else
+    s, the paper's printed Eq. 5. n: the token count, or the counts (N, 1) of a causal form's rows."""
+    return s / n if scale_by_count else s
+
+
+def inline_weights(q, k, scale=None, causal=False, scale_by_count=True):
     """The explicit N x N weights of Eq. 5. Every row sums to exactly 1; weights may be negative.
 
-    The paper writes Eq. 5 without s/N. Its released models fold s/N into phi(Q); we keep it here, in
-    the open, so the weights are the paper's up to that factor and the output equals the released models.
-    causal: Eq. 5 over each prefix, w_ij = (s/i)(q_i.k_j - q_i.k_mean_i) + 1/i for j <= i, 0 for j > i, with
-    k_mean_i the mean of k_1..k_i; rows still sum to 1, and w is injective in q_i for the same reason.
+    scale_by_count (eq5_gain): w_ij = (s/N)(q_i.k_j - q_i.k_mean) + 1/N, the released models' factor, kept here in
+    the open so the output equals theirs; False: s (q_i.k_j - q_i.k_mean) + 1/N, Eq. 5 as the paper prints it.
+    causal: Eq. 5 over each prefix, w_ij = g_i (q_i.k_j - q_i.k_mean_i) + 1/i for j <= i, 0 for j > i, with k_mean_i
+    the mean of k_1..k_i and g_i = s/i or s; rows still sum to 1.
+    Injective in q_i where the centred keys k_j - k_mean_i span all D dimensions, so at least D + 1 tokens (N, or i
+    on a prefix): then q_i -> row i is an affine map of full rank. With fewer, a change of q_i orthogonal to every
+    k_j - k_mean_i leaves row i as it was (README, "InLine on sequences"). The same under either factor.
     """
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     if causal:
         n = torch.arange(1, N + 1, dtype=q.dtype, device=q.device)[:, None]  # (N, 1): the count i of row i
         k_mean = k.cumsum(2) / n  # (B, H, N, D): k_mean_i
-        w = (s / n) * (q @ k.transpose(-2, -1) - (q * k_mean).sum(-1, keepdim=True)) + 1 / n  # Eq. 5, (B, H, N, N)
+        g = eq5_gain(s, n, scale_by_count)  # s/i or s
+        w = g * (q @ k.transpose(-2, -1) - (q * k_mean).sum(-1, keepdim=True)) + 1 / n  # Eq. 5, (B, H, N, N)
         return w.tril()  # 0 for j > i
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    return (s / N) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N  # Eq. 5, (B, H, N, N)
+    return eq5_gain(s, N, scale_by_count) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N  # Eq. 5, (B, H, N, N)
 
 
-def inline_attention_quadratic(q, k, v, scale=None, causal=False):
+def inline_attention_quadratic(q, k, v, scale=None, causal=False, scale_by_count=True):
     """o_i = sum_j w_ij v_j with the explicit weights (causal: over each prefix): O(N^2 D), for teaching and tests."""
-    return inline_weights(q, k, scale, causal) @ v  # (B, H, N, D)
+    return inline_weights(q, k, scale, causal, scale_by_count) @ v  # (B, H, N, D)
 
 
-def inline_attention(q, k, v, scale=None, causal=False):
+def inline_attention(q, k, v, scale=None, causal=False, scale_by_count=True):
     """Eq. 5 in linear form, O(N D^2), never building the N x N weights.
 
-    Summing Eq. 5 over j:  o_i = (s/N) q_i^T sum_j (k_j - k_mean) v_j^T + v_mean
-                               = s q_i^T Cov + v_mean,   Cov = (1/N) sum_j (k_j - k_mean)(v_j - v_mean)^T
+    Summing Eq. 5 over j, with g = s/N (scale_by_count) or s:
+        o_i = g q_i^T sum_j (k_j - k_mean) v_j^T + v_mean = g N q_i^T Cov + v_mean,
+        Cov = (1/N) sum_j (k_j - k_mean)(v_j - v_mean)^T
     (subtracting v_mean inside the sum changes nothing, since sum_j (k_j - k_mean) = 0). The released
     models compute the uncentred q^T (K^T V) - N (q.k_mean) v_mean instead: the same number in exact
     arithmetic, but the centred covariance keeps its precision in bf16 when the means are large.
-    causal: the same over each prefix, o_i = s q_i^T Cov_i + v_mean_i, from prefix sums of k v^T, k and v (below).
+    causal: the same over each prefix, o_i = g_i i q_i^T Cov_i + v_mean_i, from prefix sums of k v^T, k and v (below).
     """
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
@@ -168,12 +181,14 @@ def inline_attention(q, k, v, scale=None, causal=False):
         k_mean, v_mean = k.cumsum(2) / n, v.cumsum(2) / n  # (B, H, N, D): the prefix means
         kv = (k.unsqueeze(-1) * v.unsqueeze(-2)).cumsum(2)  # (B, H, N, D, D): sum_{j<=i} k_j v_j^T
         cov = kv / n[..., None] - k_mean.unsqueeze(-1) * v_mean.unsqueeze(-2)  # (B, H, N, D, D): Cov_i
-        return (s * (q.unsqueeze(-2) @ cov).squeeze(-2) + v_mean).to(dtype)  # Eq. 5 over the prefix, (B, H, N, D)
+        g = eq5_gain(s, n, scale_by_count) * n  # (N, 1): s, or s i
+        return (g * (q.unsqueeze(-2) @ cov).squeeze(-2) + v_mean).to(dtype)  # Eq. 5 over the prefix, (B, H, N, D)
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     v_mean = v.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     # (B, H, D, D); equals K^T V / N - k_mean^T v_mean, the released models' uncentred product
     cov = (k - k_mean).transpose(-2, -1) @ (v - v_mean) / N
-    return s * (q @ cov) + v_mean  # Eq. 5 summed over j, (B, H, N, D)
+    g = s if scale_by_count else s * N  # eq5_gain(s, N) * N, written out: s/N or s, times N
+    return g * (q @ cov) + v_mean  # Eq. 5 summed over j, (B, H, N, D)
 
 
 def causal_products(q, k, v, kv=None, chunk=64):
@@ -191,7 +206,7 @@ def causal_products(q, k, v, kv=None, chunk=64):
     return out, before[:, :, -1] + chunk_kv[:, :, -1]
 
 
-def inline_chunked(q, k, v, scale=None, state=None, chunk=64):
+def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=True):
     """Causal Eq. 5 in chunks, for training: inline_attention(causal=True)'s output without its (B, H, N, D, D)
     prefix sums. state: inline_step's, the tokens before these (None: none), so a sequence goes on where a call
     stopped. Returns o (B, H, N, D) and the state after the last token. Sums in fp32, as in inline_attention."""
@@ -204,23 +219,27 @@ def inline_chunked(q, k, v, scale=None, state=None, chunk=64):
     n = count + torch.arange(1, N + 1, dtype=acc, device=q.device)[:, None]  # (N, 1): the count i
     qkv, kv = causal_products(q, k, v, kv, chunk)  # (B, H, N, D): q_i^T sum_{j<=i} k_j v_j^T
     k_sums, v_sums = k_sum.unsqueeze(2) + k.cumsum(2), v_sum.unsqueeze(2) + v.cumsum(2)  # (B, H, N, D): through i
-    # s q_i^T Cov_i + v_mean_i, with Cov_i = (1/i) sum_{j<=i} k_j v_j^T - k_mean_i v_mean_i^T
-    o = s * (qkv / n - (q * k_sums).sum(-1, keepdim=True) * v_sums / n ** 2) + v_sums / n  # Eq. 5 over the prefix
+    # g_i i q_i^T Cov_i + v_mean_i, with i Cov_i = sum_{j<=i} k_j v_j^T - i k_mean_i v_mean_i^T
+    g = eq5_gain(s, n, scale_by_count)  # (N, 1): s/i or s
+    o = g * (qkv - (q * k_sums).sum(-1, keepdim=True) * v_sums / n) + v_sums / n  # Eq. 5 over the prefix
     return o.to(dtype), (kv, k_sums[:, :, -1], v_sums[:, :, -1], count + N)
 
 
-def inline_step(q_t, k_t, v_t, state=None, scale=None):
+def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
     """One token of causal Eq. 5, for generation: q_t, k_t, v_t (B, H, D) -> o_t (B, H, D) and the state after it,
     (sum k v^T (B, H, D, D), sum k (B, H, D), sum v (B, H, D), count): one size however long the sequence, and
-    inline_chunked's; None starts a sequence. Sums in fp32, as in inline_attention."""
+    inline_chunked's; None starts a sequence. Sums in fp32, as in inline_attention. Eq. 6 as well: a module's
+    step (InLineBase.step) adds sequence_residual_step."""
     s = attention_scale(q_t.shape[-1]) if scale is None else scale
     dtype, acc = q_t.dtype, torch.promote_types(q_t.dtype, torch.float32)
     kv, k_sum, v_sum, count = state if state is not None else (0, 0, 0, 0)
     q_t, k_t, v_t = q_t.to(acc), k_t.to(acc), v_t.to(acc)
     kv = kv + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)  # (B, H, D, D)
     k_sum, v_sum, count = k_sum + k_t, v_sum + v_t, count + 1  # (B, H, D)
-    cov = kv / count - (k_sum / count).unsqueeze(-1) * (v_sum / count).unsqueeze(-2)  # (B, H, D, D): Cov over 1..t
-    o_t = s * (q_t.unsqueeze(-2) @ cov).squeeze(-2) + v_sum / count  # Eq. 5 over tokens 1..t, (B, H, D)
+    # t Cov over 1..t: sum k v^T - t k_mean v_mean^T, (B, H, D, D)
+    cov = kv - (k_sum / count).unsqueeze(-1) * v_sum.unsqueeze(-2)
+    g = eq5_gain(s, count, scale_by_count)  # s/t or s
+    o_t = g * (q_t.unsqueeze(-2) @ cov).squeeze(-2) + v_sum / count  # Eq. 5 over tokens 1..t, (B, H, D)
     return o_t.to(dtype), (kv, k_sum, v_sum, count)
 
 
@@ -328,18 +347,31 @@ def sequence_residual(v, r, size=LOCAL_SIZE, dilation=1, causal=False):
     return (windows * taps).sum(-1).reshape(B, H, D, N).transpose(-2, -1)  # Eq. 6, (B, H, N, D)
 
 
-def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, causal=False):
+def sequence_residual_step(v_t, r_t, recent=None, size=LOCAL_SIZE, dilation=1):
+    """One token of causal Eq. 6, for generation: v_t (B, H, D) and its weights r_t (B, T*C), T = size, ->
+    sum_t r_t[.., T*c + t] v_{i + dilation*(t - (k-1))} (B, H, D), and recent after it: the last dilation*(k-1)
+    values (B, H, dilation*(k-1), D), all Eq. 6 reaches back to (None: none yet, zero before the start)."""
+    B, H, D = v_t.shape
+    reach = dilation * (size - 1)
+    recent = v_t.new_zeros(B, H, reach, D) if recent is None else recent  # zero before the start, as sequence_residual
+    window = torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, ::dilation]  # (B, H, T, D): v_{i - d(k-1)} .. v_i
+    taps = r_t.reshape(B, H, D, size).permute(0, 1, 3, 2)  # (B, H, T, D): channel c = head*D + j, tap t
+    return (window * taps).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]  # Eq. 6, (B, H, D)
+
+
+def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, causal=False, scale_by_count=True):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention core.
 
     q, k, v (B, H, N, D) with q, k already through phi; r (B, T*C) the neighbour weights, T = size^2, or None
     for no residual; grid = (h, w) of the last h*w tokens (the P = N - h*w leading ones, DeiT's class token,
     take part in Eq. 5 but get no Eq. 6); size and dilation of Eq. 6's neighbourhood. grid None: a 1-D
     sequence, T = size; causal (grid None): Eq. 5 over each prefix, Eq. 6 over the last k tokens, r (B, N, T*C).
+    scale_by_count: Eq. 5's factor s/N (s/i on a prefix), else s (eq5_gain).
     kernels.inline_core_fast takes the same arguments and returns the same result, faster.
     """
     if causal and grid is not None:
         raise ValueError("causal attention runs over a 1-D sequence: grid must be None")
-    o = inline_attention(q, k, v, scale, causal)  # Eq. 5, (B, H, N, D)
+    o = inline_attention(q, k, v, scale, causal, scale_by_count)  # Eq. 5, (B, H, N, D)
     return o if r is None else o + local_residual(v, r, grid, size, dilation, causal)  # Eq. 6
 
 
@@ -364,11 +396,13 @@ class InLineBase(nn.Module):
         form: Eq. 6 over the k tokens centred on each (T = k taps per channel, not k^2).
     leading_tokens: P, the tokens before the (h, w) grid, which take part in Eq. 5 but get no Eq. 6 (DeiT's class
         token: 1); every call must bring exactly P + h*w tokens. 0 on a 1-D sequence.
+    scale_by_count: Eq. 5's factor s/N, s/i on a prefix (True, the released models'), or s, the paper's printed
+        Eq. 5 (eq5_gain).
     """
 
     def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', local_size=LOCAL_SIZE, dilation=1,
                      nonneg=False, attention='inline', allow_divergent=False, causal=False, sequence=False,
-                     leading_tokens=0):
+                     leading_tokens=0, scale_by_count=True):
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         if attention not in ('inline', 'linear'):
@@ -384,11 +418,15 @@ class InLineBase(nn.Module):
         if nonneg and attention != 'inline':
             raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear attention, "
                              "whose weights are already non-negative")
+        if nonneg and not scale_by_count:
+            raise ValueError("nonneg keeps every weight >= 0 with s = 1/2 and the factor s/N; scale_by_count=False "
+                             "drops the 1/N, so it needs scale_by_count=True")
         if not (isinstance(leading_tokens, int) and leading_tokens >= 0) or (leading_tokens and (causal or sequence)):
             raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be a whole number "
                              f">= 0, and 0 on a 1-D sequence; got {leading_tokens!r}")
         self.num_heads, self.head_dim, self.leading_tokens = num_heads, dim // num_heads, leading_tokens
         self.kernel, self.attention, self.nonneg = kernel, attention, nonneg
+        self.scale_by_count = bool(scale_by_count)
         self.local_size, self.dilation = size, dilation
         self.causal, self.sequence = bool(causal), bool(sequence or causal)  # a 1-D sequence: called with no grid
         self.phi = get_kernel(kernel, dim // num_heads)
@@ -415,7 +453,8 @@ class InLineBase(nn.Module):
         if self.attention == 'linear':  # the baseline: division instead of Eq. 5, then the same Eq. 6
             o = linear_attention(q, k, v, causal=self.causal)  # (B, H, N, D)
             return o if r is None else o + local_residual(v, r, grid, self.local_size, self.dilation, self.causal)
-        return self.core(q, k, v, r, grid, scale, self.local_size, self.dilation, self.causal)  # Eq. 5 + Eq. 6
+        return self.core(q, k, v, r, grid, scale, self.local_size, self.dilation, self.causal,
+                         self.scale_by_count)  # Eq. 5 + Eq. 6
 
     def explicit_weights(self, q, k):
         """The N x N weights of Eq. 5 (or of linear attention) for q, k (B, H, N, D) before phi. Eq. 6's
@@ -423,7 +462,24 @@ class InLineBase(nn.Module):
         q, k, scale = self.prepare(q, k)
         if self.attention == 'linear':
             return linear_attention_weights(q, k, causal=self.causal)
-        return inline_weights(q, k, scale, self.causal)
+        return inline_weights(q, k, scale, self.causal, self.scale_by_count)
+
+    def step_attend(self, q_t, k_t, v_t, x_t, state=None):
+        """One token of attend on a causal module, for generation: q_t, k_t, v_t (B, H, D) before phi, x_t (B, C) the
+        token Eq. 6's weights are predicted from. Returns o_t (B, H, D) and the state after it: inline_step's, the
+        running sum of x (B, C) for Eq. 6's prefix mean and the last dilation*(k-1) values (sequence_residual_step);
+        one size however long the sequence. None starts a sequence."""
+        if not self.causal or self.attention != 'inline':
+            raise ValueError("a step is causal InLine's: build the module with causal=True and attention='inline'")
+        eq5, x_sum, recent = state if state is not None else (None, 0, None)
+        q, k, scale = self.prepare(q_t.unsqueeze(2), k_t.unsqueeze(2))  # phi, on (B, H, 1, D)
+        o_t, eq5 = inline_step(q[:, :, 0], k[:, :, 0], v_t, eq5, scale, self.scale_by_count)  # Eq. 5, (B, H, D)
+        if self.residual is None:
+            return o_t, (eq5, x_sum, recent)
+        x_sum = x_sum + x_t.to(torch.promote_types(x_t.dtype, torch.float32))  # (B, C), fp32 sums as residual_weights
+        r_t = self.residual((x_sum / eq5[3]).to(x_t.dtype).unsqueeze(-1)).squeeze(-1)  # (B, T*C) from the prefix mean
+        local, recent = sequence_residual_step(v_t, r_t, recent, self.local_size, self.dilation)  # Eq. 6
+        return o_t + local, (eq5, x_sum, recent)
 
 
 def add_projections(module, dim, qkv_bias, separate_q):
@@ -494,6 +550,15 @@ class InLineAttention(InLineBase):
         x, q, k, v = self.project(x, grid)
         o = self.attend(q, k, v, x, grid)  # Eq. 5 + Eq. 6, (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C)
+
+    def step(self, x_t, state=None):
+        """One token through a causal module, for generation: x_t (B, C) -> (B, C) and the state after it (step_attend),
+        equal to forward's output at that token given the same tokens before it."""
+        if self.ape is not None:
+            raise ValueError("a step has no position embedding (ape): it is made for a fixed number of tokens")
+        x, q, k, v = self.project(x_t.unsqueeze(1), None)  # (B, H, 1, D)
+        o_t, state = self.step_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], x[:, 0], state)  # (B, H, D)
+        return self.proj(o_t.reshape(x_t.shape)), state  # (B, C)
 
     def weights(self, x, grid=None):
         """The explicit attention weights (B, H, N, N) this module applies to x (B, N, C)."""

@@ -1,11 +1,12 @@
 """The fast InLine attention core: Eq. 5 + Eq. 6 as two compiled graphs with a closed-form backward.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. `inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1)` takes the same arguments,
-layout and result as inline.inline_core, the reference it replaces; `enable_fast(model)` swaps it into a model
-(models.create_model(name, fast=True) calls it) once it has run each of the model's attention configurations on
-both paths and found the output and every gradient equal (check_against_reference), so a change made in the
-reference that the fast core does not follow is refused when the model is built. test_inline.py proves the two equal.
+arXiv 2412.06590. `inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False,
+scale_by_count=True)` takes the same arguments, layout and result as inline.inline_core, the reference it replaces;
+`enable_fast(model)` swaps it into a model (models.create_model(name, fast=True) calls it) once it has run each of
+the model's attention configurations on both paths and found the output and every gradient equal
+(check_against_reference), so a change made in the reference that the fast core does not follow is refused when the
+model is built. test_inline.py proves the two equal.
 
     python kernels.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python kernels.py --bench --json          # the same, one JSON object per case
@@ -142,9 +143,10 @@ def token_major(x):
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def core_forward(q, k, v, taps, index, masks, scale):
-    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as rounded to
-    the input dtype (the GEMM's operands, computed anyway), v_mean (B, H, 1, D) and s/N Cov (B, H, D, D)."""
+def core_forward(q, k, v, taps, index, masks, scale, scale_by_count):
+    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as
+    rounded to the input dtype (the GEMM's operands, computed anyway), v_mean (B, H, 1, D) and g N Cov (B, H, D, D),
+    g Eq. 5's factor s/N (scale_by_count) or s (inline.eq5_gain)."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     k_mean = wide(k).mean(2, keepdim=True)  # (B, H, 1, D)
@@ -152,23 +154,24 @@ def core_forward(q, k, v, taps, index, masks, scale):
     k_c = ((wide(k) - k_mean) * c).to(dtype)  # (B, H, N, D)
     v_c = (wide(v) - v_mean).to(dtype)  # (B, H, N, D), written by the same kernel as k_c
     # Cov = (1/N) (k - k_mean)^T (v - v_mean), both sides centred in fp32 and then rounded, as in
-    # inline.py; s/N is folded into the D x D matrix (inline.inline_weights and inline_attention say why).
+    # inline.py; g N / N is folded into the D x D matrix (inline.inline_weights and inline_attention say why).
     # No sum over tokens sees the means.
-    cov = (wide(k_c.transpose(-2, -1) @ v_c) * (scale / (N * c))).to(dtype)  # (B, H, D, D)
-    o = wide(q @ cov) + v_mean  # Eq. 5: s q_i^T Cov + v_mean, (B, H, N, D)
+    gain = inline.eq5_gain(scale, N, scale_by_count)
+    cov = (wide(k_c.transpose(-2, -1) @ v_c) * (gain / c)).to(dtype)  # (B, H, D, D)
+    o = wide(q @ cov) + v_mean  # Eq. 5: g N q_i^T Cov + v_mean, (B, H, N, D)
     if taps is not None:
         for t, v_t in enumerate(neighbours(v, index)):
             o = o + wide(taps[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
     return token_major(o.to(dtype)), k_c, v_c, v_mean, cov
 
 
-def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale):
+def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale_by_count):
     """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, D), given do = dLoss/do stored token-major."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
     q_s = (wide(q) * c).to(dtype) if c != 1.0 else q
-    g = (wide(q_s.transpose(-2, -1) @ do) * (scale / (N * c))).to(dtype)  # s/N q^T do, (B, H, D, D)
+    g = (wide(q_s.transpose(-2, -1) @ do) * (inline.eq5_gain(scale, N, scale_by_count) / c)).to(dtype)  # (B, H, D, D)
     # Cov = (1/N) (k - k_mean)^T (v - v_mean); the means' own gradients vanish because the centred
     # columns sum to zero, so dk = (v - v_mean) g^T and dv = (k - k_mean) g + mean_i do_i.
     dk = v_c @ g.transpose(-2, -1)  # (B, H, N, D)
@@ -191,10 +194,13 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale):
 CHUNK = 64  # tokens per chunk: the CHUNK x CHUNK products cost N CHUNK D per head, the running D x D sums N D^2 / CHUNK
 
 
-def scan_dtype(dtype):
+def scan_dtype(dtype, scale_by_count=True):
     """The dtype of the scans' GEMM operands: the input's, but fp32 for fp16, whose 5-bit exponent cannot hold the
-    1/i factors of long sequences nor the uncentred sums' cancellation (and whose GEMMs CPUs run slowly)."""
-    return torch.float32 if dtype == torch.float16 else dtype
+    1/i factors of long sequences nor the uncentred sums' cancellation (and whose GEMMs CPUs run slowly), and fp32
+    under the printed factor s (not scale_by_count): without s/i the uncentred sums' bf16 rounding reaches the output
+    i times larger, several times the reference's own error by 131 tokens
+    (test_fast_causal_core_low_precision_within_twice_the_references)."""
+    return torch.float32 if dtype == torch.float16 or not scale_by_count else dtype
 
 
 def causal_scan(q, k, v, reverse=False):
@@ -212,10 +218,10 @@ def causal_scan(q, k, v, reverse=False):
     return (wide(qc) @ other + wide(scores @ vc)).reshape(B, H, N, D)
 
 
-def causal_forward(q, k, v, taps, index, masks, scale):
+def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
     """-> o (B, H, N, D), and for the backward k and v less their first token (B, H, N, D), rounded to
     scan_dtype, and v's first token (B, H, 1, D). taps (B, H, T, N, D): Eq. 6's weights, one per token."""
-    N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype)
+    N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype, scale_by_count)
     n = torch.arange(1, N + 1, device=q.device, dtype=torch.float32)[:, None]  # (N, 1): the count i
     # Cov_i and o_i do not change when a constant is taken from every k (or v); taking the first token's, which
     # every output may see, makes the uncentred sums of k v^T as small as the spread, not the means (inline.py:
@@ -223,28 +229,32 @@ def causal_forward(q, k, v, taps, index, masks, scale):
     v_first = wide(v[:, :, :1])  # (B, H, 1, D)
     k_s, v_s = (wide(k) - wide(k[:, :, :1])).to(mm), (wide(v) - v_first).to(mm)  # (B, H, N, D)
     k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D): prefix means, shifted
-    o = (scale / n) * causal_scan(q.to(mm), k_s, v_s) - scale * (wide(q) * k_mean).sum(-1, keepdim=True) * v_mean
-    o = o + v_mean + v_first  # Eq. 5 over the prefix: s q_i^T Cov_i + v_mean_i
+    a = inline.eq5_gain(scale, n, scale_by_count)  # (N, 1) or a number: Eq. 5's factor a_i, s/i or s
+    o = a * causal_scan(q.to(mm), k_s, v_s) - a * n * (wide(q) * k_mean).sum(-1, keepdim=True) * v_mean
+    o = o + v_mean + v_first  # Eq. 5 over the prefix: a_i i q_i^T Cov_i + v_mean_i
     if taps is not None:
         for t, v_t in enumerate(neighbours(v, index)):
             o = o + wide(taps[:, :, t]) * masks[t] * wide(v_t)  # Eq. 6 over the last k tokens
     return o.to(dtype), k_s, v_s, v_first
 
 
-def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t, scale):
-    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, N, D), given do = dLoss/do. With
-    a_i = s/i, o_i = a_i sum_{j<=i} (q_i.k_j) v_j - s (q_i.k_mean_i) v_mean_i + v_mean_i: the sum's gradients are
-    three more scans, the means' a reverse prefix sum."""
-    N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype)
+def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t, scale, scale_by_count):
+    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, N, D), given do = dLoss/do. With a_i Eq. 5's
+    factor (s/i, or s where not scale_by_count) and c_i = a_i i (s, or s i),
+    o_i = a_i sum_{j<=i} (q_i.k_j) v_j - c_i (q_i.k_mean_i) v_mean_i + v_mean_i: the sum's gradients are three more
+    scans, the means' a reverse prefix sum."""
+    N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype, scale_by_count)
     n = torch.arange(1, N + 1, device=q.device, dtype=torch.float32)[:, None]  # (N, 1)
     k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D), recomputed
     g, q_w, do = wide(do), wide(q), do.to(mm)
-    qa = (q_w * (scale / n)).to(mm)  # (B, H, N, D): a_i q_i
+    a = inline.eq5_gain(scale, n, scale_by_count)  # (N, 1) or a number: s/i or s
+    c = a * n  # (N, 1): s, or s i
+    qa = (q_w * a).to(mm)  # (B, H, N, D): a_i q_i
     gv = (g * v_mean).sum(-1, keepdim=True)  # (B, H, N, 1)
-    dq = (scale / n) * causal_scan(do, v_s, k_s) - scale * gv * k_mean
+    dq = a * causal_scan(do, v_s, k_s) - c * gv * k_mean
     later = lambda x: x.flip(2).cumsum(2).flip(2)  # noqa: E731  sum over i >= j: how a prefix mean reaches token j
-    dk = causal_scan(v_s, do, qa, reverse=True) + later(-scale * gv * q_w / n)
-    dv = causal_scan(k_s, qa, do, reverse=True) + later((1 - scale * (q_w * k_mean).sum(-1, keepdim=True)) * g / n)
+    dk = causal_scan(v_s, do, qa, reverse=True) + later(-c * gv * q_w / n)
+    dv = causal_scan(k_s, qa, do, reverse=True) + later((1 - c * (q_w * k_mean).sum(-1, keepdim=True)) * g / n)
     dtaps = None
     if taps is not None:
         for t in range(taps.shape[2]):  # Eq. 6 transposed: token j feeds token j - offset_t with weight taps_t
@@ -290,8 +300,8 @@ def signature(f, args):
     """A key for what dynamo's guards on f's graph check: the device, inference flag, head dim D and
     B, H, N as 0, 1 or more (dynamo specialises 0 and 1) of args[0], whose sizes fix every other
     tensor's but the neighbour count T; each tensor's dtype and the index's T (its only 2-D tensor); the
-    other arguments (scale, or None where Eq. 6 is off); for the causal core also its chunk count N / CHUNK as 1
-    or more. Were a guard ever to fail under a known key, dynamo would still recompile, correctly, only without
+    other arguments (scale, or None where Eq. 6 is off, and scale_by_count, which changes the graph); for the
+    causal core also its chunk count N / CHUNK as 1 or more. Were a guard ever to fail under a known key, dynamo would still recompile, correctly, only without
     our switches."""
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // CHUNK, 2),) if f.__name__.startswith('causal') else ()
@@ -376,7 +386,7 @@ def run(f, *args):
     return f(*args)
 
 
-def forward_graph(q, k, v, r, grid, scale, size, dilation):
+def forward_graph(q, k, v, r, grid, scale, size, dilation, scale_by_count):
     """core_forward run on inline_core's arguments: o (B, H, N, D), stored token-major, and what the backward keeps."""
     B, H, N, D = q.shape
     # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
@@ -386,16 +396,16 @@ def forward_graph(q, k, v, r, grid, scale, size, dilation):
     if r is not None:  # built once per shape
         index, masks = _cached_neighbourhood(N, grid, q.device, size, dilation)
     taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
-    o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale)
+    o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale, scale_by_count)
     return o, (q, k_c, v_c, taps, index, masks, v_mean, cov)
 
 
 class InLineCore(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, r, grid, scale, size, dilation):
-        o, saved = forward_graph(q, k, v, r, grid, scale, size, dilation)
+    def forward(ctx, q, k, v, r, grid, scale, size, dilation, scale_by_count):
+        o, saved = forward_graph(q, k, v, r, grid, scale, size, dilation, scale_by_count)
         ctx.save_for_backward(*saved)
-        ctx.scale = scale
+        ctx.scale, ctx.scale_by_count = scale, scale_by_count
         return o
 
     @staticmethod
@@ -404,14 +414,14 @@ class InLineCore(torch.autograd.Function):
         B, H, N, D = q.shape
         with torch.autocast(q.device.type, enabled=False):  # do as o was stored: a copy only if it comes otherwise
             dq, dk, dv, dtaps = run(core_backward, token_major(do), q, k_c, v_c, taps, index, masks, v_mean, cov,
-                                    ctx.scale)
+                                    ctx.scale, ctx.scale_by_count)
         dr = dtaps.transpose(-2, -1).reshape(B, -1) if dtaps is not None else None  # (B, T*C)
-        return dq, dk, dv, dr, None, None, None, None
+        return dq, dk, dv, dr, None, None, None, None, None
 
 
 class CausalCore(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, r, scale, size, dilation):
+    def forward(ctx, q, k, v, r, scale, size, dilation, scale_by_count):
         B, H, N, D = q.shape
         M = N + -N % CHUNK  # whole chunks: zero tokens at the end, which no earlier output sees
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
@@ -422,9 +432,9 @@ class CausalCore(torch.autograd.Function):
             index_t, masks_t = build(M, q.device, size, dilation, True, True)
             taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)  # (B, M, H, D, T): r's channel T*c + t
             taps = taps.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
-        o, k_s, v_s, v_first = run(causal_forward, q, k, v, taps, index, masks, scale)
+        o, k_s, v_s, v_first = run(causal_forward, q, k, v, taps, index, masks, scale, scale_by_count)
         ctx.save_for_backward(q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t)
-        ctx.scale = scale
+        ctx.scale, ctx.scale_by_count = scale, scale_by_count
         return o[:, :, :N]
 
     @staticmethod
@@ -434,19 +444,21 @@ class CausalCore(torch.autograd.Function):
         N = do.shape[2]
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv, dtaps = run(causal_backward, F.pad(do, (0, 0, 0, M - N)).contiguous(), q, k_s, v_s, v_first,
-                                    taps, index, masks, index_t, masks_t, ctx.scale)
+                                    taps, index, masks, index_t, masks_t, ctx.scale, ctx.scale_by_count)
         dr = dtaps.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dtaps is not None else None  # (B, N, T*C)
-        return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None
+        return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None, None
 
 
 @torch.compiler.disable(reason="the fast InLine core runs its own compiled graphs, also inside a compiled model")
-def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False):
+def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
+                     scale_by_count=True):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w: the same arguments, layout and result as
     inline.inline_core. q, k, v (B, H, N, D) through phi; r (B, T*C) with T = size^2 neighbour weights per
     channel, or None; grid = (h, w); size and dilation of Eq. 6's neighbourhood. grid None: a 1-D sequence,
     T = size; causal: Eq. 5 over each prefix and Eq. 6 over the last k tokens (CausalCore), r (B, N, T*C).
-    scale: None (D^-1/2), a number, or a tensor that broadcasts against (B, H, N, 1). Under autocast the inputs are
-    cast to the autocast dtype, as the reference's matmuls would be."""
+    scale_by_count: Eq. 5's factor s/N (s/i on a prefix), else s (inline.eq5_gain); a Python bool, part of the
+    compiled graphs' signature. scale: None (D^-1/2), a number, or a tensor that broadcasts against (B, H, N, 1).
+    Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be."""
     B, H, N, D = q.shape
     if causal and grid is not None:
         raise ValueError("causal attention runs over a 1-D sequence: grid must be None")
@@ -468,11 +480,11 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     with torch.autocast(device, enabled=False):
         scale = inline.attention_scale(D) if scale is None else scale
         if causal:
-            return CausalCore.apply(q, k, v, r, scale, size, dilation)
-        grid = None if grid is None else tuple(grid)
+            return CausalCore.apply(q, k, v, r, scale, size, dilation, bool(scale_by_count))
+        grid, scale_by_count = None if grid is None else tuple(grid), bool(scale_by_count)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r)):
-            return InLineCore.apply(q, k, v, r, grid, scale, size, dilation)
-        return forward_graph(q, k, v, r, grid, scale, size, dilation)[0]  # no gradient asked: no autograd Function
+            return InLineCore.apply(q, k, v, r, grid, scale, size, dilation, scale_by_count)
+        return forward_graph(q, k, v, r, grid, scale, size, dilation, scale_by_count)[0]  # no gradient: no Function
 
 
 def unsupported(module):
@@ -761,7 +773,7 @@ def bench_choices(device):
         gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
         return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
                 0.1 * torch.randn(B, H, 9, D, generator=gen, device=device), *neighbourhood(N, (side, side), device),
-                inline.attention_scale(D)]
+                inline.attention_scale(D), True]
     B, H, side, _ = CASES['swin_t_stage1']
     constant, symbolic, small = inputs(B, H, side), inputs(B, H, side), inputs(1, 1, 7)
     symbolic_sizes(constant, side * side), symbolic_sizes(symbolic, side * side)

@@ -19,7 +19,7 @@ it has finished under OUT (default runs/paper/), so a rerun resumes where the la
     python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
     python paper.py ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
     python paper.py ablations --device cuda  # the same set where the miniatures converge (all 60,000 images)
-    python paper.py recall                 # InLine on sequences: associative recall (MQAR) against state size
+    python paper.py recall                 # InLine on sequences: associative recall (MQAR), injectivity where it holds
     python paper.py mosaics --png figures/fashion_recall.png  # train.py's fashion_recall mosaics, with their labels
 
 The trained ones (locality, maps, ablations) train on Fashion-MNIST unless told (--dataset, --data-path: any
@@ -2043,56 +2043,110 @@ def cmd_experiments(args):
 
 # ---------------------------------------------------------------------------------------------------
 # recall: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), the test linear attentions are judged
-# by: key-value pairs, then queries for some of the keys, the loss on the answers only. Small causal transformers
-# (2 layers) with softmax, vanilla linear attention (division) and causal InLine (subtraction), recall against
-# the state each layer keeps. The models have 30k-110k parameters and a run takes seconds, so they train here, in
-# process: train.py is the image loop (its data pipeline, DDP and checkpoints serve runs of minutes to days).
-# Finished runs are JSON lines in RECALL_RESULTS (committed), so the tables and the picture rebuild without
-# training and a rerun trains only what is missing.
+# by: key-value pairs, filler, then queries for the keys, the loss on the answers only. Small causal transformers
+# (2 layers, 2 heads) with softmax, vanilla linear attention (division) and causal InLine (subtraction). InLine is
+# injective in q_i only where the prefix's centred keys span D dimensions (inline.inline_weights), so every query
+# sits at token D + 1 or later: what is compared is injective where it claims to be. The models have 20k-100k
+# parameters and a run takes seconds, so they train here, in process: train.py is the image loop (its data
+# pipeline, DDP and checkpoints serve runs of minutes to days). Finished runs are JSON lines in RECALL_RESULTS
+# (committed), so the tables and the picture rebuild without training and a rerun trains only what is missing.
 
 RECALL_RESULTS = os.path.join(HERE, 'results', 'recall.jsonl')
-RECALL_VOCAB = 64  # keys are tokens 0..63, values 64..127
-RECALL_MODELS = {  # name: inline.InLineAttention's options, causal=True (None: softmax, causal SDPA)
-    'softmax': None,
-    'linear relu': dict(attention='linear', kernel='relu', residual='none'),
-    'linear 1+elu': dict(attention='linear', kernel='one_plus_elu', residual='none'),
-    'InLine 1+elu': dict(kernel='one_plus_elu', residual='none'),
-    'linear 1+elu + Eq. 6': dict(attention='linear', kernel='one_plus_elu', residual='local'),  # Eq. 6: the token
-    'InLine 1+elu + Eq. 6': dict(kernel='one_plus_elu', residual='local'),  # and the 2 before it
-    'InLine + Eq. 6': dict(residual='local'),  # the paper's InLine: phi = identity, Eq. 6
+RECALL_VOCAB = 64  # keys are tokens 0..63, values 64..127, filler 128..191
+RECALL_HEADS = 2
+RECALL_SIZES = ((32, 8, 24), (32, 12, 36), (32, 16, 48))  # (C, key-value pairs, tokens); D = C / 2, queries from 2P + 1 >= D + 1
+RECALL_MODELS = {  # name: how its attention is built (RecallLM); every model without Eq. 6
+    'softmax': dict(attention='softmax'),
+    'softmax q-norm': dict(attention='softmax', normalise_q=True),  # T1 on sequences: q/|q| times a learned gain
+    'floor phi=0': dict(kernel='zero', residual='none'),  # every weight 1/i: attention that cannot select
+    'linear 1+elu': dict(attention='linear', kernel='one_plus_elu', residual='none'),  # division
+    'InLine 1+elu s/i': dict(kernel='one_plus_elu', residual='none'),  # subtraction, Eq. 5 with s/i
+    'InLine 1+elu s': dict(kernel='one_plus_elu', residual='none', scale_by_count=False),  # the printed Eq. 5
+    'InLine s/i': dict(residual='none'),  # phi = identity, the paper's
+    'InLine s': dict(residual='none', scale_by_count=False),
+    'InLine s/i q-norm': dict(residual='none', normalise_q=True),
 }
-RECALL_INJECTIVITY = (('linear 1+elu', 'InLine 1+elu'), ('linear 1+elu + Eq. 6', 'InLine 1+elu + Eq. 6'))  # / vs -
-RECALL_SIZES = ((32, 4), (64, 4), (64, 8))  # (C, key-value pairs); 2 heads, so D = C/2; N = 2.5 pairs tokens
-RECALL_HEADS, RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH, RECALL_LR = 2, 3, 2000, 64, 3e-3
-RECALL_STEP_MS = {(32, 4): 11, (64, 4): 17, (64, 8): 25}  # CPU ms per step of InLine 1+elu, 1 thread, measured here
-RECALL_STEP_FACTOR = {'softmax': 0.65, 'Eq. 6': 1.5, 'linear': 1.1}  # another model's step against that
+RECALL_FLOOR = 'floor phi=0'
+RECALL_COMPARISONS = (  # (question, a, b): the claim is "b recalls more than a", read seed by seed
+    ('injectivity within softmax', 'softmax q-norm', 'softmax'),
+    ('injectivity within InLine', 'InLine s/i q-norm', 'InLine s/i'),
+    ('subtraction over division, 1+elu', 'linear 1+elu', 'InLine 1+elu s/i'),
+    ('scale s over s/i, identity', 'InLine s/i', 'InLine s'),
+    ('scale s over s/i, 1+elu', 'InLine 1+elu s/i', 'InLine 1+elu s'),
+    ('kernel identity over 1+elu', 'InLine 1+elu s/i', 'InLine s/i'),
+)
+RECALL_LRS = (1e-3, 3e-3, 1e-2)  # each model's learning rate: the best of these on held-out sequences, seed 0
+RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH = 5, 2000, 64
+RECALL_GATE = 3.0  # recall points over the floor and the guess that both models of a comparison must clear
+RECALL_CLAIM = 1.0  # "b recalls more than a", as verdict reads a paper's difference
+RECALL_VALID, RECALL_TEST = 777, 12345  # the held-out sequences' generators: learning rates, then the test
 
 
-def mqar_batch(batch, pairs, generator):
-    """x, y (batch, N), N = 2 pairs + pairs // 2: `pairs` distinct keys, each followed by its value, then half the
-    keys again in a random order; y holds the value at those queries and -100 (no loss) everywhere else."""
+def mqar_batch(batch, pairs, tokens, generator):
+    """x, y (batch, tokens): `pairs` distinct keys, each followed by its value, filler tokens, then `pairs` queries
+    (keys drawn again, with repeats) at the end; y holds the value at the queries and -100 (no loss) elsewhere."""
     keys = torch.rand(batch, RECALL_VOCAB, generator=generator).argsort(-1)[:, :pairs]  # (batch, pairs), distinct
     values = RECALL_VOCAB + torch.randint(RECALL_VOCAB, (batch, pairs), generator=generator)  # (batch, pairs)
-    asked = torch.rand(batch, pairs, generator=generator).argsort(-1)[:, :pairs // 2]  # (batch, pairs // 2)
-    x = torch.cat([torch.stack([keys, values], -1).flatten(1), keys.gather(1, asked)], 1)  # k1 v1 .. kP vP q1 ..
+    filler = 2 * RECALL_VOCAB + torch.randint(RECALL_VOCAB, (batch, tokens - 3 * pairs), generator=generator)
+    asked = torch.randint(pairs, (batch, pairs), generator=generator)  # (batch, pairs)
+    x = torch.cat([torch.stack([keys, values], -1).flatten(1), filler, keys.gather(1, asked)], 1)  # (batch, tokens)
     y = torch.full_like(x, -100)
-    y[:, 2 * pairs:] = values.gather(1, asked)
+    y[:, tokens - pairs:] = values.gather(1, asked)
     return x, y
+
+
+def most_frequent_guess(x, y, pairs):
+    """Recall (%) of a model that knows each sequence's values but not which key has which: it answers the value
+    most frequent in the sequence (ties broken at random). What attention that cannot select (the floor) can reach."""
+    values = x[:, 1:2 * pairs:2]  # (batch, pairs)
+    counts = (values.unsqueeze(-1) == values.unsqueeze(-2)).sum(-1).double()  # (batch, pairs): each value's count
+    counts = counts + torch.rand(counts.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    guess = values.gather(1, counts.argmax(-1, keepdim=True))  # (batch, 1)
+    answers = y[y != -100].reshape(len(y), -1)  # (batch, pairs)
+    return 100 * (answers == guess).double().mean().item()
+
+
+class NormalisedQ(torch.nn.Module):
+    """q -> g_h q / |q|, a learned gain per head (started at D^1/2, a random q's length): softmax or InLine with
+    injectivity in q's length switched off (q and 2q give the same weights), everything else as it was."""
+
+    def __init__(self, num_heads, head_dim):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.full((1, num_heads, 1, 1), head_dim ** 0.5))
+
+    def forward(self, q):
+        return F.normalize(q, dim=-1) * self.gain  # (B, H, N, D)
 
 
 class CausalSoftmax(torch.nn.Module):
     """Causal softmax attention between InLineAttention's projections: x (B, N, C) -> (B, N, C)."""
 
-    def __init__(self, dim, num_heads):
+    def __init__(self, dim, num_heads, normalise_q=False):
         super().__init__()
         self.num_heads = num_heads
         inline.add_projections(self, dim, qkv_bias=True, separate_q=False)
+        self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
 
     def forward(self, x):
         B, N, C = x.shape
         q, k, v = (t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        q = self.normalise_q(q) if self.normalise_q is not None else q  # (B, H, N, D)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))
+
+
+class CausalInLine(inline.InLineAttention):
+    """inline.InLineAttention(causal=True), q normalised after phi where normalise_q (NormalisedQ)."""
+
+    def __init__(self, dim, num_heads, normalise_q=False, **options):
+        super().__init__(dim, num_heads, causal=True, **options)
+        self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
+        if self.core is inline.inline_core:
+            self.core = short_sequence_core
+
+    def prepare(self, q, k):
+        q, k, scale = super().prepare(q, k)
+        return (self.normalise_q(q) if self.normalise_q is not None else q), k, scale
 
 
 class DecoderBlock(torch.nn.Module):
@@ -2110,81 +2164,89 @@ class DecoderBlock(torch.nn.Module):
 
 
 class RecallLM(torch.nn.Module):
-    """Token and learned position embeddings, 2 decoder blocks, a norm and a head: (B, N) -> logits (B, N, 2V)."""
+    """Token and learned position embeddings, 2 decoder blocks, a norm and a head: (B, N) -> logits (B, N, 3V)."""
 
     def __init__(self, name, width, tokens):
         super().__init__()
-        options = RECALL_MODELS[name]
-        self.embed = torch.nn.Embedding(2 * RECALL_VOCAB, width)
+        options = dict(RECALL_MODELS[name])
+        softmax = options.get('attention') == 'softmax'
+        if softmax:
+            del options['attention']
+        self.embed = torch.nn.Embedding(3 * RECALL_VOCAB, width)
         self.pos = torch.nn.Parameter(0.02 * torch.randn(1, tokens, width))
-        self.blocks = torch.nn.Sequential(*[DecoderBlock(width, CausalSoftmax(width, RECALL_HEADS) if options is None
-                                                         else inline.InLineAttention(width, RECALL_HEADS, causal=True,
-                                                                                     **options)) for _ in range(2)])
-        self.norm, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * RECALL_VOCAB)
-        for m in self.modules():
-            if getattr(m, 'core', None) is inline.inline_core:
-                m.core = short_sequence_core
+        self.blocks = torch.nn.Sequential(*[DecoderBlock(width, CausalSoftmax(width, RECALL_HEADS, **options) if softmax
+                                                         else CausalInLine(width, RECALL_HEADS, **options))
+                                            for _ in range(2)])
+        self.norm, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, 3 * RECALL_VOCAB)
 
     def forward(self, x):
         return self.head(self.norm(self.blocks(self.embed(x) + self.pos[:, :x.shape[1]])))
 
 
-def short_sequence_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False):
-    """inline.inline_core through the explicit causal weights: at 20 to 40 tokens the N x N form costs a CPU the
-    least (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same function
+def short_sequence_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False, scale_by_count=True):
+    """inline.inline_core through the explicit causal weights: at 64 tokens the N x N form costs a CPU the least
+    (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same function
     (test_causal_forms_equal_the_explicit_weights)."""
-    o = inline.inline_attention_quadratic(q, k, v, scale, causal)  # Eq. 5, (B, H, N, D)
+    o = inline.inline_attention_quadratic(q, k, v, scale, causal, scale_by_count)  # Eq. 5, (B, H, N, D)
     return o if r is None else o + inline.local_residual(v, r, grid, size, dilation, causal)  # Eq. 6
 
 
-def recall_state(name, width, tokens):
-    """Floats one layer keeps to make the next token: softmax's keys and values so far, 2 N C at the last token;
-    linear attention's H sums of k v^T and of k, H (D^2 + D); InLine's H sums of k v^T, k and v and the count,
-    H (D^2 + 2D) + 1; Eq. 6 adds the last 2 tokens' v and the running sum of its input, 3C."""
-    options, H, D = RECALL_MODELS[name], RECALL_HEADS, width // RECALL_HEADS
-    if options is None:
-        return 2 * tokens * width
-    if options.get('attention') == 'linear':
-        return H * (D * D + D)
-    return H * (D * D + 2 * D) + 1 + (3 * width if options['residual'] == 'local' else 0)
+def recall_score(model, pairs, tokens, seed):
+    """Right answers (%) on 1024 held-out sequences drawn from generator seed (RECALL_VALID or RECALL_TEST)."""
+    x, y = mqar_batch(1024, pairs, tokens, torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        right = (model(x).argmax(-1) == y)[y != -100].float()
+    return round(100 * right.mean().item(), 2)
 
 
-def recall_run(name, width, pairs, seed, steps):
-    """Train one model on fresh batches (AdamW, one-cycle schedule) and count its right answers on 1024 held-out
-    sequences, the same for every run. Returns the run's JSON line as a dict."""
-    tokens = 2 * pairs + pairs // 2
+def recall_run(name, width, pairs, tokens, seed, lr, steps):
+    """Train one model on fresh batches (AdamW, one-cycle schedule; no weight decay: every batch is new, so there is
+    nothing to overfit, and decay would pull against the q length that s/i asks to grow) and count its right
+    answers on the held-out sequences (for the learning rate) and the test ones. Returns the run's JSON line."""
     torch.manual_seed(seed)
     model = RecallLM(name, width, tokens)
-    opt = torch.optim.AdamW(model.parameters(), lr=RECALL_LR, weight_decay=0.1, betas=(0.9, 0.98))
-    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, RECALL_LR, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
     data, start = torch.Generator().manual_seed(1000 + seed), time.process_time()
     for _ in range(steps):
-        x, y = mqar_batch(RECALL_BATCH, pairs, data)
+        x, y = mqar_batch(RECALL_BATCH, pairs, tokens, data)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)  # the answers only
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         schedule.step()
-    x, y = mqar_batch(1024, pairs, torch.Generator().manual_seed(12345))
-    with torch.no_grad():
-        right = (model(x).argmax(-1) == y)[y != -100].float()
     return dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed, steps=steps, batch=RECALL_BATCH,
-                lr=RECALL_LR, recall=round(100 * right.mean().item(), 2), final_loss=round(loss.item(), 4),
-                state=recall_state(name, width, tokens), params=sum(p.numel() for p in model.parameters()),
-                cpu_s=round(time.process_time() - start, 1), threads=torch.get_num_threads())
+                lr=lr, valid=recall_score(model, pairs, tokens, RECALL_VALID),
+                recall=recall_score(model, pairs, tokens, RECALL_TEST), final_loss=round(loss.item(), 4),
+                params=sum(p.numel() for p in model.parameters()), cpu_s=round(time.process_time() - start, 1),
+                threads=torch.get_num_threads())
 
 
-def recall_key(name, width, pairs, seed, steps, batch=RECALL_BATCH, lr=RECALL_LR):
-    """What makes a run: a stored run made with another batch or learning rate is not this one."""
-    return json.dumps([name, width, pairs, seed, steps, batch, lr])
+def recall_key(name, width, pairs, tokens, seed, lr, steps, batch=RECALL_BATCH):
+    """What makes a run: a stored run made with another batch, length or learning rate is not this one."""
+    return json.dumps([name, width, pairs, tokens, seed, lr, steps, batch])
 
 
 def recall_row_key(row):
     """A stored run's recall_key, for read_records: the recall runs are records too, one JSON line each."""
-    return recall_key(*(row[k] for k in ('model', 'width', 'pairs', 'seed', 'steps', 'batch', 'lr')))
+    return recall_key(*(row[k] for k in ('model', 'width', 'pairs', 'tokens', 'seed', 'lr', 'steps', 'batch')))
 
 
-RECALL_CLAIM = 1.0  # "injectivity helps recall", as verdict reads a paper's difference: InLine above division
+def best_lr(runs, name, size, steps):
+    """The learning rate of RECALL_LRS whose seed-0 run recalls most on the held-out sequences (the smaller on a
+    tie), or None until all of them have run."""
+    found = [runs.get(recall_key(name, *size, 0, lr, steps)) for lr in RECALL_LRS]
+    return None if None in found else max(found, key=lambda r: (r['valid'], -r['lr']))['lr']
+
+
+def recall_plan(runs, models, sizes, seeds, steps):
+    """The runs still to train, in the order that leaves a stopped study balanced: every model at every learning rate
+    (seed 0), then seed 1 of every model at its best, then seed 2, ... (cmd_recall: one size at a time)."""
+    first = [(n, *size, 0, lr) for size in sizes for n in models for lr in RECALL_LRS]
+    chosen = {(n, size): best_lr(runs, n, size, steps) for size in sizes for n in models}
+    later = [(n, *size, s, chosen[n, size]) for s in range(1, seeds) for size in sizes for n in models
+             if chosen[n, size] is not None]
+    return [run for run in first + later if recall_key(*run, steps) not in runs]
 
 
 def cmd_recall(args):
@@ -2194,93 +2256,108 @@ def cmd_recall(args):
         train.fail(f"unknown recall models {unknown}; choose from {list(RECALL_MODELS)}")
     if args.seeds < 1 or args.steps < 1 or args.threads < 1:
         train.fail(f"--seeds, --steps and --threads must be at least 1, got {args.seeds}, {args.steps}, {args.threads}")
-    sizes = [tuple(map(int, size.split('x'))) for size in args.sizes if re.fullmatch(r'\d+x\d+', size)]
-    if len(sizes) != len(args.sizes) or any(not 2 <= p <= RECALL_VOCAB or w < 1 or w % RECALL_HEADS for w, p in sizes):
-        train.fail(f"--sizes takes CxPAIRS, the width C a multiple of the {RECALL_HEADS} heads and 2 <= PAIRS <= "
-                   f"{RECALL_VOCAB} (distinct keys of {RECALL_VOCAB}), got {args.sizes}")
-    plan = [(name, width, pairs, seed) for width, pairs in sizes for name in models for seed in range(args.seeds)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        rows = train_recall(plan, args)
-    finally:  # a caller in this process (the tests) keeps its threads, and compiled graphs their guards
-        torch.set_num_threads(threads)
-    return recall_report(rows, models, sizes, args)
-
-
-def train_recall(plan, args):
-    """Every run of plan, from args.results where it is there, else trained and added to it at once."""
+    sizes = [tuple(map(int, size.split('x'))) for size in args.sizes if re.fullmatch(r'\d+x\d+x\d+', size)]
+    if len(sizes) != len(args.sizes) or any(not 2 <= p <= RECALL_VOCAB or w < 1 or w % RECALL_HEADS
+                                            or n - p < w // RECALL_HEADS or n < 3 * p for w, p, n in sizes):
+        train.fail(f"--sizes takes CxPAIRSxTOKENS: the width C a multiple of the {RECALL_HEADS} heads, 2 <= PAIRS <= "
+                   f"{RECALL_VOCAB} (distinct keys of {RECALL_VOCAB}), TOKENS >= 3 PAIRS and TOKENS - PAIRS >= D = "
+                   f"C/{RECALL_HEADS}, so that every query sits at token D + 1 or later; got {args.sizes}")
     runs = read_records(args.results, key=recall_row_key)
-    todo = [run for run in plan if recall_key(*run, args.steps) not in runs]
-    factor = lambda name: next((f for key, f in RECALL_STEP_FACTOR.items() if key in name), 1.0)  # noqa: E731
-    # 40 ms a step where a size was not measured
-    estimate = sum(RECALL_STEP_MS.get((w, p), 40) * factor(n) * args.steps / 1e3 for n, w, p, _ in todo) / 60
-    print(f"recall (MQAR): {len(plan)} runs, {len(plan) - len(todo)} of them finished in {args.results}; training "
-          f"{len(todo)} x {args.steps} steps at {args.threads} thread(s): about {estimate:.0f} CPU-min", flush=True)
+    if not args.no_train:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.threads)
+        try:
+            for size in sizes:  # a size finished before the next, so a stopped study has verdicts where it went
+                for stage in ('first pass', 'second pass'):  # the second trains the seeds of learning rates the first chose
+                    train_recall(runs, recall_plan(runs, models, [size], args.seeds, args.steps),
+                                 f"{'x'.join(map(str, size))}, {stage}", args)
+        finally:  # a caller in this process (the tests) keeps its threads
+            torch.set_num_threads(threads)
+    return recall_report(runs, models, sizes, args)
+
+
+def train_recall(runs, todo, stage, args):
+    """Train the runs of todo, each added to args.results (and runs) the moment it finishes."""
+    print(f"recall (MQAR), {stage}: {len(todo)} runs to train at {args.threads} thread(s), {args.steps} steps of "
+          f"{RECALL_BATCH}", flush=True)
     spent = 0.0
-    for name, width, pairs, seed in tqdm(todo, desc='recall', disable=not todo):
-        row = recall_run(name, width, pairs, seed, args.steps)
-        runs[recall_key(name, width, pairs, seed, args.steps)] = row
+    for name, width, pairs, tokens, seed, lr in tqdm(todo, desc='recall', disable=not todo):
+        row = recall_run(name, width, pairs, tokens, seed, lr, args.steps)
+        runs[recall_row_key(row)] = row
         append_record(args.results, row)
         spent += row['cpu_s']
     if todo:
         print(f"trained {len(todo)} runs in {spent / 60:.1f} CPU-min (process CPU time)")
-    return {run: runs[recall_key(*run, args.steps)] for run in plan}
 
 
-def recall_report(rows, models, sizes, args):
-    """The two tables and the picture from the finished runs: recall by model and state, and InLine minus division
-    with the same phi, seed by seed."""
-    recall = {(n, w, p): [rows[n, w, p, s]['recall'] for s in range(args.seeds)] for n, w, p, _ in rows}
-    print(f"\nMQAR: keys and values from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, {args.steps} "
-          f"steps of {RECALL_BATCH} sequences; recall = right answers on 1024 held-out sequences, mean over "
-          f"{args.seeds} seeds with its 95% Student-t interval. State: floats per layer for the next token.\n")
-    table = []
-    for (n, w, p), values in recall.items():
-        mean, half = interval(values)
-        one = rows[n, w, p, 0]
-        table.append([f"{p} ({one['tokens']})", w, n, one['state'], f"{mean:.1f} ± {half:.1f}",
-                      ' '.join(f'{v:.1f}' for v in values), one['params']])
-    print_table(['pairs (tokens)', 'C', 'model', 'state', 'recall %', 'per seed', 'params'], table)
+def recall_report(runs, models, sizes, args):
+    """The tables and the picture from the records: the learning rates, recall by model against the floor and the
+    guess, and each comparison's verdict, gated by both."""
+    print(f"\nMQAR: keys, values and filler from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, "
+          f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on 1024 test sequences, mean over "
+          f"the seeds with its 95% Student-t interval, each model at the learning rate of {', '.join(map(str, RECALL_LRS))}"
+          f" that recalled most on 1024 held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
+    recall, table, guesses, missing = {}, [], {}, []
+    for w, p, n in sizes:
+        guesses[w, p, n] = most_frequent_guess(*mqar_batch(1024, p, n, torch.Generator().manual_seed(RECALL_TEST)), p)
+        for name in models:
+            lr = best_lr(runs, name, (w, p, n), args.steps)
+            tried = ' '.join(f"{runs[k]['valid']:.1f}" if (k := recall_key(name, w, p, n, 0, r, args.steps)) in runs
+                             else '-' for r in RECALL_LRS)
+            values = [] if lr is None else [runs[k]['recall'] for s in range(args.seeds)
+                                            if (k := recall_key(name, w, p, n, s, lr, args.steps)) in runs]
+            recall[name, w, p, n] = values
+            if tried == ' '.join('-' * len(RECALL_LRS)):
+                missing.append(f"{name} at {w} / {p} / {n}")
+                continue
+            mean, half = interval(values) if values else (math.nan, math.nan)
+            table.append([f"{w} / {p} / {n}", name, tried, lr or '-', f"{mean:.1f} ± {half:.1f}" if values else '-',
+                          ' '.join(f'{v:.1f}' for v in values), len(values)])
+    cpu = sum(r['cpu_s'] for r in runs.values() if r['model'] in models and (r['width'], r['pairs'], r['tokens'])
+              in sizes and r['steps'] == args.steps)
+    print_table(['C / pairs / tokens', 'model', 'held-out % at each lr', 'lr', 'recall %', 'per seed', 'seeds'], table)
+    print('\nthe guess: a model that knows the values of its sequence and answers the most frequent (simulated on the '
+          'test sequences): ' + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
+          f'. CPU time of these runs: {cpu / 60:.1f} min.' + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
     verdicts, ps = [], []
-    for division, subtraction in RECALL_INJECTIVITY:
-        for w, p in sizes:
-            if (division, w, p) in recall and (subtraction, w, p) in recall:
-                diffs = [b - a for a, b in zip(recall[division, w, p], recall[subtraction, w, p])]
-                mean, half = interval(diffs)
-                verdicts.append([f"{p} ({rows[division, w, p, 0]['tokens']})", w, division.replace('linear ', ''),
-                                 f"{statistics.mean(recall[division, w, p]):.1f}",
-                                 f"{statistics.mean(recall[subtraction, w, p]):.1f}", f"{mean:+.1f} ± {half:.1f}",
-                                 verdict(diffs, RECALL_CLAIM)])
-                ps.append(min(p_values(diffs, RECALL_CLAIM)))
-    for row, q in zip(verdicts, holm(ps)):  # Holm over the comparisons of this table
-        row.append(row[-1] if q < ALPHA else 'not resolved')
+    for question, a, b in RECALL_COMPARISONS:
+        for w, p, n in sizes:
+            if a not in models or b not in models:
+                continue
+            ra, rb, floor = recall[a, w, p, n], recall[b, w, p, n], recall.get((RECALL_FLOOR, w, p, n), [])
+            seeds = min(len(ra), len(rb))
+            if seeds < 2:
+                continue
+            diffs = [y - x for x, y in zip(ra[:seeds], rb[:seeds])]
+            mean, half = interval(diffs)
+            gate = max(statistics.mean(floor) if floor else math.inf, guesses[w, p, n]) + RECALL_GATE
+            cleared = statistics.mean(ra) >= gate and statistics.mean(rb) >= gate
+            row = [question, f"{w} / {p} / {n}", f"{statistics.mean(ra[:seeds]):.1f}",
+                   f"{statistics.mean(rb[:seeds]):.1f}", f"{mean:+.1f} ± {half:.1f}", seeds,
+                   verdict(diffs, RECALL_CLAIM) if cleared else 'untestable']
+            verdicts.append(row)
+            ps.append(min(p_values(diffs, RECALL_CLAIM)) if cleared else None)
+    adjusted = iter(holm([q for q in ps if q is not None]))
+    for row, q in zip(verdicts, ps):  # Holm over the testable comparisons of this table
+        row.append('untestable' if q is None else row[-1] if next(adjusted) < ALPHA else 'not resolved')
     if verdicts:
-        print('\nInjectivity: InLine (subtraction) minus vanilla linear attention (division), the same phi (and Eq. 6 '
-              'or not), seed by seed; the verdict is on "injectivity helps recall" (RESULTS.md, "Verdicts"), the Holm '
-              f'verdict the same over the {len(verdicts)} comparisons.\n')
-        print_table(['pairs (tokens)', 'C', 'phi', 'division %', 'InLine %', 'InLine - division', 'verdict',
-                     'Holm verdict'], verdicts)
-        words = [v[-1] for v in verdicts]
-        print(f"\nunder Holm, injectivity helps recall in {words.count('reproduced')} of {len(words)} comparisons, "
-              f"hurts it in {words.count('contradicted')}, and cannot be told apart in {words.count('not resolved')}.")
+        print(f'\nComparisons, b minus a seed by seed; the verdict is on "b recalls more than a" (RESULTS.md, '
+              f'"Verdicts"), untestable unless both clear the floor (phi = 0) and the guess by {RECALL_GATE:g} points; '
+              f'the Holm verdict the same over the testable ones.\n')
+        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict', 'Holm verdict'],
+                    verdicts)
     panels = []
-    for p in sorted({p for _, p in sizes}):
-        widths = [w for w, q in sizes if q == p]
-        series = []
-        for n in models:
-            points = sorted((rows[n, w, p, 0]['state'], *interval(recall[n, w, p])) for w in widths)
-            series.append((n, [x for x, _, _ in points], [y for _, y, _ in points],
-                           [h if math.isfinite(h) else 0 for _, _, h in points]))
-        xs = [x for s in series for x in s[1]]
-        ticks = [2 ** e for e in range(int(math.log2(min(xs))), int(math.ceil(math.log2(max(xs)))) + 1)]
-        panels.append(dict(series=series, title=f'MQAR, {p} pairs ({rows[models[0], widths[0], p, 0]["tokens"]} '
-                           f'tokens): recall against state', xlabel='state per layer (floats), C = ' +
-                           ', '.join(map(str, widths)), ylabel='recall (%)', xticks=ticks, log_x=True,
-                           xlabels=[f'{t // 1024}k' if t >= 1024 else str(t) for t in ticks], lines=True, ylim=(0, 100),
-                           hlines=[('chance', 100 / RECALL_VOCAB), ('guess among its values', 100 / p)]))
-    charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 420))
-    return rows
+    for w, p, n in sizes:
+        series = [(name, list(RECALL_LRS), [runs[k]['valid'] if (k := recall_key(name, w, p, n, 0, r, args.steps))
+                                            in runs else None for r in RECALL_LRS], None) for name in models]
+        if all(y is None for _, _, ys, _ in series for y in ys):
+            continue  # no runs at this size yet
+        panels.append(dict(series=series, title=f'MQAR, C {w}, {p} pairs, {n} tokens: held-out recall, seed 0',
+                           xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True,
+                           lines=True, ylim=(0, 100), hlines=[('the guess', guesses[w, p, n])]))
+    if panels:
+        charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 460))
+    return runs
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2375,12 +2452,13 @@ def main(argv=None):
     p.add_argument('--results', default=RECALL_RESULTS, help='finished runs, one JSON line each (default '
                    'results/recall.jsonl beside paper.py); a rerun trains only what is missing')
     p.add_argument('--models', nargs='+', metavar='NAME', help=f'these models only, of {", ".join(RECALL_MODELS)}')
-    p.add_argument('--sizes', nargs='+', metavar='CxPAIRS', default=[f'{w}x{p}' for w, p in RECALL_SIZES],
-                   help=f'model width C ({RECALL_HEADS} heads) and key-value pairs per sequence (default '
-                        f'{" ".join(f"{w}x{p}" for w, p in RECALL_SIZES)})')
+    p.add_argument('--sizes', nargs='+', metavar='CxPAIRSxTOKENS', default=[f'{w}x{p}x{n}' for w, p, n in RECALL_SIZES],
+                   help=f'model width C ({RECALL_HEADS} heads), key-value pairs and tokens per sequence (default '
+                        f'{" ".join(f"{w}x{p}x{n}" for w, p, n in RECALL_SIZES)})')
     p.add_argument('--seeds', type=int, default=RECALL_SEEDS, help='seeds per model and size (0, 1, ...)')
     p.add_argument('--steps', type=int, default=RECALL_STEPS, help=f'training steps of {RECALL_BATCH} sequences')
     p.add_argument('--threads', type=int, default=1, help='CPU threads of this process')
+    p.add_argument('--no-train', action='store_true', help='train nothing: the tables and picture from the records')
     p = sub.add_parser('mosaics', parents=[common], help="train.py's fashion_recall mosaics, with their labels")
     p.add_argument('--data-path', default=FASHION_MNIST_DEB, help='Fashion-MNIST\'s IDX files')
     args = parser.parse_args(argv)
