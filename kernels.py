@@ -26,7 +26,7 @@ What it does, and why (RESULTS.md has the measurements, each under its command):
   constant, so the channel loops vectorise without remainder loops.
   Inside a torch.compile'd model the core steps aside (torch.compiler.disable): the model's graph stops at it and
   it runs its own two graphs, as it does eagerly; traced into a whole-model graph, its Eq. 6 gathers ran 5-10x
-  slower and made a compiled training step slower than the uncompiled one (RESULTS.md, "Whole models").
+  slower and made a compiled training step slower than the uncompiled one (RESULTS.md, "Whole models against softmax").
 - Eq. 5 in centred-covariance form, as inline.py: k and v centred in fp32 before the GEMM, so no sum over
   tokens sees the means. Means and every other sum accumulate in fp32; bf16 GEMMs accumulate in fp32 and
   round once. In fp16 one operand of each sum over tokens is pre-scaled by N^-1/2 (sum_scale), so the
@@ -301,8 +301,9 @@ def signature(f, args):
     B, H, N as 0, 1 or more (dynamo specialises 0 and 1) of args[0], whose sizes fix every other
     tensor's but the neighbour count T; each tensor's dtype and the index's T (its only 2-D tensor); the
     other arguments (scale, or None where Eq. 6 is off, and scale_by_count, which changes the graph); for the
-    causal core also its chunk count N / CHUNK as 1 or more. Were a guard ever to fail under a known key, dynamo would still recompile, correctly, only without
-    our switches."""
+    causal core also its chunk count N / CHUNK as 1 or more. Were a guard ever to fail under a known key (a
+    torch-function mode in force was one: enable_fast's check steps outside them), dynamo would recompile without
+    our switches, and past its recompile limit of 8 run the closed form eagerly: correct, slower, unwarned."""
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // CHUNK, 2),) if f.__name__.startswith('causal') else ()
     return (f.__name__, x.device, x.is_inference(), x.shape[3], *(min(s, 2) for s in x.shape[:3]), *chunks,
@@ -427,9 +428,8 @@ class CausalCore(torch.autograd.Function):
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
         taps = index = masks = index_t = masks_t = None
         if r is not None:
-            build = _cached_sequence_neighbourhood
-            index, masks = build(M, q.device, size, dilation, True)
-            index_t, masks_t = build(M, q.device, size, dilation, True, True)
+            index, masks = _cached_sequence_neighbourhood(M, q.device, size, dilation, True)
+            index_t, masks_t = _cached_sequence_neighbourhood(M, q.device, size, dilation, True, True)
             taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)  # (B, M, H, D, T): r's channel T*c + t
             taps = taps.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
         o, k_s, v_s, v_first = run(causal_forward, q, k, v, taps, index, masks, scale, scale_by_count)
