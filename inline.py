@@ -285,19 +285,25 @@ def residual_weights(mlp, x, causal=False):
     its own block: H small matmuls in one batch, what the released 1x1 grouped convolutions compute on a sequence of
     length 1 (mlp holds their weights; a convolution would treat the (B, C) vector as a 1-token image)."""
     conv1, act, conv2 = mlp
-    H = conv1.groups
+    H, device = conv1.groups, x.device.type
     if causal:
         n = torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]  # (N, 1)
         m = (x.to(torch.promote_types(x.dtype, torch.float32)).cumsum(1) / n).to(x.dtype)  # (B, N, C), fp32 sums
     else:
         m = x.mean(dim=1, keepdim=True)  # (B, 1, C)
     B, M, C = m.shape
-    m = m.reshape(B * M, H, C // H).transpose(0, 1)  # (H, B*M, D): each head's slice of each mean
-    w1 = conv1.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, D): W1's blocks
-    w2 = conv2.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, T*D): W2's blocks
-    hidden = act(torch.baddbmm(conv1.bias.reshape(H, 1, -1), m, w1))  # (H, B*M, D)
-    r = torch.baddbmm(conv2.bias.reshape(H, 1, -1), hidden, w2)  # (H, B*M, T*D): head g's channels T*c + t
+    # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 on every call would cost
+    # more than the matmuls (and a CPU's bf16 path for small matmuls is slower than its fp32). r comes out in the
+    # autocast dtype, as from autocast's matmuls.
+    with torch.autocast(device, enabled=False):
+        m = m.to(conv1.weight.dtype).reshape(B * M, H, C // H).transpose(0, 1)  # (H, B*M, D): each head's slice
+        w1 = conv1.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, D): W1's blocks
+        w2 = conv2.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, T*D): W2's blocks
+        hidden = act(torch.baddbmm(conv1.bias.reshape(H, 1, -1), m, w1))  # (H, B*M, D)
+        r = torch.baddbmm(conv2.bias.reshape(H, 1, -1), hidden, w2)  # (H, B*M, T*D): head g's channels T*c + t
     r = r.transpose(0, 1).reshape(B, M, -1)  # (B, M, T*C)
+    if torch.is_autocast_enabled(device):
+        r = r.to(torch.get_autocast_dtype(device))
     return r if causal else r[:, 0]  # (B, N, T*C) or (B, T*C)
 
 
