@@ -24,9 +24,9 @@ What it does, and why (RESULTS.md has the measurements, each under its command):
   (T, N) neighbour table (T = k^2 neighbours of Eq. 6's k x k neighbourhood). B, H and N are symbolic: one
   graph per dtype, head dim and T serves every batch, head count, token grid and dilation; D is a
   constant, so the channel loops vectorise without remainder loops.
-  Inside a torch.compile'd model the core steps aside (torch.compiler.disable): the model's graph stops at it and
-  it runs its own two graphs, as it does eagerly; traced into a whole-model graph, its Eq. 6 gathers ran 5-10x
-  slower and made a compiled training step slower than the uncompiled one (RESULTS.md, "Whole models against softmax").
+  Inside a torch.compile'd model the closed forms, forward and backward, are traced into the model's graph (run):
+  inductor fuses them with the layers around them, no call pays the core's entry, and the model's graph does not
+  break at each attention (RESULTS.md, "Whole models against softmax", has what it gains).
 - Eq. 5 in centred-covariance form, as inline.py: k and v centred in fp32 before the GEMM, so no sum over
   tokens sees the means. Means and every other sum accumulate in fp32; bf16 GEMMs accumulate in fp32 and
   round once. In fp16 one operand of each sum over tokens is pre-scaled by N^-1/2 (sum_scale), so the
@@ -111,6 +111,12 @@ def sequence_neighbourhood(N, device, size=inline.LOCAL_SIZE, dilation=1, causal
 
 _cached_neighbourhood = functools.lru_cache(maxsize=32)(neighbourhood)
 _cached_sequence_neighbourhood = functools.lru_cache(maxsize=32)(sequence_neighbourhood)
+
+
+def neighbour_table(cached, *args):
+    """A neighbour table from its per-shape cache; inside a torch.compile'd model built in the graph instead (a constant
+    there), since dynamo would trace past the cache with a warning."""
+    return cached.__wrapped__(*args) if torch.compiler.is_compiling() else cached(*args)
 
 
 def neighbours(x, index, flip=False):
@@ -370,6 +376,8 @@ def compile_and_call(f, args, key):
 def run(f, *args):
     """The compiled f, or, if this machine cannot compile, the same closed form eagerly after one warning."""
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
+    if torch.compiler.is_compiling():  # inside a torch.compile'd model: f is traced into the model's graph
+        return f(*args)
     if not _compile_error:
         key = signature(f, args)
         try:
@@ -394,8 +402,8 @@ def forward_graph(q, k, v, r, grid, scale, size, dilation, scale_by_count):
     # need these copies of a model's strided q, k, v views anyway.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     index = masks = None
-    if r is not None:  # built once per shape
-        index, masks = _cached_neighbourhood(N, grid, q.device, size, dilation)
+    if r is not None:  # built once per shape; traced into a compiled model's graph, a constant there
+        index, masks = neighbour_table(_cached_neighbourhood, N, grid, q.device, size, dilation)
     taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
     o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale, scale_by_count)
     return o, (q, k_c, v_c, taps, index, masks, v_mean, cov)
@@ -428,8 +436,8 @@ class CausalCore(torch.autograd.Function):
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
         taps = index = masks = index_t = masks_t = None
         if r is not None:
-            index, masks = _cached_sequence_neighbourhood(M, q.device, size, dilation, True)
-            index_t, masks_t = _cached_sequence_neighbourhood(M, q.device, size, dilation, True, True)
+            index, masks = neighbour_table(_cached_sequence_neighbourhood, M, q.device, size, dilation, True)
+            index_t, masks_t = neighbour_table(_cached_sequence_neighbourhood, M, q.device, size, dilation, True, True)
             taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)  # (B, M, H, D, T): r's channel T*c + t
             taps = taps.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
         o, k_s, v_s, v_first = run(causal_forward, q, k, v, taps, index, masks, scale, scale_by_count)
@@ -449,7 +457,6 @@ class CausalCore(torch.autograd.Function):
         return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None, None
 
 
-@torch.compiler.disable(reason="the fast InLine core runs its own compiled graphs, also inside a compiled model")
 def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
                      scale_by_count=True):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w: the same arguments, layout and result as
@@ -458,7 +465,8 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     T = size; causal: Eq. 5 over each prefix and Eq. 6 over the last k tokens (CausalCore), r (B, N, T*C).
     scale_by_count: Eq. 5's factor s/N (s/i on a prefix), else s (inline.eq5_gain); a Python bool, part of the
     compiled graphs' signature. scale: None (D^-1/2), a number, or a tensor that broadcasts against (B, H, N, 1).
-    Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be."""
+    Under autocast the inputs are cast to the autocast dtype, as the reference's matmuls would be. Inside a
+    torch.compile'd model it is traced into the model's graph (run)."""
     B, H, N, D = q.shape
     if causal and grid is not None:
         raise ValueError("causal attention runs over a 1-D sequence: grid must be None")

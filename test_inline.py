@@ -1291,6 +1291,7 @@ def assert_fast_model_equals_reference(name, compile_fast=False, **switches):
     for (key, p), q in zip(reference.named_parameters(), fast.parameters()):
         scale = p.grad.abs().max().item()
         assert (q.grad - p.grad).abs().max().item() <= 1e-4 * scale + 1e-7, key
+    return model
 
 
 @pytest.mark.parametrize('name', list(FAST_SMALL))
@@ -1303,20 +1304,16 @@ def test_fast_model_with_the_ablation_switches():
     assert_fast_model_equals_reference('inline_swin_t', window=2, kernel='relu_affine', dilation=2)
 
 
-def test_fast_core_inside_a_compiled_model(monkeypatch):
-    """train.py --compile: inside torch.compile(model) the core steps aside and runs its own compiled graphs
-    (kernels.run) on every call, forward and backward; logits and gradients equal the eager reference model's."""
-    calls = []
-    run = kernels.run
-    monkeypatch.setattr(kernels, 'run', lambda f, *args: (calls.append(f.__name__), run(f, *args))[1])
-    assert_fast_model_equals_reference('inline_deit_t', compile_fast=True)
-    depth = FAST_SMALL['inline_deit_t']['depth']
-    assert calls.count('core_forward') >= depth and calls.count('core_backward') >= depth
-    compiled = torch.compile(models.create_model('inline_deit_t', fast=True, **dict(FAST_SMALL['inline_deit_t'])))
-    x = torch.randn(2, 3, *FAST_SMALL['inline_deit_t']['img_size'])
-    calls.clear()  # enable_fast's check ran the core too
-    compiled(x).sum().backward(), compiled(x)  # the second forward runs what the first compiled
-    assert calls == ['core_forward'] * depth + ['core_backward'] * depth + ['core_forward'] * depth
+def test_fast_core_inside_a_compiled_model():
+    """train.py --compile, torch.compile(model): the core's closed forms are traced into the model's graph, with no
+    break at the attentions, with gradients and without; logits and gradients equal the eager reference
+    model's (the causal core: test_fast_causal_core_inside_a_compiled_module)."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = assert_fast_model_equals_reference('inline_deit_t', compile_fast=True)
+    with torch.no_grad():
+        compiled(torch.randn(2, 3, *FAST_SMALL['inline_deit_t']['img_size']))  # inference: a graph of its own
+    assert not counters['graph_break'], dict(counters['graph_break'])
 
 
 def test_enable_fast_swaps_exactly_the_reference_cores():
@@ -1642,6 +1639,28 @@ def test_fast_causal_module_never_looks_ahead():
         no_look_ahead(fast, x, j)
     with pytest.raises(ValueError, match=r"the fast InLine core has no attention='linear'"):
         kernels.enable_fast(inline.InLineAttention(64, 2, causal=True, attention='linear', kernel='relu'))
+
+
+def test_fast_causal_core_inside_a_compiled_module():
+    """torch.compile of a causal module on the fast path: the causal core's closed forms are traced into the module's
+    graph, with no break; output and every gradient equal the reference module's."""
+    torch.manual_seed(0)
+    reference = inline.InLineAttention(16, 2, causal=True)
+    fast = inline.InLineAttention(16, 2, causal=True)
+    fast.load_state_dict(reference.state_dict())
+    kernels.enable_fast(fast, log=None)
+    x, do = torch.randn(2, 70, 16), torch.randn(2, 70, 16)  # two chunks of the fast core, the second ragged
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    outputs = []
+    for module in (reference, torch.compile(fast)):
+        x_ = x.clone().requires_grad_()
+        out = module(x_)
+        out.backward(do)
+        outputs.append([out, x_.grad] + [p.grad for p in module.parameters()])
+    assert not counters['graph_break'], dict(counters['graph_break'])
+    for f, r in zip(outputs[1], outputs[0]):
+        torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-5 * r.abs().max().item())
 
 
 @CUDA
