@@ -3531,11 +3531,11 @@ def test_paper_interval_mde_and_seeds_for_power():
     assert df == 3 and sd == pytest.approx(math.sqrt((2 * 1 + 1 * 2) / 3))
     assert paper.pooled_sd([[1.0], []]) == (None, 0)
     assert paper.mde(1.0, 3) == pytest.approx((4.303 + 1.061) / math.sqrt(3), abs=1e-3)
-    assert paper.mde(2.0, 5, test_set=0.3) == pytest.approx((2.776 + 0.941) * math.sqrt(4 / 5 + 0.3), abs=1e-3)
+    assert paper.mde(2.0, 5, image_var=0.3) == pytest.approx((2.776 + 0.941) * math.sqrt(4 / 5 + 0.3), abs=1e-3)
     # sd 1: (t_0.975,8 + t_0.8,8) / 3 = (2.306 + 0.889) / 3 = 1.065; (2.262 + 0.883) / sqrt(10) = 0.995
     assert paper.seeds_for(1.0) == 10
     # the test set's term does not shrink with seeds: 0.2 points² alone holds the MDE over (1.96 + 0.84) 0.447 = 1.25
-    assert paper.seeds_for(1.0, test_set=0.2) is None and paper.seeds_for(1.0, test_set=0.01) == 11
+    assert paper.seeds_for(1.0, image_var=0.2) is None and paper.seeds_for(1.0, image_var=0.01) == 11
     g = np.random.default_rng(0)
     n, effect = 5, paper.mde(1.0, 5)
     sims = g.standard_normal((20_000, n)) + effect  # sd 1, true mean = the MDE at sd 1
