@@ -3581,6 +3581,19 @@ def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
     assert rows[0][9:] == ['untestable (no floor run)', 'untestable']  # no floor_swin among the results: no gate
 
 
+def test_paper_record_keeps_the_final_per_image_results(tmp_path):
+    """make_record keeps what train.py's final evaluation wrote of each test image (val_images, val_correct) beside
+    the per-epoch metrics, and drops what a table never reads (the architecture, the speed)."""
+    correct = train.pack_correct(torch.tensor([1, 0, 1]))
+    with open(tmp_path / 'metrics.jsonl', 'w') as f:
+        f.write(json.dumps({'epoch': 1, 'train_loss': 2.0, 'images_per_s': 9.0, 'arch': {}}) + '\n')
+        f.write(json.dumps({'epoch': 2, 'val_acc1': 66.67, 'val_images': 3, 'val_correct': correct, 'arch': {}}) + '\n')
+    record = paper.make_record(paper.Run('x', 'config', {'epochs': 2}, 0, []), str(tmp_path), 'done', 1)
+    assert record['epochs'] == [{'epoch': 1, 'train_loss': 2.0},
+                                {'epoch': 2, 'val_acc1': 66.67, 'val_images': 3, 'val_correct': correct}]
+    assert paper.summarise([record]).correct[0].tolist() == [True, False, True]
+
+
 def test_paper_interval_covers_a_known_difference():
     """1,000 simulated comparisons of two models on 500 test images at 5 seeds, each image right with a known
     probability per model (four kinds of image, so the true difference, 1 point, is known exactly), each seed
