@@ -350,7 +350,8 @@ def cmd_injectivity(args):
 # repository, and every table and picture is rebuilt from the records: a run with a record is never redone
 
 RECORDS = os.path.join(HERE, 'results', 'runs.jsonl')
-KEPT = ('epoch', 'train_loss', 'lr', 'val_loss', 'val_acc1', 'val_acc5')  # the per-epoch metrics a record keeps
+# the per-epoch metrics a record keeps; val_correct (train.pack_correct) only the final epoch has
+KEPT = ('epoch', 'train_loss', 'lr', 'val_loss', 'val_acc1', 'val_acc5', 'val_images', 'val_correct')
 
 
 class Run(NamedTuple):
@@ -1295,7 +1296,10 @@ BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=
 # bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training step of
 # the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved rounds)
 PRECISION = {'cpu': 'bf16', 'cuda': 'bf16'}
-FLOOR_MARGIN = 3.0  # top-1 points over the linear read-out that a configuration must clear for its comparisons
+# top-1 points over its family's phi = 0 floor (the attention-free miniature, same recipe) that a configuration must
+# clear for its comparisons to get a verdict: fixed before the claim runs, then over the linear read-out, which the
+# floor replaced as the gate after them; the budget's pilot still reads it over the read-out
+FLOOR_MARGIN = 3.0
 # CPU-minutes of one run per family at BUDGET['cpu'] on this project's machine, two at a time, to print a length
 # before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x images.
 # Swin from the pilot's two runs; the others by their step costs relative to Swin's, measured before
@@ -1582,8 +1586,9 @@ def ridge_floor(args, images):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Verdicts, fixed before the runs (RESULTS.md, "Verdicts"): paired Student-t tests on per-seed differences, computed
-# here from the t distribution itself (no table, no scipy), Holm's adjustment across the rows of one run
+# Verdicts, fixed before the runs (RESULTS.md, "Verdicts"): t-tests of the mean difference of runs paired by seed, its
+# error over seeds and over the test set's images, computed here from the t distribution itself (no table, no
+# scipy); Holm's adjustment over a table's family
 
 MARGIN = 1.0  # top-1 points: TOST's tie margin, and the effect the claim rows' seeds are chosen to detect
 PAPER_TIE = 0.2  # the paper's own ties: rows 0.2 or less apart, as it reads T10 (82.4, 82.5) and T4 (82.3, 82.4)
@@ -1638,10 +1643,37 @@ def t_quantile(p, df):
     return (lo + hi) / 2
 
 
-def paired(diffs):
-    """(mean, standard error, degrees of freedom) of per-seed differences; infinite error with one seed."""
-    n = len(diffs)
-    return statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.inf, n - 1
+def image_term(images):
+    """(variance, its Satterthwaite term): what the test set's sampling adds to the variance of a comparison's mean
+    difference (points²), from `images`, the per-image differences (seeds, M): 1 where only the row's model is right,
+    -1 where only the reference's is. The two-way random-effects model (seed + image + residual), one run per seed
+    and model, read by its mean squares: the mean's variance is (MS_seed + MS_image - MS_residual) / (n M), of
+    which MS_seed / (n M) is the seeds' term (sd² / n of the per-seed differences) and (MS_image - MS_residual) /
+    (n M) the test set's, kept at 0 or more; the second number is that term's share of Satterthwaite's
+    denominator, (MS_image² / (M - 1) + MS_residual² / ((n - 1)(M - 1))) / (n M)²."""
+    d = 100 * images.double()  # (n, M), points
+    n, M = d.shape
+    by_image = d.mean(0)  # (M,)
+    ms_image = n * by_image.var().item()
+    ms_residual = (d - d.mean(1, keepdim=True) - by_image + d.mean()).pow(2).sum().item() / ((n - 1) * (M - 1))
+    return (max(0.0, ms_image - ms_residual) / (n * M),
+            (ms_image ** 2 / (M - 1) + ms_residual ** 2 / ((n - 1) * (M - 1))) / (n * M) ** 2)
+
+
+def paired(diffs, images=None):
+    """(mean, standard error, degrees of freedom) of a comparison's mean difference, from its per-seed differences
+    (points) and, where given, the per-image differences behind them (image_term; their rows in the seeds'
+    order). Seeds only: sd / sqrt(n) on n - 1 degrees of freedom, which holds the test set's images fixed and so
+    leaves out their sampling error (it shrinks with images, never with seeds). With images, the test set's term is
+    added, on Satterthwaite's degrees of freedom for the sum. Infinite error with one seed."""
+    n, mean = len(diffs), statistics.mean(diffs)
+    if n < 2:
+        return mean, math.inf, 0
+    seeds = statistics.variance(diffs) / n
+    image_var, term = image_term(images) if images is not None else (0.0, 0.0)
+    if image_var == 0:
+        return mean, math.sqrt(seeds), n - 1
+    return mean, math.sqrt(seeds + image_var), (seeds + image_var) ** 2 / (seeds ** 2 / (n - 1) + term)
 
 
 def upper(mean, delta, se, df):
@@ -1652,37 +1684,48 @@ def upper(mean, delta, se, df):
     return 1 - t_cdf((mean - delta) / se, df)
 
 
-def interval(diffs):
-    """(mean, half-width) of the 95% Student-t interval of the mean of per-seed differences; infinite with one."""
-    mean, se, df = paired(diffs)
+def interval(diffs, images=None):
+    """(mean, half-width) of the 95% interval of a comparison's mean difference, t(0.975, df) times paired's
+    standard error: over seeds, and over the test set's images where they are given; infinite with one seed."""
+    mean, se, df = paired(diffs, images)
     return mean, t_quantile(1 - ALPHA / 2, df) * se if df else math.inf
 
 
-def mde(diffs):
-    """The minimum detectable effect at 80% power: the true mean difference that the two-sided 5% paired t-test
-    of these seeds rejects 0 for with probability 0.8 at their spread, (t_0.975,df + t_0.8,df) sd / sqrt(n), the
-    usual approximation to the noncentral t (it counts only the side the effect is on)."""
-    _, se, df = paired(diffs)
-    return (t_quantile(1 - ALPHA / 2, df) + t_quantile(POWER, df)) * se if df else math.inf
+def pooled_sd(groups):
+    """(sd, degrees of freedom) of per-seed differences pooled over a table's comparisons (groups: each one's
+    per-seed differences): sqrt(sum (n_k - 1) sd_k² / sum (n_k - 1)); (None, 0) without two seeds anywhere. One
+    comparison's own sd on 2 degrees of freedom ranges over 0.5x to 6x the truth (95%); the pool narrows that."""
+    df = sum(len(g) - 1 for g in groups if len(g) > 1)
+    if not df:
+        return None, 0
+    return math.sqrt(sum((len(g) - 1) * statistics.variance(g) for g in groups if len(g) > 1) / df), df
 
 
-def seeds_for(diffs, effect=MARGIN):
-    """How many seeds would bring the minimum detectable effect at 80% power to `effect` or under, at the spread
-    these seeds show; None with fewer than 2."""
-    if len(diffs) < 2:
-        return None
-    sd = statistics.stdev(diffs)
-    return next((n for n in range(2, 1000) if (t_quantile(1 - ALPHA / 2, n - 1) + t_quantile(POWER, n - 1)) * sd
-                 / math.sqrt(n) <= effect), 1000)
+def mde(sd, seeds, image_var=0.0):
+    """The minimum detectable effect at 80% power: the true mean difference that the two-sided 5% paired t-test on
+    `seeds` seeds rejects 0 for with probability 0.8, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + image_var), the
+    usual approximation to the noncentral t (it counts only the side the effect is on); sd, the per-seed
+    differences' (the table's pooled_sd); image_var, the comparison's image_term, which more seeds do not shrink."""
+    if seeds < 2:
+        return math.inf
+    t = t_quantile(1 - ALPHA / 2, seeds - 1) + t_quantile(POWER, seeds - 1)
+    return t * math.sqrt(sd ** 2 / seeds + image_var)
 
 
-def p_values(diffs, paper_diff):
+def seeds_for(sd, image_var=0.0, effect=MARGIN):
+    """The fewest seeds (2 to 1000) whose mde is `effect` or less; None where none is (the test set's term alone
+    can keep it above)."""
+    return next((n for n in range(2, 1001) if mde(sd, n, image_var) <= effect), None)
+
+
+def p_values(diffs, paper_diff, images=None):
     """(p that the paper's claim is reproduced, p that it is contradicted), each rejected at ALPHA. A paper ordering:
     the two-sided paired t-test of a zero mean, counted on the side the mean is on. A paper tie (|paper_diff| <=
     PAPER_TIE): TOST, the two one-sided tests of -MARGIN and +MARGIN at 2.5% each (the 95% interval inside
     +-MARGIN), its larger p doubled to the 5% scale; contradicted when the difference lies beyond the margin on
-    one side at 2.5% (the whole interval outside +-MARGIN), likewise doubled."""
-    mean, se, df = paired(diffs)
+    one side at 2.5% (the whole interval outside +-MARGIN), likewise doubled. On paired's error: over seeds, and over
+    the test set where images (image_term) are given."""
+    mean, se, df = paired(diffs, images)
     if df < 1:
         return 1.0, 1.0
     if round(abs(paper_diff), 1) <= PAPER_TIE:  # as printed: 80.2 - 80.0 is 0.2000000000000028
@@ -1693,14 +1736,15 @@ def p_values(diffs, paper_diff):
     return (p, 1.0) if mean != 0 and (mean > 0) == (paper_diff > 0) else (1.0, p)
 
 
-def verdict(diffs, paper_diff):
+def verdict(diffs, paper_diff, images=None):
     """reproduced, contradicted or not resolved: the paper's difference paper_diff against ours, the per-seed
     differences diffs (row minus reference, seed by seed); '—' when the paper gives no difference. An ordering is
     reproduced when the 95% interval excludes 0 on the paper's side, contradicted on the other; a tie is
-    reproduced when the interval lies within +-MARGIN (TOST), contradicted when wholly outside. Else not resolved."""
+    reproduced when the interval lies within +-MARGIN (TOST), contradicted when wholly outside. Else not resolved.
+    images: as in paired."""
     if paper_diff is None:
         return '—'
-    reproduce, contradict = p_values(diffs, paper_diff)
+    reproduce, contradict = p_values(diffs, paper_diff, images)
     return 'reproduced' if reproduce < ALPHA else 'contradicted' if contradict < ALPHA else 'not resolved'
 
 
@@ -1715,28 +1759,44 @@ def holm(ps):
     return adjusted
 
 
-def chance(args):
-    """Top-1 (%) of a guess on the data the runs train on, where a diverged run is counted: the classes of
-    CIFAR-100 or of the ImageFolder's train/ (resolve_data has checked that it is there), else 10."""
-    if args.dataset == 'imagefolder':
-        classes = sum(e.is_dir() for e in os.scandir(os.path.join(args.data_path, 'train')))
-    else:
-        classes = 100 if args.dataset == 'cifar100' else 10
-    return 100 / classes
+class Summary(NamedTuple):
+    """A configuration's runs: final-epoch top-1 by seed and which test images it got right by seed (None where the
+    record predates train.py's per-image results), the seeds that diverged (left out of every mean and comparison,
+    and listed), and the mean gain in top-1 over the last quarter of the epochs (near 0 where the curve is flat)."""
+    top1: dict
+    correct: dict
+    diverged: list
+    gain: float | None
 
 
-def summarise(records, chance):
-    """([final-epoch val top-1 of each seed, in seed order], how many diverged, the mean gain in top-1 over the
-    last quarter of the epochs: near 0 where the curve has flattened); a diverged run counts at chance."""
-    accs = [chance if r['state'] == 'diverged' else r['epochs'][-1]['val_acc1'] for r in records]
+def summarise(records):
+    """The Summary of a configuration's records. A diverged run has no final top-1: counting it at a guess (10%)
+    would put one extreme outlier into a t-test of seeds 1 point apart, so it is left out and named instead."""
+    done = [r for r in records if r['state'] == 'done']
     gains = []
-    for r in records:
+    for r in done:
         curve = [(e['epoch'], e['val_acc1']) for e in r['epochs'] if 'val_acc1' in e]
-        last = r['recipe']['epochs']
-        earlier = [acc for epoch, acc in curve if epoch <= last * 3 / 4]
-        if r['state'] == 'done' and earlier:
+        earlier = [acc for epoch, acc in curve if epoch <= r['recipe']['epochs'] * 3 / 4]
+        if earlier:
             gains.append(curve[-1][1] - earlier[-1])
-    return accs, sum(r['state'] == 'diverged' for r in records), statistics.mean(gains) if gains else None
+    last = {r['seed']: r['epochs'][-1] for r in done}
+    return Summary({s: e['val_acc1'] for s, e in sorted(last.items())},
+                   {s: train.unpack_correct(e['val_correct'], e['val_images']) if 'val_correct' in e else None
+                    for s, e in last.items()},
+                   sorted(r['seed'] for r in records if r['state'] == 'diverged'),
+                   statistics.mean(gains) if gains else None)
+
+
+def matched(a, b):
+    """A comparison of two Summaries, paired by seed number (the runs of one seed share their initialisation stream
+    and data order; a seed one side lacks drops that pair, never shifts the others): (the seeds, the per-seed
+    differences a - b in points, the per-image differences (seeds, images) where every run of those seeds kept its
+    per-image results, else None)."""
+    seeds = sorted(a.top1.keys() & b.top1.keys())
+    diffs = [a.top1[s] - b.top1[s] for s in seeds]
+    if not seeds or any(a.correct[s] is None or b.correct[s] is None for s in seeds):
+        return seeds, diffs, None
+    return seeds, diffs, torch.stack([a.correct[s].to(torch.int8) - b.correct[s].to(torch.int8) for s in seeds])
 
 
 def reported_value(text):
@@ -1776,12 +1836,13 @@ def seeds_option(values, default):
 
 
 def choose(args, every):
-    """The experiments a command asks for: --quick, --claims (the claim rows and the floors of their families),
-    --only NAMES, else all; and seeds(name): the claim rows CLAIM_SEEDS unless --seeds names their table."""
+    """The experiments a command asks for: --quick, --claims (the claim rows), --only NAMES, else all, each with the
+    φ = 0 floor of every family it touches (the gate of its verdicts); and seeds(name): the claim rows CLAIM_SEEDS
+    unless --seeds names their table."""
     if args.quick:
         chosen = QUICK
     elif args.claims:
-        chosen = CLAIM_ROWS + tuple(f'floor_{f}' for f in dict.fromkeys(family(every[n]) for n in CLAIM_ROWS))
+        chosen = CLAIM_ROWS
     elif args.only:
         unknown = sorted(set(args.only) - set(every))
         if unknown:
@@ -1789,6 +1850,8 @@ def choose(args, every):
         chosen = args.only
     else:
         chosen = every
+    chosen = tuple(dict.fromkeys([*chosen, *(f'floor_{family(every[n])}' for n in chosen  # the gate: each family's
+                                             if f'floor_{family(every[n])}' in every)]))  # floor, on every test bed
     per_table = seeds_option(args.seeds, {t: QUICK_SEEDS for t in SEEDS} if args.quick else SEEDS)
     named = {v.rpartition('=')[0] or '*' for v in args.seeds or []}
     claims = () if args.quick else CLAIM_ROWS
@@ -1867,29 +1930,38 @@ def cmd_ablations(args):
     done = train_runs(runs, args, desc='ablation runs')
     floor = floor_record(args, read_records(args.results))
     ridge = floor['epochs'][-1]['val_acc1'] if floor else None
-    guess = chance(args)
-    result = {n: summarise([done[r.key()] for r in planned[n] if r.key() in done], guess) for n in chosen}
-    configs, rows, points, m = table_rows(chosen, planned, result, ridge, every)
+    result = {n: summarise([done[r.key()] for r in planned[n] if r.key() in done]) for n in chosen}
+    configs, rows, points, (sd, df, m) = table_rows(chosen, planned, result, ridge, every)
+    family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
     print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} training '
           f'images, validation on its test set, {PRECISION[args.device]} on {args.device}): one row per distinct '
           f'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) seeds, '
-          f'beside the paper\'s ImageNet-1K top-1; over the read-out: its mean minus the linear read-out\'s, under '
-          f'the floor when less than {FLOOR_MARGIN:g}; last quarter: the top-1 gained over the last quarter of the '
-          f'epochs (near 0: flat). * our construction (no released code).\n')
+          f'beside the paper\'s ImageNet-1K top-1; over the φ = 0 floor: its mean minus the mean of its family\'s '
+          f'attention-free miniature (the gate: under it when less than {FLOOR_MARGIN:g}); last quarter: the top-1 '
+          f'gained over the last quarter of the epochs (near 0: flat); a diverged run is left out and named. * our '
+          f'construction (no released code).\n')
     print_table(['configuration', 'tables', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)',
-                 'over the read-out', 'last quarter'], configs)
-    header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'MDE at 80% power',
-              'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
-    print(f'\nComparisons, row minus reference seed by seed: the mean and its 95% Student-t interval; MDE, the '
-          f'minimum detectable effect at 80% power: the true difference a 5% two-sided paired t-test of these seeds '
-          f'catches 4 times in 5, (t_0.975 + t_0.8) sd / sqrt(n); seeds for 1 point: how many would bring the MDE to '
-          f'1. Verdict (RESULTS.md, "Verdicts"): an ordering is reproduced when the interval excludes 0 on the paper\'s '
-          f'side, contradicted on the other; a paper tie (≤ {PAPER_TIE}) by TOST, reproduced when the interval lies '
-          f'within ±{MARGIN}, contradicted wholly outside it; else not resolved; untestable where a configuration is '
-          f'under the read-out + {FLOOR_MARGIN:g}. Holm verdict: the same test with its p adjusted by Holm\'s method '
-          f'over the {m} comparisons with a verdict, so that the chance of '
-          f'any false verdict among them is at most 5%. † a claim row. A diverged run counts at chance '
-          f'({guess:.3g}%).\n')
+                 'over the φ = 0 floor', 'last quarter'], configs)
+    gaps = [c[5] for c in configs if c[5] and c[1] != 'floor']  # the attention configurations' gaps to their floor
+    if gaps and all('(under)' in g for g in gaps):
+        print(f'\nNo configuration with attention clears its φ = 0 floor by {FLOOR_MARGIN:g} points: on this test bed '
+              f'the task does not need attention, and every comparison is untestable.')
+    header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over', 'seeds',
+              'MDE at 80% power', 'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
+    print(f'\nComparisons, row minus reference, runs paired by seed number: the mean difference and its 95% interval, '
+          f'over seeds and the test set\'s images (a two-way random-effects model, t on Satterthwaite\'s degrees of '
+          f'freedom), or over seeds only (Student-t) where a record predates per-image results: those leave out the '
+          f'test set\'s sampling error. MDE, the minimum detectable effect at 80% power: the true difference a 5% '
+          f'two-sided paired t-test at these seeds catches 4 times in 5, (t_0.975 + t_0.8) sqrt(sd² / n + the test '
+          f'set\'s term), sd the per-seed differences\' pooled over this table\'s comparisons ' +
+          ('(none has two seeds)' if sd is None else f'({sd:.2f} on {df} degrees of freedom)') +
+          f'; seeds for 1 point: how many would bring the MDE to 1. Verdict (RESULTS.md, "Verdicts"): an ordering is '
+          f'reproduced when the interval excludes 0 on the paper\'s side, contradicted on the other; a paper tie '
+          f'(≤ {PAPER_TIE}) by TOST, reproduced when the interval lies within ±{MARGIN}, contradicted wholly outside '
+          f'it; else not resolved; untestable where a side is under its φ = 0 floor + {FLOOR_MARGIN:g} (p is still '
+          f'shown). Holm verdict: the same test with its p adjusted by Holm\'s method over this table\'s family, '
+          f'"{family_name}": the {m} comparisons with a verdict, so that the chance of any false verdict among them '
+          f'is at most 5%. † a claim row.\n')
     print_table(header, rows)
     out = args.png or os.path.join(args.out, 'ablations.png')
     panels = {}
@@ -1903,7 +1975,7 @@ def cmd_ablations(args):
         title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
         xlabels=[label for label, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
         for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
-        series=[('here', list(range(1, len(chosen) + 1)), [statistics.mean(result[n][0] or [0]) for n in chosen],
+        series=[('here', list(range(1, len(chosen) + 1)), [statistics.mean(result[n].top1.values() or [0]) for n in chosen],
                  None)], title='top-1 here', xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
         xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
@@ -1913,64 +1985,69 @@ def cmd_ablations(args):
 
 
 def table_rows(chosen, planned, result, ridge, every):
-    """The two tables: one row per distinct configuration (its names, tables, top-1, how far over the linear
-    read-out), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart entry
-    (label, mean, half-width, the paper's difference) and the number of comparisons Holm's method adjusts over."""
+    """The two tables: one row per distinct configuration (its names, tables, top-1, how far over its family's
+    φ = 0 floor), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart entry
+    (label, mean, half-width, the paper's difference) and (the pooled sd, its degrees of freedom, the size of the
+    Holm family). The gate: a configuration clears when its mean is FLOOR_MARGIN over the mean of its family's floor
+    (the same recipe); a comparison with a side that does not, or no floor run, is untestable, whatever its p."""
     distinct = {}
     for name, e in chosen.items():
         distinct.setdefault(tuple(r.key() for r in planned[name]) or name, []).append(name)
-    cleared, configs = {}, []
+    mean = {n: statistics.mean(result[n].top1.values()) if result[n].top1 else None for n in chosen}
+    floor = {n: f'floor_{family(e)}' for n, e in chosen.items()}
+    above = {n: None if mean[n] is None or mean.get(floor[n]) is None else mean[n] - mean[floor[n]] for n in chosen}
+    cleared, configs = {n: above[n] is not None and above[n] >= FLOOR_MARGIN for n in chosen}, []
     for names in distinct.values():
-        accs, diverged, gain = result[names[0]]
-        e = every[names[0]]
-        why = untestable(e)
-        mean = statistics.mean(accs) if accs else None
-        above = None if mean is None or ridge is None else mean - ridge
-        for n in names:  # without a read-out (data with no pixel array) there is no floor to clear
-            cleared[n] = ridge is None or above is not None and above >= FLOOR_MARGIN
-        ours = ('—' if not accs else f'{mean:.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})' if len(accs) > 1 else
-                f'{accs[0]:.1f} (1)') + (f', {diverged} diverged' if diverged else '')
+        r, e, n = result[names[0]], every[names[0]], names[0]
+        why, accs = untestable(e), list(r.top1.values())
+        ours = ('—' if not accs else f'{mean[n]:.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})' if len(accs) > 1
+                else f'{accs[0]:.1f} (1)') + (f', seed {", ".join(map(str, r.diverged))} diverged' if r.diverged else '')
         configs.append([' = '.join(n + (' *' if every[n].ours else '') for n in names),
                         ', '.join(dict.fromkeys(every[n].table for n in names)), f'{parameters(e) / 1e6:.2f}M',
                         f'not trained: {why}' if why else ours,
                         ' / '.join(dict.fromkeys(every[n].reported or '—' for n in names)),
-                        '' if above is None else f'{above:+.1f}' + ('' if cleared[names[0]] else ' (under the floor)'),
-                        '' if gain is None else f'{gain:+.1f}'])
+                        '' if above[n] is None else f'{above[n]:+.1f}' + ('' if cleared[n] or e.table == 'floor'
+                                                                         else ' (under)'),
+                        '' if r.gain is None else f'{r.gain:+.1f}'])
     if ridge is not None:
-        configs.insert(0, ['linear read-out of the pixels (ridge)', 'floor', '', f'{ridge:.1f}', '—', '+0.0', ''])
+        configs.insert(0, ['linear read-out of the pixels (ridge)', 'pixels', '', f'{ridge:.1f}', '—', '', ''])
+    pairs = [(tables, name, ref, *matched(result[name], result[ref])) for tables, name, ref in comparisons(chosen)]
+    sd, df = pooled_sd([diffs for *_, diffs, _ in pairs])
     rows, tested = [], []
-    for tables, name, ref in comparisons(chosen):
-        a, b = result[name][0], result[ref][0]
-        k = min(len(a), len(b))  # seed by seed: the runs of one seed share the training order and init
-        diffs = [x - y for x, y in zip(a[:k], b[:k])]
+    for tables, name, ref, seeds, diffs, images in pairs:
         paper_text, paper_diff = paper_claim(name, ref, every)
-        claim = '†' if name in CLAIM_ROWS and ref in CLAIM_ROWS else ''
-        label = f'{name} − {ref}{claim}'
+        label = f'{name} − {ref}' + ('†' if name in CLAIM_ROWS and ref in CLAIM_ROWS else '')
         if untestable(every[name]) or untestable(every[ref]):
-            rows.append([', '.join(tables), label, paper_text, '', '', '', '', 'untestable', '—', None])
+            rows.append([', '.join(tables), label, paper_text, '', '', '', '', '', '', 'untestable', '', None])
             continue
-        if k < 2:
-            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if k else '',
-                         '∞' if k else '', '', '', 'not run' if not k else 'not resolved' if paper_diff is not None
-                         else '—', '', None])
+        unpaired = sorted((result[name].top1.keys() | result[ref].top1.keys() |
+                           set(result[name].diverged + result[ref].diverged)) - set(seeds))
+        count = f'{len(seeds)}' + (f' (seed {", ".join(map(str, unpaired))} unpaired)' if unpaired else '')
+        over = 'seeds only' if images is None else 'seeds and test images'
+        image_var = 0.0 if images is None else image_term(images)[0]
+        gate = None if cleared[name] and cleared[ref] else 'untestable (no floor run)' if None in (
+            above[name], above[ref]) else 'untestable (under the floor)'
+        if len(seeds) < 2:
+            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if seeds else '', over,
+                         count, '∞' if seeds else '', '', '', 'not run' if not seeds else gate or (
+                             'not resolved' if paper_diff is not None else '—'), '', None])
             continue
-        mean, half = interval(diffs)
-        p = p_values(diffs, paper_diff) if paper_diff is not None else None
-        word, floor_ok = verdict(diffs, paper_diff), cleared[name] and cleared[ref]
-        if not floor_ok and paper_diff is not None:
-            word = 'untestable (under the floor)'
-        chart_entry = (short_name(name), mean, half,
-                       paper_diff if paper_diff is not None and math.isfinite(paper_diff) else None)
-        p_text = '' if p is None else f'{min(p):.3f}'
-        rows.append([', '.join(tables), label, paper_text, f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]',
-                     f'{mde(diffs):.1f}', str(seeds_for(diffs)), p_text, word, '', chart_entry])
-        if p is not None and floor_ok:  # Holm's family: every comparison with a verdict; each row's p, its smaller
+        mid, half = interval(diffs, images)
+        p = p_values(diffs, paper_diff, images) if paper_diff is not None else None
+        word = verdict(diffs, paper_diff, images) if gate is None or paper_diff is None else gate
+        needed = seeds_for(sd, image_var)
+        rows.append([', '.join(tables), label, paper_text, f'{mid:+.1f} [{mid - half:+.1f}, {mid + half:+.1f}]', over,
+                     count, f'{mde(sd, len(seeds), image_var):.1f}', '> 1000' if needed is None else str(needed),
+                     '' if p is None else f'{min(p):.3f}', word, '',
+                     (short_name(name), mid, half, paper_diff if paper_diff is not None and math.isfinite(paper_diff)
+                      else None)])
+        if p is not None and gate is None:  # Holm's family: the comparisons with a verdict; each row's p, its smaller
             tested.append((len(rows) - 1, min(p), word))
     for (i, _, word), q in zip(tested, holm([p for _, p, _ in tested])):
-        rows[i][8] = word if q < ALPHA else 'not resolved'
+        rows[i][10] = word if q < ALPHA else 'not resolved'
     for r in rows:
-        r[8] = r[8] or '—'
-    return configs, [r[:9] for r in rows], [r[9] for r in rows], len(tested)
+        r[10] = r[10] or ('—' if r[9] in ('—', 'not run') else r[9].split(' (')[0])
+    return configs, [r[:11] for r in rows], [r[11] for r in rows], (sd, df, len(tested))
 
 
 def learning_curves(path, chosen, planned, done, ridge):

@@ -24,6 +24,7 @@ SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uni
 """
 import argparse
 import ast
+import base64
 import contextlib
 import functools
 import gzip
@@ -910,20 +911,41 @@ def train_one_epoch(run, t, loader, epoch, stop):
 
 @torch.no_grad()
 def evaluate(run, model, loader):
-    """Loss, top-1 and top-5 over the whole validation set; each rank holds a disjoint slice, summed here."""
+    """Loss, top-1 and top-5 over the whole validation set, and which images top-1 got right (pack_correct, in the
+    validation set's own order); each rank holds a disjoint slice, summed here."""
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=run.device)  # loss sum, top-1 hits, top-5 hits, images
+    rights = []  # top-1 right or not, image by image in the loader's order
     for x, y in loader:
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         with run.autocast(training=False):
             logits = model(x).float()
         hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]  # (B, 5): the top 5 against y
+        rights.append(hits[:, 0].int())
         totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction='sum').double(),
                                hits[:, 0].sum().double(), hits.any(1).sum().double(), totals.new_tensor(len(y))])
+    correct = torch.zeros(len(loader.dataset.dataset), dtype=torch.int32, device=run.device)  # (images,)
+    correct[torch.as_tensor(loader.dataset.indices, device=run.device)] = torch.cat(rights)  # val_loader's Subset
     if run.world > 1:
         dist.all_reduce(totals)
+        dist.all_reduce(correct)
     loss, top1, top5, n = totals.tolist()
-    return {'loss': loss / n, 'acc1': 100 * top1 / n, 'acc5': 100 * top5 / n, 'images': int(n)}
+    return {'loss': loss / n, 'acc1': 100 * top1 / n, 'acc5': 100 * top5 / n, 'images': int(n),
+            'correct': pack_correct(correct.cpu())}
+
+
+def pack_correct(correct):
+    """Per-image right (1) or wrong (0), in a fixed image order, as base64 text, 8 images to a byte, the first in
+    the lowest bit: 10,000 images in 1,668 characters. unpack_correct reads it back."""
+    bits = nn.functional.pad(correct.to(torch.uint8), (0, -len(correct) % 8)).view(-1, 8)  # (bytes, 8)
+    return base64.b64encode(bytes((bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8).tolist())
+                            ).decode()
+
+
+def unpack_correct(text, images):
+    """pack_correct's text back to a bool tensor of `images` entries."""
+    data = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+    return ((data[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:images].bool()
 
 
 def val_loader(run, val_set):
@@ -1090,12 +1112,15 @@ def fit(run, raw, train_set, val_set):
             print0(f'SIGTERM: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch + 1}, step {t.step}; '
                    'rerun to continue')
             return
-        validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
+        last = epoch + 1 == epochs
+        validate = (epoch + 1) % args.val_every == 0 or last  # and always after the last epoch
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0], 'images_per_s': speed,
-                 **{f'val_{k}': v for k, v in (evaluate(run, raw, val) if validate else {}).items()},
+                 **{f'val_{k}': v for k, v in (evaluate(run, raw, val) if validate else {}).items()
+                    if k != 'correct' or last},  # per-image results from the final evaluation only (paper.py's record)
                  'experiment': args.experiment, 'arch': json.loads(json.dumps(raw.arch))}  # as metrics.jsonl has it
         if t.ema is not None and validate:
-            entry.update({f'ema_val_{k}': v for k, v in evaluate(run, t.ema.module, val).items()})
+            entry.update({f'ema_val_{k}': v for k, v in evaluate(run, t.ema.module, val).items()
+                          if k != 'correct' or last})
         acc = entry.get('ema_val_acc1' if t.ema is not None else 'val_acc1', -1.0)  # CSwin reports its EMA (main_ema.py)
         is_best, t.best_acc = acc > t.best_acc, max(acc, t.best_acc)
         t.log.append(entry)
