@@ -1641,6 +1641,21 @@ def test_fast_causal_module_never_looks_ahead():
         kernels.enable_fast(inline.InLineAttention(64, 2, causal=True, attention='linear', kernel='relu'))
 
 
+def test_a_guard_failing_under_a_known_signature_warns_and_compiles_with_the_switches():
+    """Dynamo guards a compiled graph on the torch-function modes in force. A call under a new one, with a signature
+    kernels.run has a graph for, would recompile without the core's switches and, past dynamo's limit, run eagerly
+    and silently; instead it warns, compiles with the switches, and returns the reference's output."""
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    q, k, v, r = (t.float() for t in core_inputs(2, 2, 0, (5, 6), 16)[:4])
+    with torch.no_grad():
+        kernels.inline_core_fast(q, k, v, r, (5, 6))  # the graph for this signature
+        with Mode(), pytest.warns(UserWarning, match='a guard of the compiled InLine core failed'):
+            fast = kernels.inline_core_fast(q, k, v, r, (5, 6))
+        torch.testing.assert_close(fast, inline.inline_core(q, k, v, r, (5, 6)), rtol=1e-5, atol=1e-5)
+
+
 def test_fast_causal_core_inside_a_compiled_module():
     """torch.compile of a causal module on the fast path: the causal core's closed forms are traced into the module's
     graph, with no break; output and every gradient equal the reference module's."""
