@@ -307,10 +307,12 @@ def signature(f, args):
     B, H, N as 0, 1 or more (dynamo specialises 0 and 1) of args[0], whose sizes fix every other
     tensor's but the neighbour count T; each tensor's dtype and the index's T (its only 2-D tensor); the
     other arguments (scale, or None where Eq. 6 is off, and scale_by_count, which changes the graph); for the
-    causal core also its chunk count N / CHUNK as 1 or more. A guard that fails under a known key (a torch-function
-    mode in force was one: enable_fast's check steps outside them) would make dynamo recompile without our switches,
-    and past its recompile limit of 8 run the closed form eagerly; run calls a known key's graph under the stance
-    fail_on_recompile instead, and compiles again with the switches after a warning."""
+    causal core also its chunk count N / CHUNK as 1 or more. Some guards no key can
+    foresee: a torch-function mode in force (enable_fast's check steps outside them), or a size bound that inductor's
+    choices put on a graph (N <= 4096 on the CPU: 1024 px DeiT has 4097 tokens). Failing under a known key, such a
+    guard would make dynamo recompile without our switches, and past its recompile limit of 8 run the closed form
+    eagerly, unwarned; run calls a known key's graph under the stance fail_on_recompile instead, and compiles another
+    graph with the switches."""
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // CHUNK, 2),) if f.__name__.startswith('causal') else ()
     return (f.__name__, x.device, x.is_inference(), torch.is_grad_enabled(), x.shape[3],
@@ -384,16 +386,13 @@ def run(f, *args):
         key = signature(f, args)
         try:
             if key in _compiled_signatures:  # the switches and marks act only when dynamo compiles: skipping them
-                try:  # saves time on every call. A guard failing here would recompile without them, so it may not:
-                    with torch.compiler.set_stance('fail_on_recompile'):
+                try:  # saves time on every call. A guard failing here would recompile without them, so it may not
+                    with torch.compiler.set_stance('fail_on_recompile'):  # (signature's docstring):
                         return COMPILED[f.__name__](*args)
                 except RuntimeError as e:
                     if 'Detected recompile' not in str(e):
                         raise
-                    warnings.warn(f"kernels.py: a guard of the compiled InLine core failed under a signature it has a "
-                                  f"graph for ({' '.join(str(e).split()[-2:])}); it compiles again with its switches. "
-                                  f"kernels.signature misses what that guard checks: please report it", stacklevel=3)
-            out = compile_and_call(f, args, key)
+            out = compile_and_call(f, args, key)  # a new graph, or another for a key whose guard failed
             _compiled_signatures.add(key)
             return out
         except COMPILE_ERRORS as e:  # e.g. no working C++ compiler: the private folder failed too

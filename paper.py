@@ -1119,8 +1119,9 @@ def cmd_speed_whole(args):
     device = torch.device(args.device or 'cpu')
     rounds = args.rounds or (5 if device.type == 'cpu' else 20)
     dtypes = [torch.float32, torch.bfloat16]
+    chosen = [row for row in WHOLE if args.whole == 'all' or f'_{args.whole}_' in row[1]]  # 'inline_deit_t'
     rows = [whole_point(row, dtype, device, rounds, args.compile)
-            for row in tqdm(WHOLE, desc='whole', dynamic_ncols=True) for dtype in dtypes]
+            for row in tqdm(chosen, desc='whole', dynamic_ncols=True) for dtype in dtypes]
     info = machine(torch.get_num_threads())
     print(f"\nWhole models, InLine through the fast core against the softmax original built with F.scaled_dot_product_"
           f"attention, the same sizes; {rounds} interleaved rounds, ms = median, speed-up = median of per-round "
@@ -2508,9 +2509,10 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, help='interleaved rounds per point (default: CPU 5, quick 3; CUDA 20)')
     p.add_argument('--model-step', action='store_true',
                    help='also time a whole InLine-Swin-T training step: reference vs fast core')
-    p.add_argument('--whole', action='store_true', help='whole models against their softmax originals: '
-                   'InLine-Swin-T inference and training step, InLine-DeiT-T inference at 224, 512, 1024 px, and '
-                   'a profile of an InLine-DeiT-T forward (instead of F5b, F5c)')
+    p.add_argument('--whole', nargs='?', const='all', choices=['all', 'swin', 'deit'], help='whole models against '
+                   'their softmax originals: InLine-Swin-T inference and training step, InLine-DeiT-T inference at 224, '
+                   '512, 1024 px (swin, deit: those rows only), and a profile of an InLine-DeiT-T forward (instead of '
+                   'F5b, F5c)')
     p.add_argument('--compile', action='store_true', help='--whole: also time InLine under whole-model torch.compile '
                    '(compiling takes minutes)')
     p.add_argument('--device', help='--whole: cpu (default) or cuda')

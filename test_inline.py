@@ -1641,19 +1641,24 @@ def test_fast_causal_module_never_looks_ahead():
         kernels.enable_fast(inline.InLineAttention(64, 2, causal=True, attention='linear', kernel='relu'))
 
 
-def test_a_guard_failing_under_a_known_signature_warns_and_compiles_with_the_switches():
+def test_a_guard_failing_under_a_known_signature_compiles_with_the_switches(monkeypatch):
     """Dynamo guards a compiled graph on the torch-function modes in force. A call under a new one, with a signature
     kernels.run has a graph for, would recompile without the core's switches and, past dynamo's limit, run eagerly
-    and silently; instead it warns, compiles with the switches, and returns the reference's output."""
+    and silently; instead run compiles another graph with the switches, and it returns the reference's output."""
     class Mode(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
     q, k, v, r = (t.float() for t in core_inputs(2, 2, 0, (5, 6), 16)[:4])
+    compiled, compile_and_call = [], kernels.compile_and_call
+    monkeypatch.setattr(kernels, 'compile_and_call', lambda f, args, key: (compiled.append(key), compile_and_call(
+        f, args, key))[1])
     with torch.no_grad():
-        kernels.inline_core_fast(q, k, v, r, (5, 6))  # the graph for this signature
-        with Mode(), pytest.warns(UserWarning, match='a guard of the compiled InLine core failed'):
+        kernels.inline_core_fast(q, k, v, r, (5, 6))  # the graph for this signature, if this process has none yet
+        compiled.clear()
+        with Mode():
             fast = kernels.inline_core_fast(q, k, v, r, (5, 6))
         torch.testing.assert_close(fast, inline.inline_core(q, k, v, r, (5, 6)), rtol=1e-5, atol=1e-5)
+    assert len(compiled) == 1  # under the mode: compiled again, with the switches
 
 
 def test_fast_causal_core_inside_a_compiled_module():
