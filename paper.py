@@ -2445,7 +2445,7 @@ def cmd_mosaics(args):
     """Samples of train.py's --dataset fashion_recall, test split, each task a row, every mosaic under its label."""
     images, labels, classes = train.read_small('fashion_mnist', args.data_path, train=False)
     rows = [(f'recall, {p} pairs', train.FashionRecall(images, labels, 8, 0, False, task='recall', pairs=p))
-            for p in (2, 4)] + [('below, 6 items', train.FashionRecall(images, labels, 8, 0, False, task='below', pairs=3))]
+            for p in (2, 4)] + [('below, 16 items', train.FashionRecall(images, labels, 8, 0, False, task='below'))]
     scale, pad, text = 3, 12, 30  # each 64 px mosaic drawn 192 px wide, its label under it
     img = Image.new('RGB', (150 + 8 * (64 * scale + pad), len(rows) * (64 * scale + text + pad)), 'white')
     draw = ImageDraw.Draw(img)

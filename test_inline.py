@@ -2445,16 +2445,18 @@ def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
     assert train.load_data(args)[0].indices == train_set.indices
 
 
-@pytest.mark.parametrize('task, pairs, query', [('recall', 2, 'other'), ('recall', 4, 'same'), ('below', 3, 'other')])
+@pytest.mark.parametrize('task, pairs, query', [('recall', 2, 'other'), ('recall', 4, 'same'), ('below', None, None)])
 def test_fashion_recall_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, query):
     """Every label of a batch of mosaics, checked against the layout: recall's keys and values distinct in class, each
     key right above its value, the framed query of one key's class (the key's own image with query='same'), the
-    label that key's value; below's framed item in row 1 and the label the class right below it. The pixels are the
-    layout's items (at 14 px, in their cells) with the framed cell's border lit; test mosaics hold test images."""
+    label that key's value; below's cells all filled, its framed item in row 1, the label the class right below it
+    and distinct from the two cells in the same slot of the other 2x2 blocks (what a network without attention
+    cannot tell apart). The pixels are the layout's items (at 14 px, in their cells) with the framed cell's border
+    lit; test mosaics hold test images."""
     write_fashion_mnist(str(tmp_path), train=30, test=20)
+    recall = ['--recall-pairs', str(pairs), '--recall-query', query] if task == 'recall' else []
     args = train.get_args_parser().parse_args(['--dataset', 'fashion_recall', '--data-path', str(tmp_path),
-                                               '--recall-task', task, '--recall-pairs', str(pairs),
-                                               '--recall-query', query, '--synthetic-train', '40',
+                                               '--recall-task', task, *recall, '--synthetic-train', '40',
                                                '--synthetic-val', '30'])
     args.seed = 0
     train_set, val_set = train.load_data(args)
@@ -2475,7 +2477,9 @@ def test_fashion_recall_labels_follow_from_each_mosaics_layout(tmp_path, task, p
             assert (cells[fr, fc][2] == cells[kr, kc][2]) == (query == 'same') or query == 'other'
         else:
             assert fr == 1 and cells[2, fc][1] == 'below' and label == cells[2, fc][0]
-            assert sum(role != '' for _, role, _ in cells.values()) == 2 * pairs
+            assert all(source >= 0 for _, _, source in cells.values())
+            same_slot = [(r, c) for r in (0, 2) for c in (fc % 2, fc % 2 + 2)]  # row 0 of each block, fc's column
+            assert len({cells[cell][0] for cell in same_slot if cell != (0, fc)}) == 3
         assert all(test_labels[source] == c for c, _, source in cells.values() if source >= 0)  # the test split's
         x, y = val_set[i]
         pixels = (x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None])[0] * 255
@@ -2487,6 +2491,9 @@ def test_fashion_recall_labels_follow_from_each_mosaics_layout(tmp_path, task, p
             border = pixels[16 * r:16 * r + 16, 16 * c:16 * c + 16].clone()
             border[1:-1, 1:-1] = 255 if role in ('query', 'framed') else 0
             assert (border == 255).all() if role in ('query', 'framed') else (border.abs() < 1e-3).all()
+    if task == 'below':  # pairs and a query are recall's
+        with pytest.raises(SystemExit):
+            train.FashionRecall(test_images, test_labels, 1, 0, False, task='below', pairs=3)
 
 
 @pytest.mark.parametrize('name', ['cifar10', 'cifar100'])

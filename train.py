@@ -138,8 +138,9 @@ def get_args_parser():
       'CIFAR batches; fashion_recall: mosaics of Fashion-MNIST items (FashionRecall), 64 px')
     a('--recall-task', default='recall', choices=['recall', 'below'], help="fashion_recall's task: recall (a key's value) or below (the item below "
       "the framed one)")
-    a('--recall-pairs', type=int, default=2, help="fashion_recall's key-value pairs, 1-4 (below: 2 x this many items)")
-    a('--recall-query', default='other', choices=['other', 'same'], help="fashion_recall's query: another image of the key's class, or the same")
+    a('--recall-pairs', type=int, help="fashion_recall's key-value pairs, 1-4 (recall only; default 2)")
+    a('--recall-query', choices=['other', 'same'], help="fashion_recall's query: another image of the key's class "
+      "(default), or the key's own (recall only)")
     a('--data-path', help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
     a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
     a('--train-subset', type=int, help='train on this many images, a fixed random subset (the same for every seed)')
@@ -387,18 +388,21 @@ class FashionRecall(Dataset):
     from one split's images only, so test mosaics hold test images alone.
 
     A 64-px mosaic of 4x4 cells of 16 px, each empty or holding one item at 14 px, one cell framed (its 1-px border
-    lit). task 'recall': `pairs` (1-4) key-value pairs, each key right above its value, in cells at random; key
-    classes distinct, value classes distinct; the framed query cell holds another image of one key's class
-    (query='same': the key's own image), and the label is that key's value's class. task 'below': 2 * `pairs` items
-    of distinct classes at random cells, one framed in row 1 and another right below it in row 2, so that the pair
-    straddles the 2x2 cell blocks that the last stages merge; the label is the class of the item below the framed.
+    lit). task 'recall': `pairs` (1-4, default 2) key-value pairs, each key right above its value, in cells at
+    random; key classes distinct, value classes distinct; the framed query cell holds another image of one key's
+    class (query='same': the key's own image), and the label is that key's value's class. task 'below': every cell
+    filled, the framed item in row 1 and the label the class of the item right below it, in row 2.
     No augmentation: a flip or a crop would move the roles."""
     classes = datasets.FashionMNIST.classes
 
-    def __init__(self, images, labels, size, seed, train, task='recall', pairs=2, query='other'):
-        if task not in ('recall', 'below') or query not in ('other', 'same') or not 1 <= pairs <= 4:
-            fail(f"fashion_recall: task is 'recall' or 'below', query 'other' or 'same', pairs 1 to 4 (4 pairs always "
-                 f"fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
+    def __init__(self, images, labels, size, seed, train, task='recall', pairs=None, query=None):
+        if task == 'below' and (pairs, query) != (None, None):
+            fail(f"fashion_recall: task 'below' fills every cell and has no query; pairs and query are recall's "
+                 f"(got pairs {pairs!r}, query {query!r})")
+        pairs, query = (pairs or 2, query or 'other') if task == 'recall' else (pairs, query)
+        if task not in ('recall', 'below') or task == 'recall' and (query not in ('other', 'same') or not 1 <= pairs <= 4):
+            fail(f"fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs 1 to 4 (4 "
+                 f"pairs always fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
         self.size, self.seed, self.train, self.task, self.pairs, self.query = size, seed, train, task, pairs, query
         items = F.resize(images[:, :1], [14, 14], antialias=True)  # (N, 1, 14, 14) uint8: one channel of the gray
         self.items, self.labels = items[:, 0], labels
@@ -410,7 +414,7 @@ class FashionRecall(Dataset):
 
     def layout(self, index):
         """(classes (4, 4): each cell's item class, -1 if empty; roles (4, 4) of 'key', 'value', 'query', 'item',
-        'framed', 'below' or ''; images (4, 4): the source image of each cell, -1 if empty; the label)."""
+        'framed', 'below', 'decoy' or ''; images (4, 4): the source image of each cell, -1 if empty; the label)."""
         g = torch.Generator().manual_seed(hash((self.seed, self.train, index)) % 2**62)
         pick = lambda n, k: torch.randperm(n, generator=g)[:k].tolist()  # noqa: E731  k distinct of range(n)
         image = lambda c: int(self.by_class[c][torch.randint(len(self.by_class[c]), (), generator=g)])  # noqa: E731
@@ -420,13 +424,20 @@ class FashionRecall(Dataset):
             (r, col) = cell
             classes[r][col], roles[r][col], images[r][col] = c, role, image(c) if source is None else source
         if self.task == 'below':
-            framed = (1, pick(4, 1)[0])
-            others = [divmod(i, 4) for i in pick(16, 16) if divmod(i, 4) not in (framed, (2, framed[1]))]
-            kinds = pick(10, 2 * self.pairs)
-            put(framed, kinds[0], 'framed')
-            put((2, framed[1]), kinds[1], 'below')
-            for cell, c in zip(others, kinds[2:]):
-                put(cell, c, 'item')
+            # Without attention (the phi = 0 floor: patch merges, MLPs, means over the stage) a network sees the four
+            # 2x2-cell blocks that stage 4 merges as a set, each block knowing its cells' slots within it: it finds
+            # the framed item's slot, hence the label's (row 0 of a block, the framed item's column in it), but not
+            # which of the other three blocks lies below. Those three cells ('below' and two 'decoy's) hold distinct
+            # classes and the rest are drawn alike, so the floor can do no better than 1 in 3.
+            col = pick(4, 1)[0]
+            kinds = pick(10, 4)  # the framed item's, the label's and the decoys' classes, distinct
+            put((1, col), kinds[0], 'framed')
+            put((2, col), kinds[1], 'below')
+            put((0, col ^ 2), kinds[2], 'decoy')  # col ^ 2: the same column within the other half
+            put((2, col ^ 2), kinds[3], 'decoy')
+            for r, c in (divmod(i, 4) for i in range(16)):
+                if classes[r][c] < 0:
+                    put((r, c), int(torch.randint(10, (), generator=g)), 'item')
             return classes, roles, images, kinds[1]
         tops = [divmod(i, 4) for i in pick(12, 12)]  # key cells in rows 0-2, so the value below fits
         keys = []
@@ -593,7 +604,8 @@ def default_output_dir(run):
     data = dataset(run.args)
     data = os.path.basename(os.path.normpath(run.args.data_path)) if data == 'imagefolder' else data
     if data == 'fashion_recall':  # another task is another run
-        data += f'-{run.args.recall_task}{run.args.recall_pairs}-{run.args.recall_query}'
+        a = run.args
+        data += '-below' if a.recall_task == 'below' else f'-recall{a.recall_pairs or 2}-{a.recall_query or "other"}'
     return os.path.join('runs', f'{run.name}-{data}')
 
 
