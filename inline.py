@@ -18,6 +18,7 @@ This file favours clarity over speed; kernels.py holds the fast path and is test
 Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
 (h, w) the token grid, P leading tokens that are not on the grid (DeiT's class token), N = P + h*w.
 """
+import contextlib
 import math
 import time
 
@@ -295,14 +296,15 @@ def residual_weights(mlp, x, causal=False):
     # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 on every call would cost
     # more than the matmuls (and a CPU's bf16 path for small matmuls is slower than its fp32). r comes out in the
     # autocast dtype, as from autocast's matmuls.
-    with torch.autocast(device, enabled=False):
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on 'meta'
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         m = m.to(conv1.weight.dtype).reshape(B * M, H, C // H).transpose(0, 1)  # (H, B*M, D): each head's slice
         w1 = conv1.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, D): W1's blocks
         w2 = conv2.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, T*D): W2's blocks
         hidden = act(torch.baddbmm(conv1.bias.reshape(H, 1, -1), m, w1))  # (H, B*M, D)
         r = torch.baddbmm(conv2.bias.reshape(H, 1, -1), hidden, w2)  # (H, B*M, T*D): head g's channels T*c + t
     r = r.transpose(0, 1).reshape(B, M, -1)  # (B, M, T*C)
-    if torch.is_autocast_enabled(device):
+    if autocast:
         r = r.to(torch.get_autocast_dtype(device))
     return r if causal else r[:, 0]  # (B, N, T*C) or (B, T*C)
 
