@@ -2045,7 +2045,8 @@ def cmd_experiments(args):
 # ---------------------------------------------------------------------------------------------------
 # recall: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), the test linear attentions are judged
 # by: key-value pairs, filler, then queries for the keys, the loss on the answers only. Small causal transformers
-# (2 layers, 2 heads) with softmax, vanilla linear attention (division) and causal InLine (subtraction). InLine is
+# (2 layers, 2 heads) with softmax, vanilla linear attention (division) and causal InLine (subtraction), each with
+# causal Eq. 6 in the study (the short causal convolution that binds a key to the value after it). InLine is
 # injective in q_i only where the prefix's centred keys span D dimensions (inline.inline_weights), so every query
 # sits at token D + 1 or later: what is compared is injective where it claims to be. The models have 20k-100k
 # parameters and a run takes seconds, so they train here, in process: train.py is the image loop (its data
@@ -2291,11 +2292,12 @@ def cmd_recall(args):
 
 def train_recall(runs, todo, stage, args):
     """Train the runs of todo, each added to args.results (and runs) the moment it finishes."""
-    done = [r for r in runs.values() if r['batch'] == RECALL_BATCH]  # CPU time per token of a step, from the records
-    rate = sum(r['cpu_s'] for r in done) / max(sum(r['tokens'] * r['steps'] for r in done), 1)
+    def rate(name):  # CPU seconds per token of a step: the model's own records, else every record's
+        done = [r for r in runs.values() if r['batch'] == RECALL_BATCH and r['model'] == name] or list(runs.values())
+        return sum(r['cpu_s'] for r in done) / max(sum(r['tokens'] * r['steps'] for r in done), 1)
+    estimate = sum(rate(name) * tokens * args.steps for name, _, _, tokens, _, _ in todo) / 60
     print(f"recall (MQAR), {stage}: {len(todo)} runs to train at {args.threads} thread(s), {args.steps} steps of "
-          f"{RECALL_BATCH}, about {rate * args.steps * sum(run[3] for run in todo) / 60:.0f} CPU-min (from the records' "
-          f"CPU time per token)", flush=True)
+          f"{RECALL_BATCH}, about {estimate:.0f} CPU-min (from the records' CPU time per token)", flush=True)
     spent = 0.0
     for name, width, pairs, tokens, seed, lr in tqdm(todo, desc='recall', disable=not todo):
         row = recall_run(name, width, pairs, tokens, seed, lr, args.steps)
