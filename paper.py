@@ -37,6 +37,7 @@ import fcntl
 import functools
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -2122,7 +2123,8 @@ def cmd_experiments(args):
 # ---------------------------------------------------------------------------------------------------
 # recall: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), the test linear attentions are judged
 # by: key-value pairs, filler, then queries for the keys, the loss on the answers only. Small causal transformers
-# (2 layers, 2 heads) with softmax, vanilla linear attention (division) and causal InLine (subtraction). InLine is
+# (2 layers, 2 heads) with softmax, vanilla linear attention (division) and causal InLine (subtraction), each with
+# causal Eq. 6 in the study (the short causal convolution that binds a key to the value after it). InLine is
 # injective in q_i only where the prefix's centred keys span D dimensions (inline.inline_weights), so every query
 # sits at token D + 1 or later: what is compared is injective where it claims to be. The models have 20k-100k
 # parameters and a run takes seconds, so they train here, in process: train.py is the image loop (its data
@@ -2132,8 +2134,8 @@ def cmd_experiments(args):
 RECALL_RESULTS = os.path.join(HERE, 'results', 'recall.jsonl')
 RECALL_VOCAB = 64  # keys are tokens 0..63, values 64..127, filler 128..191
 RECALL_HEADS = 2
-RECALL_SIZES = ((32, 8, 24), (32, 12, 36), (32, 16, 48))  # (C, key-value pairs, tokens); D = C / 2, queries from 2P + 1 >= D + 1
-RECALL_MODELS = {  # name: how its attention is built (RecallLM); every model without Eq. 6
+RECALL_SIZES = ((32, 4, 20), (32, 6, 24), (32, 8, 24))  # (C, key-value pairs, tokens); D = C / 2, queries from D + 1
+RECALL_MODELS = {  # name: how its attention is built (RecallLM); without Eq. 6 here, with it below
     'softmax': dict(attention='softmax'),
     'softmax q-norm': dict(attention='softmax', normalise_q=True),  # T1 on sequences: q/|q| times a learned gain
     'floor phi=0': dict(kernel='zero', residual='none'),  # every weight 1/i: attention that cannot select
@@ -2144,8 +2146,13 @@ RECALL_MODELS = {  # name: how its attention is built (RecallLM); every model wi
     'InLine s': dict(residual='none', scale_by_count=False),
     'InLine s/i q-norm': dict(residual='none', normalise_q=True),
 }
+# The study's models: each of the above with causal Eq. 6 (the token and the 2 before it), softmax too. Without a
+# token shift a linear-state layer cannot bind a key to the value after it, and none of them left the guess (RESULTS.md)
+RECALL_EQ6 = ' + Eq. 6'
+RECALL_STUDY = [name + RECALL_EQ6 for name in RECALL_MODELS]
+RECALL_MODELS.update({name + RECALL_EQ6: {**options, 'residual': 'local'} for name, options in list(RECALL_MODELS.items())})
 RECALL_FLOOR = 'floor phi=0'
-RECALL_COMPARISONS = (  # (question, a, b): the claim is "b recalls more than a", read seed by seed
+RECALL_COMPARISONS = (  # (question, a, b): the claim is "b recalls more than a", read seed by seed; with and without Eq. 6
     ('injectivity within softmax', 'softmax q-norm', 'softmax'),
     ('injectivity within InLine', 'InLine s/i q-norm', 'InLine s/i'),
     ('subtraction over division, 1+elu', 'linear 1+elu', 'InLine 1+elu s/i'),
@@ -2197,19 +2204,26 @@ class NormalisedQ(torch.nn.Module):
 
 
 class CausalSoftmax(torch.nn.Module):
-    """Causal softmax attention between InLineAttention's projections: x (B, N, C) -> (B, N, C)."""
+    """Causal softmax attention between InLineAttention's projections: x (B, N, C) -> (B, N, C); with
+    residual='local', plus causal Eq. 6 as InLine has it (inline.sequence_residual over the last 3 tokens), so that
+    softmax and InLine differ only in the attention."""
 
-    def __init__(self, dim, num_heads, normalise_q=False):
+    def __init__(self, dim, num_heads, normalise_q=False, residual='none'):
         super().__init__()
         self.num_heads = num_heads
         inline.add_projections(self, dim, qkv_bias=True, separate_q=False)
         self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
+        self.local_size = inline.neighbourhood_size(residual)
+        self.residual = inline.residual_mlp(dim, num_heads, self.local_size) if self.local_size else None
 
     def forward(self, x):
         B, N, C = x.shape
         q, k, v = (t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
         q = self.normalise_q(q) if self.normalise_q is not None else q  # (B, H, N, D)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, N, D)
+        if self.residual is not None:
+            r = inline.residual_weights(self.residual, x, causal=True)  # (B, N, T*C) from each prefix's mean
+            o = o + inline.sequence_residual(v, r, self.local_size, causal=True)  # Eq. 6, (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))
 
 
@@ -2328,7 +2342,7 @@ def recall_plan(runs, models, sizes, seeds, steps):
 
 
 def cmd_recall(args):
-    models = args.models or list(RECALL_MODELS)
+    models = args.models or RECALL_STUDY
     unknown = sorted(set(models) - set(RECALL_MODELS))
     if unknown:
         train.fail(f"unknown recall models {unknown}; choose from {list(RECALL_MODELS)}")
@@ -2356,8 +2370,12 @@ def cmd_recall(args):
 
 def train_recall(runs, todo, stage, args):
     """Train the runs of todo, each added to args.results (and runs) the moment it finishes."""
+    def rate(name):  # CPU seconds per token of a step: the model's own records, else every record's
+        done = [r for r in runs.values() if r['batch'] == RECALL_BATCH and r['model'] == name] or list(runs.values())
+        return sum(r['cpu_s'] for r in done) / max(sum(r['tokens'] * r['steps'] for r in done), 1)
+    estimate = sum(rate(name) * tokens * args.steps for name, _, _, tokens, _, _ in todo) / 60
     print(f"recall (MQAR), {stage}: {len(todo)} runs to train at {args.threads} thread(s), {args.steps} steps of "
-          f"{RECALL_BATCH}", flush=True)
+          f"{RECALL_BATCH}, about {estimate:.0f} CPU-min (from the records' CPU time per token)", flush=True)
     spent = 0.0
     for name, width, pairs, tokens, seed, lr in tqdm(todo, desc='recall', disable=not todo):
         row = recall_run(name, width, pairs, tokens, seed, lr, args.steps)
@@ -2398,11 +2416,12 @@ def recall_report(runs, models, sizes, args):
           'test sequences): ' + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
           f'. CPU time of these runs: {cpu / 60:.1f} min.' + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
     verdicts, ps = [], []
-    for question, a, b in RECALL_COMPARISONS:
+    for (question, a, b), eq6 in itertools.product(RECALL_COMPARISONS, ('', RECALL_EQ6)):
+        a, b, floor_name = a + eq6, b + eq6, RECALL_FLOOR + eq6  # each model's floor has Eq. 6 where it has
         for w, p, n in sizes:
             if a not in models or b not in models:
                 continue
-            ra, rb, floor = recall[a, w, p, n], recall[b, w, p, n], recall.get((RECALL_FLOOR, w, p, n), [])
+            ra, rb, floor = recall[a, w, p, n], recall[b, w, p, n], recall.get((floor_name, w, p, n), [])
             seeds = min(len(ra), len(rb))
             if seeds < 2:
                 continue
@@ -2410,7 +2429,7 @@ def recall_report(runs, models, sizes, args):
             mean, half = interval(diffs)
             gate = max(statistics.mean(floor) if floor else math.inf, guesses[w, p, n]) + RECALL_GATE
             cleared = statistics.mean(ra) >= gate and statistics.mean(rb) >= gate
-            row = [question, f"{w} / {p} / {n}", f"{statistics.mean(ra[:seeds]):.1f}",
+            row = [question + eq6, f"{w} / {p} / {n}", f"{statistics.mean(ra[:seeds]):.1f}",
                    f"{statistics.mean(rb[:seeds]):.1f}", f"{mean:+.1f} ± {half:.1f}", seeds,
                    verdict(diffs, RECALL_CLAIM) if cleared else 'untestable']
             verdicts.append(row)
@@ -2530,7 +2549,7 @@ def main(argv=None):
     p = sub.add_parser('recall', parents=[common], help='associative recall (MQAR): softmax, linear and causal InLine')
     p.add_argument('--results', default=RECALL_RESULTS, help='finished runs, one JSON line each (default '
                    'results/recall.jsonl beside paper.py); a rerun trains only what is missing')
-    p.add_argument('--models', nargs='+', metavar='NAME', help=f'these models only, of {", ".join(RECALL_MODELS)}')
+    p.add_argument('--models', nargs='+', metavar='NAME', help=f'these models (default: the study\'s, every one with Eq. 6), of {", ".join(RECALL_MODELS)}')
     p.add_argument('--sizes', nargs='+', metavar='CxPAIRSxTOKENS', default=[f'{w}x{p}x{n}' for w, p, n in RECALL_SIZES],
                    help=f'model width C ({RECALL_HEADS} heads), key-value pairs and tokens per sequence (default '
                         f'{" ".join(f"{w}x{p}x{n}" for w, p, n in RECALL_SIZES)})')
