@@ -394,12 +394,13 @@ class FashionRecall(Dataset):
     filled, the framed item in row 1 and the label the class of the item right below it, in row 2.
     No augmentation: a flip or a crop would move the roles."""
     classes = datasets.FashionMNIST.classes
+    PAIRS, QUERY = 2, 'other'  # recall's defaults (default_output_dir names them too)
 
     def __init__(self, images, labels, size, seed, train, task='recall', pairs=None, query=None):
         if task == 'below' and (pairs, query) != (None, None):
             fail(f"fashion_recall: task 'below' fills every cell and has no query; pairs and query are recall's "
                  f"(got pairs {pairs!r}, query {query!r})")
-        pairs, query = (pairs or 2, query or 'other') if task == 'recall' else (pairs, query)
+        pairs, query = (pairs or self.PAIRS, query or self.QUERY) if task == 'recall' else (pairs, query)
         if task not in ('recall', 'below') or task == 'recall' and (query not in ('other', 'same') or not 1 <= pairs <= 4):
             fail(f"fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs 1 to 4 (4 "
                  f"pairs always fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
@@ -605,7 +606,8 @@ def default_output_dir(run):
     data = os.path.basename(os.path.normpath(run.args.data_path)) if data == 'imagefolder' else data
     if data == 'fashion_recall':  # another task is another run
         a = run.args
-        data += '-below' if a.recall_task == 'below' else f'-recall{a.recall_pairs or 2}-{a.recall_query or "other"}'
+        data += ('-below' if a.recall_task == 'below' else
+                 f'-recall{a.recall_pairs or FashionRecall.PAIRS}-{a.recall_query or FashionRecall.QUERY}')
     return os.path.join('runs', f'{run.name}-{data}')
 
 
