@@ -278,6 +278,19 @@ def residual_mlp(dim, num_heads, taps=9):
     )
 
 
+class NormalisedQ(nn.Module):
+    """q (B, H, N, D) -> q / |q| times a learned gain per head (init sqrt(D), where |q| is about sqrt(D) for unit
+    entries): the T1 ablation (ours). q and a*q (a > 0) then give the same weights, so softmax and InLine lose their
+    injectivity in q's length, while the gain still lets each head learn how sharp its weights are."""
+
+    def __init__(self, num_heads, head_dim):
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((1, num_heads, 1, 1), head_dim ** 0.5))
+
+    def forward(self, q):
+        return F.normalize(q, dim=-1) * self.gain  # (B, H, N, D)
+
+
 def residual_weights(mlp, x, causal=False):
     """Eq. 6's weights r = W2 GELU(W1 m + b1) + b2 from m, the token mean of x (B, N, C); returns (B, T*C).
     causal: at each token i from the mean m_i of x_1..x_i, so that no weight looks ahead; returns (B, N, T*C).
@@ -399,6 +412,8 @@ class InLineBase(nn.Module):
         with identity or leakyrelu).
     nonneg: the R-nonneg ablation (ours): q and k L2-normalised per head and s = 1/2, so
         s |q.(k_j - k_mean)| <= 1 and every w_ij >= 0.
+    normalise_q: the T1 ablation (ours): phi(q) L2-normalised with a learned per-head gain (NormalisedQ), so q
+        and a*q give the same weights.
     causal: Eq. 5 (or the division) over each prefix, Eq. 6 over the last k tokens with weights from the prefix
         mean: no output sees a later token. A 1-D sequence, as sequence=True, which alone is the bidirectional
         form: Eq. 6 over the k tokens centred on each (T = k taps per channel, not k^2).
@@ -409,8 +424,8 @@ class InLineBase(nn.Module):
     """
 
     def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', local_size=LOCAL_SIZE, dilation=1,
-                     nonneg=False, attention='inline', allow_divergent=False, causal=False, sequence=False,
-                     leading_tokens=0, scale_by_count=True):
+                     nonneg=False, normalise_q=False, attention='inline', allow_divergent=False, causal=False,
+                     sequence=False, leading_tokens=0, scale_by_count=True):
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         if attention not in ('inline', 'linear'):
@@ -426,6 +441,9 @@ class InLineBase(nn.Module):
         if nonneg and attention != 'inline':
             raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear attention, "
                              "whose weights are already non-negative")
+        if normalise_q and (attention != 'inline' or nonneg):
+            raise ValueError("normalise_q is an option of InLine attention without nonneg: linear attention divides "
+                             "by phi(q).sum(phi(k)), so q's length cancels already, and nonneg normalises q itself")
         if nonneg and not scale_by_count:
             raise ValueError("nonneg keeps every weight >= 0 with s = 1/2 and the factor s/N; scale_by_count=False "
                              "drops the 1/N, so it needs scale_by_count=True")
@@ -438,6 +456,7 @@ class InLineBase(nn.Module):
         self.local_size, self.dilation = size, dilation
         self.causal, self.sequence = bool(causal), bool(sequence or causal)  # a 1-D sequence: called with no grid
         self.phi = get_kernel(kernel, dim // num_heads)
+        self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
         self.scale = attention_scale(dim // num_heads)  # Eq. 5's s, which prepare returns
         self.residual = residual_mlp(dim, num_heads, size if self.sequence else size * size) if size else None
         # The core, Eq. 5 + Eq. 6: this reference, or its compiled twin kernels.inline_core_fast (same arguments,
@@ -449,6 +468,8 @@ class InLineBase(nn.Module):
         """q, k (B, H, N, D) -> phi(q), phi(k) and the scale s: self.scale, a number or a tensor that broadcasts
         against (B, H, N, 1), such as a learnable per-head temperature (1, H, 1, 1) (attention_scale)."""
         q, k = self.phi(q), self.phi(k)
+        if self.normalise_q is not None:  # T1: q and a*q give the same weights
+            q = self.normalise_q(q)
         if self.nonneg:  # R-nonneg: |q| = |k_j| = 1, so |q.(k_j - k_mean)| <= 2 and s = 1/2 keeps w_ij >= 0
             return F.normalize(q, dim=-1), F.normalize(k, dim=-1), 0.5
         return q, k, self.scale
@@ -516,11 +537,12 @@ class InLineAttention(InLineBase):
     local_size: the side k of Eq. 6's k x k neighbourhood (odd; the paper's 3).
     dilation: the spread of Eq. 6's neighbourhood (R-dil).
     nonneg: every weight forced >= 0 (R-nonneg, ours).
+    normalise_q: q L2-normalised with a learned per-head gain (T1, ours).
     attention: 'inline' (Eq. 5) or 'linear' (vanilla division).
     allow_divergent: let vanilla linear attention run with a signed kernel.
     causal, sequence: a 1-D sequence, called with no grid; causal: no output sees a later token.
     leading_tokens: the tokens before the grid (a class token first: 1), so a call brings leading_tokens + h*w.
-    The last ten are InLineBase's; it says more of each.
+    The last eleven are InLineBase's; it says more of each.
     """
 
     def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):

@@ -100,26 +100,32 @@ def stage_grids(img_size):
 INLINE_DEFAULTS = {name: p.default for name, p in inspect.signature(inline.InLineBase.setup_inline).parameters.items()
                    if p.kind is p.KEYWORD_ONLY}  # InLineBase's options and their defaults, written there alone
 # every family's attention switches and their defaults: InLineBase's, but the kernel (None: each letter's, below),
-# and softmax's normalise_q
+# and normalise_q, the letters of the blocks it acts on
 ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residual', 'local_size', 'dilation',
                                                                          'nonneg')},
-                         normalise_q=False, allow_divergent=INLINE_DEFAULTS['allow_divergent'])
+                         normalise_q='', allow_divergent=INLINE_DEFAULTS['allow_divergent'])
 
 
 def attention_options(family, options, letters):
     """The attention switches a family was given, checked and completed with the defaults:
     kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), local_size (Eq. 6's
-    neighbourhood side), dilation, nonneg (I), normalise_q (softmax S of DeiT and PVT), allow_divergent (L with a signed kernel).
-    letters: every block's attention letter, which normalise_q must find all S."""
+    neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or 'I', of the blocks whose q
+    is L2-normalised with a learned per-head gain, inline.NormalisedQ), allow_divergent (L with a signed kernel).
+    letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
         raise ValueError(f"{family}: window and ape are InLine-Swin's options (the authors' window ablation)")
     if unknown:
         raise ValueError(f"{family}: unknown argument(s) {unknown}; allowed are its sizes (the arguments of its "
                          f"class) and the attention options {list(ATTENTION_OPTIONS)}")
-    if options.get('normalise_q') and (family not in ('InLine-DeiT', 'InLine-PVT') or set(letters) != {'S'}):
-        raise ValueError(f"{family}: normalise_q is an option of softmax attention (layout letter S) of DeiT and PVT, "
-                         f"not of InLine or linear attention, nor of Swin's or CSwin's windowed softmax")
+    normalise = options.get('normalise_q', '')
+    allowed = {'I', 'S'} if family != 'InLine-CSwin' else {'I'}
+    if not isinstance(normalise, str) or not set(normalise) <= allowed & set(letters) or len(set(normalise)) < len(
+            normalise):
+        raise ValueError(f"{family}: normalise_q takes the letters of the blocks whose q it normalises, each once, of "
+                         f"{sorted(allowed & set(letters))} in this layout ('S' softmax, 'I' InLine; not 'L': "
+                         f"division cancels q's length already{', nor CSwin' + chr(39) + 's stripe softmax' if family == 'InLine-CSwin' else ''}), "
+                         f"got {normalise!r}")
     return {**ATTENTION_OPTIONS, **options}
 
 
@@ -127,13 +133,14 @@ def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
     """I: InLine attention (identity kernel unless given); L: vanilla linear attention (relu unless given);
     S: softmax attention over all tokens (DeiT), with PVT's spatial reduction sr_ratio."""
     if letter == 'S':
-        return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q=options['normalise_q'], **kwargs)
+        return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q='S' in options['normalise_q'], **kwargs)
     return InLineAttention(dim, num_heads, **inline_options(letter, options), **kwargs)
 
 
 def inline_options(letter, options):
     """The InLineBase options of an I or L block."""
     o = {k: options[k] for k in ('residual', 'local_size', 'dilation', 'nonneg', 'allow_divergent')}
+    o['normalise_q'] = letter in options['normalise_q']
     return dict(o, kernel=options['kernel'] or ('identity' if letter == 'I' else 'relu'),
                 attention='inline' if letter == 'I' else 'linear')
 
@@ -155,14 +162,16 @@ class SoftmaxAttention(nn.Module):
     """Softmax attention over all tokens, DeiT's (`qkv`) and PVT's (`q`, `kv`, with spatial reduction: keys
     and values from the map downsampled by a conv of size and stride sr_ratio, then LayerNorm; keys
     `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours):
-    softmax over L2-normalised queries, so q and a*q (a > 0) get the same weights, scale D^-1/2 as usual."""
+    softmax over L2-normalised queries times a learned per-head gain (inline.NormalisedQ), so q and a*q (a > 0)
+    get the same weights; scale D^-1/2 as usual."""
 
     def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False,
                  leading_tokens=0):
         super().__init__()
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
-        self.num_heads, self.sr_ratio, self.normalise_q = num_heads, sr_ratio, normalise_q
+        self.num_heads, self.sr_ratio = num_heads, sr_ratio
+        self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
         self.leading_tokens = leading_tokens  # tokens before the grid (DeiT's class token), as InLineAttention's
         inline.add_projections(self, dim, qkv_bias, separate_q)
         if sr_ratio > 1:
@@ -170,29 +179,29 @@ class SoftmaxAttention(nn.Module):
             self.norm = nn.LayerNorm(dim)
 
     def project(self, x, grid):
-        """x (B, N, C) -> q (B, H, N, D), k and v (B, H, N', D), N' = N / sr_ratio^2 with spatial reduction."""
+        """x (B, N, C) -> q (B, H, N, D), normalised where normalise_q, k and v (B, H, N', D), N' = N / sr_ratio^2
+        with spatial reduction."""
         B, N, C = x.shape
         inline.check_grid(N, grid, self.leading_tokens)
         split = lambda t: t.reshape(B, t.shape[1], self.num_heads, -1).transpose(1, 2)  # noqa: E731
         if hasattr(self, 'qkv'):
-            return [split(t) for t in self.qkv(x).chunk(3, dim=-1)]
-        kv_input = x
-        if self.sr_ratio > 1:  # PVT's grid has no leading tokens
-            kv_input = self.norm(self.sr(to_map(x, grid)).flatten(2).transpose(1, 2))  # (B, N', C)
-        return [split(self.q(x))] + [split(t) for t in self.kv(kv_input).chunk(2, dim=-1)]
+            q, k, v = [split(t) for t in self.qkv(x).chunk(3, dim=-1)]
+        else:
+            kv_input = x
+            if self.sr_ratio > 1:  # PVT's grid has no leading tokens
+                kv_input = self.norm(self.sr(to_map(x, grid)).flatten(2).transpose(1, 2))  # (B, N', C)
+            q, (k, v) = split(self.q(x)), [split(t) for t in self.kv(kv_input).chunk(2, dim=-1)]
+        return (q if self.normalise_q is None else self.normalise_q(q)), k, v
 
     def forward(self, x, grid):
         B, N, C = x.shape
         q, k, v = self.project(x, grid)
-        if self.normalise_q:
-            q = F.normalize(q, dim=-1)
         o = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))
 
     def weights(self, x, grid):
         """The explicit attention weights (B, H, N, N') this module applies to x (B, N, C)."""
         q, k, _ = self.project(x, grid)
-        q = F.normalize(q, dim=-1) if self.normalise_q else q
         return torch.softmax(inline.attention_scale(q.shape[-1]) * q @ k.transpose(-2, -1), dim=-1)
 
 
@@ -449,9 +458,10 @@ def relative_position_index(wh, ww, window, device):
 class WindowAttention(nn.Module):
     """Swin's softmax attention within a window plus a learned bias per relative offset and head."""
 
-    def __init__(self, dim, num_heads, window):
+    def __init__(self, dim, num_heads, window, normalise_q=False):
         super().__init__()
         self.num_heads, self.window = num_heads, window
+        self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None  # T1
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -461,6 +471,7 @@ class WindowAttention(nn.Module):
         """x (B*nW, wh*ww, C) in windows of shape `window` = (wh, ww); mask (nW, N, N) or None."""
         B_, N, C = x.shape
         q, k, v = self.qkv(x).view(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B*nW, H, N, D)
+        q = q if self.normalise_q is None else self.normalise_q(q)
         index = relative_position_index(*window, self.window, x.device)  # (N, N)
         bias = self.relative_position_bias_table[index].permute(2, 0, 1)  # (H, N, N)
         o = masked_softmax_attention(q, k, v, inline.attention_scale(q.shape[-1]), bias, mask)  # (B*nW, H, N, D)
@@ -484,7 +495,7 @@ class SwinBlock(nn.Module):
         super().__init__()
         self.letter, self.window, self.shift = letter, window, shift
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = (WindowAttention(dim, num_heads, window) if letter == 'S'
+        self.attn = (WindowAttention(dim, num_heads, window, 'S' in options['normalise_q']) if letter == 'S'
                      else InLineAttention(dim, num_heads, ape_tokens=ape_tokens, **inline_options(letter, options)))
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
@@ -861,8 +872,16 @@ experiment('r_nonneg', 'inline_swin_t', dict(nonneg=True), 'R-nonneg', '81.7',
            'every InLine weight >= 0: q, k L2-normalised per head, s = 1/2', ours=True)
 # T1 and S: the softmax originals have their own head counts (DeiT-T 3, PVT 1-2-5-8) and CSwin its own depths
 experiment('t1_softmax', 'inline_deit_t', dict(layout='S', num_heads=3), 'T1', '72.2', 'DeiT-T, softmax (injective)')
-experiment('t1_softmax_normalised_q', 'inline_deit_t', dict(layout='S', num_heads=3, normalise_q=True), 'T1',
-           '70.6 / 69.9', 'DeiT-T, softmax over L2-normalised queries: q and a*q get the same weights', ours=True)
+experiment('t1_softmax_normalised_q', 'inline_deit_t', dict(layout='S', num_heads=3, normalise_q='S'), 'T1',
+           '70.6 / 69.9', 'DeiT-T, softmax over L2-normalised queries times a learned per-head gain: q and a*q get '
+           'the same weights', ours=True)
+# T1 in Swin, for the test bed whose every InLine layer is injective (paper.py, the fashion_recall ablations): softmax
+# and InLine each against itself over L2-normalised queries (ours; the paper has no numbers)
+experiment('t1_swin_softmax_normalised_q', 'inline_swin_t', dict(layout='SSSS', normalise_q='S'), 'T1', None,
+           "Swin-T's windowed softmax over L2-normalised queries times a learned per-head gain", ours=True)
+experiment('t1_inline_normalised_q', 'inline_swin_t', dict(normalise_q='I'), 'T1', None,
+           'InLine-Swin-T, InLine over L2-normalised queries times a learned per-head gain (stage 4 softmax as it is)',
+           ours=True)
 for size in 'tsml':
     experiment(f's_pvt_{size}', f'inline_pvt_{size}', dict(layout='SSSS', num_heads=(1, 2, 5, 8)), 'S', None,
                f'PVT-{size.upper()}: softmax with spatial reduction 8-4-2-1 in the InLine-PVT skeleton')
@@ -890,7 +909,7 @@ def describe(model):
              f"kernel {o['kernel'] or 'identity (I) / relu (L)'}", f"residual {o['residual']}"]
     parts += [f"local_size {o['local_size']}"] * (o['local_size'] != 3) + [f"dilation {o['dilation']}"] * (o['dilation'] > 1)
     parts += ['nonneg'] * o['nonneg']
-    parts += ['normalise_q'] * o['normalise_q'] + ['allow_divergent'] * o['allow_divergent']
+    parts += [f"normalise_q {o['normalise_q']}"] * bool(o['normalise_q']) + ['allow_divergent'] * o['allow_divergent']
     if model.family == 'swin':
         parts.append('InLine windows: whole stage' if model.window is None else
                      f'InLine windows {model.window} (shifted on odd blocks, no mask)')

@@ -2191,18 +2191,6 @@ def most_frequent_guess(x, y, pairs):
     return 100 * (answers == guess).double().mean().item()
 
 
-class NormalisedQ(torch.nn.Module):
-    """q -> g_h q / |q|, a learned gain per head (started at D^1/2, a random q's length): softmax or InLine with
-    injectivity in q's length switched off (q and 2q give the same weights), everything else as it was."""
-
-    def __init__(self, num_heads, head_dim):
-        super().__init__()
-        self.gain = torch.nn.Parameter(torch.full((1, num_heads, 1, 1), head_dim ** 0.5))
-
-    def forward(self, q):
-        return F.normalize(q, dim=-1) * self.gain  # (B, H, N, D)
-
-
 class CausalSoftmax(torch.nn.Module):
     """Causal softmax attention between InLineAttention's projections: x (B, N, C) -> (B, N, C); with
     residual='local', plus causal Eq. 6 as InLine has it (inline.sequence_residual over the last 3 tokens), so that
@@ -2212,7 +2200,7 @@ class CausalSoftmax(torch.nn.Module):
         super().__init__()
         self.num_heads = num_heads
         inline.add_projections(self, dim, qkv_bias=True, separate_q=False)
-        self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
+        self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None  # T1
         self.local_size = inline.neighbourhood_size(residual)
         self.residual = inline.residual_mlp(dim, num_heads, self.local_size) if self.local_size else None
 
@@ -2228,17 +2216,12 @@ class CausalSoftmax(torch.nn.Module):
 
 
 class CausalInLine(inline.InLineAttention):
-    """inline.InLineAttention(causal=True), q normalised after phi where normalise_q (NormalisedQ)."""
+    """inline.InLineAttention(causal=True) through short_sequence_core (T1's normalise_q is InLine's own option)."""
 
-    def __init__(self, dim, num_heads, normalise_q=False, **options):
+    def __init__(self, dim, num_heads, **options):
         super().__init__(dim, num_heads, causal=True, **options)
-        self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
         if self.core is inline.inline_core:
             self.core = short_sequence_core
-
-    def prepare(self, q, k):
-        q, k, scale = super().prepare(q, k)
-        return (self.normalise_q(q) if self.normalise_q is not None else q), k, scale
 
 
 class DecoderBlock(torch.nn.Module):

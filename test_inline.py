@@ -786,6 +786,30 @@ def test_nonneg_inline_weights_are_non_negative_and_rows_sum_to_one():
     assert plain.weights(x, (6, 6)).min() < 0  # without the switch the same inputs give negative weights
 
 
+def test_normalised_q_in_swin_gives_q_and_2q_the_same_weights():
+    """T1 in Swin: with normalise_q='S' (windowed softmax) or 'I' (InLine), doubling q in those blocks leaves the
+    logits as they were; without it they change. The fast core follows InLine's option (enable_fast checks it)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    for letters, layout, kind in (('S', 'SSSS', models.WindowAttention), ('I', 'IIIS', inline.InLineBase),
+                                  ('', 'IIIS', inline.InLineBase)):
+        model = models.create_model('inline_swin_t', img_size=64, embed_dim=16, depths=(1, 1, 1, 1),
+                                    num_heads=(2, 2, 2, 2), softmax_window=4, layout=layout, num_classes=3,
+                                    normalise_q=letters).eval()
+        if kind is inline.InLineBase:
+            assert kernels.enable_fast(model, log=None) == 3
+        attns = [m for m in model.modules() if isinstance(m, kind)]
+        assert len(attns) == len(layout.replace('S' if kind is inline.InLineBase else 'I', ''))
+        assert all((m.normalise_q is not None) == bool(letters) for m in attns)
+        with torch.no_grad():
+            before = model(x)
+            for m in attns:  # q is the first third of qkv's outputs
+                m.qkv.weight[:m.qkv.out_features // 3] *= 2
+                m.qkv.bias[:m.qkv.out_features // 3] *= 2
+            after = model(x)
+        assert torch.allclose(before, after, rtol=0, atol=1e-5) == bool(letters), letters
+
+
 def test_normalised_q_softmax_is_not_injective():
     """T1: softmax over L2-normalised queries gives q and 2q identical weights; plain softmax does not."""
     torch.manual_seed(0)
@@ -922,8 +946,14 @@ def test_experiment_switches_reject_bad_input():
         meta_model('inline_swin_t', residual='global')
     with pytest.raises(ValueError, match=r"window and ape are InLine-Swin's options"):
         meta_model('inline_deit_t', window=7)
-    with pytest.raises(ValueError, match=r"normalise_q is an option of softmax attention"):
-        meta_model('inline_deit_t', normalise_q=True)
+    with pytest.raises(ValueError, match=r"normalise_q takes the letters .* of \['I'\] in this layout .* got 'S'"):
+        meta_model('inline_deit_t', normalise_q='S')  # layout I: no softmax block to normalise
+    with pytest.raises(ValueError, match=r"of \['I'\] in this layout .*nor CSwin's stripe softmax\), got 'IS'"):
+        meta_model('inline_cswin_t', normalise_q='IS')
+    with pytest.raises(ValueError, match=r"not 'L': division cancels q's length already\), got 'L'"):
+        meta_model('inline_swin_t', layout='LLLS', normalise_q='L')
+    with pytest.raises(ValueError, match=r"got True"):
+        meta_model('inline_swin_t', normalise_q=True)
     with pytest.raises(ValueError, match=r"unknown argument\(s\) \['depht'\]"):
         meta_model('inline_deit_t', depht=3)
 
@@ -1753,7 +1783,7 @@ def test_recall_models_run_the_reference_function():
         torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
         assert logits.shape == (3, 12, 3 * paper.RECALL_VOCAB)
     q = torch.randn(2, 2, 12, 8, dtype=torch.float64)
-    normalise = paper.NormalisedQ(2, 8).double()
+    normalise = inline.NormalisedQ(2, 8).double()
     torch.testing.assert_close(normalise(q), normalise(2 * q))
     attn = paper.CausalInLine(16, 2, normalise_q=True, residual='none').double()
     q, k, _ = qkv(2, 2, 12, 8)

@@ -130,7 +130,8 @@ def get_args_parser():
     a('--ape', action=argparse.BooleanOptionalAction,
       help='Swin: the authors\' absolute position embedding in InLine attention (default: on without Eq. 6)')
     a('--nonneg', action=argparse.BooleanOptionalAction, help='InLine weights forced >= 0 (R-nonneg)')
-    a('--normalise-q', action=argparse.BooleanOptionalAction, help='softmax over L2-normalised queries (T1)')
+    a('--normalise-q', metavar='LETTERS', help="T1: the blocks whose q is L2-normalised with a learned per-head gain, "
+      "S (softmax), I (InLine) or SI")
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
       help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
     a('--dataset', choices=['synthetic', 'imagefolder', *SMALL_DATASETS, 'fashion_recall'], help='default: synthetic, '
