@@ -301,8 +301,9 @@ class Backbone(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     def no_weight_decay(self):
-        """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu."""
-        return {name for name, _ in self.named_parameters() if name.endswith('phi.weight')}
+        """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu; T1's
+        gain (inline.NormalisedQ) is a temperature, which decay would pull towards uniform weights."""
+        return {name for name, _ in self.named_parameters() if name.endswith(('phi.weight', 'normalise_q.gain'))}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1295,6 +1295,23 @@ MINI = {  # family: (image side, width factor, create_model sizes)
 # of the training set, the same for every run and seed; warm-up 1/12 of the epochs (the small recipe's 1 of 12).
 # On CUDA, the scale at which the miniatures converge: every training image, epochs until the curve is flat.
 BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=60_000, epochs=40)}
+# The test bed where attention must select (RESULTS.md, "A test bed where attention must select"): train.py's
+# fashion_recall mosaics, task 'below', 20,000 training mosaics (new ones each seed) and the same 10,000 test mosaics
+# for every run, at the accepted pilot's budget; the Swin miniature with heads of dim 8 in every stage (4, 8, 16, 32),
+# so that every InLine layer of stages 1-3 has at least D + 1 tokens (256, 64, 16 against 9) and is injective. A
+# network that cannot tell the three candidate blocks apart (the floor, no position in a stage) scores 1 in 3 at best.
+# On CUDA, a scale at which the curves should flatten (not yet measured).
+MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
+MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
+MOSAIC_RUN_CPU_MIN = 7.0  # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
+# The claims it can test, in the order a batch trains them, two by two: the gate (InLine against its floor); S with
+# R-res's no-Eq. 6 row; T3's pair; R-res's plain row with T4's one-cell window; T1 within softmax and within InLine.
+# r_residual_local and t4_window56_no_residual name configurations trained above (InLine-Swin-T, r_residual_none).
+# T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not injective
+MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q')
+MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3_linear_relu', 't3_inline_relu',
+               'r_residual_plain', 't4_window14_no_residual', 't1_swin_softmax_normalised_q', 't1_inline_normalised_q',
+               'r_residual_local', 't4_window56_no_residual')
 # bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training step of
 # the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved rounds)
 PRECISION = {'cpu': 'bf16', 'cuda': 'bf16'}
@@ -1324,12 +1341,15 @@ def family(e):
     return e.model.split('_')[1]
 
 
-def experiments():
+def experiments(dataset=None):
     """{name: Experiment}: every entry of models.EXPERIMENTS that the miniature covers (the smallest size of each
     family: S rows of bigger variants repeat the same miniature), the released InLine variants for S, and each
     family's attention-free floor: InLine with phi = 0, so every weight is 1/N and no token selects another, no
-    Eq. 6, no APE, every stage (Swin's softmax stage 4 too); the patch embeddings, merges and MLPs are the same."""
-    chosen = {n: e for n, e in models.EXPERIMENTS.items() if e.table != 'S' or e.model.endswith('_t')}
+    Eq. 6, no APE, every stage (Swin's softmax stage 4 too); the patch embeddings, merges and MLPs are the same.
+    dataset 'fashion_recall': MOSAIC_ROWS alone, each with MOSAICS' heads (given at full size: the miniature scales
+    them by its width factor, as it does every head count)."""
+    chosen = {n: e for n, e in models.EXPERIMENTS.items() if (e.table != 'S' or e.model.endswith('_t')) and (
+        dataset == 'fashion_recall' or n not in MOSAIC_ONLY)}
     none, local = chosen['r_residual_none'], chosen['r_residual_local']
     chosen['r_residual_none_matched'] = models.Experiment(
         none.model, {**none.overrides, 'mlp_ratio': matched_mlp_ratio(none, parameters(local))}, 'R-res', None,
@@ -1339,7 +1359,11 @@ def experiments():
     floors = {f'floor_{f}': models.Experiment(f'inline_{f}_t', dict(
         layout='I' if f == 'deit' else 'IIII', kernel='zero', residual='none', **({'ape': False} if f == 'swin' else {})),
         'floor', None, True, f'{f} miniature, attention-free: every weight 1/N, no Eq. 6') for f in MINI}
-    return {**chosen, **inline_t, **floors}
+    every = {**chosen, **inline_t, **floors}
+    if dataset == 'fashion_recall':
+        heads = tuple(round(h / MINI['swin'][1]) for h in MOSAICS['heads'])
+        return {n: every[n]._replace(overrides={**every[n].overrides, 'num_heads': heads}) for n in MOSAIC_ROWS}
+    return every
 
 
 def matched_mlp_ratio(e, count):
@@ -1359,7 +1383,8 @@ def comparisons(chosen):
     division against subtraction, the same phi; T4: without against with Eq. 6 at each window, and each window
     against the whole stage, with and without Eq. 6 (the paper's four no-Eq. 6 rows are a tie); R-res: against
     the released InLine-Swin-T, and the two corners of the 2x2 (Eq. 6 x APE) against the row with the same APE;
-    T10, R-dil, R-nonneg: against InLine-Swin-T; T1: against softmax; S: each softmax original against its
+    T10, R-dil, R-nonneg: against InLine-Swin-T; T1: each over normalised q against itself (T1_REFERENCE); S: each
+    softmax original against its
     InLine version; floor: each family's InLine model against its attention-free floor."""
     pairs = []
     for name, e in chosen.items():
@@ -1377,7 +1402,7 @@ def comparisons(chosen):
             pairs.append((t, e.model, name))
         elif t in ('T10', 'R-res', 'R-dil', 'R-nonneg', 'T1'):
             base = {'T10': 't10_kernel_identity', 'R-res': 'r_residual_local', 'R-dil': 'r_dilation1',
-                    'R-nonneg': 'r_residual_local', 'T1': 't1_softmax'}[t]
+                    'R-nonneg': 'r_residual_local', 'T1': T1_REFERENCE.get(name, 't1_softmax')}[t]
             if name == 'r_residual_local_ape':
                 pairs.append((t, name, 'r_residual_none'))  # both with the APE: Eq. 6 alone
             elif name != base:
@@ -1394,7 +1419,10 @@ def comparisons(chosen):
 # the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2) with the APE held,
 # and the matched row tests it parameter for parameter
 CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape': ('R-res: +2.2', 2.2),
-          'r_residual_none_matched': ('R-res: -2.2', -2.2)}
+          'r_residual_none_matched': ('R-res: -2.2', -2.2),
+          # T1's claim, that softmax loses by losing injectivity (DeiT-T 72.2 -> 70.6 / 69.9), in Swin and in InLine
+          't1_swin_softmax_normalised_q': ('T1 (DeiT-T): -1.6', -1.6), 't1_inline_normalised_q': ('T1 (DeiT-T): -1.6', -1.6)}
+T1_REFERENCE = {'t1_swin_softmax_normalised_q': 's_swin_t', 't1_inline_normalised_q': 'inline_swin_t'}  # else t1_softmax
 
 
 def mini_kwargs(e):
@@ -1429,12 +1457,16 @@ def resolve_data(args, need=True):
     with how to get the data when it is missing, before any run starts (need=False: rebuilding from records)."""
     args.dataset = args.dataset or 'fashion_mnist'
     if args.data_path is None and args.dataset != 'synthetic':
-        args.data_path = FASHION_MNIST_DEB if args.dataset == 'fashion_mnist' and os.path.isdir(FASHION_MNIST_DEB) \
-            else 'data'
+        args.data_path = FASHION_MNIST_DEB if args.dataset in ('fashion_mnist', 'fashion_recall') and \
+            os.path.isdir(FASHION_MNIST_DEB) else 'data'
     if not need:
         args.data_path = args.data_path and os.path.abspath(args.data_path)
         return
-    if args.dataset in train.SMALL_DATASETS:
+    if args.dataset == 'fashion_recall':  # mosaics of Fashion-MNIST's items
+        if args.download:
+            train.SMALL_DATASETS['fashion_mnist'](args.data_path, download=True)
+        train.read_small('fashion_mnist', args.data_path, train=False)  # missing: says how to get them
+    elif args.dataset in train.SMALL_DATASETS:
         if args.download:  # torchvision fetches every split's files at once
             train.SMALL_DATASETS[args.dataset](args.data_path, download=True)
         train.read_small(args.dataset, args.data_path, train=False)  # missing: says how to get them
@@ -1447,11 +1479,12 @@ def resolve_data(args, need=True):
 
 
 def resolve_budget(args):
-    """--device (cpu; cuda only where there is a GPU), and --epochs, --train-images from BUDGET where not given."""
+    """--device (cpu; cuda only where there is a GPU), and --epochs, --train-images from BUDGET (MOSAIC_BUDGET on
+    fashion_recall) where not given."""
     args.device = getattr(args, 'device', None) or 'cpu'
     if args.device == 'cuda' and not torch.cuda.is_available():
         train.fail('--device cuda: torch sees no CUDA device here; run on a machine with a GPU, or --device cpu')
-    for k, v in BUDGET[args.device].items():
+    for k, v in (MOSAIC_BUDGET if getattr(args, 'dataset', None) == 'fashion_recall' else BUDGET)[args.device].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
 
@@ -1460,7 +1493,8 @@ def recipe(e, args):
     """What makes a run's result, besides its model and seed: the data, the budget, the precision, the device and
     train.py's own recipe for the data (train.SMALL). Records of different recipes never share a table."""
     own = train.SYNTHETIC if args.dataset == 'synthetic' else train.SMALL
-    return dict(dataset=args.dataset, train_images=args.train_images, img_size=MINI[family(e)][0],
+    mosaics = {k: MOSAICS[k] for k in ('task', 'val_images')} if args.dataset == 'fashion_recall' else {}
+    return dict(dataset=args.dataset, **mosaics, train_images=args.train_images, img_size=MINI[family(e)][0],
                 epochs=args.epochs, warmup_epochs=round(args.epochs / 12, 3),
                 val_every=1 if args.device == 'cuda' else max(1, args.epochs // 4),  # cheap on a GPU: every epoch
                 precision=PRECISION[args.device], device=args.device,
@@ -1472,6 +1506,9 @@ def data_argv(args):
     ImageFolder gets the small datasets' recipe (train.SMALL) in place of the released ImageNet one."""
     if args.dataset == 'synthetic':
         return ['--synthetic-train', str(args.train_images)]
+    if args.dataset == 'fashion_recall':  # new training mosaics a seed, the same test ones for every run
+        return ['--dataset', 'fashion_recall', '--data-path', args.data_path, '--recall-task', MOSAICS['task'],
+                '--synthetic-train', str(args.train_images), '--synthetic-val', str(MOSAICS['val_images'])]
     small = [] if args.dataset != 'imagefolder' else ['--accum-steps', '1', '--ema-decay', '0'] + [
         x for k, v in train.SMALL.items() if k not in ('epochs', 'warmup_epochs')
         for x in (f'--{k.replace("_", "-")}', str(v))]
@@ -1542,8 +1579,8 @@ def plan_runs(chosen, every, seeds, args):
 
 def estimate(runs, every, records):
     """(minutes, how they were estimated) for the runs without a record: the mean CPU time (on CUDA, wall time) of
-    the records of the same family and recipe, else, on CPU, RUN_CPU_MIN scaled by images x epochs; on CUDA
-    without a record of the recipe, None: this project has measured no GPU run."""
+    the records of the same family and recipe, else, on CPU, RUN_CPU_MIN (MOSAIC_RUN_CPU_MIN on the mosaics) scaled
+    by images x epochs; on CUDA without a record of the recipe, None: this project has measured no GPU run."""
     total, guessed = 0.0, False
     for run in runs:
         if run.key() not in records:
@@ -1553,9 +1590,10 @@ def estimate(runs, every, records):
             if not seen and cuda:
                 return None, 'no GPU record of this recipe yet'
             guessed |= not seen
-            scale = run.recipe['epochs'] * run.recipe['train_images'] / (BUDGET['cpu']['epochs'] *
-                                                                          BUDGET['cpu']['train_images'])
-            total += statistics.mean(seen) if seen else RUN_CPU_MIN[f] * scale
+            mosaics = run.recipe['dataset'] == 'fashion_recall'
+            budget = (MOSAIC_BUDGET if mosaics else BUDGET)['cpu']
+            scale = run.recipe['epochs'] * run.recipe['train_images'] / (budget['epochs'] * budget['train_images'])
+            total += statistics.mean(seen) if seen else (MOSAIC_RUN_CPU_MIN if mosaics else RUN_CPU_MIN[f]) * scale
     return total, 'RUN_CPU_MIN' if guessed else 'the records of this recipe'
 
 
@@ -1838,13 +1876,15 @@ def seeds_option(values, default):
 
 
 def choose(args, every):
-    """The experiments a command asks for: --quick, --claims (the claim rows), --only NAMES, else all, each with the
-    φ = 0 floor of every family it touches (the gate of its verdicts); and seeds(name): the claim rows CLAIM_SEEDS
-    unless --seeds names their table."""
+    """The experiments a command asks for: --quick, --claims (the claim rows: CLAIM_ROWS, or MOSAIC_ROWS on
+    fashion_recall, where every row is one), --only NAMES, else all, each with the φ = 0 floor of every family it
+    touches (the gate of its verdicts); and seeds(name): the claim rows CLAIM_SEEDS unless --seeds names their
+    table."""
+    rows = MOSAIC_ROWS if args.dataset == 'fashion_recall' else CLAIM_ROWS
     if args.quick:
         chosen = QUICK
     elif args.claims:
-        chosen = CLAIM_ROWS
+        chosen = rows
     elif args.only:
         unknown = sorted(set(args.only) - set(every))
         if unknown:
@@ -1856,7 +1896,7 @@ def choose(args, every):
                                              if f'floor_{family(every[n])}' in every)]))  # floor, on every test bed
     per_table = seeds_option(args.seeds, {t: QUICK_SEEDS for t in SEEDS} if args.quick else SEEDS)
     named = {v.rpartition('=')[0] or '*' for v in args.seeds or []}
-    claims = () if args.quick else CLAIM_ROWS
+    claims = () if args.quick else rows
 
     def seeds(name):
         table = every[name].table
@@ -1911,7 +1951,7 @@ def pilot_table(args, every):
 def cmd_ablations(args):
     resolve_budget(args)
     resolve_data(args, need=not args.no_train)
-    every = experiments()
+    every = experiments(args.dataset)
     if args.pilot:
         train_runs(plan_runs({n: every[n] for n in PILOT}, every, lambda name: 1, args)[0], args, desc='pilot')
         return pilot_table(args, every)
@@ -1933,10 +1973,14 @@ def cmd_ablations(args):
     floor = floor_record(args, read_records(args.results))
     ridge = floor['epochs'][-1]['val_acc1'] if floor else None
     result = {n: summarise([done[r.key()] for r in planned[n] if r.key() in done]) for n in chosen}
-    configs, rows, points, (sd, df, m) = table_rows(chosen, planned, result, ridge, every)
+    mosaics = args.dataset == 'fashion_recall'
+    configs, rows, points, (sd, df, m) = table_rows(chosen, planned, result, ridge, every,
+                                                    MOSAICS['guess'] if mosaics else None)
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
+    bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the same '
+           f'{MOSAICS["val_images"]:,} test mosaics for every run' if mosaics else 'validation on its test set')
     print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} training '
-          f'images, validation on its test set, {PRECISION[args.device]} on {args.device}): one row per distinct '
+          f'images, {bed}, {PRECISION[args.device]} on {args.device}): one row per distinct '
           f'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) seeds, '
           f'beside the paper\'s ImageNet-1K top-1; over the φ = 0 floor: its mean minus the mean of its family\'s '
           f'attention-free miniature (the gate: under it when less than {FLOOR_MARGIN:g}); last quarter: the top-1 '
@@ -1965,7 +2009,7 @@ def cmd_ablations(args):
           f'"{family_name}": the {m} comparisons with a verdict, so that the chance of any false verdict among them '
           f'is at most 5%. † a claim row.\n')
     print_table(header, rows)
-    out = args.png or os.path.join(args.out, 'ablations.png')
+    out = args.png or os.path.join(args.out, 'ablations_fashion_recall.png' if mosaics else 'ablations.png')
     panels = {}
     for r, point in zip(rows, points):  # one panel per table, the first a comparison names
         if point is not None:
@@ -1986,7 +2030,7 @@ def cmd_ablations(args):
     return configs, rows
 
 
-def table_rows(chosen, planned, result, ridge, every):
+def table_rows(chosen, planned, result, ridge, every, guess=None):
     """The two tables: one row per distinct configuration (its names, tables, top-1, how far over its family's
     φ = 0 floor), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart entry
     (label, mean, half-width, the paper's difference) and (the pooled sd, its degrees of freedom, the size of the
@@ -2013,6 +2057,9 @@ def table_rows(chosen, planned, result, ridge, every):
                         '' if r.gain is None else f'{r.gain:+.1f}'])
     if ridge is not None:
         configs.insert(0, ['linear read-out of the pixels (ridge)', 'pixels', '', f'{ridge:.1f}', '—', '', ''])
+    if guess is not None:
+        configs.insert(0, ['guess: 1 of the 3 candidate cells, the most a network without position in a stage can '
+                           'score (the floor\'s ceiling)', '', '', f'{guess:.1f}', '—', '', ''])
     pairs = [(tables, name, ref, *matched(result[name], result[ref])) for tables, name, ref in comparisons(chosen)]
     sd, df = pooled_sd([diffs for *_, diffs, _ in pairs])
     rows, tested = [], []
@@ -2485,9 +2532,10 @@ def main(argv=None):
                                                           '(default results/runs.jsonl beside paper.py)')
     budget.add_argument('--no-train', action='store_true',
                         help='train nothing: rebuild from the records, leaving out the runs without one')
-    budget.add_argument('--dataset', choices=['synthetic', 'imagefolder', *train.SMALL_DATASETS],
-                        help='the data every run trains on (default fashion_mnist); with --checkpoints, the images '
-                             'to measure on (default: each checkpoint\'s own)')
+    budget.add_argument('--dataset', choices=['synthetic', 'imagefolder', *train.SMALL_DATASETS, 'fashion_recall'],
+                        help='the data every run trains on (default fashion_mnist; ablations on fashion_recall: the '
+                             'test bed where attention must select, MOSAIC_ROWS at MOSAIC_BUDGET); with --checkpoints, '
+                             'the images to measure on (default: each checkpoint\'s own)')
     budget.add_argument('--data-path', help=f'its root (default {FASHION_MNIST_DEB} for fashion_mnist where '
                                             'Debian\'s dataset-fashion-mnist package put it, else data/)')
     budget.add_argument('--download', action='store_true', help='download a small dataset first (torchvision)')
@@ -2543,6 +2591,9 @@ def main(argv=None):
     p = sub.add_parser('mosaics', parents=[common], help="train.py's fashion_recall mosaics, with their labels")
     p.add_argument('--data-path', default=FASHION_MNIST_DEB, help='Fashion-MNIST\'s IDX files')
     args = parser.parse_args(argv)
+    if args.command in ('locality', 'maps') and args.dataset == 'fashion_recall':
+        parser.error(f'{args.command} measures DeiT checkpoints of the small datasets; fashion_recall is the ablations\' '
+                     f'test bed (paper.py ablations --dataset fashion_recall)')
     return {'mosaics': cmd_mosaics, 'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
             'ablations': cmd_ablations, 'recall': cmd_recall}[args.command](args)
 

@@ -3736,3 +3736,41 @@ def test_paper_seeds_per_table(capsys):
         with pytest.raises(SystemExit):
             paper.seeds_option([bad], default)
         assert '--seeds takes N or TABLE=N' in capsys.readouterr().err
+
+
+def test_paper_mosaic_bed_is_injective_and_runs_its_own_recipe(tmp_path):
+    """paper.py ablations --dataset fashion_recall: MOSAIC_ROWS alone, each miniature with head dim 8 in every stage
+    and every InLine layer of stages 1-3 at least D + 1 tokens (injective); each run trains on task 'below' at
+    MOSAIC_BUDGET, new training mosaics a seed, the same 10,000 test mosaics every seed; 5 seeds of every row;
+    its comparisons include T1 within softmax and within InLine."""
+    every = paper.experiments('fashion_recall')
+    assert set(every) == set(paper.MOSAIC_ROWS) and not set(paper.MOSAIC_ONLY) & set(paper.experiments())
+    for name, e in every.items():
+        model = paper.miniature(e)
+        for stage, grid in zip(model.layers, models.stage_grids(model.img_size)):
+            for block in stage.blocks:
+                heads = block.attn.num_heads
+                assert block.attn.qkv.in_features // heads == 8, name
+                if block.letter == 'I' and name != 'floor_swin':  # the floor (phi = 0) selects nothing
+                    side = grid[0] if model.window is None else min(model.window, grid[0])
+                    assert side * side >= 8 + 1, (name, grid)
+    root = str(tmp_path / 'fm')
+    os.makedirs(root)
+    write_fashion_mnist(root, train=40, test=20)
+    ns = argparse.Namespace(out=str(tmp_path), epochs=None, train_images=None, dataset='fashion_recall',
+                            data_path=root, download=False, device='cpu', quick=False, claims=False, only=None,
+                            seeds=None)
+    paper.resolve_budget(ns)
+    paper.resolve_data(ns)
+    assert (ns.epochs, ns.train_images) == (4, 20_000)
+    chosen, seeds = paper.choose(ns, every)
+    assert all(seeds(n) == 5 for n in chosen)
+    runs = [resolved(paper.make_run('inline_swin_t', every['inline_swin_t'], seed, ns).argv).args for seed in (0, 1)]
+    assert [(a.dataset, a.recall_task, a.synthetic_train, a.synthetic_val, a.seed) for a in runs] == [
+        ('fashion_recall', 'below', 20_000, 10_000, s) for s in (0, 1)]
+    sets = [train.load_data(argparse.Namespace(**{**vars(a), 'synthetic_train': 4, 'synthetic_val': 4})) for a in runs]
+    assert torch.equal(sets[0][1][3][0], sets[1][1][3][0])  # the same test mosaic for both seeds
+    assert not torch.equal(sets[0][0][3][0], sets[1][0][3][0])  # another training mosaic
+    pairs = {(name, ref) for _, name, ref in paper.comparisons(every)}
+    assert {('t1_swin_softmax_normalised_q', 's_swin_t'), ('t1_inline_normalised_q', 'inline_swin_t'),
+            ('inline_swin_t', 'floor_swin'), ('t3_linear_relu', 't3_inline_relu')} <= pairs

@@ -485,7 +485,10 @@ def load_data(args):
     found, root = [], args.data_path
     if args.dataset == 'fashion_recall':
         options = dict(task=args.recall_task, pairs=args.recall_pairs, query=args.recall_query)
-        found = [FashionRecall(*read_small('fashion_mnist', root or 'data', train)[:2], size, args.seed, train, **options)
+        # training mosaics by the run's seed; the test mosaics the same for every run (seed 0), so that the per-image
+        # results of runs of different seeds are on the same images (paper.py's intervals pair them)
+        found = [FashionRecall(*read_small('fashion_mnist', root or 'data', train)[:2], size, args.seed if train else 0,
+                               train, **options)
                  for train, size in ((True, args.synthetic_train or 20_000), (False, args.synthetic_val or 10_000))]
     elif args.dataset in SMALL_DATASETS:
         root = root or 'data'
