@@ -2278,6 +2278,28 @@ def test_evaluate_keeps_each_images_result_at_its_place_in_the_validation_set():
     assert result['acc1'] == pytest.approx(100 * right[1::2].double().mean().item())
 
 
+def test_evaluate_on_a_rank_with_no_images(monkeypatch):
+    """Three ranks, two images: rank 2's slice is empty; its evaluate adds zeros, and all_reduce (here rank 0's and
+    rank 1's sums, added by a stand-in) gives every image's result."""
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 4), torch.tensor([0, 1])
+    model, data = nn.Linear(4, 3), torch.utils.data.TensorDataset(x, y)
+    runs = [types.SimpleNamespace(device=torch.device('cpu'), world=3, rank=r, args=types.SimpleNamespace(
+        batch_size=4, workers=0), autocast=lambda training: contextlib.nullcontext()) for r in range(3)]
+    monkeypatch.setattr(train.dist, 'all_reduce', lambda t: None)
+    parts = [train.evaluate(runs[r], model, train.val_loader(runs[r], data)) for r in (0, 1)]
+    others = torch.tensor([float(sum(p['images'] * p['loss'] for p in parts)),
+                           float(sum(round(p['acc1'] * p['images'] / 100) for p in parts)), 0.0, 2.0])
+    correct = train.unpack_correct(parts[0]['correct'], 2) | train.unpack_correct(parts[1]['correct'], 2)
+
+    def add_others(t):  # what the other two ranks contribute
+        t += others.to(t.dtype) if t.dtype == torch.float64 else correct.to(t.dtype)
+    monkeypatch.setattr(train.dist, 'all_reduce', add_others)
+    result = train.evaluate(runs[2], model, train.val_loader(runs[2], data))
+    assert result['images'] == 2
+    assert torch.equal(train.unpack_correct(result['correct'], 2), model(x).argmax(1) == y)
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(two_process_run, tmp_path):
     torch.manual_seed(0)
     ckpt = load_checkpoint_file(os.path.join(two_process_run[0], 'checkpoint.pt'))

@@ -944,7 +944,8 @@ def evaluate(run, model, loader):
         totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction='sum').double(),
                                hits[:, 0].sum().double(), hits.any(1).sum().double(), totals.new_tensor(len(y))])
     correct = torch.zeros(len(loader.dataset.dataset), dtype=torch.int32, device=run.device)  # (images,)
-    correct[torch.as_tensor(loader.dataset.indices, device=run.device)] = torch.cat(rights)  # val_loader's Subset
+    if rights:  # a rank of more ranks than images has none: it adds zeros
+        correct[torch.as_tensor(loader.dataset.indices, device=run.device)] = torch.cat(rights)  # val_loader's Subset
     if run.world > 1:
         dist.all_reduce(totals)
         dist.all_reduce(correct)
