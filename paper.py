@@ -1304,11 +1304,11 @@ BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=
 MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
 MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
 MOSAIC_RUN_CPU_MIN = 7.0  # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
+# T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not injective
+MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q')
 # The claims it can test, in the order a batch trains them, two by two: the gate (InLine against its floor); S with
 # R-res's no-Eq. 6 row; T3's pair; R-res's plain row with T4's one-cell window; T1 within softmax and within InLine.
 # r_residual_local and t4_window56_no_residual name configurations trained above (InLine-Swin-T, r_residual_none).
-# T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not injective
-MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q')
 MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3_linear_relu', 't3_inline_relu',
                'r_residual_plain', 't4_window14_no_residual', 't1_swin_softmax_normalised_q', 't1_inline_normalised_q',
                'r_residual_local', 't4_window56_no_residual')
@@ -1384,8 +1384,8 @@ def comparisons(chosen):
     against the whole stage, with and without Eq. 6 (the paper's four no-Eq. 6 rows are a tie); R-res: against
     the released InLine-Swin-T, and the two corners of the 2x2 (Eq. 6 x APE) against the row with the same APE;
     T10, R-dil, R-nonneg: against InLine-Swin-T; T1: each over normalised q against itself (T1_REFERENCE); S: each
-    softmax original against its
-    InLine version; floor: each family's InLine model against its attention-free floor."""
+    softmax original against its InLine version; floor: each family's InLine model against its attention-free
+    floor."""
     pairs = []
     for name, e in chosen.items():
         t = e.table

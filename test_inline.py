@@ -1884,6 +1884,16 @@ def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys
     assert len(tables) > 10 and [line for line in tables if line not in results] == []
 
 
+def test_the_committed_records_rebuild_the_results_mosaic_tables(tmp_path, capsys):
+    """RESULTS.md's tables of the test bed where attention must select are what `paper.py ablations --dataset
+    fashion_recall --no-train` prints from results/runs.jsonl, line for line."""
+    paper.main(['ablations', '--dataset', 'fashion_recall', '--no-train', '--out', str(tmp_path)])
+    tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
+    with open(os.path.join(os.path.dirname(paper.__file__), 'RESULTS.md')) as f:
+        results = f.read().splitlines()
+    assert len(tables) > 10 and [line for line in tables if line not in results] == []
+
+
 def test_the_committed_recall_records_rebuild_the_results_recall_tables(tmp_path, capsys):
     """RESULTS.md's recall tables are what `paper.py recall --no-train` prints from results/recall.jsonl, line for
     line."""
@@ -3292,7 +3302,7 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     write_fashion_mnist(str(tmp_path / 'fm'))
     chosen = {n: models.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q')}
     chosen['floor_deit'] = paper.experiments()['floor_deit']  # --only adds the family's floor: the gate
-    monkeypatch.setattr(paper, 'experiments', lambda: chosen)
+    monkeypatch.setattr(paper, 'experiments', lambda dataset=None: chosen)
     results = str(tmp_path / 'runs.jsonl')
     args = ['ablations', '--only', *list(chosen)[:2], '--seeds', 'T1=3', '--epochs', '2', '--train-images', '64',
             '--jobs', '1',
@@ -3363,7 +3373,7 @@ def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch)
     chosen = {n: models.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q', 's_deit_t')}
     chosen['inline_deit_t'] = paper.experiments()['inline_deit_t']
     chosen['floor_deit'] = paper.experiments()['floor_deit']
-    monkeypatch.setattr(paper, 'experiments', lambda: chosen)
+    monkeypatch.setattr(paper, 'experiments', lambda dataset=None: chosen)
     offset = {'t1_softmax_normalised_q': (-4.0, -3.0, -2.0), 'inline_deit_t': (4.5, 3.25, 2.0)}
 
     def acc(seed, argv):  # softmax (t1_softmax = s_deit_t) 70 at every seed; the others offset from it; the floor 60
@@ -3525,7 +3535,7 @@ def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, mo
     """r_residual_local and t4_window56_residual build the same model: whichever subset asks for it, the run is
     the one of the registry's first name, so --only (or --quick) and the full run never train it twice."""
     every = {n: models.EXPERIMENTS[n] for n in ('t4_window56_residual', 'r_residual_local')}
-    monkeypatch.setattr(paper, 'experiments', lambda: every)
+    monkeypatch.setattr(paper, 'experiments', lambda dataset=None: every)
     fake = FakeTrain()
     monkeypatch.setattr(paper.subprocess, 'Popen', fake)
     common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--dataset', 'synthetic',
