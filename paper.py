@@ -1307,10 +1307,10 @@ MOSAIC_RUN_CPU_MIN = 7.0  # a run at MOSAIC_BUDGET['cpu'] before any record: pil
 # T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not injective
 MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q')
 # The claims it can test, in the order a batch trains them, two by two: the gate (InLine against its floor); S with
-# R-res's no-Eq. 6 row; T3's pair; R-res's plain row with T4's one-cell window; T1 within softmax and within InLine.
+# R-res's no-Eq. 6 row; T3's pair; T1 within softmax and within InLine; R-res's plain row with T4's one-cell window.
 # r_residual_local and t4_window56_no_residual name configurations trained above (InLine-Swin-T, r_residual_none).
 MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3_linear_relu', 't3_inline_relu',
-               'r_residual_plain', 't4_window14_no_residual', 't1_swin_softmax_normalised_q', 't1_inline_normalised_q',
+               't1_swin_softmax_normalised_q', 't1_inline_normalised_q', 'r_residual_plain', 't4_window14_no_residual',
                'r_residual_local', 't4_window56_no_residual')
 # bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training step of
 # the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved rounds)
@@ -2073,7 +2073,6 @@ def table_rows(chosen, planned, result, ridge, every, guess=None):
                            set(result[name].diverged + result[ref].diverged)) - set(seeds))
         count = f'{len(seeds)}' + (f' (seed {", ".join(map(str, unpaired))} unpaired)' if unpaired else '')
         over = 'seeds only' if images is None else 'seeds and test images'
-        image_var = 0.0 if images is None else image_term(images)[0]
         gate = None if cleared[name] and cleared[ref] else 'untestable (no floor run)' if None in (
             above[name], above[ref]) else 'untestable (under the floor)'
         if len(seeds) < 2:
@@ -2082,6 +2081,7 @@ def table_rows(chosen, planned, result, ridge, every, guess=None):
                              'not resolved' if paper_diff is not None else '—'), '', None])
             continue
         mid, half = interval(diffs, images)
+        image_var = 0.0 if images is None else image_term(images)[0]  # the test set's term: two seeds or more
         p = p_values(diffs, paper_diff, images) if paper_diff is not None else None
         word = verdict(diffs, paper_diff, images) if gate is None or paper_diff is None else gate
         needed = seeds_for(sd, image_var)

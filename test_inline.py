@@ -3806,3 +3806,19 @@ def test_paper_mosaic_bed_is_injective_and_runs_its_own_recipe(tmp_path):
     pairs = {(name, ref) for _, name, ref in paper.comparisons(every)}
     assert {('t1_swin_softmax_normalised_q', 's_swin_t'), ('t1_inline_normalised_q', 'inline_swin_t'),
             ('inline_swin_t', 'floor_swin'), ('t3_linear_relu', 't3_inline_relu')} <= pairs
+
+
+def test_paper_a_comparison_with_one_seed_of_per_image_results_is_not_run_yet():
+    """One seed a side, with per-image results: the row says '(1 seed)' and gets no interval (the test set's term
+    needs two seeds), rather than dividing by zero; the gate row beside it has its interval from two."""
+    every = paper.experiments()
+    chosen = {n: every[n] for n in ('s_deit_t', 'inline_deit_t', 'floor_deit')}
+    right = lambda p, seed: torch.rand(200, generator=torch.Generator().manual_seed(seed)) < p  # noqa: E731
+    result = {'s_deit_t': paper.Summary({0: 80.0}, {0: right(0.8, 0)}, [], None),
+              'inline_deit_t': paper.Summary({0: 81.0, 1: 82.0}, {0: right(0.81, 1), 1: right(0.82, 2)}, [], None),
+              'floor_deit': paper.Summary({0: 40.0, 1: 41.0}, {0: right(0.4, 3), 1: right(0.41, 4)}, [], None)}
+    configs, rows, points, _ = paper.table_rows(chosen, {n: [] for n in chosen}, result, None, every)
+    one = next(r for r in rows if r[1].startswith('s_deit_t'))
+    assert one[3] == '-1.0 (1 seed)' and one[6] == '∞' and points[rows.index(one)] is None
+    gate = next(r for r in rows if r[1].startswith('inline_deit_t'))
+    assert gate[3].startswith('+41.0 [') and gate[4] == 'seeds and test images'
