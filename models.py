@@ -122,10 +122,10 @@ def attention_options(family, options, letters):
     allowed = {'I', 'S'} if family != 'InLine-CSwin' else {'I'}
     if not isinstance(normalise, str) or not set(normalise) <= allowed & set(letters) or len(set(normalise)) < len(
             normalise):
+        stripes = ", nor CSwin's stripe softmax" if family == 'InLine-CSwin' else ''
         raise ValueError(f"{family}: normalise_q takes the letters of the blocks whose q it normalises, each once, of "
                          f"{sorted(allowed & set(letters))} in this layout ('S' softmax, 'I' InLine; not 'L': "
-                         f"division cancels q's length already{', nor CSwin' + chr(39) + 's stripe softmax' if family == 'InLine-CSwin' else ''}), "
-                         f"got {normalise!r}")
+                         f"division cancels q's length already{stripes}), got {normalise!r}")
     return {**ATTENTION_OPTIONS, **options}
 
 
