@@ -1462,14 +1462,11 @@ def resolve_data(args, need=True):
     if not need:
         args.data_path = args.data_path and os.path.abspath(args.data_path)
         return
-    if args.dataset == 'fashion_recall':  # mosaics of Fashion-MNIST's items
-        if args.download:
-            train.SMALL_DATASETS['fashion_mnist'](args.data_path, download=True)
-        train.read_small('fashion_mnist', args.data_path, train=False)  # missing: says how to get them
-    elif args.dataset in train.SMALL_DATASETS:
+    source = 'fashion_mnist' if args.dataset == 'fashion_recall' else args.dataset  # the mosaics' items
+    if source in train.SMALL_DATASETS:
         if args.download:  # torchvision fetches every split's files at once
-            train.SMALL_DATASETS[args.dataset](args.data_path, download=True)
-        train.read_small(args.dataset, args.data_path, train=False)  # missing: says how to get them
+            train.SMALL_DATASETS[source](args.data_path, download=True)
+        train.read_small(source, args.data_path, train=False)  # missing: says how to get them
     elif args.dataset == 'imagefolder':
         for split in ('train', 'val'):
             if not os.path.isdir(os.path.join(args.data_path, split)):
