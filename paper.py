@@ -1337,6 +1337,11 @@ FASHION_MNIST_DEB = '/usr/share/datasets/fashion-mnist'
 RIDGE_LAMBDAS = (0.1, 1.0, 10.0, 100.0, 1000.0)
 
 
+def budgets(dataset):
+    """{device: the budget}: MOSAIC_BUDGET on the mosaics (fashion_recall), else BUDGET."""
+    return MOSAIC_BUDGET if dataset == 'fashion_recall' else BUDGET
+
+
 def family(e):
     return e.model.split('_')[1]
 
@@ -1481,7 +1486,7 @@ def resolve_budget(args):
     args.device = getattr(args, 'device', None) or 'cpu'
     if args.device == 'cuda' and not torch.cuda.is_available():
         train.fail('--device cuda: torch sees no CUDA device here; run on a machine with a GPU, or --device cpu')
-    for k, v in (MOSAIC_BUDGET if getattr(args, 'dataset', None) == 'fashion_recall' else BUDGET)[args.device].items():
+    for k, v in budgets(getattr(args, 'dataset', None))[args.device].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
 
@@ -1588,7 +1593,7 @@ def estimate(runs, every, records):
                 return None, 'no GPU record of this recipe yet'
             guessed |= not seen
             mosaics = run.recipe['dataset'] == 'fashion_recall'
-            budget = (MOSAIC_BUDGET if mosaics else BUDGET)['cpu']
+            budget = budgets(run.recipe['dataset'])['cpu']
             scale = run.recipe['epochs'] * run.recipe['train_images'] / (budget['epochs'] * budget['train_images'])
             total += statistics.mean(seen) if seen else (MOSAIC_RUN_CPU_MIN if mosaics else RUN_CPU_MIN[f]) * scale
     return total, 'RUN_CPU_MIN' if guessed else 'the records of this recipe'
