@@ -463,6 +463,9 @@ class InLineBase(nn.Module):
         # same result), which kernels.enable_fast(model) puts here once it has run this module both ways and found
         # the same output and gradients
         self.core = inline_core
+        # For a call with no gradient, enable_fast may also put here one compiled graph for Eq. 6's weights and the core
+        # together (kernels.infer_fast: residual_weights, then the core, in one call), checked the same way
+        self.infer = None
 
     def prepare(self, q, k):
         """q, k (B, H, N, D) -> phi(q), phi(k) and the scale s: self.scale, a number or a tensor that broadcasts
@@ -478,6 +481,8 @@ class InLineBase(nn.Module):
         """q, k, v (B, H, N, D) before phi; x (B, N', C) the tokens Eq. 6's weights are predicted from.
         Returns o (B, H, N, D)."""
         q, k, scale = self.prepare(q, k)
+        if self.infer is not None and not torch.is_grad_enabled():  # the fast path's graph for inference (kernels.py)
+            return self.infer(self, q, k, v, x, grid, scale)  # what the two lines below compute
         r = residual_weights(self.residual, x, self.causal) if self.residual is not None else None  # (B, [N,] T*C)
         if self.attention == 'linear':  # the baseline: division instead of Eq. 5, then the same Eq. 6
             o = linear_attention(q, k, v, causal=self.causal)  # (B, H, N, D)

@@ -271,7 +271,34 @@ def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtaps
 
 
-COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward, causal_forward, causal_backward)}
+# ---------------------------------------------------------------------------------------------------
+# Inference: Eq. 6's weights and the core in one graph (infer_fast). Where the tokens are few (DeiT's 197), the
+# predictor's eight small ops, the copies of the module's strided q, k, v and the second call cost more than the core.
+
+def infer_forward(q, k, v, x, w1, b1, w2, b2, index, masks, scale, scale_by_count, dtype):
+    """inline.residual_weights then core_forward's o (B, H, N, D), token-major, in dtype: what InLineBase.attend
+    computes after prepare, with no gradient. q, k, v (B, H, N, D) as the module's projection leaves them (strided,
+    any float dtype); x (B, 1, N, C) the tokens Eq. 6's weights are predicted from; w1, b1, w2, b2 the predictor's
+    two 1x1 grouped convolutions' weights and biases ((C, D, 1), (C,), (T*C, D, 1), (T*C,)), or None for no Eq. 6.
+    residual_weights' matmuls, with W2's output channels reordered from T*c + t to neighbour-major (t, c), so the
+    taps come out (B, H, T, D) with D contiguous: Eq. 6's pass then reads each neighbour's weights as a vector,
+    where a transposed view of r is read one channel at a time (5x slower for DeiT-T's sizes). Same numbers."""
+    B, H, N, D = q.shape
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # the graph reads them where they lie: no copies
+    taps = None
+    if w1 is not None:
+        T = w2.shape[0] // (H * D)
+        m = x.mean(dim=2).to(w1.dtype).reshape(B, H, D).transpose(0, 1)  # (H, B, D): each head's slice of the mean
+        hidden = F.gelu(torch.baddbmm(b1.reshape(H, 1, D), m, w1.reshape(H, D, D).transpose(1, 2)))  # (H, B, D)
+        w2 = w2.reshape(H, D, T, D).transpose(1, 2).reshape(H, T * D, D)  # rows (t, j), was (j, t): (H, T*D, D)
+        b2 = b2.reshape(H, 1, D, T).transpose(2, 3).reshape(H, 1, T * D)
+        r = torch.baddbmm(b2, hidden, w2.transpose(1, 2))  # (H, B, T*D): head g's neighbour t, channel j at t*D + j
+        taps = r.reshape(H, B, T, D).transpose(0, 1).to(dtype)  # (B, H, T, D)
+    return core_forward(q, k, v, taps, index, masks, scale, scale_by_count)[0]
+
+
+COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward, causal_forward, causal_backward,
+                                                   infer_forward)}
 _compile_error = []  # filled once if the compiler cannot run here
 
 
@@ -315,8 +342,9 @@ def signature(f, args):
     graph with the switches."""
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // CHUNK, 2),) if f.__name__.startswith('causal') else ()
+    heads = (x.shape[1],) if f is infer_forward else ()  # its weights' shapes (C, D, 1) fix H
     return (f.__name__, x.device, x.is_inference(), torch.is_grad_enabled(), x.shape[3],
-            *(min(s, 2) for s in x.shape[:3]), *chunks,
+            *(min(s, 2) for s in x.shape[:3]), *chunks, *heads,
             *(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
             *(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
 
@@ -504,6 +532,29 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
         return forward_graph(q, k, v, r, grid, scale, size, dilation, scale_by_count)[0]  # no gradient: no Function
 
 
+def infer_fast(module, q, k, v, x, grid, scale):
+    """What InLineBase.attend computes after prepare, Eq. 6's weights (inline.residual_weights) and the core
+    (inline_core_fast), for a call with no gradient: one compiled graph (infer_forward). Same arguments as
+    module.infer, which enable_fast sets to it on every InLine module but the causal ones, once check_against_reference
+    has found the module's output on it equal to the reference's."""
+    B, H, N, D = q.shape
+    if isinstance(scale, torch.Tensor):  # as in inline_core_fast
+        q, scale = q * scale, 1.0
+    device = q.device.type
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else q.dtype
+    weights, index, masks = [None] * 4, None, None
+    if module.residual is not None:
+        conv1, _, conv2 = module.residual
+        weights = [conv1.weight, conv1.bias, conv2.weight, conv2.bias]
+        index, masks = neighbour_table(_cached_neighbourhood, N, None if grid is None else tuple(grid), q.device,
+                                       module.local_size, module.dilation)
+    scale = inline.attention_scale(D) if scale is None else scale
+    # The graph casts to dtype itself; entered only where needed, since a graph called inside the context costs more
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+        return run(infer_forward, q, k, v, x[:, None], *weights, index, masks, scale, module.scale_by_count, dtype)
+
+
 def unsupported(module):
     """What of an InLine module's options (inline.InLineBase) the fast core does not cover, or None. It covers every
     option of InLine attention (kernel, residual, local_size, dilation, nonneg, APE: they change its inputs or its
@@ -572,10 +623,11 @@ def outside_function_modes():
             torch._C._push_on_torch_function_stack(mode)
 
 
-def check_against_reference(path, module, core, device):
+def check_against_reference(path, module, core, device, infer=None):
     """Raise ValueError unless core, put in module's place of inline.inline_core, gives module.attend the output and
     the gradients of q, k, v, x and every parameter of the reference path (on check_inputs, against the reference in
-    float64, with difference's tolerance). Copies of the module run it, so the model and the global random state
+    float64, with difference's tolerance), and infer (infer_fast, or None), put in module.infer, the same output with
+    no gradient. Copies of the module run it, so the model and the global random state
     are untouched; a module on the meta device is checked with random weights."""
     with outside_function_modes():
         generator = torch.Generator().manual_seed(0)
@@ -590,7 +642,7 @@ def check_against_reference(path, module, core, device):
         reference = reference.to(device).float()
         reference.core = inline.inline_core
         fast = copy.deepcopy(reference)
-        fast.core = core
+        fast.core, fast.infer = core, infer
         inputs = check_inputs(reference, device, generator)
         do = torch.randn(inputs[0].shape, generator=generator, device='cpu').to(device)
         where = f"{path or 'the model'} ({type(module).__name__})"
@@ -600,6 +652,10 @@ def check_against_reference(path, module, core, device):
             ours = attend_and_differentiate(reference, inputs, do)
             try:
                 theirs = attend_and_differentiate(fast, inputs, do)
+                if infer is not None:
+                    with torch.no_grad():
+                        theirs['output with no gradient'] = fast.attend(*inputs)
+                    exact['output with no gradient'], ours['output with no gradient'] = exact['output'], ours['output']
             except Exception as e:  # whatever the fast core cannot take: refused here, not at the first step
                 theirs = f"the fast core raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         why = theirs if isinstance(theirs, str) else next(
@@ -614,8 +670,9 @@ def check_against_reference(path, module, core, device):
 
 
 def enable_fast(model, core=inline_core_fast, device=None, log=print):
-    """Set `.core = core` (the fast one) on every InLine module of model whose core is the reference; returns how
-    many. First every module is checked, so a model is fast throughout or refused when it is built, never half
+    """Set `.core = core` (the fast one) on every InLine module of model whose core is the reference, and with the fast
+    one `.infer = infer_fast` (Eq. 6's weights and the core in one graph, for calls with no gradient) on those that are
+    not causal; returns how many. First every module is checked, so a model is fast throughout or refused when it is built, never half
     fast: an option the fast core lacks (unsupported) is refused by name; then one module of each configuration
     is run on both paths (check_against_reference), so a change made in code that the fast core does not follow
     (a scale without its gradient, Eq. 6 weights of another shape) is refused too, naming the module and the
@@ -634,14 +691,20 @@ def enable_fast(model, core=inline_core_fast, device=None, log=print):
         configurations.setdefault(configuration(m), []).append((path, m))
     for alike in configurations.values():
         (path, m), start = alike[0], time.perf_counter()
-        check_against_reference(path, m, core, torch.device(device))
+        check_against_reference(path, m, core, torch.device(device), infer_for(m, core))
         if log:
             log(f"kernels.enable_fast: {path or type(m).__name__} ({type(m).__name__}, H {m.num_heads}, "
                 f"D {m.head_dim}{', causal' if m.causal else ''}; {len(alike)} module(s) of this configuration) "
                 f"equals the reference: {time.perf_counter() - start:.1f} s")
     for _, m in swapped:
-        m.core = core
+        m.core, m.infer = core, infer_for(m, core)
     return len(swapped)
+
+
+def infer_for(module, core):
+    """The inference graph enable_fast puts on module with core: infer_fast with the fast core (the causal core has
+    none: its Eq. 6 weights come per token), else None, so that another core (a test's, paper.py's) runs every call."""
+    return infer_fast if core is inline_core_fast and not module.causal else None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1063,18 +1063,21 @@ PROFILE_GROUPS = {  # top-level operator -> what it is in a ViT forward
     'aten::add': 'residual adds', 'aten::conv2d': 'patch embedding', 'aten::cat': 'class token and position',
     'aten::to': 'casts and copies', 'aten::contiguous': 'casts and copies', 'aten::copy_': 'casts and copies',
 }
-CORE_LABEL, PREDICTOR_LABEL = 'InLine core, Eq. 5 + Eq. 6 (kernels.inline_core_fast)', 'Eq. 6 predictor (residual_weights)'
+CORE_LABEL = "InLine core with Eq. 6's weights, one graph (kernels.infer_fast)"
+PREDICTOR_LABEL = 'Eq. 6 predictor (residual_weights)'
 
 
 def forward_profile(model, x, dtype, rounds=5):
     """Where one forward (eval, inference_mode, batch 1) spends its time: {group: (ms, calls) per forward}, from
     torch.profiler's top-level operators, grouped by PROFILE_GROUPS; the InLine core and Eq. 6's predictor are
-    labelled around their calls, and the core split into its compiled graph's kernels (inductor's code and the GEMMs
-    it calls), dynamo's guards and wrappers around them, and its call in Python (checks, contiguous copies, table)."""
+    labelled around their calls (with no gradient the fast path computes both in one graph, kernels.infer_fast), and
+    the core split into its compiled graph's kernels (inductor's code and the GEMMs
+    it calls), dynamo's guards and wrappers around them, and its call in Python (checks, the table)."""
     cores = [m for m in model.modules() if getattr(m, 'core', None) is not None]
-    saved = [(m, m.core) for m in cores], inline.residual_weights
+    saved = [(m, m.core, m.infer) for m in cores], inline.residual_weights
     for m in cores:
         m.core = functools.partial(labelled_call, CORE_LABEL, m.core)
+        m.infer = m.infer and functools.partial(labelled_call, CORE_LABEL, m.infer)
     inline.residual_weights = functools.partial(labelled_call, PREDICTOR_LABEL, inline.residual_weights)
     try:
         for _ in range(2):
@@ -1083,8 +1086,8 @@ def forward_profile(model, x, dtype, rounds=5):
             for _ in range(rounds):
                 whole_step(model, x, None, dtype, False)
     finally:
-        for m, core in saved[0]:
-            m.core = core
+        for m, core, infer in saved[0]:
+            m.core, m.infer = core, infer
         inline.residual_weights = saved[1]
     groups = {}
 
@@ -1106,7 +1109,7 @@ def forward_profile(model, x, dtype, rounds=5):
             add('every copy and cast (aten::copy_), wherever called', e.self_cpu_time_total)
     if CORE_LABEL in groups:
         inner = sum(groups.get(g, (0, 0))[0] for g in groups if g.startswith('  of which'))
-        add("  of which the rest of its call: Python (checks, the table, torch.compile's entry) and contiguous copies",
+        add("  of which the rest of its call: Python (checks, the table, torch.compile's entry)",
             1e3 * rounds * (groups[CORE_LABEL][0] - inner), 0)
     return groups
 

@@ -11,6 +11,7 @@ meta device, where shapes and FLOP counts cost no memory.
 import argparse
 import ast
 import contextlib
+import copy
 import functools
 import glob
 import gzip
@@ -1311,13 +1312,16 @@ def assert_fast_model_equals_reference(name, compile_fast=False, **switches):
     reference = models.create_model(name, **config)
     fast = models.create_model(name, fast=True, **config)
     fast.load_state_dict(reference.state_dict())
-    assert sum(getattr(m, 'core', None) is kernels.inline_core_fast for m in fast.modules()) >= 2
+    cores = [m for m in fast.modules() if getattr(m, 'core', None) is kernels.inline_core_fast]
+    assert len(cores) >= 2 and all(m.infer is kernels.infer_fast for m in cores)
     x, upstream = torch.randn(2, 3, *config['img_size']), torch.randn(2, 5)
     logits = []
     for model in (reference, torch.compile(fast) if compile_fast else fast):
         logits.append(model(x))
         logits[-1].backward(upstream)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # no gradient: Eq. 6's weights and the core in one graph (kernels.infer_fast)
+        torch.testing.assert_close(model(x), logits[0], rtol=1e-5, atol=1e-5)
     for (key, p), q in zip(reference.named_parameters(), fast.parameters()):
         scale = p.grad.abs().max().item()
         assert (q.grad - p.grad).abs().max().item() <= 1e-4 * scale + 1e-7, key
@@ -1351,8 +1355,36 @@ def test_enable_fast_swaps_exactly_the_reference_cores():
     model = models.create_model('inline_swin_t', **FAST_SMALL['inline_swin_t'])
     cores = [m for m in model.modules() if getattr(m, 'core', None) is inline.inline_core]
     assert kernels.enable_fast(model) == len(cores) > 0
-    assert all(m.core is kernels.inline_core_fast for m in cores)
+    assert all(m.core is kernels.inline_core_fast and m.infer is kernels.infer_fast for m in cores)
     assert kernels.enable_fast(model) == 0  # nothing left to swap
+
+
+def test_enable_fast_refuses_an_inference_graph_that_does_not_follow_a_change():
+    """kernels.infer_fast computes Eq. 6's weights itself, with GELU as the released predictor has it. A predictor
+    changed in code (SiLU here) is followed by the fast core with a gradient, not by that graph: enable_fast finds the
+    output with no gradient differ and refuses the module, naming it."""
+    module = inline.InLineAttention(32, 2)
+    module.residual[1] = torch.nn.SiLU()
+    with pytest.raises(ValueError, match=r'InLineAttention\).*output with no gradient: max \|fast - float64'):
+        kernels.enable_fast(module, log=None)
+    assert module.core is inline.inline_core and module.infer is None
+
+
+def test_inference_graph_under_bf16_autocast_within_twice_the_references_error():
+    """Under autocast the inference graph casts q, k, v to bf16 and computes Eq. 6's weights in fp32, as the
+    reference path does: its error against the float64 module is at most twice the bf16 reference's, plus noise."""
+    torch.manual_seed(0)
+    reference = inline.InLineAttention(64, 2, leading_tokens=1)
+    fast = copy.deepcopy(reference)
+    kernels.enable_fast(fast, log=None)
+    x = torch.randn(2, 1 + 6 * 7, 64)
+    with torch.no_grad():
+        exact = copy.deepcopy(reference).double()(x.double(), (6, 7))
+        with torch.autocast('cpu', torch.bfloat16):
+            ours, theirs = reference(x, (6, 7)), fast(x, (6, 7))
+    own, error = (ours.double() - exact).abs().max().item(), (theirs.double() - exact).abs().max().item()
+    print(f"bf16 error: reference {own:.2e}, inference graph {error:.2e}")
+    assert theirs.dtype == ours.dtype == torch.bfloat16 and error <= 2 * own + 1e-3 * exact.abs().max().item()
 
 
 # ===================================================================================================
