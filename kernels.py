@@ -36,6 +36,9 @@ What it does, and why (RESULTS.md has the measurements, each under its command):
   GEMM output into one pass; the backward's transposed
   shift and the T sums for dr likewise. The released B*C-group convolution needs V transposed to
   channel planes and back; a zero-padded shift would need masked loads, where every gather reads in bounds.
+- With no gradient asked (evaluation), a module calls infer_fast instead (InLineBase.attend): Eq. 6's weight
+  predictor and the core's forward in one graph (infer_forward), reading q, k, v where the projection left them.
+  With DeiT's 197 tokens the predictor's small ops, the copies and a second call cost more than the core's work.
 - Compiling: the first process on a node to need a graph compiles it while the others wait, then load it from
   the inductor cache (node_lock). A failed compile or cache load is retried in a private cache folder; only if
   that fails too does the core run its closed form eagerly, after one warning that names any broken cache file.

@@ -14,7 +14,6 @@ it has finished under OUT (default runs/paper/), so a rerun resumes where the la
     python paper.py speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python paper.py speed --dense          # backbones at detection sizes: forward time and peak memory
     python paper.py speed --whole [--compile]  # whole models against softmax; where a forward's time goes
-    python paper.py ablations --pilot      # the budget's pilot: seed 0 of R-res's pair, beside the linear read-out
     python paper.py ablations --claims     # the claim rows at 5 seeds and their floor: the first batch
     python paper.py ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
     python paper.py ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
@@ -1031,9 +1030,23 @@ def whole_step(model, x, y, dtype, training):
     model.zero_grad(set_to_none=True)
 
 
+def without_infer(model, f):
+    """f() with every InLine module's inference graph (kernels.infer_fast) off: Eq. 6's weights, then the fast core,
+    two calls, as the fast path ran inference before that graph."""
+    saved = [(m, m.infer) for m in model.modules() if getattr(m, 'infer', None) is not None]
+    for m, _ in saved:
+        m.infer = None
+    try:
+        return f()
+    finally:
+        for m, infer in saved:
+            m.infer = infer
+
+
 def whole_point(row, dtype, device, rounds, compiled):
-    """One row of --whole at one dtype: ms of the softmax original, of InLine through the fast core and (compiled)
-    of InLine under whole-model torch.compile, in one interleaved run; speed-ups as medians of per-round ratios."""
+    """One row of --whole at one dtype: ms of the softmax original, of InLine through the fast core, for inference
+    also without its inference graph (without_infer), and (compiled) of InLine under whole-model torch.compile, in one
+    interleaved run; speed-ups as medians of per-round ratios."""
     what, name, softmax_name, side, batch, training = row
     drop = dict(drop_path_rate=0.0)  # no random depth: every round runs the same blocks
     softmax = models.create_experiment(softmax_name, img_size=side, **drop).train(training).to(device)
@@ -1044,13 +1057,16 @@ def whole_point(row, dtype, device, rounds, compiled):
         check_sdpa(softmax, x[:1])
     fns = {'softmax': lambda: whole_step(softmax, x, y, dtype, training),
            'InLine': lambda: whole_step(inline_model, x, y, dtype, training)}
+    if not training:
+        fns['two_calls'] = lambda: without_infer(inline_model, lambda: whole_step(inline_model, x, y, dtype, False))
     if compiled:
         compiled_model = torch.compile(inline_model)
         fns['compiled'] = lambda: whole_step(compiled_model, x, y, dtype, training)
     ms = kernels.time_interleaved(fns, device, budget_s=1e9, max_rounds=rounds)
     out = dict(what=what, side=side, batch=batch, dtype=str(dtype)[6:], device=device.type, rounds=rounds,
                **{f'{n}_ms': statistics.median(t) for n, t in ms.items()},
-               speedup=kernels.paired_ratio(ms, 'softmax', 'InLine'))
+               speedup=kernels.paired_ratio(ms, 'softmax', 'InLine'),
+               two_calls_speedup=None if training else kernels.paired_ratio(ms, 'softmax', 'two_calls'))
     if compiled:
         out.update(compiled_speedup=kernels.paired_ratio(ms, 'softmax', 'compiled'),
                    compiled_over_fast=kernels.paired_ratio(ms, 'InLine', 'compiled'))
@@ -1129,14 +1145,18 @@ def cmd_speed_whole(args):
     info = machine(torch.get_num_threads())
     print(f"\nWhole models, InLine through the fast core against the softmax original built with F.scaled_dot_product_"
           f"attention, the same sizes; {rounds} interleaved rounds, ms = median, speed-up = median of per-round "
-          f"ratios (softmax time / InLine time: above 1, InLine is faster). {device.type}: {info['cpu']}, "
+          f"ratios (softmax time / InLine time: above 1, InLine is faster); without the inference graph: Eq. 6's weights "
+          f"and the fast core as two calls, as the fast path ran inference before kernels.infer_fast. {device.type}: "
+          f"{info['cpu']}, "
           f"AVX-512 BF16 {'yes' if info['avx512_bf16'] else 'no'}, AMX {'yes' if info['amx'] else 'no'}, "
           f"{info['threads']} threads, torch {info['torch']}.\n")
-    header = ['model', 'image', 'batch', 'dtype', 'softmax ms', 'InLine ms', 'InLine speed-up']
+    header = ['model', 'image', 'batch', 'dtype', 'softmax ms', 'InLine ms', 'InLine speed-up',
+              'speed-up without the inference graph']
     if args.compile:
         header += ['InLine compiled ms', 'compiled speed-up', 'compiled / fast core alone']
     print_table(header, [[r['what'], f"{r['side']} px", r['batch'], r['dtype'], f"{r['softmax_ms']:.1f}",
-                          f"{r['InLine_ms']:.1f}", f"{r['speedup']:.2f}x"] + ([
+                          f"{r['InLine_ms']:.1f}", f"{r['speedup']:.2f}x",
+                          '—' if r['two_calls_speedup'] is None else f"{r['two_calls_speedup']:.2f}x"] + ([
                           f"{r['compiled_ms']:.1f}", f"{r['compiled_speedup']:.2f}x", f"{r['compiled_over_fast']:.2f}x"]
                           if args.compile else []) for r in rows])
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)
@@ -1293,8 +1313,8 @@ MINI = {  # family: (image side, width factor, create_model sizes)
     # CSwin keeps its width: its two-branch softmax blocks split the heads in halves, and stage 1 has 2
     'cswin': (64, 1, dict(depths=(1, 2, 2, 1), stripes=(1, 2, 2, 2))),
 }
-# The budget of every run (RESULTS.md, "Ablations"), chosen by the pilot of r_residual_local and r_residual_none: the
-# cheapest that lifts both FLOOR_MARGIN over the linear read-out. The first train_images of a fixed random order
+# The budget of every run (RESULTS.md, "Ablations"), chosen by a pilot of r_residual_local and r_residual_none: the
+# cheapest that lifted both 3 points over a linear read-out of the pixels. The first train_images of a fixed random order
 # of the training set, the same for every run and seed; warm-up 1/12 of the epochs (the small recipe's 1 of 12).
 # On CUDA, the scale at which the miniatures converge: every training image, epochs until the curve is flat.
 BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=60_000, epochs=40)}
@@ -1319,8 +1339,8 @@ MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3
 # the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved rounds)
 PRECISION = {'cpu': 'bf16', 'cuda': 'bf16'}
 # top-1 points over its family's phi = 0 floor (the attention-free miniature, same recipe) that a configuration must
-# clear for its comparisons to get a verdict: fixed before the claim runs, then over the linear read-out, which the
-# floor replaced as the gate after them; the budget's pilot still reads it over the read-out
+# clear for its comparisons to get a verdict: fixed before the claim runs, then over a linear read-out of the pixels,
+# which the floor replaced as the gate after them
 FLOOR_MARGIN = 3.0
 # CPU-minutes of one run per family at BUDGET['cpu'] on this project's machine, two at a time, to print a length
 # before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x images.
@@ -1337,7 +1357,6 @@ QUICK = ('r_residual_none', 'r_residual_local')  # R-res, the paper's pair: runs
 QUICK_SEEDS = 3
 # The data paper.py trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs here
 FASHION_MNIST_DEB = '/usr/share/datasets/fashion-mnist'
-RIDGE_LAMBDAS = (0.1, 1.0, 10.0, 100.0, 1000.0)
 
 
 def budgets(dataset):
@@ -1600,34 +1619,6 @@ def estimate(runs, every, records):
             scale = run.recipe['epochs'] * run.recipe['train_images'] / (budget['epochs'] * budget['train_images'])
             total += statistics.mean(seen) if seen else (MOSAIC_RUN_CPU_MIN if mosaics else RUN_CPU_MIN[f]) * scale
     return total, 'RUN_CPU_MIN' if guessed else 'the records of this recipe'
-
-
-def ridge_floor(args, images):
-    """The linear read-out of the pixels, as a record: ridge regression of one-hot labels on the raw pixels (and
-    a bias) of the same training images the runs train on, scored on the test set. Lambda from RIDGE_LAMBDAS by
-    the last fifth of those images held out, then refitted on all. Seconds; None on data without a pixel array."""
-    if args.dataset not in train.SMALL_DATASETS:
-        return None
-    (x, y, _), (xt, yt, _) = (train.read_small(args.dataset, args.data_path, split) for split in (True, False))
-    keep = train.subset_indices(len(y), images)
-    x, y = x[keep].flatten(1).double() / 255, y[keep]
-    xt = xt.flatten(1).double() / 255
-
-    def fit(x, y, lam):
-        a = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)  # (n, pixels + 1)
-        gram = a.T @ a + lam * torch.diag(torch.cat([torch.ones(a.shape[1] - 1), torch.zeros(1)]).double())
-        return torch.linalg.solve(gram, a.T @ F.one_hot(y, 10 if args.dataset != 'cifar100' else 100).double())
-
-    def top1(w, x, y):
-        return 100 * ((torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1) @ w).argmax(1) == y).double().mean()
-
-    cut = len(y) * 4 // 5
-    lam = max(RIDGE_LAMBDAS, key=lambda lam: top1(fit(x[:cut], y[:cut], lam), x[cut:], y[cut:]).item())
-    acc = top1(fit(x, y, lam), xt, yt).item()
-    return dict(name='ridge', config='linear read-out of the pixels (ridge)', recipe=dict(
-        dataset=args.dataset, train_images=len(y)), seed=0, argv=[], state='done', lam=lam,
-        epochs=[{'epoch': 1, 'val_acc1': round(acc, 4)}], cpu_min=0.0, wall_min=0.0, machine=machine(1),
-        finished=time.strftime('%Y-%m-%d %H:%M:%S'))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1910,56 +1901,10 @@ def choose(args, every):
     return {n: every[n] for n in chosen}, seeds
 
 
-def floor_record(args, records):
-    """The linear read-out's record for the runs' data and images: from the records, else computed and appended
-    (seconds); None where the data has no pixel array or is not here."""
-    recipe = dict(dataset=args.dataset, train_images=args.train_images)
-    found = records.get(record_key(dict(config='linear read-out of the pixels (ridge)', recipe=recipe, seed=0)))
-    if found is None and os.path.exists(args.data_path or ''):
-        found = ridge_floor(args, args.train_images)
-        if found:
-            append_record(args.results, found)
-    return found
-
-
-PILOT = ('r_residual_local', 'r_residual_none')  # the budget's pilot: seed 0 of R-res's pair
-
-
-def pilot_table(args, every):
-    """Every budget the records hold seed 0 of the pilot pair at (on this device and data), cheapest first: each
-    one's top-1 and CPU-minutes beside the linear read-out of the same images, and whether both clear it by
-    FLOOR_MARGIN. Returns the rows."""
-    records, configs = read_records(args.results), {config_key(every[n]): n for n in PILOT}
-    budgets = {}
-    for r in records.values():
-        if r['config'] in configs and r['seed'] == 0 and r['state'] == 'done' and \
-                (r['recipe']['device'], r['recipe']['dataset']) == (args.device, args.dataset):
-            budget = (r['recipe']['train_images'], r['recipe']['epochs'], r['recipe']['precision'])
-            budgets.setdefault(budget, {})[configs[r['config']]] = r
-    rows = []
-    for (images, epochs, precision), pair in sorted(budgets.items(), key=lambda kv: kv[0][0] * kv[0][1]):
-        floor = floor_record(argparse.Namespace(**{**vars(args), 'train_images': images}), records)
-        ridge = floor['epochs'][-1]['val_acc1'] if floor else None
-        tops = {n: pair[n]['epochs'][-1]['val_acc1'] for n in PILOT if n in pair}
-        clears = ridge is not None and len(tops) == 2 and min(tops.values()) >= ridge + FLOOR_MARGIN
-        rows.append([f'{images:,}', epochs, precision, f'{images * epochs / 1000:.0f}k',
-                     *[f"{tops[n]:.1f}" if n in tops else '—' for n in PILOT],
-                     *[f"{pair[n]['cpu_min']:.1f}" if n in pair else '—' for n in PILOT],
-                     '—' if ridge is None else f'{ridge:.1f}', 'yes' if clears else 'no'])
-    print(f'Pilot: seed 0 of {" and ".join(PILOT)} at each budget recorded ({args.device}, {args.dataset}), beside '
-          f'the linear read-out of the same images; a budget clears when both are {FLOOR_MARGIN:g} points over it.\n')
-    print_table(['training images', 'epochs', 'precision', 'image passes', *[f'{n} top-1' for n in PILOT],
-                 *[f'{n} CPU-min' for n in PILOT], 'linear read-out', f'both clear +{FLOOR_MARGIN:g}'], rows)
-    return rows
-
-
 def cmd_ablations(args):
     resolve_budget(args)
     resolve_data(args, need=not args.no_train)
     every = experiments(args.dataset)
-    if args.pilot:
-        train_runs(plan_runs({n: every[n] for n in PILOT}, every, lambda name: 1, args)[0], args, desc='pilot')
-        return pilot_table(args, every)
     chosen, seeds = choose(args, every)
     runs, planned = plan_runs(chosen, every, seeds, args)
     records = read_records(args.results)
@@ -1975,11 +1920,9 @@ def cmd_ablations(args):
            f'{minutes / args.jobs // 60:.0f} h {minutes / args.jobs % 60:.0f} min {args.jobs} at a time' +
            (f' on {args.jobs} cores of their own' if args.device == 'cpu' else '')))
     done = train_runs(runs, args, desc='ablation runs')
-    floor = floor_record(args, read_records(args.results))
-    ridge = floor['epochs'][-1]['val_acc1'] if floor else None
     result = {n: summarise([done[r.key()] for r in planned[n] if r.key() in done]) for n in chosen}
     mosaics = args.dataset == 'fashion_recall'
-    configs, rows, points, (sd, df, m) = table_rows(chosen, planned, result, ridge, every,
+    configs, rows, points, (sd, df, m) = table_rows(chosen, planned, result, every,
                                                     MOSAICS['guess'] if mosaics else None)
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
     bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the same '
@@ -2031,11 +1974,11 @@ def cmd_ablations(args):
         xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
     curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
-    learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done, ridge)
+    learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done)
     return configs, rows
 
 
-def table_rows(chosen, planned, result, ridge, every, guess=None):
+def table_rows(chosen, planned, result, every, guess=None):
     """The two tables: one row per distinct configuration (its names, tables, top-1, how far over its family's
     φ = 0 floor), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart entry
     (label, mean, half-width, the paper's difference) and (the pooled sd, its degrees of freedom, the size of the
@@ -2060,8 +2003,6 @@ def table_rows(chosen, planned, result, ridge, every, guess=None):
                         '' if above[n] is None else f'{above[n]:+.1f}' + ('' if cleared[n] or e.table == 'floor'
                                                                          else ' (under)'),
                         '' if r.gain is None else f'{r.gain:+.1f}'])
-    if ridge is not None:
-        configs.insert(0, ['linear read-out of the pixels (ridge)', 'pixels', '', f'{ridge:.1f}', '—', '', ''])
     if guess is not None:
         configs.insert(0, ['guess: 1 of the 3 candidate cells, the most a network without position in a stage can '
                            'score (the floor\'s ceiling)', '', '', f'{guess:.1f}', '—', '', ''])
@@ -2104,9 +2045,9 @@ def table_rows(chosen, planned, result, ridge, every, guess=None):
     return configs, [r[:11] for r in rows], [r[11] for r in rows], (sd, df, len(tested))
 
 
-def learning_curves(path, chosen, planned, done, ridge):
+def learning_curves(path, chosen, planned, done):
     """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration of
-    the table (each drawn once, in the first table that has it), beside the linear read-out, so a reader sees
+    the table (each drawn once, in the first table that has it), so a reader sees
     whether training had flattened for every model the text speaks of."""
     panels, drawn = [], set()
     for table in dict.fromkeys(e.table for e in chosen.values()):
@@ -2123,8 +2064,7 @@ def learning_curves(path, chosen, planned, done, ridge):
                            [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)], None))
         if series:
             panels.append(dict(series=series, title=f'{table}: validation top-1 by epoch', xlabel='epoch',
-                               ylabel='top-1 (%)', xticks=sorted({x for s in series for x in s[1]}),
-                               hlines=[(f'linear read-out {ridge:.1f}', ridge)] if ridge else []))
+                               ylabel='top-1 (%)', xticks=sorted({x for s in series for x in s[1]})))
     if panels:
         charts(path, panels, cols=2, size=(480, 360))
 
@@ -2580,8 +2520,6 @@ def main(argv=None):
                    help=f'{QUICK_SEEDS} seeds of {len(QUICK)} experiments: {", ".join(QUICK)}')
     p.add_argument('--only', nargs='+', metavar='NAME', help='these experiments only')
     p.add_argument('--claims', action='store_true', help=f'the claim rows ({CLAIM_SEEDS} seeds) and their floors')
-    p.add_argument('--pilot', action='store_true', help=f'seed 0 of {" and ".join(PILOT)} at this budget, then every '
-                   f'budget recorded for them beside the linear read-out')
     p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N', help=f'seeds (0, 1, ...): N for every table, TABLE=N '
                    f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')
     p = sub.add_parser('recall', parents=[common], help='associative recall (MQAR): softmax, linear and causal InLine')

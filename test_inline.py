@@ -3328,7 +3328,7 @@ def fake_record(run, acc):
 def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch, capsys):
     """Runs with a record are read, not retrained; the others go to train.py with the experiment's miniature, its
     data and its precision on the command line, and append their records; the tables compare seed by seed, with
-    the MDE, Holm's verdict and the linear read-out's floor; --no-train rebuilds the same tables from the records
+    the MDE, Holm's verdict and the φ = 0 floor's gate; --no-train rebuilds the same tables from the records
     alone, and the learning curves are drawn."""
     os.makedirs(tmp_path / 'fm')
     write_fashion_mnist(str(tmp_path / 'fm'))
@@ -3353,8 +3353,8 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     assert argv0[argv0.index('--dataset'):argv0.index('--dataset') + 6] == [
         '--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'), '--train-subset', '64']
     assert argv0[argv0.index('--amp') + 1] == paper.PRECISION['cpu']  # explicit, never train.py's default
-    assert configs[0][0].startswith('linear read-out') and configs[1][3] == '71.0 ± 1.0 (3)'
-    assert [c[5] for c in configs[1:]] == ['+21.0', '+11.0', '+0.0']  # over the floor's 50
+    assert configs[0][3] == '71.0 ± 1.0 (3)'
+    assert [c[5] for c in configs] == ['+21.0', '+11.0', '+0.0']  # over the floor's 50
     # per-seed differences -10, -11, -9: mean -10, sd 1; half-width 4.303 / sqrt(3) = 2.48; MDE (4.303 + 1.061) /
     # sqrt(3) = 3.10; 10 seeds bring the MDE under 1 point; one comparison, so Holm's p is its own; the fake runs
     # keep no per-image results, so the interval is the seeds' only, and says so
@@ -3362,7 +3362,7 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
                      'seeds only', '3', '3.1', '10', rows[0][8], 'reproduced', 'reproduced']]
     assert float(rows[0][8]) < 0.01
     records = paper.read_records(results)
-    assert len(records) == 10  # 9 runs and the linear read-out
+    assert len(records) == 9
     assert all(r['cpu_min'] >= 0 and r['machine'] for r in records.values())
     assert 'estimate for the 3 runs without a record' in capsys.readouterr().out
     assert_png(tmp_path / 'ablations.png', (300, 200))
@@ -3454,25 +3454,6 @@ def test_paper_sigterm_stops_the_runs_and_keeps_their_cpu_time(tmp_path):
 def glob_one(pattern):
     found = glob.glob(pattern)
     return found[0] if found else None
-
-
-def test_paper_pilot_table_takes_the_budgets_from_the_records(tmp_path):
-    """--pilot's table: every budget recorded for seed 0 of R-res's pair, cheapest first, beside the linear
-    read-out's record of the same images; a budget clears when both models are FLOOR_MARGIN over it."""
-    results = str(tmp_path / 'runs.jsonl')
-    every = paper.experiments()
-    for images, epochs, accs in ((60, 2, (84.0, 82.5)), (30, 2, (70.0, 75.0))):
-        ns = argparse.Namespace(epochs=epochs, train_images=images, dataset='fashion_mnist', data_path='x',
-                                device='cpu')
-        for name, acc in zip(paper.PILOT, accs):
-            paper.append_record(results, fake_record(paper.make_run(name, every[name], 0, ns), acc))
-        paper.append_record(results, dict(name='ridge', config='linear read-out of the pixels (ridge)', seed=0,
-                                          recipe=dict(dataset='fashion_mnist', train_images=images), state='done',
-                                          epochs=[{'epoch': 1, 'val_acc1': 80.0 if images == 60 else 66.0}]))
-    args = argparse.Namespace(results=results, device='cpu', dataset='fashion_mnist', data_path=str(tmp_path / 'no'))
-    rows = paper.pilot_table(args, every)
-    assert [r[0] for r in rows] == ['30', '60'] and [r[-1] for r in rows] == ['yes', 'no']  # 82.5 < 80.0 + 3
-    assert rows[1][4:6] == ['84.0', '82.5'] and rows[1][-2] == '80.0'
 
 
 def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, capsys):
@@ -3736,7 +3717,7 @@ def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
     every = paper.experiments()
     chosen = {n: every[n] for n in ('t3_linear_relu', 't3_inline_relu')}
     configs, rows, _, (sd, df, m) = paper.table_rows(chosen, {n: [] for n in chosen}, {
-        't3_linear_relu': a, 't3_inline_relu': b}, None, every)
+        't3_linear_relu': a, 't3_inline_relu': b}, every)
     assert configs[1][3] == '75.0 ± 7.1 (2), seed 1 diverged'
     mean, half = paper.interval(diffs, images)
     assert rows[0][3:6] == [f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]', 'seeds and test images',
@@ -3849,7 +3830,7 @@ def test_paper_a_comparison_with_one_seed_of_per_image_results_is_not_run_yet():
     result = {'s_deit_t': paper.Summary({0: 80.0}, {0: right(0.8, 0)}, [], None),
               'inline_deit_t': paper.Summary({0: 81.0, 1: 82.0}, {0: right(0.81, 1), 1: right(0.82, 2)}, [], None),
               'floor_deit': paper.Summary({0: 40.0, 1: 41.0}, {0: right(0.4, 3), 1: right(0.41, 4)}, [], None)}
-    configs, rows, points, _ = paper.table_rows(chosen, {n: [] for n in chosen}, result, None, every)
+    configs, rows, points, _ = paper.table_rows(chosen, {n: [] for n in chosen}, result, every)
     one = next(r for r in rows if r[1].startswith('s_deit_t'))
     assert one[3] == '-1.0 (1 seed)' and one[6] == '∞' and points[rows.index(one)] is None
     gate = next(r for r in rows if r[1].startswith('inline_deit_t'))
