@@ -522,14 +522,12 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     elif r is not None and r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
         raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
                          f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of {tuple(v.shape)}")
-    if isinstance(scale, torch.Tensor):  # a learnable temperature, say: s q^T Cov = (s q)^T Cov, over each prefix too,
-        q, scale = q * scale, 1.0  # so it joins q outside the core and autograd takes its gradient
+    q, scale = fold_scale(q, scale)
     device = q.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
     with torch.autocast(device, enabled=False):
-        scale = inline.attention_scale(D) if scale is None else scale
         if causal:
             return CausalCore.apply(q, k, v, r, scale, size, dilation, bool(scale_by_count))
         grid, scale_by_count = None if grid is None else tuple(grid), bool(scale_by_count)
@@ -538,14 +536,22 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
         return forward_graph(q, k, v, r, grid, scale, size, dilation, scale_by_count)[0]  # no gradient: no Function
 
 
+def fold_scale(q, scale):
+    """q and Eq. 5's s as the compiled graphs take them: s a number (None: D^-1/2), or a tensor that broadcasts
+    against (B, H, N, 1), a learnable temperature say, which joins q outside the graphs, s q^T Cov = (s q)^T Cov over
+    each prefix too, so that autograd takes its gradient."""
+    if isinstance(scale, torch.Tensor):
+        return q * scale, 1.0
+    return q, inline.attention_scale(q.shape[-1]) if scale is None else scale
+
+
 def infer_fast(module, q, k, v, x, grid, scale):
     """What InLineBase.attend computes after prepare, Eq. 6's weights (inline.residual_weights) and the core
     (inline_core_fast), for a call with no gradient: one compiled graph (infer_forward). Same arguments as
     module.infer, which enable_fast sets to it on every InLine module but the causal ones, once check_against_reference
     has found the module's output on it equal to the reference's."""
-    B, H, N, D = q.shape
-    if isinstance(scale, torch.Tensor):  # as in inline_core_fast
-        q, scale = q * scale, 1.0
+    N = q.shape[2]
+    q, scale = fold_scale(q, scale)
     device = q.device.type
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else q.dtype
@@ -555,7 +561,6 @@ def infer_fast(module, q, k, v, x, grid, scale):
         weights = [conv1.weight, conv1.bias, conv2.weight, conv2.bias]
         index, masks = neighbour_table(_cached_neighbourhood, N, None if grid is None else tuple(grid), q.device,
                                        module.local_size, module.dilation)
-    scale = inline.attention_scale(D) if scale is None else scale
     # The graph casts to dtype itself; entered only where needed, since a graph called inside the context costs more
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         return run(infer_forward, q, k, v, x[:, None], *weights, index, masks, scale, module.scale_by_count, dtype)
@@ -678,11 +683,11 @@ def check_against_reference(path, module, core, device, infer=None):
 def enable_fast(model, core=inline_core_fast, device=None, log=print):
     """Set `.core = core` (the fast one) on every InLine module of model whose core is the reference, and with the fast
     one `.infer = infer_fast` (Eq. 6's weights and the core in one graph, for calls with no gradient) on those that are
-    not causal; returns how many. First every module is checked, so a model is fast throughout or refused when it is built, never half
-    fast: an option the fast core lacks (unsupported) is refused by name; then one module of each configuration
-    is run on both paths (check_against_reference), so a change made in code that the fast core does not follow
-    (a scale without its gradient, Eq. 6 weights of another shape) is refused too, naming the module and the
-    quantity that differs. device: where the check runs (default: the model's; the meta device's on the CPU);
+    not causal; returns how many. First every module is checked, so a model is fast throughout or refused when it is
+    built, never half fast: an option the fast core lacks (unsupported) is refused by name; then one module of each
+    configuration is run on both paths (check_against_reference), so a change made in code that the fast core does
+    not follow (a scale without its gradient, Eq. 6 weights of another shape) is refused too, naming the module and
+    the quantity that differs. device: where the check runs (default: the model's; the meta device's on the CPU);
     log: how each configuration's check reports its cost (None: silent)."""
     modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]  # each setup_inline gave one
     lacking = sorted({unsupported(m) for _, m in modules} - {None})
