@@ -2154,7 +2154,8 @@ RECALL_COMPARISONS = (  # (question, a, b): the claim is "b recalls more than a"
     ('kernel identity over 1+elu', 'InLine 1+elu s/i', 'InLine s/i'),
 )
 RECALL_LRS = (1e-3, 3e-3, 1e-2)  # each model's learning rate: the best of these on held-out sequences, seed 0
-RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH = 5, 20000, 64
+RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH = 5, 20000, 64  # 20000 steps: every seed of InLine 1+elu left the guess
+RECALL_FIRST_STEPS = 2000  # the first study's budget, where no linear-state run left the guess reliably
 RECALL_GATE = 3.0  # recall points over the floor and the guess that both models of a comparison must clear
 RECALL_CLAIM = 1.0  # "b recalls more than a", as verdict reads a paper's difference
 RECALL_VALID, RECALL_TEST = 777, 12345  # the held-out sequences' generators: learning rates, then the test
@@ -2355,8 +2356,9 @@ def cmd_recall(args):
 
 def train_recall(runs, todo, stage, args):
     """Train the runs of todo, each added to args.results (and runs) the moment it finishes."""
-    def rate(name):  # CPU seconds per token of a step: the model's own records, else every record's
-        done = [r for r in runs.values() if r['batch'] == RECALL_BATCH and r['model'] == name] or list(runs.values())
+    def rate(name):  # CPU seconds per token of a step: the model's own records (compiled or not), else every record's
+        done = [r for r in runs.values() if r['batch'] == RECALL_BATCH and r['model'] == name
+                and r.get('compiled', False) == args.compile] or list(runs.values())
         return sum(r['cpu_s'] for r in done) / max(sum(r['tokens'] * r['steps'] for r in done), 1)
     estimate = sum(rate(name) * tokens * args.steps for name, _, _, tokens, _, _ in todo) / 60
     print(f"recall (MQAR), {stage}: {len(todo)} runs to train at {args.threads} thread(s), {args.steps} steps of "
@@ -2371,32 +2373,58 @@ def train_recall(runs, todo, stage, args):
         print(f"trained {len(todo)} runs in {spent / 60:.1f} CPU-min (process CPU time)")
 
 
+def chosen_runs(runs, name, size, steps, seeds):
+    """(the model's best learning rate or None, its records at that rate in seed order, those of seeds 0..seeds-1
+    that exist)."""
+    lr = best_lr(runs, name, size, steps)
+    return lr, [] if lr is None else [runs[k] for s in range(seeds) if (k := recall_key(name, *size, s, lr, steps)) in runs]
+
+
+def first_study(runs, name, size, seeds):
+    """The model's recall at the first study's budget, RECALL_FIRST_STEPS (its own best learning rate there, mean
+    over its seeds), '-' without those records: what ten times the steps changed."""
+    rows = chosen_runs(runs, name, size, RECALL_FIRST_STEPS, seeds)[1]
+    return f"{statistics.mean(r['recall'] for r in rows):.1f} ({len(rows)})" if rows else '-'
+
+
+def by_sequence(rows, pairs):
+    """(seeds, 1024): each run's share of right answers on each test sequence, from its record's `correct`, the
+    test set's side of the intervals; None where a record predates them."""
+    if not rows or any('correct' not in r for r in rows):
+        return None
+    return torch.stack([train.unpack_correct(r['correct'], 1024 * pairs).view(1024, pairs).double().mean(1)
+                        for r in rows])
+
+
 def recall_report(runs, models, sizes, args):
     """The tables and the picture from the records: the learning rates, recall by model against the floor and the
     guess, and each comparison's verdict, gated by both."""
     print(f"\nMQAR: keys, values and filler from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, "
           f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on 1024 test sequences, mean over "
-          f"the seeds with its 95% Student-t interval, each model at the learning rate of {', '.join(map(str, RECALL_LRS))}"
-          f" that recalled most on 1024 held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
-    recall, table, guesses, missing = {}, [], {}, []
+          f"the seeds with its 95% interval over the seeds and the test sequences (the ablations' two-way model), or "
+          f"over the seeds only (Student-t) where a record predates per-answer results; each model at the learning "
+          f"rate of {', '.join(map(str, RECALL_LRS))} that recalled most on 1024 held-out sequences (seed 0). Every "
+          f"query sits at token D + 1 or later.\n")
+    recall, sequences, table, guesses, missing = {}, {}, [], {}, []
     for w, p, n in sizes:
         guesses[w, p, n] = most_frequent_guess(*mqar_batch(1024, p, n, torch.Generator().manual_seed(RECALL_TEST)), p)
         for name in models:
-            lr = best_lr(runs, name, (w, p, n), args.steps)
+            lr, rows = chosen_runs(runs, name, (w, p, n), args.steps, args.seeds)
             tried = ' '.join(f"{runs[k]['valid']:.1f}" if (k := recall_key(name, w, p, n, 0, r, args.steps)) in runs
                              else '-' for r in RECALL_LRS)
-            values = [] if lr is None else [runs[k]['recall'] for s in range(args.seeds)
-                                            if (k := recall_key(name, w, p, n, s, lr, args.steps)) in runs]
-            recall[name, w, p, n] = values
+            recall[name, w, p, n] = values = [r['recall'] for r in rows]
+            sequences[name, w, p, n] = by_sequence(rows, p)
             if tried == ' '.join('-' * len(RECALL_LRS)):
                 missing.append(f"{name} at {w} / {p} / {n}")
                 continue
-            mean, half = interval(values) if values else (math.nan, math.nan)
+            mean, half = interval(values, sequences[name, w, p, n]) if values else (math.nan, math.nan)
             table.append([f"{w} / {p} / {n}", name, tried, lr or '-', f"{mean:.1f} ± {half:.1f}" if values else '-',
-                          ' '.join(f'{v:.1f}' for v in values), len(values)])
+                          ' '.join(f'{v:.1f}' for v in values), len(values)]
+                         + ([first_study(runs, name, (w, p, n), args.seeds)] if args.steps != RECALL_FIRST_STEPS else []))
     cpu = sum(r['cpu_s'] for r in runs.values() if r['model'] in models and (r['width'], r['pairs'], r['tokens'])
               in sizes and r['steps'] == args.steps)
-    print_table(['C / pairs / tokens', 'model', 'held-out % at each lr', 'lr', 'recall %', 'per seed', 'seeds'], table)
+    print_table(['C / pairs / tokens', 'model', 'held-out % at each lr', 'lr', 'recall %', 'per seed', 'seeds']
+                + ([f'at {RECALL_FIRST_STEPS} steps'] if args.steps != RECALL_FIRST_STEPS else []), table)
     print('\nthe guess: a model that knows the values of its sequence and answers the most frequent (simulated on the '
           'test sequences): ' + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
           f'. CPU time of these runs: {cpu / 60:.1f} min.' + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
@@ -2411,23 +2439,26 @@ def recall_report(runs, models, sizes, args):
             if seeds < 2:
                 continue
             diffs = [y - x for x, y in zip(ra[:seeds], rb[:seeds])]
-            mean, half = interval(diffs)
+            sa, sb = sequences[a, w, p, n], sequences[b, w, p, n]
+            images = None if sa is None or sb is None else sb[:seeds] - sa[:seeds]  # (seeds, 1024), per test sequence
+            mean, half = interval(diffs, images)
             gate = max(statistics.mean(floor) if floor else math.inf, guesses[w, p, n]) + RECALL_GATE
             cleared = statistics.mean(ra) >= gate and statistics.mean(rb) >= gate
             row = [question + eq6, f"{w} / {p} / {n}", f"{statistics.mean(ra[:seeds]):.1f}",
                    f"{statistics.mean(rb[:seeds]):.1f}", f"{mean:+.1f} ± {half:.1f}", seeds,
-                   verdict(diffs, RECALL_CLAIM) if cleared else 'untestable']
+                   verdict(diffs, RECALL_CLAIM, images) if cleared else 'untestable']
             verdicts.append(row)
-            ps.append(min(p_values(diffs, RECALL_CLAIM)) if cleared else None)
+            ps.append(min(p_values(diffs, RECALL_CLAIM, images)) if cleared else None)
     adjusted = iter(holm([q for q in ps if q is not None]))
     for row, q in zip(verdicts, ps):  # Holm over the testable comparisons of this table
         row.append('untestable' if q is None else row[-1] if next(adjusted) < ALPHA else 'not resolved')
     if verdicts:
-        print(f'\nComparisons, b minus a seed by seed, with its 95% Student-t interval over the seeds only (the 1024 '
-              f'test sequences are the same for every run, and their sampling error is left out); the verdict is on "b '
+        print(f'\nComparisons, b minus a seed by seed, with its 95% interval over the seeds and the 1024 test '
+              f'sequences (the ablations\' two-way random-effects model, t on Satterthwaite\'s degrees of freedom), or over '
+              f'the seeds only (Student-t) where a record predates per-answer results; the verdict is on "b '
               f'recalls more than a" (RESULTS.md, "Verdicts"), untestable unless both clear the floor (phi = 0) and the '
               f'guess by {RECALL_GATE:g} points; the Holm verdict the same over the testable ones.\n')
-        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a (seeds only)', 'seeds', 'verdict',
+        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict',
                      'Holm verdict'],
                     verdicts)
     panels = []
@@ -2465,6 +2496,24 @@ def cmd_mosaics(args):
             img.paste(tile, (150 + i * (64 * scale + pad), y))
             draw.text((150 + i * (64 * scale + pad), y + 64 * scale + 6), classes[label], fill='black', font=font(14))
     save_png(img, args.png or os.path.join(args.out, 'mosaics.png'))
+
+
+def add_recall_parser(sub, common):
+    """`paper.py recall`'s options."""
+    p = sub.add_parser('recall', parents=[common], help='associative recall (MQAR): softmax, linear and causal InLine')
+    p.add_argument('--results', default=RECALL_RESULTS, help='finished runs, one JSON line each (default '
+                   'results/recall.jsonl beside paper.py); a rerun trains only what is missing')
+    p.add_argument('--models', nargs='+', metavar='NAME', help=f'these models (default: the study\'s, every one with Eq. 6), of {", ".join(RECALL_MODELS)}')
+    p.add_argument('--sizes', nargs='+', metavar='CxPAIRSxTOKENS', default=[f'{w}x{p}x{n}' for w, p, n in RECALL_SIZES],
+                   help=f'model width C ({RECALL_HEADS} heads), key-value pairs and tokens per sequence (default '
+                        f'{" ".join(f"{w}x{p}x{n}" for w, p, n in RECALL_SIZES)})')
+    p.add_argument('--seeds', type=int, default=RECALL_SEEDS, help='seeds per model and size (0, 1, ...)')
+    p.add_argument('--steps', type=int, default=RECALL_STEPS, help=f'training steps of {RECALL_BATCH} sequences')
+    p.add_argument('--threads', type=int, default=1, help='CPU threads of this process')
+    p.add_argument('--compile', action='store_true', help='train through torch.compile (about 1.4x faster a step '
+                   'on a CPU; two processes at once: give them different --models, so that no graph is compiled twice '
+                   'at once)')
+    p.add_argument('--no-train', action='store_true', help='train nothing: the tables and picture from the records')
 
 
 def main(argv=None):
@@ -2532,20 +2581,7 @@ def main(argv=None):
     p.add_argument('--claims', action='store_true', help=f'the claim rows ({CLAIM_SEEDS} seeds) and their floors')
     p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N', help=f'seeds (0, 1, ...): N for every table, TABLE=N '
                    f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')
-    p = sub.add_parser('recall', parents=[common], help='associative recall (MQAR): softmax, linear and causal InLine')
-    p.add_argument('--results', default=RECALL_RESULTS, help='finished runs, one JSON line each (default '
-                   'results/recall.jsonl beside paper.py); a rerun trains only what is missing')
-    p.add_argument('--models', nargs='+', metavar='NAME', help=f'these models (default: the study\'s, every one with Eq. 6), of {", ".join(RECALL_MODELS)}')
-    p.add_argument('--sizes', nargs='+', metavar='CxPAIRSxTOKENS', default=[f'{w}x{p}x{n}' for w, p, n in RECALL_SIZES],
-                   help=f'model width C ({RECALL_HEADS} heads), key-value pairs and tokens per sequence (default '
-                        f'{" ".join(f"{w}x{p}x{n}" for w, p, n in RECALL_SIZES)})')
-    p.add_argument('--seeds', type=int, default=RECALL_SEEDS, help='seeds per model and size (0, 1, ...)')
-    p.add_argument('--steps', type=int, default=RECALL_STEPS, help=f'training steps of {RECALL_BATCH} sequences')
-    p.add_argument('--threads', type=int, default=1, help='CPU threads of this process')
-    p.add_argument('--compile', action='store_true', help='train through torch.compile (about 1.4x faster a step '
-                   'on a CPU; two processes at once: give them different --models, so that no graph is compiled twice '
-                   'at once)')
-    p.add_argument('--no-train', action='store_true', help='train nothing: the tables and picture from the records')
+    add_recall_parser(sub, common)
     p = sub.add_parser('mosaics', parents=[common], help="train.py's fashion_recall mosaics, with their labels")
     p.add_argument('--data-path', default=FASHION_MNIST_DEB, help='Fashion-MNIST\'s IDX files')
     args = parser.parse_args(argv)

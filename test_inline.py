@@ -1810,6 +1810,7 @@ def test_recall_models_run_the_reference_function():
         assert len(cores) == 2 and all(m.causal for m in cores)
         assert all(m.scale_by_count == paper.RECALL_MODELS[name].get('scale_by_count', True) for m in cores)
         logits = model(x)
+        torch.testing.assert_close(model(x, 4), logits[:, -4:], rtol=0, atol=1e-12)  # the head at the answers only
         for m in cores:
             m.core = inline.inline_core
         torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
@@ -1853,6 +1854,9 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
     assert torch.get_num_threads() == threads  # --threads 1 held for the training only
     with open(results) as f:
         assert len(f.readlines()) == 2 * (len(paper.RECALL_LRS) + 1)  # 2 models x (3 learning rates + seed 1)
+    for r in runs.values():  # the right test answers kept, 1024 sequences x 2 pairs, are the recall
+        assert 100 * train.unpack_correct(r['correct'], 1024 * 2).double().mean().item() == pytest.approx(r['recall'],
+                                                                                                           abs=0.01)
     for name in ('softmax', 'InLine s/i'):
         best = max((r for r in runs.values() if r['model'] == name and r['seed'] == 0),
                    key=lambda r: (r['valid'], -r['lr']))
@@ -1904,6 +1908,33 @@ def test_recall_comparisons_are_untestable_under_the_floor_or_the_guess(tmp_path
     assert '| injectivity within InLine | 16 / 4 / 12 | 27.1 | 27.0 | ' in out and '| untestable | untestable |' in out
     assert re.search(r'\| injectivity within softmax \+ Eq. 6 \| 16 / 4 / 12 \| 59.7 \| 99.0 \| .* \| untestable \| untestable \|',
                      out)  # 59.7 < 58 + RECALL_GATE
+
+
+def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
+    """Made-up records with right answers kept: a gets the same answers right in every seed, b those and the same 410
+    more (20 points), so the seeds alone give ± 0.0, while the test sequences give the interval of a mean over 1024
+    sequences: t(0.975, 1023) sd / sqrt(1024) of the per-sequence differences (the two-way model with no seed or
+    residual variance)."""
+    width, pairs, tokens, steps = 16, 2, 12, 7
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(1024 * pairs, generator=g) < 0.5
+    b = a.clone()
+    wrong = (~a).nonzero().flatten()
+    b[wrong[torch.randperm(len(wrong), generator=g)[:410]]] = True
+    path = str(tmp_path / 'recall.jsonl')
+    for name, bits in (('InLine s/i q-norm', a), ('InLine s/i', b)):
+        for seed in range(3):
+            for lr in paper.RECALL_LRS if seed == 0 else paper.RECALL_LRS[:1]:
+                paper.append_record(path, dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed,
+                                               steps=steps, batch=paper.RECALL_BATCH, lr=lr, cpu_s=1.0, valid=50.0,
+                                               recall=100 * bits.double().mean().item(),
+                                               correct=train.pack_correct(bits)))
+    paper.main(['recall', '--no-train', '--results', path, '--steps', str(steps), '--seeds', '3', '--sizes',
+                f'{width}x{pairs}x{tokens}', '--models', 'InLine s/i q-norm', 'InLine s/i', '--out', str(tmp_path)])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith('| injectivity within InLine |'))
+    d = 100 * (b.view(1024, pairs).double().mean(1) - a.view(1024, pairs).double().mean(1))  # per test sequence
+    half = 1.962339 * d.std().item() / 1024 ** 0.5  # t(0.975, 1023)
+    assert 1.0 < half < 5.0 and f'| {d.mean().item():+.1f} ± {half:.1f} |' in row
 
 
 def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys):
