@@ -2250,7 +2250,7 @@ class RecallLM(torch.nn.Module):
 
     def forward(self, x, answers=None):
         """Logits at every token, or with `answers`, at the last `answers` tokens only (B, answers, 3V): where the
-        queries sit, the only places a loss or a score reads (the head and its softmax are a third of a step)."""
+        queries sit, the only places a loss or a score reads (it saves about a tenth of a step)."""
         h = self.blocks(self.embed(x) + self.pos[:, :x.shape[1]])  # (B, N, C)
         return self.head(self.norm(h if answers is None else h[:, -answers:]))
 
