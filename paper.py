@@ -2119,9 +2119,10 @@ def cmd_experiments(args):
 # causal Eq. 6 in the study (the short causal convolution that binds a key to the value after it). InLine is
 # injective in q_i only where the prefix's centred keys span D dimensions (inline.inline_weights), so every query
 # sits at token D + 1 or later: what is compared is injective where it claims to be. The models have 20k-100k
-# parameters and a run takes seconds, so they train here, in process: train.py is the image loop (its data
-# pipeline, DDP and checkpoints serve runs of minutes to days). Finished runs are JSON lines in RECALL_RESULTS
-# (committed), so the tables and the picture rebuild without training and a rerun trains only what is missing.
+# parameters and a run takes minutes on one core (2.5 at 20000 steps, compiled), so they train here, in process:
+# train.py is the image loop (its data pipeline, DDP and checkpoints serve runs of hours to days). Finished runs are
+# JSON lines in RECALL_RESULTS (committed), so the tables and the picture rebuild without training and a rerun
+# trains only what is missing.
 
 RECALL_RESULTS = os.path.join(HERE, 'results', 'recall.jsonl')
 RECALL_VOCAB = 64  # keys are tokens 0..63, values 64..127, filler 128..191
