@@ -68,7 +68,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # drawing: heat-map cells, line/dot charts, image tiles.
 
 PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127)]
+           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]  # 10 series before a colour repeats
 MARK = (230, 0, 120)  # identical rows, query tokens
 
 
@@ -113,7 +113,12 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
     label with xlabels (default the numbers themselves). Errors are drawn as vertical bars (+- err), cut at
     ylim = (lo, hi) where given (a percentage's interval beyond 0 or 100, say)."""
     left, top, right, bottom = box
-    x0, y0, x1, y1 = left + 58, top + 44, right - 14, bottom - 66  # the plotting area; title above, legend below
+    x0, x1 = left + 58, right - 14
+    rows, run = 1, 0  # the legend's rows: labels wrap when they run out of the plot's width
+    for label, *_ in series:
+        width = len(str(label)) * 6 + 40
+        rows, run = (rows + 1, width) if run + width > x1 - x0 and run else (rows, run + width)
+    y0, y1 = top + 44, bottom - 50 - 16 * rows  # the plotting area; title above, x label and legend below
     ys = [y + s * (e or 0) for _, _, values, errs in series for y, e in zip(values, errs or [0] * len(values))
           for s in (-1, 1) if y is not None and math.isfinite(y)] + [y for _, y in hlines]
     lo, hi = (max(min(ys), ylim[0]), min(max(ys), ylim[1])) if ylim else (min(ys), max(ys))
@@ -157,8 +162,7 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
             if errs and errs[j]:
                 draw.line([(px(x), py(y - errs[j])), (px(x), py(y + errs[j]))], fill=c, width=2)
             draw.ellipse([px(x) - 4, py(y) - 4, px(x) + 4, py(y) + 4], fill=c)
-    legend_x = x0  # one row under the x label, wrapped when it runs out of width
-    legend_y = bottom - 12 - 16 * (sum(len(label) * 6 + 40 for label, *_ in series) // (x1 - x0 + 1))
+    legend_x, legend_y = x0, bottom - 12 - 16 * (rows - 1)  # its rows under the x label
     for i, (label, *_) in enumerate(series):
         width = len(label) * 6 + 40
         if legend_x + width > x1 and legend_x > x0:
