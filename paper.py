@@ -114,10 +114,13 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
     ylim = (lo, hi) where given (a percentage's interval beyond 0 or 100, say)."""
     left, top, right, bottom = box
     x0, x1 = left + 58, right - 14
-    rows, run = 1, 0  # the legend's rows: labels wrap when they run out of the plot's width
+    places, row, run = [], 0, 0  # each legend label's (x offset, row): labels wrap at the plot's width
     for label, *_ in series:
         width = len(str(label)) * 6 + 40
-        rows, run = (rows + 1, width) if run + width > x1 - x0 and run else (rows, run + width)
+        row, run = (row + 1, 0) if run + width > x1 - x0 and run else (row, run)
+        places.append((run, row))
+        run += width
+    rows = row + 1
     y0, y1 = top + 44, bottom - 50 - 16 * rows  # the plotting area; title above, x label and legend below
     ys = [y + s * (e or 0) for _, _, values, errs in series for y, e in zip(values, errs or [0] * len(values))
           for s in (-1, 1) if y is not None and math.isfinite(y)] + [y for _, y in hlines]
@@ -162,14 +165,10 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
             if errs and errs[j]:
                 draw.line([(px(x), py(y - errs[j])), (px(x), py(y + errs[j]))], fill=c, width=2)
             draw.ellipse([px(x) - 4, py(y) - 4, px(x) + 4, py(y) + 4], fill=c)
-    legend_x, legend_y = x0, bottom - 12 - 16 * (rows - 1)  # its rows under the x label
-    for i, (label, *_) in enumerate(series):
-        width = len(label) * 6 + 40
-        if legend_x + width > x1 and legend_x > x0:
-            legend_x, legend_y = x0, legend_y + 16
+    for i, ((label, *_), (dx, row)) in enumerate(zip(series, places)):  # the legend, its rows under the x label
+        legend_x, legend_y = x0 + dx, bottom - 12 - 16 * (rows - 1 - row)
         draw.rectangle([legend_x, legend_y - 5, legend_x + 12, legend_y + 5], fill=PALETTE[i % len(PALETTE)])
-        draw.text((legend_x + 17, legend_y), label, fill='black', font=font(11), anchor='lm')
-        legend_x += width
+        draw.text((legend_x + 17, legend_y), str(label), fill='black', font=font(11), anchor='lm')
 
 
 def charts(path, panels, cols, size):
