@@ -2288,14 +2288,22 @@ def recall_run(name, width, pairs, tokens, seed, lr, steps, compiled=False):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     schedule = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
     data, start = torch.Generator().manual_seed(1000 + seed), time.process_time()
+
+    def step():
+        x, y = mqar_batch(RECALL_BATCH, pairs, tokens, data)
+        loss = F.cross_entropy(forward(x, pairs).flatten(0, 1), y[:, -pairs:].flatten())  # the answers only
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        schedule.step()
+        return loss
+
     with torch._dynamo.config.patch(recompile_limit=64):  # compiled: a graph per model and size, none dropped to eager
-        for _ in range(steps):
-            x, y = mqar_batch(RECALL_BATCH, pairs, tokens, data)
-            loss = F.cross_entropy(forward(x, pairs).flatten(0, 1), y[:, -pairs:].flatten())  # the answers only
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            schedule.step()
+        # the first step compiles them: one process at a time, the others then load them from the inductor cache
+        with kernels.node_lock(('recall', name, width, pairs, tokens)) if compiled else contextlib.nullcontext():
+            loss = step()
+        for _ in range(steps - 1):
+            loss = step()
     valid, test = (recall_answers(model, pairs, tokens, s) for s in (RECALL_VALID, RECALL_TEST))
     return dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed, steps=steps, batch=RECALL_BATCH,
                 lr=lr, valid=round(100 * valid.double().mean().item(), 2),
@@ -2358,8 +2366,17 @@ def cmd_recall(args):
     return recall_report(runs, models, sizes, args)
 
 
+def recall_claim(out, key, wait=False):
+    """lock_run on OUT/recall-claims/<the run>: the descriptor, or None while another command trains that run (and
+    not wait)."""
+    return lock_run(os.path.join(out, 'recall-claims', hashlib.sha256(key.encode()).hexdigest()[:24]), wait)
+
+
 def train_recall(runs, todo, stage, args):
-    """Train the runs of todo, each added to args.results (and runs) the moment it finishes."""
+    """Train the runs of todo, each added to args.results (and runs) the moment it finishes. Each run is claimed
+    first (recall_claim), so several commands share one plan: a run another command is training is left to it and
+    waited for at the end (trained here if it left no record), so that the next stage is planned from every run of
+    this one; and one command compiles a model's graph while the others wait to load it from the cache."""
     def rate(name):  # CPU seconds per token of a step: the model's own records (compiled or not), else every record's
         done = [r for r in runs.values() if r['batch'] == RECALL_BATCH and r['model'] == name
                 and r.get('compiled', False) == args.compile] or list(runs.values())
@@ -2367,14 +2384,27 @@ def train_recall(runs, todo, stage, args):
     estimate = sum(rate(name) * tokens * args.steps for name, _, _, tokens, _, _ in todo) / 60
     print(f"recall (MQAR), {stage}: {len(todo)} runs to train at {args.threads} thread(s), {args.steps} steps of "
           f"{RECALL_BATCH}, about {estimate:.0f} CPU-min (from the records' CPU time per token)", flush=True)
-    spent = 0.0
-    for name, width, pairs, tokens, seed, lr in tqdm(todo, desc='recall', disable=not todo):
-        row = recall_run(name, width, pairs, tokens, seed, lr, args.steps, args.compile)
-        runs[recall_row_key(row)] = row
-        append_record(args.results, row)
-        spent += row['cpu_s']
-    if todo:
-        print(f"trained {len(todo)} runs in {spent / 60:.1f} CPU-min (process CPU time)")
+    trained = []
+
+    def attempt(run, wait):  # False: another command holds the run
+        key = recall_key(*run, args.steps)
+        claim = recall_claim(args.out, key, wait)
+        if claim is None:
+            return False
+        try:
+            runs.update(read_records(args.results, key=recall_row_key))
+            if key not in runs:  # not recorded by another command meanwhile
+                runs[key] = recall_run(*run, args.steps, args.compile)
+                append_record(args.results, runs[key])
+                trained.append(runs[key]['cpu_s'])
+        finally:
+            os.close(claim)
+        return True
+    others = [run for run in tqdm(todo, desc='recall', disable=not todo) if not attempt(run, wait=False)]
+    for run in others:
+        attempt(run, wait=True)
+    if trained:
+        print(f"trained {len(trained)} runs in {sum(trained) / 60:.1f} CPU-min (process CPU time)")
 
 
 def chosen_runs(runs, name, size, steps, seeds):
@@ -2515,8 +2545,7 @@ def add_recall_parser(sub, common):
     p.add_argument('--steps', type=int, default=RECALL_STEPS, help=f'training steps of {RECALL_BATCH} sequences')
     p.add_argument('--threads', type=int, default=1, help='CPU threads of this process')
     p.add_argument('--compile', action='store_true', help='train through torch.compile (about 1.4x faster a step '
-                   'on a CPU; two processes at once: give them different --models, so that no graph is compiled twice '
-                   'at once)')
+                   'on a CPU). Several commands at once share the study: each trains what no other has claimed')
     p.add_argument('--no-train', action='store_true', help='train nothing: the tables and picture from the records')
 
 

@@ -27,6 +27,7 @@ import subprocess
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import tokenize
 import types
@@ -1846,7 +1847,7 @@ def test_recall_softmax_adds_causal_eq6_token_by_token():
 def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only_the_rest(tmp_path, monkeypatch,
                                                                                          capsys):
     """Seed 0 at every learning rate, then seed 1 at the one that recalled most on the held-out sequences; a rerun
-    trains only what is missing, and --no-train trains nothing."""
+    trains only what is missing, a run another command has claimed is left to it, and --no-train trains nothing."""
     results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes', '8x2x6',
                                                      '--out', str(tmp_path)]
     threads = torch.get_num_threads()
@@ -1864,8 +1865,12 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
     trained = []
     real = paper.recall_run
     monkeypatch.setattr(paper, 'recall_run', lambda *run: trained.append(run) or real(*run))
+    # another command holds the first run and gives it up unfinished after 2 s: it is left, waited for, then trained
+    claimed = paper.recall_claim(str(tmp_path), paper.recall_key('linear 1+elu', 8, 2, 6, 0, paper.RECALL_LRS[0], 3))
+    threading.Timer(2.0, os.close, (claimed,)).start()
     paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i', 'linear 1+elu'])
-    assert len(trained) == len(paper.RECALL_LRS) + 1 and {run[0] for run in trained} == {'linear 1+elu'}
+    assert {run[0] for run in trained} == {'linear 1+elu'} and [run[4] for run in trained] == [0, 0, 0, 1]
+    assert [run[5] for run in trained[:3]] == [*paper.RECALL_LRS[1:], paper.RECALL_LRS[0]]
     paper.main(argv + ['--results', results, '--models', 'softmax', 'InLine s', '--no-train'])
     assert len(trained) == len(paper.RECALL_LRS) + 1
     out = capsys.readouterr().out
