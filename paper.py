@@ -2163,6 +2163,7 @@ RECALL_FIRST_STEPS = 2000  # the first study's budget, where no linear-state run
 RECALL_GATE = 3.0  # recall points over the floor and the guess that both models of a comparison must clear
 RECALL_CLAIM = 1.0  # "b recalls more than a", as verdict reads a paper's difference
 RECALL_VALID, RECALL_TEST = 777, 12345  # the held-out sequences' generators: learning rates, then the test
+RECALL_HELD_OUT = 1024  # sequences of each
 
 
 def mqar_batch(batch, pairs, tokens, generator):
@@ -2268,9 +2269,9 @@ def short_sequence_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal
 
 
 def recall_answers(model, pairs, tokens, seed):
-    """Which answers the model gets right, (1024, pairs) bool, on 1024 held-out sequences drawn from generator seed
-    (RECALL_VALID or RECALL_TEST)."""
-    x, y = mqar_batch(1024, pairs, tokens, torch.Generator().manual_seed(seed))
+    """Which answers the model gets right, (RECALL_HELD_OUT, pairs) bool, on held-out sequences drawn from generator
+    seed (RECALL_VALID or RECALL_TEST)."""
+    x, y = mqar_batch(RECALL_HELD_OUT, pairs, tokens, torch.Generator().manual_seed(seed))
     with torch.no_grad():
         return model(x, pairs).argmax(-1) == y[:, -pairs:]
 
@@ -2422,26 +2423,27 @@ def first_study(runs, name, size, seeds):
 
 
 def by_sequence(rows, pairs):
-    """(seeds, 1024): each run's share of right answers on each test sequence, from its record's `correct`, the
-    test set's side of the intervals; None where a record predates them."""
+    """(seeds, RECALL_HELD_OUT): each run's share of right answers on each test sequence, from its record's
+    `correct`, the test set's side of the intervals; None where a record predates them."""
     if not rows or any('correct' not in r for r in rows):
         return None
-    return torch.stack([train.unpack_correct(r['correct'], 1024 * pairs).view(1024, pairs).double().mean(1)
-                        for r in rows])
+    return torch.stack([train.unpack_correct(r['correct'], RECALL_HELD_OUT * pairs).view(RECALL_HELD_OUT, pairs)
+                        .double().mean(1) for r in rows])
 
 
 def recall_report(runs, models, sizes, args):
     """The tables and the picture from the records: the learning rates, recall by model against the floor and the
     guess, and each comparison's verdict, gated by both."""
     print(f"\nMQAR: keys, values and filler from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, "
-          f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on 1024 test sequences, mean over "
-          f"the seeds with its 95% interval over the seeds and the test sequences (the ablations' two-way model), or "
-          f"over the seeds only (Student-t) where a record predates per-answer results; each model at the learning "
-          f"rate of {', '.join(map(str, RECALL_LRS))} that recalled most on 1024 held-out sequences (seed 0). Every "
-          f"query sits at token D + 1 or later.\n")
+          f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on {RECALL_HELD_OUT} test "
+          f"sequences, mean over the seeds with its 95% interval over the seeds and the test sequences (the ablations' "
+          f"two-way model), or over the seeds only (Student-t) where a record predates per-answer results; each model "
+          f"at the learning rate of {', '.join(map(str, RECALL_LRS))} that recalled most on {RECALL_HELD_OUT} "
+          f"held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
     recall, sequences, table, guesses, missing = {}, {}, [], {}, []
     for w, p, n in sizes:
-        guesses[w, p, n] = most_frequent_guess(*mqar_batch(1024, p, n, torch.Generator().manual_seed(RECALL_TEST)), p)
+        test = mqar_batch(RECALL_HELD_OUT, p, n, torch.Generator().manual_seed(RECALL_TEST))
+        guesses[w, p, n] = most_frequent_guess(*test, p)
         for name in models:
             lr, rows = chosen_runs(runs, name, (w, p, n), args.steps, args.seeds)
             tried = ' '.join(f"{runs[k]['valid']:.1f}" if (k := recall_key(name, w, p, n, 0, r, args.steps)) in runs
@@ -2474,7 +2476,7 @@ def recall_report(runs, models, sizes, args):
                 continue
             diffs = [y - x for x, y in zip(ra[:seeds], rb[:seeds])]
             sa, sb = sequences[a, w, p, n], sequences[b, w, p, n]
-            images = None if sa is None or sb is None else sb[:seeds] - sa[:seeds]  # (seeds, 1024), per test sequence
+            images = None if sa is None or sb is None else sb[:seeds] - sa[:seeds]  # (seeds, sequences)
             mean, half = interval(diffs, images)
             gate = max(statistics.mean(floor) if floor else math.inf, guesses[w, p, n]) + RECALL_GATE
             cleared = statistics.mean(ra) >= gate and statistics.mean(rb) >= gate
@@ -2487,9 +2489,9 @@ def recall_report(runs, models, sizes, args):
     for row, q in zip(verdicts, ps):  # Holm over the testable comparisons of this table
         row.append('untestable' if q is None else row[-1] if next(adjusted) < ALPHA else 'not resolved')
     if verdicts:
-        print(f'\nComparisons, b minus a seed by seed, with its 95% interval over the seeds and the 1024 test '
-              f'sequences (the ablations\' two-way random-effects model, t on Satterthwaite\'s degrees of freedom), or over '
-              f'the seeds only (Student-t) where a record predates per-answer results; the verdict is on "b '
+        print(f'\nComparisons, b minus a seed by seed, with its 95% interval over the seeds and the {RECALL_HELD_OUT} '
+              f'test sequences (the ablations\' two-way random-effects model, t on Satterthwaite\'s degrees of freedom), '
+              f'or over the seeds only (Student-t) where a record predates per-answer results; the verdict is on "b '
               f'recalls more than a" (RESULTS.md, "Verdicts"), untestable unless both clear the floor (phi = 0) and the '
               f'guess by {RECALL_GATE:g} points; the Holm verdict the same over the testable ones.\n')
         print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict',
