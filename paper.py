@@ -2431,39 +2431,67 @@ def by_sequence(rows, pairs):
                         .double().mean(1) for r in rows])
 
 
+def held_out(runs, name, size, steps):
+    """Seed 0's held-out recall at each of RECALL_LRS (None where it has no record): what chooses the rate."""
+    return [runs[k]['valid'] if (k := recall_key(name, *size, 0, lr, steps)) in runs else None for lr in RECALL_LRS]
+
+
 def recall_report(runs, models, sizes, args):
     """The tables and the picture from the records: the learning rates, recall by model against the floor and the
     guess, and each comparison's verdict, gated by both."""
+    guesses = {(w, p, n): most_frequent_guess(*mqar_batch(RECALL_HELD_OUT, p, n, torch.Generator().manual_seed(
+        RECALL_TEST)), p) for w, p, n in sizes}
+    recall, sequences = recall_table(runs, models, sizes, guesses, args)
+    recall_comparisons(recall, sequences, guesses, models, sizes)
+    panels = []
+    for size in sizes:
+        series = [(name, list(RECALL_LRS), held_out(runs, name, size, args.steps), None) for name in models]
+        if all(y is None for _, _, ys, _ in series for y in ys):
+            continue  # no runs at this size yet
+        panels.append(dict(series=series, title='MQAR, C {}, {} pairs, {} tokens: held-out recall, seed 0'.format(
+            *size), xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True, lines=True,
+            ylim=(0, 100), hlines=[('the guess', guesses[size])]))
+    if panels:
+        charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 460))
+    return runs
+
+
+def recall_table(runs, models, sizes, guesses, args):
+    """Print each model's learning rates, recall and seeds at each size; return {(model, C, pairs, tokens): recall
+    per seed} and {the same: by_sequence}."""
     print(f"\nMQAR: keys, values and filler from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, "
           f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on {RECALL_HELD_OUT} test "
           f"sequences, mean over the seeds with its 95% interval over the seeds and the test sequences (the ablations' "
           f"two-way model), or over the seeds only (Student-t) where a record predates per-answer results; each model "
           f"at the learning rate of {', '.join(map(str, RECALL_LRS))} that recalled most on {RECALL_HELD_OUT} "
           f"held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
-    recall, sequences, table, guesses, missing = {}, {}, [], {}, []
-    for w, p, n in sizes:
-        test = mqar_batch(RECALL_HELD_OUT, p, n, torch.Generator().manual_seed(RECALL_TEST))
-        guesses[w, p, n] = most_frequent_guess(*test, p)
-        for name in models:
-            lr, rows = chosen_runs(runs, name, (w, p, n), args.steps, args.seeds)
-            tried = ' '.join(f"{runs[k]['valid']:.1f}" if (k := recall_key(name, w, p, n, 0, r, args.steps)) in runs
-                             else '-' for r in RECALL_LRS)
-            recall[name, w, p, n] = values = [r['recall'] for r in rows]
-            sequences[name, w, p, n] = by_sequence(rows, p)
-            if tried == ' '.join('-' * len(RECALL_LRS)):
-                missing.append(f"{name} at {w} / {p} / {n}")
-                continue
-            mean, half = interval(values, sequences[name, w, p, n]) if values else (math.nan, math.nan)
-            table.append([f"{w} / {p} / {n}", name, tried, lr or '-', f"{mean:.1f} ± {half:.1f}" if values else '-',
-                          ' '.join(f'{v:.1f}' for v in values), len(values)]
-                         + ([first_study(runs, name, (w, p, n), args.seeds)] if args.steps != RECALL_FIRST_STEPS else []))
+    first = args.steps != RECALL_FIRST_STEPS  # a column for the first study's recall
+    recall, sequences, table, missing = {}, {}, [], []
+    for (w, p, n), name in itertools.product(sizes, models):
+        lr, rows = chosen_runs(runs, name, (w, p, n), args.steps, args.seeds)
+        tried = held_out(runs, name, (w, p, n), args.steps)
+        recall[name, w, p, n] = values = [r['recall'] for r in rows]
+        sequences[name, w, p, n] = by_sequence(rows, p)
+        if all(v is None for v in tried):
+            missing.append(f"{name} at {w} / {p} / {n}")
+            continue
+        mean, half = interval(values, sequences[name, w, p, n]) if values else (math.nan, math.nan)
+        table.append([f"{w} / {p} / {n}", name, ' '.join('-' if v is None else f'{v:.1f}' for v in tried), lr or '-',
+                      f"{mean:.1f} ± {half:.1f}" if values else '-', ' '.join(f'{v:.1f}' for v in values),
+                      len(values)] + ([first_study(runs, name, (w, p, n), args.seeds)] if first else []))
     cpu = sum(r['cpu_s'] for r in runs.values() if r['model'] in models and (r['width'], r['pairs'], r['tokens'])
               in sizes and r['steps'] == args.steps)
     print_table(['C / pairs / tokens', 'model', 'held-out % at each lr', 'lr', 'recall %', 'per seed', 'seeds']
-                + ([f'at {RECALL_FIRST_STEPS} steps'] if args.steps != RECALL_FIRST_STEPS else []), table)
+                + ([f'at {RECALL_FIRST_STEPS} steps'] if first else []), table)
     print('\nthe guess: a model that knows the values of its sequence and answers the most frequent (simulated on the '
           'test sequences): ' + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
           f'. CPU time of these runs: {cpu / 60:.1f} min.' + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
+    return recall, sequences
+
+
+def recall_comparisons(recall, sequences, guesses, models, sizes):
+    """Print each comparison's difference, verdict and Holm verdict, untestable unless both models clear the floor
+    and the guess by RECALL_GATE."""
     verdicts, ps = [], []
     for (question, a, b), eq6 in itertools.product(RECALL_COMPARISONS, ('', RECALL_EQ6)):
         a, b, floor_name = a + eq6, b + eq6, RECALL_FLOOR + eq6  # each model's floor has Eq. 6 where it has
@@ -2494,21 +2522,8 @@ def recall_report(runs, models, sizes, args):
               f'or over the seeds only (Student-t) where a record predates per-answer results; the verdict is on "b '
               f'recalls more than a" (RESULTS.md, "Verdicts"), untestable unless both clear the floor (phi = 0) and the '
               f'guess by {RECALL_GATE:g} points; the Holm verdict the same over the testable ones.\n')
-        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict',
-                     'Holm verdict'],
+        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict', 'Holm verdict'],
                     verdicts)
-    panels = []
-    for w, p, n in sizes:
-        series = [(name, list(RECALL_LRS), [runs[k]['valid'] if (k := recall_key(name, w, p, n, 0, r, args.steps))
-                                            in runs else None for r in RECALL_LRS], None) for name in models]
-        if all(y is None for _, _, ys, _ in series for y in ys):
-            continue  # no runs at this size yet
-        panels.append(dict(series=series, title=f'MQAR, C {w}, {p} pairs, {n} tokens: held-out recall, seed 0',
-                           xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True,
-                           lines=True, ylim=(0, 100), hlines=[('the guess', guesses[w, p, n])]))
-    if panels:
-        charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 460))
-    return runs
 
 
 # ---------------------------------------------------------------------------------------------------
