@@ -502,14 +502,7 @@ def train_runs(runs, args, desc='training'):
                     os.close(lock)
                     bar.update()
                     continue
-                log = open(os.path.join(folder, 'train.log'), 'a')
-                argv = [sys.executable, os.path.join(HERE, 'train.py'), *run.argv, '--output-dir', folder,
-                        '--threads', str(threads)]
-                log.write('$ ' + ' '.join(argv) + '\n')
-                log.flush()
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env,
-                                        pass_fds=(lock,))
-                running[run.key()] = (proc, run, log, lock, time.time())
+                running[run.key()] = (*launch(run, folder, lock, threads, env), run, lock, time.time())
             if not running:
                 if waiting:  # only other commands' runs are left: wait for the first to end, then take it up again
                     run = waiting.pop(0)
@@ -517,17 +510,11 @@ def train_runs(runs, args, desc='training'):
                     todo.append(run)
                 continue
             key, cpu_s = wait_any(running)
-            proc, run, log, lock, start = running.pop(key)
+            proc, log, run, lock, start = running.pop(key)
             log.close()
             folder = run.folder(args.out)
             spend(folder, cpu_s, time.time() - start)
-            with open(os.path.join(folder, 'train.log')) as f:
-                tail = f.read()[-3000:]
-            if proc.returncode and 'the loss is not finite' in tail:
-                with open(os.path.join(folder, 'diverged'), 'w') as f:
-                    f.write(tail[tail.rfind('error:'):])
-            elif proc.returncode or run_state(folder, run.recipe['epochs']) != 'done':
-                train.fail(f'train.py failed (exit {proc.returncode}) in {folder}; its log ends:\n{tail}')
+            check_ended(proc, run, folder)
             append_record(args.results, make_record(run, folder, run_state(folder, run.recipe['epochs']), threads))
             os.close(lock)
             bar.update()
@@ -535,7 +522,7 @@ def train_runs(runs, args, desc='training'):
         signal.signal(signal.SIGTERM, stop)
         for proc, *_ in running.values():
             proc.terminate()
-        for proc, run, log, lock, start in running.values():
+        for proc, log, run, lock, start in running.values():
             before = children_cpu_s()
             proc.wait()
             spend(run.folder(args.out), children_cpu_s() - before, time.time() - start)
@@ -547,6 +534,29 @@ def train_runs(runs, args, desc='training'):
               f'their own')
     records = read_records(args.results)
     return {r.key(): records[r.key()] for r in runs if r.key() in records}
+
+
+def launch(run, folder, lock, threads, env):
+    """Start `python train.py ARGV --output-dir FOLDER` (output appended to FOLDER/train.log), handing it the run's
+    lock: (the process, its open log)."""
+    log = open(os.path.join(folder, 'train.log'), 'a')
+    argv = [sys.executable, os.path.join(HERE, 'train.py'), *run.argv, '--output-dir', folder, '--threads',
+            str(threads)]
+    log.write('$ ' + ' '.join(argv) + '\n')
+    log.flush()
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env, pass_fds=(lock,)), log
+
+
+def check_ended(proc, run, folder):
+    """A train.py that stopped on a non-finite loss leaves FOLDER/diverged (a result, not retried); any other
+    failure, or an exit before the last epoch, stops paper.py with the end of its log."""
+    with open(os.path.join(folder, 'train.log')) as f:
+        tail = f.read()[-3000:]
+    if proc.returncode and 'the loss is not finite' in tail:
+        with open(os.path.join(folder, 'diverged'), 'w') as f:
+            f.write(tail[tail.rfind('error:'):])
+    elif proc.returncode or run_state(folder, run.recipe['epochs']) != 'done':
+        train.fail(f'train.py failed (exit {proc.returncode}) in {folder}; its log ends:\n{tail}')
 
 
 def spend(folder, cpu_s, wall_s):
