@@ -2648,8 +2648,9 @@ def main(argv=None):
     if args.command in ('locality', 'maps') and args.dataset == 'fashion_recall':
         parser.error(f'{args.command} measures DeiT checkpoints of the small datasets; fashion_recall is the ablations\' '
                      f'test bed (paper.py ablations --dataset fashion_recall)')
-    return {'mosaics': cmd_mosaics, 'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity, 'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed,
-            'ablations': cmd_ablations, 'recall': cmd_recall}[args.command](args)
+    return {'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity,
+            'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed, 'ablations': cmd_ablations,
+            'recall': cmd_recall, 'mosaics': cmd_mosaics}[args.command](args)
 
 
 if __name__ == '__main__':
