@@ -1970,7 +1970,15 @@ def cmd_ablations(args):
           f'"{family_name}": the {m} comparisons with a verdict, so that the chance of any false verdict among them '
           f'is at most 5%. † a claim row.\n')
     print_table(header, rows)
-    out = args.png or os.path.join(args.out, 'ablations_fashion_recall.png' if mosaics else 'ablations.png')
+    ablations_pictures(args, chosen, planned, done, result, rows, points)
+    return configs, rows
+
+
+def ablations_pictures(args, chosen, planned, done, result, rows, points):
+    """The ablations' picture (each comparison's difference and interval beside the paper's, a panel per table;
+    top-1 per experiment where none has a comparison) and, beside it, every run's learning curves."""
+    default = 'ablations_fashion_recall.png' if args.dataset == 'fashion_recall' else 'ablations.png'
+    out = args.png or os.path.join(args.out, default)
     panels = {}
     for r, point in zip(rows, points):  # one panel per table, the first a comparison names
         if point is not None:
@@ -1982,13 +1990,12 @@ def cmd_ablations(args):
         title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
         xlabels=[label for label, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
         for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
-        series=[('here', list(range(1, len(chosen) + 1)), [statistics.mean(result[n].top1.values() or [0]) for n in chosen],
-                 None)], title='top-1 here', xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
+        series=[('here', list(range(1, len(chosen) + 1)),
+                 [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)], title='top-1 here', xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
         xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
     curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
     learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done)
-    return configs, rows
 
 
 def table_rows(chosen, planned, result, every, guess=None):
