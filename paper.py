@@ -1991,8 +1991,9 @@ def ablations_pictures(args, chosen, planned, done, result, rows, points):
         xlabels=[label for label, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
         for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
         series=[('here', list(range(1, len(chosen) + 1)),
-                 [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)], title='top-1 here', xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
-        xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
+                 [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)], title='top-1 here',
+        xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)), xlabels=[short_name(n) for n in chosen],
+        lines=False)], cols=4, size=(420, 330))
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
     curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
     learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done)
@@ -2340,11 +2341,16 @@ def recall_row_key(row):
     return recall_key(*(row[k] for k in ('model', 'width', 'pairs', 'tokens', 'seed', 'lr', 'steps', 'batch')))
 
 
+def held_out(runs, name, size, steps):
+    """Seed 0's held-out recall at each of RECALL_LRS (None where it has no record): what chooses the rate."""
+    return [runs[k]['valid'] if (k := recall_key(name, *size, 0, lr, steps)) in runs else None for lr in RECALL_LRS]
+
+
 def best_lr(runs, name, size, steps):
     """The learning rate of RECALL_LRS whose seed-0 run recalls most on the held-out sequences (the smaller on a
     tie), or None until all of them have run."""
-    found = [runs.get(recall_key(name, *size, 0, lr, steps)) for lr in RECALL_LRS]
-    return None if None in found else max(found, key=lambda r: (r['valid'], -r['lr']))['lr']
+    valid = held_out(runs, name, size, steps)
+    return None if None in valid else max(zip(valid, RECALL_LRS), key=lambda pair: (pair[0], -pair[1]))[1]
 
 
 def recall_plan(runs, models, sizes, seeds, steps):
@@ -2446,11 +2452,6 @@ def by_sequence(rows, pairs):
         return None
     return torch.stack([train.unpack_correct(r['correct'], RECALL_HELD_OUT * pairs).view(RECALL_HELD_OUT, pairs)
                         .double().mean(1) for r in rows])
-
-
-def held_out(runs, name, size, steps):
-    """Seed 0's held-out recall at each of RECALL_LRS (None where it has no record): what chooses the rate."""
-    return [runs[k]['valid'] if (k := recall_key(name, *size, 0, lr, steps)) in runs else None for lr in RECALL_LRS]
 
 
 def recall_report(runs, models, sizes, args):
