@@ -1,0 +1,637 @@
+"""The four backbones (models.py) against the authors' released models: golden blocks, parameter counts, keys,
+MACs, every registered variant forward and backward, dense prediction.
+"""
+import gzip
+import os
+import re
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import inline
+import kernels
+import models
+import paper
+import train
+from conftest import GOLDEN, qkv
+
+# ===================================================================================================
+# models.py: the four backbones against the authors' released models
+
+SLOW = pytest.mark.skipif(not os.environ.get('INLINE_SLOW'), reason="set INLINE_SLOW=1 for every variant")
+TINY = ['inline_deit_t', 'inline_pvt_t', 'inline_swin_t', 'inline_cswin_t']  # one variant per family
+
+# Small models of each family, for real forward and backward passes on a non-square image. They reach
+# every code path: class token, separate q/kv, I, L, S and M letters, padded and shifted Swin windows,
+# two-branch CSwin stripes that need padding (stage 3: a 4x6 map in stripes of 3).
+SMALL = {
+    'inline_deit_t': dict(img_size=(48, 80), embed_dim=32, depth=2, num_heads=2, layout='I'),
+    'inline_pvt_t': dict(img_size=(64, 96), embed_dims=(16, 32, 32, 64), depths=(1, 1, 1, 1),
+                         num_heads=(1, 2, 2, 2), layout='ILII'),
+    'inline_swin_t': dict(img_size=(64, 96), embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4),
+                          layout='SIMS1', softmax_window=3),
+    'inline_cswin_t': dict(img_size=(64, 96), embed_dim=16, depths=(1, 2, 2, 1), num_heads=(2, 2, 4, 4),
+                           layout='ILSS', stripes=(1, 2, 3, 3)),
+}
+
+
+def released_keys(name):
+    """[(key, shape, kind)] of the authors' state dict for a variant."""
+    with gzip.open(os.path.join(GOLDEN, 'keys', f'{name}.tsv.gz'), 'rt') as f:
+        rows = [line.rstrip('\n').split('\t') for line in f][1:]
+    return [(key, tuple(int(n) for n in shape.split('x')), kind) for key, shape, kind in rows]
+
+
+def meta_model(name, **overrides):
+    with torch.device('meta'):
+        return models.create_model(name, **overrides)
+
+
+def perturb(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------
+# The authors' blocks, reproduced from their weights
+
+DEFAULTS = models.ATTENTION_OPTIONS  # the released models' attention: identity kernel, Eq. 6
+
+
+def golden_block(name, cfg):
+    """Our module for a golden case, built from its config."""
+    dim, heads = cfg['dim'], cfg['heads']
+    if name.startswith('swin_attention'):
+        return inline.InLineAttention(dim, heads, kernel=cfg['kernel'])
+    if name.startswith('swin_block'):
+        assert cfg['shift'] in (0, cfg['window'] // 2)
+        return models.SwinBlock(dim, heads, cfg['attn'], cfg['window'], cfg['shift'] > 0, cfg['mlp_ratio'], 0., DEFAULTS)
+    if name in ('deit_block', 'pvt_block'):
+        attn = models.make_attention('I', dim, heads, DEFAULTS, separate_q=name == 'pvt_block',
+                                     leading_tokens=int(name == 'deit_block'))  # DeiT's class token
+        return models.Block(dim, cfg['mlp_ratio'], 0., cfg['norm_eps'], attn)
+    if name.startswith('cswin_block'):
+        return models.CSwinBlock(dim, heads, cfg['attn'], cfg['split'], cfg['grid'], cfg['mlp_ratio'], 0., DEFAULTS)
+    raise KeyError(name)
+
+
+GOLDEN_CASES = ['swin_block_inline', 'swin_block_softmax_shifted', 'swin_attention_identity', 'swin_attention_relu',
+                'swin_attention_leakyrelu', 'swin_attention_exp', 'deit_block', 'pvt_block', 'cswin_block_inline',
+                'cswin_block_softmax_stripes']
+
+
+@pytest.mark.parametrize('name', GOLDEN_CASES)
+def test_golden_block(golden, name):
+    torch.manual_seed(0)
+    case = golden[name]
+    block = golden_block(name, case['config']).double().eval()
+    state = {k: v for k, v in case['state_dict'].items() if k.rsplit('.', 1)[-1] not in models.REBUILT_BUFFERS}
+    block.load_state_dict(state, strict=True)  # the authors' key names, unmapped
+    out = block(*case['inputs'], case['config']['grid'])
+    error = (out - case['output']).abs().max().item()
+    print(f"{name}: max |ours - authors'| = {error:.1e}")
+    assert error < 1e-10
+
+
+def test_rebuilt_buffers_equal_the_released_ones(golden):
+    state = golden['swin_block_softmax_shifted']['state_dict']  # window 4, shift 2, 8x8 map
+    assert torch.equal(models.window_mask(8, 8, 4, 4, 2, 2, 'cpu'), state['attn_mask'])
+    assert torch.equal(models.relative_position_index(4, 4, 4, 'cpu'), state['attn.relative_position_index'])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Windows that do not tile the map: padded and masked, checked against attention written without
+# windows at all (global attention, a token pair allowed iff in the same window of the original frame)
+
+def swin_reference(block, x, grid):
+    (h, w), window = grid, block.window
+    y, xx = (t.flatten() for t in torch.meshgrid(torch.arange(h), torch.arange(w), indexing='ij'))
+
+    def group(c, L):  # which window a coordinate falls in: windows start at -shift, cut at the border
+        size = min(window, L)
+        shift = window // 2 if block.shift and size < L else 0
+        return torch.div(c - shift, size, rounding_mode='floor')
+
+    allowed = (group(y, h)[:, None] == group(y, h)[None]) & (group(xx, w)[:, None] == group(xx, w)[None])
+    index = (y[:, None] - y[None] + window - 1) * (2 * window - 1) + (xx[:, None] - xx[None] + window - 1)
+    bias = block.attn.relative_position_bias_table[torch.where(allowed, index, 0)].permute(2, 0, 1)
+    B, N, C = x.shape
+    q, k, v = block.attn.qkv(block.norm1(x)).view(B, N, 3, block.attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+    a = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5 + bias
+    a = a.masked_fill(~allowed, float('-inf')).softmax(-1)
+    x = x + block.attn.proj((a @ v).transpose(1, 2).reshape(B, N, C))
+    return x + block.mlp(block.norm2(x))
+
+
+@pytest.mark.parametrize('grid,window,shift', [((8, 8), 4, True), ((6, 10), 4, True), ((5, 7), 3, False),
+                                               ((3, 9), 4, True), ((7, 5), 3, True)],
+                         ids=['8x8-w4-shift', '6x10-w4-shift-pad', '5x7-w3-pad', '3x9-w4-one-axis-covered',
+                              '7x5-w3-shift-pad'])
+def test_swin_windows_against_global_masked_attention(grid, window, shift):
+    torch.manual_seed(0)
+    block = perturb(models.SwinBlock(16, 2, 'S', window, shift, 2., 0., DEFAULTS).double())
+    x = torch.randn(2, grid[0] * grid[1], 16, dtype=torch.float64)
+    torch.testing.assert_close(block(x, grid), swin_reference(block, x, grid), rtol=0, atol=1e-12)
+
+
+def cswin_reference(block, x, grid):
+    h, w = grid
+    B, N, C = x.shape
+    y, xx = (t.flatten() for t in torch.meshgrid(torch.arange(h), torch.arange(w), indexing='ij'))
+    q, k, v = block.qkv(block.norm1(x)).chunk(3, dim=-1)
+    outs = []
+    for attn, q, k, v in zip(block.attns, q.chunk(2, -1), k.chunk(2, -1), v.chunk(2, -1)):
+        stripe = torch.div(xx if attn.axis == 0 else y, attn.stripe, rounding_mode='floor')
+        heads = [t.view(B, N, attn.num_heads, -1).transpose(1, 2) for t in (q, k, v)]  # (B, H, N, D)
+        a = (heads[0] @ heads[1].transpose(-2, -1)) * heads[0].shape[-1] ** -0.5
+        o = a.masked_fill(stripe[:, None] != stripe[None], float('-inf')).softmax(-1) @ heads[2]
+        dim = 3 if attn.axis == 0 else 2  # LePE: the depthwise conv, one stripe at a time
+        v_map = v.transpose(1, 2).reshape(B, -1, h, w)
+        lepe = torch.cat([attn.get_v(part) for part in v_map.split(attn.stripe, dim=dim)], dim=dim)
+        outs.append(o.transpose(1, 2).reshape(B, N, -1) + lepe.flatten(2).transpose(1, 2))
+    x = x + block.proj(torch.cat(outs, dim=-1))
+    return x + block.mlp(block.norm2(x))
+
+
+@pytest.mark.parametrize('grid,stripe', [((8, 8), 2), ((4, 6), 3), ((5, 7), 2)], ids=['8x8-s2', '4x6-s3-pad', '5x7-s2-pad'])
+def test_cswin_stripes_against_global_masked_attention(grid, stripe):
+    torch.manual_seed(0)
+    block = perturb(models.CSwinBlock(16, 2, 'S', stripe, grid, 2., 0., DEFAULTS).double())
+    assert len(block.attns) == 2
+    x = torch.randn(2, grid[0] * grid[1], 16, dtype=torch.float64)
+    torch.testing.assert_close(block(x, grid), cswin_reference(block, x, grid), rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The released variants: parameters, MACs, checkpoint layout
+
+@pytest.mark.parametrize('name', list(models.RELEASED))
+def test_param_count(name):
+    model = meta_model(name)
+    assert sum(p.numel() for p in model.parameters()) == models.RELEASED[name][0]
+
+
+@pytest.mark.parametrize('name', [n if n in TINY else pytest.param(n, marks=SLOW) for n in models.RELEASED])
+def test_macs(name):
+    """FLOPs / 2 from torch.utils.flop_counter within 0.1% of the authors' count (the issue asks 0.5%;
+    we are closer, and a missing or extra matmul anywhere would show). Ours is lower only by the released
+    code's q.k_mean product (N*D per head), which the centred form of Eq. 5 does not compute."""
+    gmacs = models.count_macs(meta_model(name)) / 1e9
+    released = models.RELEASED[name][1]
+    print(f"{name}: {gmacs:.3f} GMACs, released {released:.3f}")
+    assert abs(gmacs / released - 1) < 0.001
+
+
+@pytest.mark.parametrize('name', list(models.RELEASED))
+def test_keys_match_the_released_checkpoint(name):
+    """Our state dict is the authors' parameters, key for key and shape for shape, with no mapping."""
+    ours = {k: tuple(v.shape) for k, v in meta_model(name).state_dict().items()}
+    assert ours == {k: shape for k, shape, kind in released_keys(name) if kind == 'parameter'}
+
+
+@pytest.mark.parametrize('name', TINY)
+def test_released_format_loads_strictly(name, tmp_path):
+    torch.manual_seed(0)
+    state = {k: torch.randn(shape) if kind == 'parameter' else torch.zeros(shape)  # buffers: rebuilt, ignored
+             for k, shape, kind in released_keys(name)}
+    path = tmp_path / 'released.pth'
+    torch.save({'model': state, 'epoch': 299}, path)
+    for source in (path, state):  # a file, or a state dict already in memory
+        model = meta_model(name).to_empty(device='cpu')  # skips the random init, which the load overwrites
+        models.load_checkpoint(model, source)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state[k]), k
+
+
+def test_checkpoint_with_wrong_keys_names_them(tmp_path):
+    torch.manual_seed(0)
+    state = models.create_model('inline_deit_t', **SMALL['inline_deit_t']).state_dict()
+    del state['blocks.0.attn.proj.bias']
+    state['blocks.9.attn.qkv.weight'] = torch.zeros(1)
+    torch.save({'model': state}, tmp_path / 'wrong.pth')
+    with pytest.raises(RuntimeError, match=r"missing \['blocks\.0\.attn\.proj\.bias'\], unexpected \['blocks\.9\.attn\.qkv\.weight'\]"):
+        models.create_model('inline_deit_t', checkpoint=tmp_path / 'wrong.pth', **SMALL['inline_deit_t'])
+
+
+@pytest.mark.parametrize('name', ['inline_deit_t', 'inline_pvt_t', 'inline_swin_t'])
+def test_checkpoint_with_other_classes_and_size(name, tmp_path):
+    """A different num_classes drops the head with a warning; another image size resizes position
+    embeddings and relative position tables (bicubic); the rest loads unchanged."""
+    torch.manual_seed(0)
+    small = dict(SMALL[name], num_classes=5)
+    source = models.create_model(name, **small)
+    path = tmp_path / 'project.pth'
+    torch.save({'model': source.state_dict(), 'args': {'model': name}, 'epoch': 1}, path)  # train.py's format
+    H, W = small['img_size']  # twice the size: the same aspect ratio, so the old grid can be told from its length
+    bigger = dict(small, img_size=(2 * H, 2 * W), num_classes=7, **({'softmax_window': 4} if name == 'inline_swin_t' else {}))
+    with pytest.warns(UserWarning, match='num_classes=7'):
+        model = models.create_model(name, checkpoint=path, **bigger)
+    resized = 0
+    for k, v in model.state_dict().items():
+        if not k.startswith('head.') and v.shape == source.state_dict()[k].shape:
+            assert torch.equal(v, source.state_dict()[k]), k
+        elif not k.startswith('head.'):
+            resized += 1
+    assert resized > 0 and model(torch.randn(1, 3, 2 * H, 2 * W)).shape == (1, 7)
+    if name == 'inline_deit_t':  # the class token's position embedding is kept, not resampled
+        assert torch.equal(model.pos_embed[:, 0], source.pos_embed[:, 0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every family at a small size: forward, backward, other input sizes, errors
+
+@pytest.mark.parametrize('name', TINY)
+def test_forward_backward_non_square(name):
+    torch.manual_seed(0)
+    # no stochastic depth: at batch 2 it can drop a branch for both samples, zeroing its gradients
+    model = models.create_model(name, num_classes=10, drop_path_rate=0., **SMALL[name])
+    x = torch.randn(2, 3, *model.img_size)  # non-square
+    out = model(x)
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    out.backward(torch.randn_like(out))
+    # DeiT's head reads only the class token, and Eq. 6 never touches it, so nothing of the last
+    # block's residual MLP reaches the output: its gradient is zero by construction.
+    exempt = 'blocks.1.attn.residual.' if name == 'inline_deit_t' else None
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+        assert (exempt and n.startswith(exempt)) or p.grad.abs().sum() > 0, n
+
+
+@pytest.mark.parametrize('name', TINY[1:])
+def test_hierarchical_stage_maps_and_other_input_size(name):
+    torch.manual_seed(0)
+    model = models.create_model(name, num_classes=3, **SMALL[name]).eval()
+    with torch.no_grad():
+        stages = model.forward_features(torch.randn(1, 3, 64, 96), return_stages=True)
+        config = SMALL[name]
+        dims = config.get('embed_dims') or [config['embed_dim'] * 2 ** i for i in range(4)]
+        assert [tuple(s.shape[1:]) for s in stages] == [(dims[0], 16, 24), (dims[1], 8, 12), (dims[2], 4, 6), (dims[3], 2, 3)]
+        assert model(torch.randn(1, 3, 128, 64)).shape == (1, 3)  # a size the model was not built for
+
+
+@pytest.mark.parametrize('name', TINY)
+def test_bad_input_size_is_a_clear_error(name):
+    torch.manual_seed(0)
+    model = models.create_model(name, **SMALL[name])
+    stride = 16 if name == 'inline_deit_t' else 32
+    with pytest.raises(ValueError, match=f"divisible by {stride}"):
+        model(torch.randn(1, 3, 70, 100))
+    with pytest.raises(ValueError, match=f"divisible by {stride}"):
+        models.create_model(name, img_size=200)
+    if name == 'inline_deit_t':
+        with pytest.raises(ValueError, match=r"built for 48x80 images got 64x64: .* img_size=\(64, 64\)"):
+            model(torch.randn(1, 3, 64, 64))
+
+
+def test_unknown_name_and_bad_overrides():
+    with pytest.raises(ValueError, match=r"unknown model 'inline_vit_t'; choose one of inline_deit_t, .*inline_cswin_b_384"):
+        models.create_model('inline_vit_t')
+    with pytest.raises(ValueError, match=r"layout 'IIX'"):
+        meta_model('inline_swin_t', layout='IIX')
+    with pytest.raises(ValueError, match=r"layout 'IIMS'"):
+        meta_model('inline_swin_t', layout='IIMS')
+    with pytest.raises(ValueError, match=r"layout 'IIMS7'"):  # stage 3 of Swin-T has 6 blocks
+        meta_model('inline_swin_t', layout='IIMS7')
+    with pytest.raises(ValueError, match="needs a non-negative kernel"):
+        meta_model('inline_cswin_t', layout='LISS', kernel='identity')
+
+
+def test_layouts_and_ablation_switches():
+    """'IIMS2' puts two InLine blocks before Swin-B's stage-3 softmax blocks; L is the linear baseline
+    (relu kernel); residual='none' removes Eq. 6 everywhere (Table 4)."""
+    assert models.parse_layout('IIMS2', [2, 2, 5, 2], 'ILSM')[2] == ['I', 'I', 'S', 'S', 'S']
+    swin_b = meta_model('inline_swin_b')
+    letters = [block.letter for block in swin_b.layers[2].blocks]
+    assert letters == ['I', 'I'] + ['S'] * 16
+    baseline = meta_model('inline_swin_t', layout='LLLS', residual='none')
+    attns = [m for m in baseline.modules() if isinstance(m, inline.InLineAttention)]
+    assert len(attns) == 10 and all(a.attention == 'linear' and a.kernel == 'relu' and a.residual is None for a in attns)
+    cswin = meta_model('inline_cswin_t', kernel='relu')
+    branches = [m for m in cswin.modules() if isinstance(m, models.StripeAttention) and m.letter == 'I']
+    assert len(branches) == 6 and all(b.core is inline.inline_core for b in branches)
+    assert meta_model('inline_deit_t', layout='L').blocks[0].attn.attention == 'linear'
+
+
+def test_model_api():
+    torch.manual_seed(0)
+    for name in TINY:
+        model = models.create_model(name, **SMALL[name])
+        assert model.family == name.split('_')[1] and model.img_size == SMALL[name]['img_size']
+        model.reset_classifier(4)
+        assert model.num_classes == 4 and model(torch.randn(1, 3, *model.img_size)).shape == (1, 4)
+        assert model.no_weight_decay() <= {n for n, _ in model.named_parameters()}
+    assert meta_model('inline_deit_t').no_weight_decay() == {'pos_embed', 'cls_token'}
+    assert len(meta_model('inline_swin_t').no_weight_decay()) == 2  # the two S blocks' bias tables
+    assert meta_model('inline_pvt_t').no_weight_decay() == set()  # PVT decays its position embeddings, as released
+
+
+def test_fast_switch_replaces_every_core():
+    torch.manual_seed(0)
+    model = models.create_model('inline_cswin_t', fast=True, **dict(SMALL['inline_cswin_t'], layout='IISS'))
+    cores = [m.core for m in model.modules() if hasattr(m, 'core')]
+    assert len(cores) == 1 + 2 and all(core is kernels.inline_core_fast for core in cores)  # the I blocks of stages 1, 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dense prediction: timm's features_only backbones, torchvision's detectors, the Semantic FPN head
+
+DENSE_LAYOUTS = [('inline_pvt_t', {}), ('inline_pvt_t', dict(layout='SSSS', num_heads=(1, 2, 5, 8))),
+                 ('inline_pvt_t', dict(layout='LLLL')), ('inline_swin_t', {}), ('inline_swin_t', dict(layout='SSSS')),
+                 ('inline_swin_t', dict(layout='LLLS')), ('inline_swin_b', {}), ('inline_cswin_t', {}),
+                 ('inline_cswin_t', dict(layout='SSSS', depths=(1, 2, 21, 1)))]
+
+
+@pytest.mark.parametrize('name,overrides', DENSE_LAYOUTS,
+                         ids=[f"{n}-{o.get('layout', 'released')}" for n, o in DENSE_LAYOUTS])
+def test_features_only_at_coco_size_every_family_and_layout(name, overrides):
+    """On the meta device: 800x1333 (padded to 800x1344) gives the four maps at strides 4-32 with the
+    channels feature_info states, a LayerNorm on each where the family's own dense backbone has one."""
+    with torch.device('meta'):
+        model = models.create_model(name, features_only=True, **overrides)
+        maps = model(torch.zeros(1, 3, 800, 1333))
+        subset = models.create_model(name, features_only=True, out_indices=(1, 2, 3), **overrides)
+    channels = model.feature_info.channels()
+    assert model.feature_info.reduction() == [4, 8, 16, 32] and subset.feature_info.channels() == channels[1:]
+    assert [tuple(m.shape) for m in maps] == [(1, c, 800 // r, 1344 // r) for c, r in zip(channels, (4, 8, 16, 32))]
+    norm = nn.Identity if name.startswith('inline_pvt') else nn.LayerNorm
+    assert all(type(n) is norm for n in model.norms)
+    assert not any(k.startswith('model.head.') or k.startswith('model.norm.') for k in model.state_dict())
+
+
+def test_features_only_refuses_deit_and_bad_out_indices():
+    with pytest.raises(ValueError, match='isotropic .* pvt, swin, cswin'):
+        meta_model('inline_deit_t', features_only=True)
+    with pytest.raises(ValueError, match='out_indices'):
+        meta_model('inline_pvt_t', features_only=True, out_indices=(2, 1))
+
+
+@pytest.mark.parametrize('name', TINY[1:])
+def test_features_only_at_another_size_equals_a_model_built_for_it(name):
+    """Built at one size and fed another (96x64), a backbone gives the maps of the same weights built for
+    that size: PVT's position embeddings resized bilinearly, as its forward resizes them."""
+    torch.manual_seed(0)
+    built = models.create_model(name, features_only=True, drop_path_rate=0., **SMALL[name]).eval()
+    sized = models.create_model(name, features_only=True, drop_path_rate=0., **{**SMALL[name], 'img_size': (96, 64)})
+    state = built.state_dict()
+    for i, key in enumerate(k for k in state if re.fullmatch(r'model\.pos_embed\d', k)):
+        state[key] = models.resize_grid(state[key], built.model.grids[i], sized.model.grids[i], 'bilinear')
+    sized.load_state_dict(state)
+    x = torch.randn(2, 3, 96, 64)
+    with torch.no_grad():
+        for a, b in zip(built(x), sized.eval()(x)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_features_only_loads_a_checkpoint_and_drops_the_head(tmp_path):
+    torch.manual_seed(0)
+    full = models.create_model('inline_pvt_t', **SMALL['inline_pvt_t']).eval()
+    torch.save({'model': full.state_dict()}, tmp_path / 'pvt.pth')
+    backbone = models.create_model('inline_pvt_t', features_only=True, checkpoint=str(tmp_path / 'pvt.pth'),
+                                   **SMALL['inline_pvt_t']).eval()
+    assert not any('head' in k for k in backbone.state_dict())
+    x = torch.randn(1, 3, 64, 96)
+    with torch.no_grad():
+        for a, b in zip(backbone(x), full.forward_features(x, return_stages=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # PVT's detection backbone has no output norms
+
+
+def readme_block(heading):
+    """The first ```python block under a README heading."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'README.md')) as f:
+        section = f.read().split(f'\n{heading}\n', 1)[1]
+    return section.split('```python\n', 1)[1].split('\n```', 1)[0]
+
+
+def test_readme_detection_example_trains_mask_rcnn_with_inline_swin_t(monkeypatch, capsys):
+    """The README's example, run as written: Mask R-CNN with the real InLine-Swin-T takes a training step on
+    two images of different sizes (finite losses, gradients in the backbone's attention), predicts on an
+    image file, and the Semantic FPN example gives logits at the image's size."""
+    torch.manual_seed(0)
+    monkeypatch.chdir(os.path.dirname(os.path.abspath(__file__)))
+    scope = {}
+    exec(readme_block('## Detection and segmentation'), scope)
+    losses, model = scope['losses'], scope['model']
+    assert set(losses) == {'loss_classifier', 'loss_box_reg', 'loss_mask', 'loss_objectness', 'loss_rpn_box_reg'}
+    assert all(torch.isfinite(v) for v in losses.values())
+    attention = [p for n, p in model.backbone.named_parameters() if '.attn.' in n]
+    assert attention and all(p.grad is not None for p in attention)
+    # Every InLine stage's attention learns: its qkv and Eq. 6's residual MLP. (Drop path, on as in training,
+    # can skip all of a stage's attention for both images: stage 4's two softmax blocks, with this seed.)
+    for stage in scope['backbone'].model.layers[:3]:
+        assert sum(b.attn.qkv.weight.grad.abs().sum() for b in stage.blocks) > 0
+        assert sum(p.grad.abs().sum() for b in stage.blocks for p in b.attn.residual.parameters()) > 0
+    image = scope['image']  # masks come back in the image file's own pixels
+    assert scope['prediction']['masks'].shape[1:] == (1, *image.shape[1:]) and 'boxes' in scope['prediction']
+    assert scope['logits'].shape == (2, 150, 96, 128) and torch.isfinite(scope['loss'])
+    model.roi_heads.score_thresh = 0.0  # untrained scores are near 1/91: keep every box to see boxes and masks
+    model.roi_heads.detections_per_img = 5  # of 100: the mask head's cost is per box
+    with torch.no_grad():
+        out = model(scope['images'])
+    for o, image in zip(out, scope['images']):
+        assert len(o['boxes']) > 0 and o['masks'].shape == (len(o['boxes']), 1, *image.shape[1:])
+
+
+def test_semantic_fpn_trains_with_inline_pvt_t():
+    """Semantic FPN on the real InLine-PVT-T: a training step (finite loss, gradients in the attention of every
+    stage), then eval logits at the input's size for two sizes, one not a multiple of 32."""
+    torch.manual_seed(0)
+    model = models.SemanticFPN(models.create_model('inline_pvt_t', features_only=True), num_classes=5)
+    x, y = torch.rand(2, 3, 64, 96), torch.randint(0, 5, (2, 64, 96))
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    assert torch.isfinite(loss)
+    for i in range(1, 5):
+        attn = getattr(model.backbone.model, f'block{i}')[0].attn
+        assert attn.q.weight.grad.abs().sum() > 0 and attn.kv.weight.grad.abs().sum() > 0
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.rand(1, 3, 70, 100)).shape == (1, 5, 70, 100)
+        assert model(torch.rand(2, 3, 32, 64)).shape == (2, 5, 32, 64)
+
+
+def test_faster_rcnn_and_retinanet_take_the_adapter():
+    """FasterRCNN with the default adapter (four levels and 'pool'); RetinaNet as torchvision builds it, stages
+    2-4 and P6, P7: five levels for its five anchor sizes. A training step and a prediction each."""
+    from torchvision.models.detection import FasterRCNN, RetinaNet
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+    torch.manual_seed(0)
+    small = dict(SMALL['inline_pvt_t'], layout='IIII')
+    images = [torch.rand(3, 64, 96), torch.rand(3, 80, 64)]
+    targets = [dict(boxes=torch.tensor([[8., 8., 40., 50.]]), labels=torch.tensor([1]))] * 2
+    retina_backbone = models.create_model('inline_pvt_t', features_only=True, out_indices=(1, 2, 3), **small)
+    size = dict(min_size=64, max_size=96)  # small images and few boxes: seconds on a CPU
+    faster = FasterRCNN(models.BackboneWithFPN(models.create_model('inline_pvt_t', features_only=True, **small),
+                                               out_channels=32), num_classes=3, rpn_post_nms_top_n_train=50,
+                        rpn_post_nms_top_n_test=50, box_batch_size_per_image=32, box_detections_per_img=10, **size)
+    retina = RetinaNet(models.BackboneWithFPN(retina_backbone, out_channels=32, extra_blocks=LastLevelP6P7(32, 32)),
+                       num_classes=3, topk_candidates=50, detections_per_img=10, **size)
+    for model in (faster, retina):
+        losses = model(images, targets)
+        assert all(torch.isfinite(v) for v in losses.values())
+        sum(losses.values()).backward()
+        assert model.backbone.body.model.block1[0].attn.q.weight.grad.abs().sum() > 0  # stage 1 feeds stage 2
+        with torch.no_grad():
+            assert all('boxes' in o for o in model.eval()(images))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The paper's experiments (README, "The paper's experiments"): each switch against an explicit construction
+
+def test_shifted_inline_windows_equal_an_explicit_loop():
+    """Table 4's windows, as the authors' code has them: odd blocks roll by window/2 with no mask, so tokens
+    wrapped across the border share a window; each window is its own InLine attention with its own means and
+    Eq. 6 weights."""
+    torch.manual_seed(0)
+    B, (h, w), C, window, shift = 2, (8, 8), 16, 4, 2
+    block = perturb(models.SwinBlock(C, 2, 'I', window, True, 2., 0., DEFAULTS).double())
+    attn = block.attn
+    x = torch.randn(B, h * w, C, dtype=torch.float64)
+    rolled = torch.roll(block.norm1(x).view(B, h, w, C), (-shift, -shift), dims=(1, 2))
+    expected = torch.zeros_like(rolled)
+    for i in range(0, h, window):
+        for j in range(0, w, window):
+            y = rolled[:, i:i + window, j:j + window].reshape(B, window * window, C)  # one window, row-major
+            q, k, v = (t.view(B, -1, 2, C // 2).transpose(1, 2) for t in attn.qkv(y).chunk(3, dim=-1))
+            r = inline.residual_weights(attn.residual, y)  # this window's own Eq. 6 weights
+            o = inline.inline_core(q, k, v, r, (window, window)).transpose(1, 2).reshape(B, -1, C)
+            expected[:, i:i + window, j:j + window] = attn.proj(o).view(B, window, window, C)
+    expected = x + torch.roll(expected, (shift, shift), dims=(1, 2)).reshape(B, h * w, C)
+    expected = expected + block.mlp(block.norm2(expected))
+    torch.testing.assert_close(block(x, (h, w)), expected, rtol=0, atol=1e-12)
+    # wrapped: token (0, 0) and token (7, 7) share a window in the shifted block, not in the unshifted one
+    x2 = x.clone()
+    x2[:, 7 * w + 7] += torch.randn(C, dtype=torch.float64)  # not a constant, which the LayerNorm would remove
+    assert (block(x2, (h, w)) - block(x, (h, w)))[:, 0].abs().max() > 1e-6
+    block.shift = False
+    assert (block(x2, (h, w)) - block(x, (h, w)))[:, 0].abs().max() == 0
+
+
+def test_nonneg_inline_weights_are_non_negative_and_rows_sum_to_one():
+    torch.manual_seed(0)
+    attn = perturb(inline.InLineAttention(32, 2, nonneg=True, leading_tokens=1).double())
+    x = 5 * torch.randn(3, 1 + 36, 32, dtype=torch.float64)  # large inputs: plain InLine goes negative here
+    w = attn.weights(x, (6, 6))
+    assert w.shape == (3, 2, 37, 37) and w.min() >= 0
+    torch.testing.assert_close(w.sum(-1), torch.ones(3, 2, 37, dtype=torch.float64), rtol=0, atol=1e-12)
+    plain = perturb(inline.InLineAttention(32, 2, leading_tokens=1).double())
+    assert plain.weights(x, (6, 6)).min() < 0  # without the switch the same inputs give negative weights
+
+
+def test_normalised_q_in_swin_gives_q_and_2q_the_same_weights():
+    """T1 in Swin: with normalise_q='S' (windowed softmax) or 'I' (InLine), doubling q in those blocks leaves the
+    logits as they were; without it they change. The fast core follows InLine's option (enable_fast checks it)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    for letters, layout, kind in (('S', 'SSSS', models.WindowAttention), ('I', 'IIIS', inline.InLineBase),
+                                  ('', 'IIIS', inline.InLineBase)):
+        model = models.create_model('inline_swin_t', img_size=64, embed_dim=16, depths=(1, 1, 1, 1),
+                                    num_heads=(2, 2, 2, 2), softmax_window=4, layout=layout, num_classes=3,
+                                    normalise_q=letters).eval()
+        if kind is inline.InLineBase:
+            assert kernels.enable_fast(model, log=None) == 3
+        attns = [m for m in model.modules() if isinstance(m, kind)]
+        assert len(attns) == len(layout.replace('S' if kind is inline.InLineBase else 'I', ''))
+        assert all((m.normalise_q is not None) == bool(letters) for m in attns)
+        with torch.no_grad():
+            before = model(x)
+            for m in attns:  # q is the first third of qkv's outputs
+                m.qkv.weight[:m.qkv.out_features // 3] *= 2
+                m.qkv.bias[:m.qkv.out_features // 3] *= 2
+            after = model(x)
+        assert torch.allclose(before, after, rtol=0, atol=1e-5) == bool(letters), letters
+
+
+def test_normalised_q_softmax_is_not_injective():
+    """T1: softmax over L2-normalised queries gives q and 2q identical weights; plain softmax does not."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 10, 24, dtype=torch.float64)
+    for normalise_q, same in ((True, True), (False, False)):
+        attn = models.SoftmaxAttention(24, 3, normalise_q=normalise_q, leading_tokens=1).double()
+        nn.init.zeros_(attn.qkv.bias)
+        w, w2 = attn.weights(x, (3, 3)), None
+        with torch.no_grad():
+            attn.qkv.weight[:24] *= 2  # q -> 2q, k and v unchanged
+        w2 = attn.weights(x, (3, 3))
+        assert torch.allclose(w, w2, rtol=0, atol=1e-12) == same
+        # the forward applies the same weights
+        q, k, v = attn.project(x, (3, 3))
+        o = (w2 @ v).transpose(1, 2).reshape(2, 10, 24)
+        torch.testing.assert_close(attn(x, (3, 3)), attn.proj(o), rtol=0, atol=1e-12)
+
+
+def test_relu_affine_starts_as_relu_and_trains():
+    torch.manual_seed(0)
+    attn = inline.InLineAttention(16, 2, kernel='relu_affine')
+    x = torch.randn(2, 9, 16)
+    q = torch.randn(2, 2, 9, 8)
+    torch.testing.assert_close(attn.phi(q), torch.relu(q), rtol=0, atol=0)
+    optimizer = torch.optim.SGD(attn.parameters(), lr=0.1)
+    out = attn(x, (3, 3))
+    out.backward(torch.randn_like(out))
+    assert attn.phi.weight.grad.abs().sum() > 0 and attn.phi.bias.grad.abs().sum() > 0
+    optimizer.step()
+    assert not torch.equal(attn.phi.weight, torch.eye(8)) and attn.phi.bias.abs().sum() > 0
+    assert models.InLineDeiT(img_size=32, embed_dim=16, depth=1, num_heads=2, kernel='relu_affine').no_weight_decay() \
+        == {'pos_embed', 'cls_token', 'blocks.0.attn.phi.weight'}  # A starts at the identity: not decayed to zero
+
+
+def test_ape_per_stage_and_window_reaches_qkv_not_the_shortcut():
+    swin = meta_model('inline_swin_t', window=7, residual='none')
+    for i, layer in enumerate(swin.layers):
+        for block in layer.blocks:
+            if block.letter == 'I':
+                assert block.attn.ape.shape == (1, 49, 96 * 2 ** i)  # 7x7 windows in every stage
+    assert meta_model('inline_swin_t', residual='none').layers[0].blocks[0].attn.ape.shape == (1, 56 * 56, 96)
+    assert meta_model('inline_swin_t').layers[0].blocks[0].attn.ape is None  # the released models: none
+    assert meta_model('inline_swin_t', ape=False, residual='none').layers[0].blocks[0].attn.ape is None
+    torch.manual_seed(0)
+    block = perturb(models.SwinBlock(16, 2, 'I', None, False, 2., 0., dict(DEFAULTS, residual='none'),
+                                     ape_tokens=16).double())
+    x = torch.randn(2, 16, 16, dtype=torch.float64)
+    seen = []
+    block.attn.qkv.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    out = block(x, (4, 4))
+    torch.testing.assert_close(seen[0], block.norm1(x) + block.attn.ape)  # the APE reaches q, k and v
+    with torch.no_grad():
+        block.attn.proj.weight.zero_(), block.attn.proj.bias.zero_()  # the attention branch now adds nothing
+        block.attn.ape.add_(1.0)
+    without_attention = block(x, (4, 4))
+    with torch.no_grad():
+        block.attn.ape.zero_()
+    torch.testing.assert_close(block(x, (4, 4)), without_attention, rtol=0, atol=0)  # the shortcut never sees it
+    assert not torch.allclose(out, without_attention)
+
+
+def test_softmax_originals_have_the_known_sizes():
+    """Layout all-S gives each backbone's softmax original: Swin-T 28,288,354 parameters (timm's); the DeiT
+    skeleton with softmax is InLine-DeiT without its residual MLPs; PVT S adds the spatial reductions."""
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(meta_model('inline_swin_t', layout='SSSS')) == 28_288_354
+    deit = meta_model('inline_deit_t')
+    residual = sum(p.numel() for n, p in deit.named_parameters() if '.residual.' in n)
+    assert count(meta_model('inline_deit_t', layout='S')) == count(deit) - residual
+    assert count(meta_model('inline_deit_t', **models.EXPERIMENTS['s_deit_t'].overrides)) == 5_717_416  # DeiT-T's
+    pvt = meta_model('inline_pvt_t', layout='SSSS', num_heads=(1, 2, 5, 8))
+    sr = [b.attn.sr.kernel_size[0] for i in range(1, 4) for b in getattr(pvt, f'block{i}')]
+    assert sr == [8, 8, 4, 4, 2, 2] and not hasattr(pvt.block4[0].attn, 'sr')
+
+
+def test_fast_path_refuses_what_it_does_not_cover_when_the_model_is_built():
+    """Vanilla linear attention has no fast core: create_model(fast=True) refuses it, naming the option, before
+    any forward; every InLine option builds fast."""
+    with pytest.raises(ValueError, match=r"the fast InLine core has no attention='linear' \(layout letter L"):
+        meta_model('inline_swin_t', layout='LISS', fast=True)
+    with pytest.raises(ValueError, match=r"attention='linear'"):
+        meta_model('inline_cswin_t', layout='LISS', fast=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        model = meta_model('inline_swin_t', window=7, residual='plain', nonneg=True, kernel='relu_affine', fast=True)
+        assert all(m.core is kernels.inline_core_fast for m in model.modules() if hasattr(m, 'core'))
+        meta_model('inline_swin_t', local_size=7, dilation=2, fast=True)
