@@ -18,6 +18,7 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
 
 import train
+from train import TO_TENSOR, fail  # FashionRecall's argument `train` is the split
 from paper.charts import font, save_png
 
 NAME = 'fashion_recall'
@@ -40,17 +41,17 @@ class FashionRecall(Dataset):
 
     def __init__(self, images, labels, size, seed, train, task='recall', pairs=None, query=None):
         if task == 'below' and (pairs, query) != (None, None):
-            train.fail(f"fashion_recall: task 'below' fills every cell and has no query; pairs and query are recall's "
+            fail(f"fashion_recall: task 'below' fills every cell and has no query; pairs and query are recall's "
                  f"(got pairs {pairs!r}, query {query!r})")
         pairs, query = (pairs or self.PAIRS, query or self.QUERY) if task == 'recall' else (pairs, query)
         if task not in ('recall', 'below') or task == 'recall' and (query not in ('other', 'same') or not 1 <= pairs <= 4):
-            train.fail(f"fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs 1 to 4 (4 "
+            fail(f"fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs 1 to 4 (4 "
                  f"pairs always fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
         self.size, self.seed, self.train, self.task, self.pairs, self.query = size, seed, train, task, pairs, query
         items = F.resize(images[:, :1], [14, 14], antialias=True)  # (N, 1, 14, 14) uint8: one channel of the gray
         self.items, self.labels = items[:, 0], labels
         self.by_class = [torch.nonzero(labels == c).flatten() for c in range(len(self.classes))]
-        self.to_tensor = T.Compose(train.TO_TENSOR)
+        self.to_tensor = T.Compose(TO_TENSOR)
 
     def __len__(self):
         return self.size
