@@ -32,8 +32,9 @@ def slow_kernel(x, scale, p):
 
 
 def slow_depthwise(v, grid, weight, bias):
-    """A k x k depthwise convolution of v (B, H, N, D) on grid, written as the sum over the neighbours: token (y, x),
-    channel d gets bias_d + sum_{a, b} weight[d, 0, a, b] v(y + a - k//2, x + b - k//2), zero outside the grid."""
+    """A k x k depthwise convolution of v (B, H, N, D) on grid, written as the sum over the neighbours:
+    token (y, x), channel d gets bias_d + sum_{a, b} weight[d, 0, a, b] v(y + a - k//2, x + b - k//2),
+    zero outside the grid."""
     B, H, N, D = v.shape
     h, w = grid
     r = weight.shape[-1] // 2
@@ -73,8 +74,8 @@ def test_focused_kernel_equals_slow_form():
 
 @pytest.mark.parametrize('N,n', [(49, 49), (20, 5)], ids=['N49', 'N20-n5'])
 def test_fp16_safe_form_is_the_division(N, n):
-    """The authors' form (the means and n^-1/2) is the same number as q_i K^T V / (q_i . sum_t k_t + n eps), the
-    explicit weights times v, and inline.linear_attention with eps n * 1e-6."""
+    """The authors' form (the means and n^-1/2) is the same number as q_i K^T V / (q_i . sum_t k_t + n eps),
+    the explicit weights times v, and inline.linear_attention with eps n * 1e-6."""
     torch.manual_seed(0)
     q, k, v = torch.rand(2, 3, N, 8, **f64), torch.rand(2, 3, n, 8, **f64), torch.randn(2, 3, n, 8, **f64)
     safe = peers.focused_linear_attention(q, k, v)
@@ -102,7 +103,8 @@ def explicit_flatten(m, x, grid):
     else:
         kv_input = x
         if m.sr_ratio > 1:
-            planes = F.conv2d(x.transpose(1, 2).reshape(B, C, *grid), m.sr.weight, m.sr.bias, stride=m.sr_ratio)
+            planes = x.transpose(1, 2).reshape(B, C, *grid)
+            planes = F.conv2d(planes, m.sr.weight, m.sr.bias, stride=m.sr_ratio)
             kv_input = F.layer_norm(planes.flatten(2).transpose(1, 2), (C,), m.norm.weight, m.norm.bias)
         q = F.linear(x, m.q.weight, m.q.bias)
         k, v = F.linear(kv_input, m.kv.weight, m.kv.bias).split(C, dim=-1)
@@ -168,7 +170,8 @@ def count(m):
 def test_parameter_counts_of_single_attentions():
     # qkv 3C^2 + 3C, proj C^2 + C, dwc D*25 + D, scale C, positional_encoding N*C
     assert count(peers.FocusedLinearAttention(96, 3, 3136)) == 27_936 + 9_312 + 832 + 96 + 301_056 == 339_232
-    assert count(peers.FocusedLinearAttention(192, 6, 784)) == 111_168 + 37_056 + 832 + 192 + 150_528 == 299_776
+    assert count(peers.FocusedLinearAttention(192, 6, 784)) == (
+        111_168 + 37_056 + 832 + 192 + 150_528) == 299_776
     # PVT-T stage 1: q C^2 + C, kv 2C^2 + 2C, proj, dwc (D = 64), scale, positional_encoding
     assert count(peers.FocusedLinearAttention(64, 1, 3136, separate_q=True)) == (
         4_160 + 8_320 + 4_160 + 1_664 + 64 + 200_704) == 219_072
