@@ -1,18 +1,18 @@
 """The lab: the paper's figures and tables, rerun small on one machine, with pictures.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. One subcommand per figure or group of tables of the paper (README, "The paper's experiments").
-Each prints a table (markdown, for the README), draws a PNG (OUT/<subcommand>.png, or --png PATH) and keeps what
-it has finished under OUT (default runs/paper/), so a rerun resumes where the last one stopped. From the
-repository root:
+arXiv 2412.06590. One subcommand per figure or group of tables of the paper (README, "The paper's
+experiments"). Each prints a table (markdown, for the README), draws a PNG (OUT/<subcommand>.png, or --png
+PATH) and keeps what it has finished under OUT (default runs/paper/), so a rerun resumes where the last one
+stopped. From the repository root:
 
     python -m paper models                 # every released variant: params and GMACs beside the authors'
     python -m paper experiments            # every experiment of the paper by name, with the paper's top-1
-    python -m paper train NAME [train.py flags]  # train one experiment (or released model) with train.py's loop
-    python -m paper injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
-    python -m paper locality               # F4: per layer, the weight on the 3x3, own and class tokens; Eq. 6's
-    python -m paper maps                   # F3: attention maps of a few query tokens, laid over an image
-    python -m paper speed [--quick]        # F5b, F5c: images/s against window and resolution
+    python -m paper train NAME [train.py flags]  # train one experiment (or released model) with train.py's
+    loop python -m paper injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear,
+    InLine python -m paper locality               # F4: per layer, the weight on the 3x3, own and class
+    tokens; Eq. 6's python -m paper maps                   # F3: attention maps of a few query tokens, laid
+    over an image python -m paper speed [--quick]        # F5b, F5c: images/s against window and resolution
     python -m paper speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python -m paper speed --dense          # backbones at detection sizes: forward time and peak memory
     python -m paper speed --whole [--compile]  # whole models against softmax; where a forward's time goes
@@ -24,13 +24,13 @@ repository root:
     python -m paper mosaics --png figures/fashion_recall.png  # the fashion_recall mosaics, with their labels
 
 The trained ones (locality, maps, ablations) train on Fashion-MNIST unless told (--dataset, --data-path: any
-ImageFolder too): locality and maps their four small DeiTs, ablations every experiment of paper/experiments.py,
-each on first use, a model that several need trained once. Every image run is a `python -m paper train ...`
-subprocess, through train.py's loop, the project's one, and each finished run appends its record to
-results/runs.jsonl, from which the tables are rebuilt; recall's small sequence models train in this process
-(paper/recall.py says why) and keep theirs in results/recall.jsonl. The verdicts' rules are fixed in
-paper/stats.py and in the tests. Files, one job each: charts (pictures), stats, runs (the scheduler, the records,
-the train command), experiments, ablations, figures (F1, F4, F3), speed, recall, mosaics.
+ImageFolder too): locality and maps their four small DeiTs, ablations every experiment of
+paper/experiments.py, each on first use, a model that several need trained once. Every image run is a `python
+-m paper train ...` subprocess, through train.py's loop, the project's one, and each finished run appends its
+record to results/runs.jsonl, from which the tables are rebuilt; recall's small sequence models train in this
+process (paper/recall.py says why) and keep theirs in results/recall.jsonl. The verdicts' rules are fixed in
+paper/stats.py and in the tests. Files, one job each: charts (pictures), stats, runs (the scheduler, the
+records, the train command), experiments, ablations, figures (F1, F4, F3), speed, recall, mosaics.
 """
 import argparse
 import os

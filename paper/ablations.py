@@ -1,5 +1,6 @@
-"""The paper's ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py:
-the miniatures, the budgets, the plans of runs, and the tables and pictures built from their records.
+"""The paper's ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by
+train.py: the miniatures, the budgets, the plans of runs, and the tables and pictures built from their
+records.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. Commands (from the repository root):
@@ -29,12 +30,13 @@ from paper.stats import (ALPHA, MARGIN, PAPER_TIE, holm, image_term, interval, m
 
 # The ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py
 
-# The miniature, the same for every experiment of a family, at an image size per family: 64 px (Fashion-MNIST's
-# 28 px resized), so Swin's stage 1 is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at 224 px, and DeiT's 8 px
-# patches give an 8x8 grid. Everything measured in stage-1 tokens shrinks by 16/56: the InLine windows 7, 14, 28,
-# 56 of T4 become 2, 4, 8, 16 (1/8, 1/4, 1/2 and all of the stage, as in the paper); Swin's softmax window becomes
-# 4. Widths shrink by the family's factor with the head dim kept, so head counts shrink with them (the softmax
-# originals' own counts too); depths as listed, the same for a softmax original as for its InLine version.
+# The miniature, the same for every experiment of a family, at an image size per family: 64 px
+# (Fashion-MNIST's 28 px resized), so Swin's stage 1 is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at
+# 224 px, and DeiT's 8 px patches give an 8x8 grid. Everything measured in stage-1 tokens shrinks by 16/56:
+# the InLine windows 7, 14, 28, 56 of T4 become 2, 4, 8, 16 (1/8, 1/4, 1/2 and all of the stage, as in the
+# paper); Swin's softmax window becomes 4. Widths shrink by the family's factor with the head dim kept, so
+# head counts shrink with them (the softmax originals' own counts too); depths as listed, the same for a
+# softmax original as for its InLine version.
 MINI = {  # family: (image side, width factor, create_model sizes)
     'swin': (64, 1 / 3, dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), softmax_window=4)),
     'deit': (64, 1 / 3, dict(patch_size=8, embed_dim=64, depth=6, num_heads=2)),
@@ -42,49 +44,54 @@ MINI = {  # family: (image side, width factor, create_model sizes)
     # CSwin keeps its width: its two-branch softmax blocks split the heads in halves, and stage 1 has 2
     'cswin': (64, 1, dict(depths=(1, 2, 2, 1), stripes=(1, 2, 2, 2))),
 }
-# The budget of every run (RESULTS.md, "Ablations"), chosen by a pilot of r_residual_local and r_residual_none: the
-# cheapest that lifted both 3 points over a linear read-out of the pixels. The first train_images of a fixed random order
-# of the training set, the same for every run and seed; warm-up 1/12 of the epochs (the small recipe's 1 of 12).
-# On CUDA, the scale at which the miniatures converge: every training image, epochs until the curve is flat.
+# The budget of every run (RESULTS.md, "Ablations"), chosen by a pilot of r_residual_local and
+# r_residual_none: the cheapest that lifted both 3 points over a linear read-out of the pixels. The first
+# train_images of a fixed random order of the training set, the same for every run and seed; warm-up 1/12 of
+# the epochs (the small recipe's 1 of 12). On CUDA, the scale at which the miniatures converge: every training
+# image, epochs until the curve is flat.
 BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=60_000, epochs=40)}
 # The test bed where attention must select (RESULTS.md, "A test bed where attention must select"): train.py's
-# fashion_recall mosaics, task 'below', 20,000 training mosaics (new ones each seed) and the same 10,000 test mosaics
-# for every run, at the accepted pilot's budget; the Swin miniature with heads of dim 8 in every stage (4, 8, 16, 32),
-# so that every InLine layer of stages 1-3 has at least D + 1 tokens (256, 64, 16 against 9) and is injective. A
-# network that cannot tell the three candidate blocks apart (the floor, no position in a stage) scores 1 in 3 at best.
-# On CUDA, a scale at which the curves should flatten (not yet measured).
+# fashion_recall mosaics, task 'below', 20,000 training mosaics (new ones each seed) and the same 10,000 test
+# mosaics for every run, at the accepted pilot's budget; the Swin miniature with heads of dim 8 in every stage
+# (4, 8, 16, 32), so that every InLine layer of stages 1-3 has at least D + 1 tokens (256, 64, 16 against 9)
+# and is injective. A network that cannot tell the three candidate blocks apart (the floor, no position in a
+# stage) scores 1 in 3 at best. On CUDA, a scale at which the curves should flatten (not yet measured).
 MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
 MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
 MOSAIC_RUN_CPU_MIN = 7.0  # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
-# T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not injective
+# T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not
+# injective
 MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q')
-# The claims it can test, in the order a batch trains them, two by two: the gate (InLine against its floor); S with
-# R-res's no-Eq. 6 row; T3's pair; T1 within softmax and within InLine; R-res's plain row with T4's one-cell window.
-# r_residual_local and t4_window56_no_residual name configurations trained above (InLine-Swin-T, r_residual_none).
+# The claims it can test, in the order a batch trains them, two by two: the gate (InLine against its floor); S
+# with R-res's no-Eq. 6 row; T3's pair; T1 within softmax and within InLine; R-res's plain row with T4's
+# one-cell window. r_residual_local and t4_window56_no_residual name configurations trained above
+# (InLine-Swin-T, r_residual_none).
 MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3_linear_relu', 't3_inline_relu',
                't1_swin_softmax_normalised_q', 't1_inline_normalised_q', 'r_residual_plain', 't4_window14_no_residual',
                'r_residual_local', 't4_window56_no_residual')
-# bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training step of
-# the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved rounds)
+# bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training
+# step of the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved
+# rounds)
 PRECISION = {'cpu': 'bf16', 'cuda': 'bf16'}
-# top-1 points over its family's phi = 0 floor (the attention-free miniature, same recipe) that a configuration must
-# clear for its comparisons to get a verdict: fixed before the claim runs, then over a linear read-out of the pixels,
-# which the floor replaced as the gate after them
+# top-1 points over its family's phi = 0 floor (the attention-free miniature, same recipe) that a
+# configuration must clear for its comparisons to get a verdict: fixed before the claim runs, then over a
+# linear read-out of the pixels, which the floor replaced as the gate after them
 FLOOR_MARGIN = 3.0
-# CPU-minutes of one run per family at BUDGET['cpu'] on this project's machine, two at a time, to print a length
-# before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x images.
-# Swin from the pilot's two runs; the others by their step costs relative to Swin's, measured before
+# CPU-minutes of one run per family at BUDGET['cpu'] on this project's machine, two at a time, to print a
+# length before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x
+# images. Swin from the pilot's two runs; the others by their step costs relative to Swin's, measured before
 RUN_CPU_MIN = {'swin': 9.5, 'deit': 7.2, 'pvt': 17.0, 'cswin': 19.0}
 SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3, 'floor': 3}
-# The claim rows (RESULTS.md, "Verdicts"), with the seeds that give a 1-point effect 80% power at the spreads measured
-# (in the order a batch trains them: T3's pair, R-res's (T4's at 56²), S's, then T4's windows)
+# The claim rows (RESULTS.md, "Verdicts"), with the seeds that give a 1-point effect 80% power at the spreads
+# measured (in the order a batch trains them: T3's pair, R-res's (T4's at 56²), S's, then T4's windows)
 CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual', 'r_residual_none',
               'r_residual_local', 's_swin_t', 'inline_swin_t', 't4_window14_no_residual', 't4_window28_no_residual')
 CLAIM_SEEDS = 5
 FIRST_SEEDS = 3  # a batch gives every configuration 3 seeds, in the chosen order, before it gives any a fourth
 QUICK = ('r_residual_none', 'r_residual_local')  # R-res, the paper's pair: runs the claim batch shares
 QUICK_SEEDS = 3
-# The data the lab trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs here
+# The data the lab trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs
+# here
 FASHION_MNIST_DEB = '/usr/share/datasets/fashion-mnist'
 
 
@@ -100,10 +107,10 @@ def family(e):
 def experiments(dataset=None):
     """{name: Experiment}: every entry of EXPERIMENTS that the miniature covers (the smallest size of each
     family: S rows of bigger variants repeat the same miniature), the released InLine variants for S, and each
-    family's attention-free floor: InLine with phi = 0, so every weight is 1/N and no token selects another, no
-    Eq. 6, no APE, every stage (Swin's softmax stage 4 too); the patch embeddings, merges and MLPs are the same.
-    dataset 'fashion_recall': MOSAIC_ROWS alone, each with MOSAICS' heads (given at full size: the miniature scales
-    them by its width factor, as it does every head count)."""
+    family's attention-free floor: InLine with phi = 0, so every weight is 1/N and no token selects another,
+    no Eq. 6, no APE, every stage (Swin's softmax stage 4 too); the patch embeddings, merges and MLPs are the
+    same. dataset 'fashion_recall': MOSAIC_ROWS alone, each with MOSAICS' heads (given at full size: the
+    miniature scales them by its width factor, as it does every head count)."""
     chosen = {n: e for n, e in EXPERIMENTS.items() if (e.table != 'S' or e.model.endswith('_t')) and (
         dataset == 'fashion_recall' or n not in MOSAIC_ONLY)}
     none, local = chosen['r_residual_none'], chosen['r_residual_local']
@@ -124,8 +131,8 @@ def experiments(dataset=None):
 
 def matched_mlp_ratio(e, count):
     """The mlp_ratio (one for every block, 3 decimals) that gives e's miniature `count` parameters: a block of
-    width C with hidden width H has (2C + 1) H of its MLP's parameters, so H grows by the gap over sum (2C + 1) C
-    per unit of ratio. The R-res row that matches Eq. 6 parameter for parameter."""
+    width C with hidden width H has (2C + 1) H of its MLP's parameters, so H grows by the gap over sum (2C +
+    1) C per unit of ratio. The R-res row that matches Eq. 6 parameter for parameter."""
     model = miniature(e)
     mlps = [m for m in model.modules() if isinstance(m, models.Mlp)]
     ratio = mlps[0].fc1.out_features / mlps[0].fc1.in_features
@@ -135,13 +142,13 @@ def matched_mlp_ratio(e, count):
 
 def comparisons(chosen):
     """[(tables, row, reference)]: the pairs the verdicts compare, row minus reference seed by seed, in the
-    order of the tables; a pair two tables make (T4's Eq. 6 at 56² is R-res's pair) comes once, naming both. T3:
-    division against subtraction, the same phi; T4: without against with Eq. 6 at each window, and each window
-    against the whole stage, with and without Eq. 6 (the paper's four no-Eq. 6 rows are a tie); R-res: against
-    the released InLine-Swin-T, and the two corners of the 2x2 (Eq. 6 x APE) against the row with the same APE;
-    T10, R-dil, R-nonneg: against InLine-Swin-T; T1: each over normalised q against itself (T1_REFERENCE); S: each
-    softmax original against its InLine version; floor: each family's InLine model against its attention-free
-    floor."""
+    order of the tables; a pair two tables make (T4's Eq. 6 at 56² is R-res's pair) comes once, naming both.
+    T3: division against subtraction, the same phi; T4: without against with Eq. 6 at each window, and each
+    window against the whole stage, with and without Eq. 6 (the paper's four no-Eq. 6 rows are a tie); R-res:
+    against the released InLine-Swin-T, and the two corners of the 2x2 (Eq. 6 x APE) against the row with the
+    same APE; T10, R-dil, R-nonneg: against InLine-Swin-T; T1: each over normalised q against itself
+    (T1_REFERENCE); S: each softmax original against its InLine version; floor: each family's InLine model
+    against its attention-free floor."""
     pairs = []
     for name, e in chosen.items():
         t = e.table
@@ -171,20 +178,22 @@ def comparisons(chosen):
     return [(tuple(tables), name, ref) for tables, name, ref in found.values()]
 
 
-# The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's corners of
-# the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2) with the APE held,
-# and the matched row tests it parameter for parameter
+# The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's
+# corners of the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2)
+# with the APE held, and the matched row tests it parameter for parameter
 CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape': ('R-res: +2.2', 2.2),
           'r_residual_none_matched': ('R-res: -2.2', -2.2),
-          # T1's claim, that softmax loses by losing injectivity (DeiT-T 72.2 -> 70.6 / 69.9), in Swin and in InLine
+          # T1's claim, that softmax loses by losing injectivity (DeiT-T 72.2 -> 70.6 / 69.9), in Swin and in
+          # InLine
           't1_swin_softmax_normalised_q': ('T1 (DeiT-T): -1.6', -1.6), 't1_inline_normalised_q': ('T1 (DeiT-T): -1.6', -1.6)}
 T1_REFERENCE = {'t1_swin_softmax_normalised_q': 's_swin_t', 't1_inline_normalised_q': 'inline_swin_t'}  # else t1_softmax
 
 
 def mini_kwargs(e):
-    """The create_model overrides that make an experiment's miniature, on top of its own: the family's sizes, head
-    counts the experiment sets scaled by the family's width factor, windows scaled to Swin's stage 1 (None, the
-    whole stage, where they cover it). CSwin's softmax original keeps the miniature's depths, not its own."""
+    """The create_model overrides that make an experiment's miniature, on top of its own: the family's sizes,
+    head counts the experiment sets scaled by the family's width factor, windows scaled to Swin's stage 1
+    (None, the whole stage, where they cover it). CSwin's softmax original keeps the miniature's depths, not
+    its own."""
     img, width, sizes = MINI[family(e)]
     kwargs = dict(sizes)
     if 'num_heads' in e.overrides:
@@ -200,8 +209,9 @@ def mini_kwargs(e):
 
 
 def untestable(e):
-    """Why an experiment's miniature cannot test what its row claims, or None: T4's windows must be larger than
-    Eq. 6's 3x3 neighbourhood, or Eq. 6 covers the window it is compared in (at 64 px, the 7² window is 2x2)."""
+    """Why an experiment's miniature cannot test what its row claims, or None: T4's windows must be larger
+    than Eq. 6's 3x3 neighbourhood, or Eq. 6 covers the window it is compared in (at 64 px, the 7² window is
+    2x2)."""
     window = mini_kwargs(e).get('window')
     if e.table == 'T4' and window is not None and window <= 3:
         return f"its {window}x{window} window is not larger than Eq. 6's 3x3"
@@ -209,8 +219,9 @@ def untestable(e):
 
 
 def resolve_data(args, need=True):
-    """Fill --dataset (default Fashion-MNIST) and --data-path, download once if asked (not once per run), and stop
-    with how to get the data when it is missing, before any run starts (need=False: rebuilding from records)."""
+    """Fill --dataset (default Fashion-MNIST) and --data-path, download once if asked (not once per run), and
+    stop with how to get the data when it is missing, before any run starts (need=False: rebuilding from
+    records)."""
     args.dataset = args.dataset or 'fashion_mnist'
     if args.data_path is None and args.dataset != 'synthetic':
         args.data_path = FASHION_MNIST_DEB if args.dataset in ('fashion_mnist', 'fashion_recall') and \
@@ -232,8 +243,8 @@ def resolve_data(args, need=True):
 
 
 def resolve_budget(args):
-    """--device (cpu; cuda only where there is a GPU), and --epochs, --train-images from BUDGET (MOSAIC_BUDGET on
-    fashion_recall) where not given."""
+    """--device (cpu; cuda only where there is a GPU), and --epochs, --train-images from BUDGET (MOSAIC_BUDGET
+    on fashion_recall) where not given."""
     args.device = getattr(args, 'device', None) or 'cpu'
     if args.device == 'cuda' and not torch.cuda.is_available():
         train.fail('--device cuda: torch sees no CUDA device here; run on a machine with a GPU, or --device cpu')
@@ -243,8 +254,8 @@ def resolve_budget(args):
 
 
 def recipe(e, args):
-    """What makes a run's result, besides its model and seed: the data, the budget, the precision, the device and
-    train.py's own recipe for the data (train.SMALL). Records of different recipes never share a table."""
+    """What makes a run's result, besides its model and seed: the data, the budget, the precision, the device
+    and train.py's own recipe for the data (train.SMALL). Records of different recipes never share a table."""
     own = train.SYNTHETIC if args.dataset == 'synthetic' else train.SMALL
     mosaics = {k: MOSAICS[k] for k in ('task', 'val_images')} if args.dataset == 'fashion_recall' else {}
     return dict(dataset=args.dataset, **mosaics, train_images=args.train_images, img_size=MINI[family(e)][0],
@@ -255,8 +266,8 @@ def recipe(e, args):
 
 
 def data_argv(args):
-    """train.py's data flags: the dataset and a fixed subset of its training images, or fresh synthetic ones. An
-    ImageFolder gets the small datasets' recipe (train.SMALL) in place of the released ImageNet one."""
+    """train.py's data flags: the dataset and a fixed subset of its training images, or fresh synthetic ones.
+    An ImageFolder gets the small datasets' recipe (train.SMALL) in place of the released ImageNet one."""
     if args.dataset == 'synthetic':
         return ['--synthetic-train', str(args.train_images)]
     if args.dataset == 'fashion_recall':  # new training mosaics a seed, the same test ones for every run
@@ -269,9 +280,9 @@ def data_argv(args):
 
 
 def make_run(name, e, seed, args):
-    """One run of an experiment: `python -m paper train`'s command line (the experiment by name, else its model
-    with its overrides; its miniature, the budget, the data, the precision, the seed) and what its record is keyed
-    by. Validation every val_every epochs and after
+    """One run of an experiment: `python -m paper train`'s command line (the experiment by name, else its
+    model with its overrides; its miniature, the budget, the data, the precision, the seed) and what its
+    record is keyed by. Validation every val_every epochs and after
     the last: the 10,000 test images, every epoch, would cost much of a short run."""
     r = recipe(e, args)
     registered = name in EXPERIMENTS  # else its overrides go on the command line
@@ -284,9 +295,10 @@ def make_run(name, e, seed, args):
 
 
 def config_key(e):
-    """Experiments that build the same model share their runs (InLine-Swin-T is T10's identity row, R-res's local
-    row, R-dil's dilation 1 and S's InLine row): the variant, layout, attention options away from their defaults
-    (so a new option with a default leaves the keys as they are), Swin's window and APE, the sizes, the count."""
+    """Experiments that build the same model share their runs (InLine-Swin-T is T10's identity row, R-res's
+    local row, R-dil's dilation 1 and S's InLine row): the variant, layout, attention options away from their
+    defaults (so a new option with a default leaves the keys as they are), Swin's window and APE, the sizes,
+    the count."""
     model = miniature(e)
     o = dict(model.options)
     if o['kernel'] is None and 'L' not in model.layout:  # kernel=None is identity when no block is linear
@@ -311,12 +323,12 @@ def parameters(e):
 
 
 def plan_runs(chosen, every, seeds, args):
-    """The runs `chosen` needs, in the order to train them: the first FIRST_SEEDS seeds of every configuration,
-    then the further seeds, the configurations two by two in the chosen order and the two seed by seed (the chosen
-    order puts a comparison's sides together: a batch stopped early leaves whole comparisons), and each chosen
-    name's runs in seed order. A configuration is trained under the first of all
-    experiments (`every`) that builds it, whatever subset is chosen, so --quick, --only, locality and the full run
-    share their runs; it gets the most seeds any chosen row asks of it. seeds(name) -> how many."""
+    """The runs `chosen` needs, in the order to train them: the first FIRST_SEEDS seeds of every
+    configuration, then the further seeds, the configurations two by two in the chosen order and the two seed
+    by seed (the chosen order puts a comparison's sides together: a batch stopped early leaves whole
+    comparisons), and each chosen name's runs in seed order. A configuration is trained under the first of all
+    experiments (`every`) that builds it, whatever subset is chosen, so --quick, --only, locality and the full
+    run share their runs; it gets the most seeds any chosen row asks of it. seeds(name) -> how many."""
     keys = {name: config_key(e) for name, e in every.items()}
     first, wanted = {}, {}
     for name in every:
@@ -332,9 +344,10 @@ def plan_runs(chosen, every, seeds, args):
 
 
 def estimate(runs, every, records):
-    """(minutes, how they were estimated) for the runs without a record: the mean CPU time (on CUDA, wall time) of
-    the records of the same family and recipe, else, on CPU, RUN_CPU_MIN (MOSAIC_RUN_CPU_MIN on the mosaics) scaled
-    by images x epochs; on CUDA without a record of the recipe, None: this project has measured no GPU run."""
+    """(minutes, how they were estimated) for the runs without a record: the mean CPU time (on CUDA, wall
+    time) of the records of the same family and recipe, else, on CPU, RUN_CPU_MIN (MOSAIC_RUN_CPU_MIN on the
+    mosaics) scaled by images x epochs; on CUDA without a record of the recipe, None: this project has
+    measured no GPU run."""
     total, guessed = 0.0, False
     for run in runs:
         if run.key() not in records:
@@ -392,9 +405,9 @@ def seeds_option(values, default):
 
 def choose(args, every):
     """The experiments a command asks for: --quick, --claims (the claim rows: CLAIM_ROWS, or MOSAIC_ROWS on
-    fashion_recall, where every row is one), --only NAMES, else all, each with the φ = 0 floor of every family it
-    touches (the gate of its verdicts); and seeds(name): the claim rows CLAIM_SEEDS unless --seeds names their
-    table."""
+    fashion_recall, where every row is one), --only NAMES, else all, each with the φ = 0 floor of every family
+    it touches (the gate of its verdicts); and seeds(name): the claim rows CLAIM_SEEDS unless --seeds names
+    their table."""
     rows = MOSAIC_ROWS if args.dataset == 'fashion_recall' else CLAIM_ROWS
     if args.quick:
         chosen = QUICK
@@ -481,8 +494,8 @@ def cmd_ablations(args):
 
 
 def ablations_pictures(args, chosen, planned, done, result, rows, points):
-    """The ablations' picture (each comparison's difference and interval beside the paper's, a panel per table;
-    top-1 per experiment where none has a comparison) and, beside it, every run's learning curves."""
+    """The ablations' picture (each comparison's difference and interval beside the paper's, a panel per
+    table; top-1 per experiment where none has a comparison) and, beside it, every run's learning curves."""
     default = 'ablations_fashion_recall.png' if args.dataset == 'fashion_recall' else 'ablations.png'
     out = args.png or os.path.join(args.out, default)
     panels = {}
@@ -507,10 +520,11 @@ def ablations_pictures(args, chosen, planned, done, result, rows, points):
 
 def table_rows(chosen, planned, result, every, guess=None):
     """The two tables: one row per distinct configuration (its names, tables, top-1, how far over its family's
-    φ = 0 floor), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart entry
-    (label, mean, half-width, the paper's difference) and (the pooled sd, its degrees of freedom, the size of the
-    Holm family). The gate: a configuration clears when its mean is FLOOR_MARGIN over the mean of its family's floor
-    (the same recipe); a comparison with a side that does not, or no floor run, is untestable, whatever its p."""
+    φ = 0 floor), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart
+    entry (label, mean, half-width, the paper's difference) and (the pooled sd, its degrees of freedom, the
+    size of the Holm family). The gate: a configuration clears when its mean is FLOOR_MARGIN over the mean of
+    its family's floor (the same recipe); a comparison with a side that does not, or no floor run, is
+    untestable, whatever its p."""
     distinct = {}
     for name, e in chosen.items():
         distinct.setdefault(tuple(r.key() for r in planned[name]) or name, []).append(name)
@@ -573,8 +587,8 @@ def table_rows(chosen, planned, result, every, guess=None):
 
 
 def learning_curves(path, chosen, planned, done):
-    """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration of
-    the table (each drawn once, in the first table that has it), so a reader sees
+    """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration
+    of the table (each drawn once, in the first table that has it), so a reader sees
     whether training had flattened for every model the text speaks of."""
     panels, drawn = [], set()
     for table in dict.fromkeys(e.table for e in chosen.values()):

@@ -1,8 +1,9 @@
-"""The lab's pictures and tables: markdown tables and PNG charts, heat maps and image tiles, drawn with Pillow.
+"""The lab's pictures and tables: markdown tables and PNG charts, heat maps and image tiles, drawn with
+Pillow.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. No command of its own: every command of `python -m paper` draws through these (paper/__main__.py
-lists them).
+arXiv 2412.06590. No command of its own: every command of `python -m paper` draws through these
+(paper/__main__.py lists them).
 """
 import math
 import os
@@ -164,9 +165,10 @@ def heatmaps(path, matrices, groups, labels, caption, cell=46):
 
 
 def overlay(image, w, grid, scale, vmax):
-    """image (3, S, S) in [0, 1] with the weights w (h, w) laid over it: red positive, blue negative, the colour's
-    strength sqrt(|w| / vmax), so weights near 0 leave the image visible and small ones still show. vmax is shared
-    by every map of a figure: a flat map looks faint, a peaked one strong. Returns a PIL image, S*scale wide."""
+    """image (3, S, S) in [0, 1] with the weights w (h, w) laid over it: red positive, blue negative, the
+    colour's strength sqrt(|w| / vmax), so weights near 0 leave the image visible and small ones still show.
+    vmax is shared by every map of a figure: a flat map looks faint, a peaked one strong. Returns a PIL image,
+    S*scale wide."""
     t = (w / vmax).clamp(-1, 1).repeat_interleave(image.shape[1] // grid[0], 0)
     t = t.repeat_interleave(image.shape[2] // grid[1], 1)  # (S, S) in [-1, 1]
     red, blue = torch.tensor(diverging(1.0)) / 255, torch.tensor(diverging(-1.0)) / 255

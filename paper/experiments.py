@@ -6,7 +6,8 @@ arXiv 2412.06590. Commands (from the repository root):
 
     python -m paper models                 # every released variant: params and GMACs beside the authors'
     python -m paper experiments            # every experiment of the paper by name, with the paper's top-1
-    python -m paper train NAME [train.py flags]  # train one (paper/runs.py): its model and overrides, flags win
+    python -m paper train NAME [train.py flags]  # train one (paper/runs.py): its model and overrides, flags
+    win
 """
 from typing import NamedTuple
 
@@ -61,8 +62,9 @@ experiment('r_residual_none', 'inline_swin_t', dict(residual='none'), 'R-res', '
 experiment('r_residual_plain', 'inline_swin_t', dict(residual='plain'), 'R-res', '80.2',
            'plain residual o_i += r * v_i, r per channel from the same MLP (C -> C -> C) (APE)', ours=True)
 experiment('r_residual_local', 'inline_swin_t', {}, 'R-res', '82.4', "Eq. 6's local 3x3 residual (released)")
-# R-res's pair changes two things at once: Eq. 6 and the APE (on without Eq. 6). The other two corners of the 2x2
-# separate them: Eq. 6 against none with the same position embedding, both ways (ours; the paper has no numbers)
+# R-res's pair changes two things at once: Eq. 6 and the APE (on without Eq. 6). The other two corners of the
+# 2x2 separate them: Eq. 6 against none with the same position embedding, both ways (ours; the paper has no
+# numbers)
 experiment('r_residual_none_no_ape', 'inline_swin_t', dict(residual='none', ape=False), 'R-res', None,
            'no residual and no APE', ours=True)
 experiment('r_residual_local_ape', 'inline_swin_t', dict(ape=True), 'R-res', None, "Eq. 6 and the APE", ours=True)

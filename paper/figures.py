@@ -1,4 +1,5 @@
-"""The paper's figures that need no ablation table: F1 (injectivity), F4 (locality by layer), F3 (attention maps).
+"""The paper's figures that need no ablation table: F1 (injectivity), F4 (locality by layer), F3 (attention
+maps).
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. Commands (from the repository root):
@@ -39,8 +40,8 @@ def injectivity_weights(seed=0, D=8, keys=4):
 
     relu_affine is inline.ReLUAffine, ReLU(A x + b), with a fixed random A (identity + noise, seeded) in place
     of its initial identity, and b = 0, its initial bias: with b = 0 the map is homogeneous, ReLU(A a q) =
-    a ReLU(A q), so it confuses q and a*q exactly as relu does. A learned b != 0 moves the confused set off the
-    ray {a q} but does not remove it: queries x with A x + b = a (A q + b) get identical weights;
+    a ReLU(A q), so it confuses q and a*q exactly as relu does. A learned b != 0 moves the confused set off
+    the ray {a q} but does not remove it: queries x with A x + b = a (A q + b) get identical weights;
     `relu_affine_bias_check` shows both."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(1, 1, keys, D, generator=g, dtype=torch.float64)  # (B, H, N, D) = (1, 1, 4, D)
@@ -117,7 +118,8 @@ def cmd_injectivity(args):
 
 def load_trained(path):
     """A model trained by train.py, rebuilt from its checkpoint: 'args' names the variant, 'arch' holds the
-    overrides it was built with, 'model' the weights (loaded by models.load_checkpoint, strict on parameters)."""
+    overrides it was built with, 'model' the weights (loaded by models.load_checkpoint, strict on
+    parameters)."""
     ckpt = train.read_checkpoint(path)  # a clear error for a missing or unreadable file
     if not isinstance(ckpt, dict) or not {'model', 'arch', 'args'} <= ckpt.keys():
         train.fail(f'{path} is not a checkpoint written by train.py (it needs model, arch and args)')
@@ -129,7 +131,8 @@ def load_trained(path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# F4 and F3: the explicit N x N weights of each layer of small trained DeiT models, and Eq. 6's share beside them
+# F4 and F3: the explicit N x N weights of each layer of small trained DeiT models, and Eq. 6's share beside
+# them
 
 F4_MODELS = {'softmax': 's_deit_t', 'linear (relu)': 'deit_linear_relu', 'InLine without Eq. 6': 'deit_no_residual',
              'InLine': 'inline_deit_t'}  # label: experiment; softmax is the S row's miniature (one head of 64)
@@ -141,9 +144,10 @@ F4_EXTRA = {  # the ablations' miniature DeiT with vanilla linear attention, and
 
 
 def deit_runs(args, seeds):
-    """{label: [checkpoint of each seed]}: the four models F4 and F3 look at by default, the ablations' miniature
-    DeiT (64 px images, 8 px patches: an 8x8 token grid, on which a 3x3 neighbourhood is 9 of 64 tokens; 6 blocks of
-    width 64) trained with the ablations' budget and data; the runs the ablations share are not trained twice."""
+    """{label: [checkpoint of each seed]}: the four models F4 and F3 look at by default, the ablations'
+    miniature DeiT (64 px images, 8 px patches: an 8x8 token grid, on which a 3x3 neighbourhood is 9 of 64
+    tokens; 6 blocks of width 64) trained with the ablations' budget and data; the runs the ablations share
+    are not trained twice."""
     resolve_budget(args)
     every = {**experiments(), **F4_EXTRA}
     runs, planned = plan_runs({n: every[n] for n in F4_MODELS.values()}, every, lambda name: seeds, args)
@@ -153,8 +157,8 @@ def deit_runs(args, seeds):
 
 
 def checkpoints(args, seeds=1):
-    """{name: [(run key or None, checkpoint)]}: --checkpoints NAME=PATH ... (a name given again is another seed
-    of it), or the four small DeiTs (trained on first use), each with the key of its run record."""
+    """{name: [(run key or None, checkpoint)]}: --checkpoints NAME=PATH ... (a name given again is another
+    seed of it), or the four small DeiTs (trained on first use), each with the key of its run record."""
     if not args.checkpoints:
         resolve_data(args, need=not args.no_train)
         return deit_runs(args, seeds)
@@ -166,9 +170,9 @@ def checkpoints(args, seeds=1):
 
 
 def eval_images(ckpt, model, args, count, spread=True):
-    """(images (B, 3, S, S) as the model saw them, labels, class names, what they are): `count` validation images,
-    evenly spaced through the set (else the first `count`), of the data the checkpoint was trained on (its stored
-    arguments), or of --dataset/--data-path when given."""
+    """(images (B, 3, S, S) as the model saw them, labels, class names, what they are): `count` validation
+    images, evenly spaced through the set (else the first `count`), of the data the checkpoint was trained on
+    (its stored arguments), or of --dataset/--data-path when given."""
     ns = train.get_args_parser().parse_args([])
     vars(ns).update({k: v for k, v in ckpt.get('args', {}).items() if k in vars(ns)})
     if args.dataset:
@@ -215,10 +219,11 @@ def neighbourhood(grid):
 
 
 def weight_shares(w, grid):
-    """{'class', 'own', 'near'}: (H,) means over images and grid queries of w (B, H, N, N), whose last h*w tokens
-    are the grid (DeiT's class token first). class: the weight on the class token. own and near: the query's own
-    token and the other 8 of its 3x3 neighbourhood, among the grid weights renormalised without the class token,
-    w_ij / (1 - w_i,cls), so a class token that takes much weight does not look like a loss of locality."""
+    """{'class', 'own', 'near'}: (H,) means over images and grid queries of w (B, H, N, N), whose last h*w
+    tokens are the grid (DeiT's class token first). class: the weight on the class token. own and near: the
+    query's own token and the other 8 of its 3x3 neighbourhood, among the grid weights renormalised without
+    the class token, w_ij / (1 - w_i,cls), so a class token that takes much weight does not look like a loss
+    of locality."""
     hw = grid[0] * grid[1]
     P = w.shape[-1] - hw
     cls = w[:, :, P:, :P].sum(-1)  # (B, H, hw)
@@ -229,9 +234,9 @@ def weight_shares(w, grid):
 
 
 def eq6_share(attn, x, grid):
-    """(H,): Eq. 6's share of each grid token's output, |res_i| / (|att_i| + |res_i|) per head (0 without Eq. 6),
-    the mean over images and tokens; att_i = sum_j w_ij v_j is Eq. 5's part, res_i Eq. 6's, which the N x N weights
-    do not hold (its weights are per channel)."""
+    """(H,): Eq. 6's share of each grid token's output, |res_i| / (|att_i| + |res_i|) per head (0 without Eq.
+    6), the mean over images and tokens; att_i = sum_j w_ij v_j is Eq. 5's part, res_i Eq. 6's, which the N x
+    N weights do not hold (its weights are per channel)."""
     if getattr(attn, 'residual', None) is None:
         return torch.zeros(attn.num_heads)
     x, q, k, v = attn.project(x, grid)

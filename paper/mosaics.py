@@ -1,9 +1,10 @@
-"""The mosaics: visual associative recall on Fashion-MNIST, the ablations' test bed where attention must select.
+"""The mosaics: visual associative recall on Fashion-MNIST, the ablations' test bed where attention must
+select.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. The dataset `fashion_recall` of train.py's loop, registered in train.DATASETS by the lab's own
-training command, with its flags (--recall-task, --recall-pairs, --recall-query). Commands (from the repository
-root):
+arXiv 2412.06590. The dataset `fashion_recall` of train.py's loop, registered in train.DATASETS by the lab's
+own training command, with its flags (--recall-task, --recall-pairs, --recall-query). Commands (from the
+repository root):
 
     python -m paper train NAME --dataset fashion_recall --recall-task below  # train on the mosaics
     python -m paper mosaics --png figures/fashion_recall.png  # samples of the mosaics, with their labels
@@ -26,16 +27,16 @@ TRAIN_MOSAICS, TEST_MOSAICS = 20_000, 10_000  # unless --synthetic-train, --synt
 
 
 class FashionRecall(Dataset):
-    """Visual associative recall on Fashion-MNIST, a task where attention must select: pooling keeps which items a
-    mosaic holds but cannot bind one to the query. Mosaic i is a pure function of (seed, split, i) (layout), drawn
-    from one split's images only, so test mosaics hold test images alone.
+    """Visual associative recall on Fashion-MNIST, a task where attention must select: pooling keeps which
+    items a mosaic holds but cannot bind one to the query. Mosaic i is a pure function of (seed, split, i)
+    (layout), drawn from one split's images only, so test mosaics hold test images alone.
 
-    A 64-px mosaic of 4x4 cells of 16 px, each empty or holding one item at 14 px, one cell framed (its 1-px border
-    lit). task 'recall': `pairs` (1-4, default 2) key-value pairs, each key right above its value, in cells at
-    random; key classes distinct, value classes distinct; the framed query cell holds another image of one key's
-    class (query='same': the key's own image), and the label is that key's value's class. task 'below': every cell
-    filled, the framed item in row 1 and the label the class of the item right below it, in row 2.
-    No augmentation: a flip or a crop would move the roles."""
+    A 64-px mosaic of 4x4 cells of 16 px, each empty or holding one item at 14 px, one cell framed (its 1-px
+    border lit). task 'recall': `pairs` (1-4, default 2) key-value pairs, each key right above its value, in
+    cells at random; key classes distinct, value classes distinct; the framed query cell holds another image
+    of one key's class (query='same': the key's own image), and the label is that key's value's class. task
+    'below': every cell filled, the framed item in row 1 and the label the class of the item right below it,
+    in row 2. No augmentation: a flip or a crop would move the roles."""
     classes = datasets.FashionMNIST.classes
     PAIRS, QUERY = 2, 'other'  # recall's defaults (the run folders name them too)
 
@@ -57,8 +58,9 @@ class FashionRecall(Dataset):
         return self.size
 
     def layout(self, index):
-        """(classes (4, 4): each cell's item class, -1 if empty; roles (4, 4) of 'key', 'value', 'query', 'item',
-        'framed', 'below', 'decoy' or ''; images (4, 4): the source image of each cell, -1 if empty; the label)."""
+        """(classes (4, 4): each cell's item class, -1 if empty; roles (4, 4) of 'key', 'value', 'query',
+        'item', 'framed', 'below', 'decoy' or ''; images (4, 4): the source image of each cell, -1 if empty;
+        the label)."""
         g = torch.Generator().manual_seed(hash((self.seed, self.train, index)) % 2**62)
         pick = lambda n, k: torch.randperm(n, generator=g)[:k].tolist()  # noqa: E731  k distinct of range(n)
         image = lambda c: int(self.by_class[c][torch.randint(len(self.by_class[c]), (), generator=g)])  # noqa: E731
@@ -68,11 +70,12 @@ class FashionRecall(Dataset):
             (r, col) = cell
             classes[r][col], roles[r][col], images[r][col] = c, role, image(c) if source is None else source
         if self.task == 'below':
-            # Without attention (the phi = 0 floor: patch merges, MLPs, means over the stage) a network sees the four
-            # 2x2-cell blocks that stage 4 merges as a set, each block knowing its cells' slots within it: it finds
-            # the framed item's slot, hence the label's (row 0 of a block, the framed item's column in it), but not
-            # which of the other three blocks lies below. Those three cells ('below' and two 'decoy's) hold distinct
-            # classes and the rest are drawn alike, so the floor can do no better than 1 in 3.
+            # Without attention (the phi = 0 floor: patch merges, MLPs, means over the stage) a network sees
+            # the four 2x2-cell blocks that stage 4 merges as a set, each block knowing its cells' slots
+            # within it: it finds the framed item's slot, hence the label's (row 0 of a block, the framed
+            # item's column in it), but not which of the other three blocks lies below. Those three cells
+            # ('below' and two 'decoy's) hold distinct classes and the rest are drawn alike, so the floor can
+            # do no better than 1 in 3.
             col = pick(4, 1)[0]
             kinds = pick(10, 4)  # the framed item's, the label's and the decoys' classes, distinct
             put((1, col), kinds[0], 'framed')
@@ -126,10 +129,10 @@ def add_flags(parser):
 
 
 def load(args):
-    """(training mosaics, test mosaics) for train.DATASETS: --synthetic-train and --synthetic-val of them (20,000
-    and 10,000), 64 px, from Fashion-MNIST's files in --data-path (data/). The training mosaics by the run's seed;
-    the test mosaics the same for every run (seed 0), so that the per-image results of runs of different seeds are
-    on the same images (the lab's intervals pair them)."""
+    """(training mosaics, test mosaics) for train.DATASETS: --synthetic-train and --synthetic-val of them
+    (20,000 and 10,000), 64 px, from Fashion-MNIST's files in --data-path (data/). The training mosaics by the
+    run's seed; the test mosaics the same for every run (seed 0), so that the per-image results of runs of
+    different seeds are on the same images (the lab's intervals pair them)."""
     if args.img_size != 64:
         train.fail(f'--dataset fashion_recall makes 64 px mosaics of 4x4 cells; --img-size {args.img_size} would '
                    f'resample them: leave it unset or give 64')

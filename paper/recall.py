@@ -28,16 +28,16 @@ from paper.stats import ALPHA, holm, interval, p_values, verdict
 
 
 # ---------------------------------------------------------------------------------------------------
-# recall: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), the test linear attentions are judged
-# by: key-value pairs, filler, then queries for the keys, the loss on the answers only. Small causal transformers
-# (2 layers, 2 heads) with softmax, vanilla linear attention (division) and causal InLine (subtraction), each with
-# causal Eq. 6 in the study (the short causal convolution that binds a key to the value after it). InLine is
-# injective in q_i only where the prefix's centred keys span D dimensions (inline.inline_weights), so every query
-# sits at token D + 1 or later: what is compared is injective where it claims to be. The models have 20k-100k
-# parameters and a run takes minutes on one core (2.5 at 20000 steps, compiled), so they train here, in process:
-# train.py is the image loop (its data pipeline, DDP and checkpoints serve runs of hours to days). Finished runs are
-# JSON lines in RECALL_RESULTS (committed), so the tables and the picture rebuild without training and a rerun
-# trains only what is missing.
+# recall: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), the test linear attentions are
+# judged by: key-value pairs, filler, then queries for the keys, the loss on the answers only. Small causal
+# transformers (2 layers, 2 heads) with softmax, vanilla linear attention (division) and causal InLine
+# (subtraction), each with causal Eq. 6 in the study (the short causal convolution that binds a key to the
+# value after it). InLine is injective in q_i only where the prefix's centred keys span D dimensions
+# (inline.inline_weights), so every query sits at token D + 1 or later: what is compared is injective where it
+# claims to be. The models have 20k-100k parameters and a run takes minutes on one core (2.5 at 20000 steps,
+# compiled), so they train here, in process: train.py is the image loop (its data pipeline, DDP and
+# checkpoints serve runs of hours to days). Finished runs are JSON lines in RECALL_RESULTS (committed), so the
+# tables and the picture rebuild without training and a rerun trains only what is missing.
 
 RECALL_RESULTS = os.path.join(ROOT, 'results', 'recall.jsonl')
 RECALL_VOCAB = 64  # keys are tokens 0..63, values 64..127, filler 128..191
@@ -55,8 +55,9 @@ RECALL_MODELS = {  # name: how its attention is built (RecallLM); without Eq. 6 
     'InLine s': dict(residual='none', scale_by_count=False),
     'InLine s/i q-norm': dict(residual='none', normalise_q=True),
 }
-# The study's models: each of the above with causal Eq. 6 (the token and the 2 before it), softmax too. Without a
-# token shift a linear-state layer cannot bind a key to the value after it, and none of them left the guess (RESULTS.md)
+# The study's models: each of the above with causal Eq. 6 (the token and the 2 before it), softmax too.
+# Without a token shift a linear-state layer cannot bind a key to the value after it, and none of them left
+# the guess (RESULTS.md)
 RECALL_EQ6 = ' + Eq. 6'
 RECALL_STUDY = [name + RECALL_EQ6 for name in RECALL_MODELS]
 RECALL_MODELS.update({name + RECALL_EQ6: {**options, 'residual': 'local'} for name, options in list(RECALL_MODELS.items())})
@@ -79,8 +80,9 @@ RECALL_HELD_OUT = 1024  # sequences of each
 
 
 def mqar_batch(batch, pairs, tokens, generator):
-    """x, y (batch, tokens): `pairs` distinct keys, each followed by its value, filler tokens, then `pairs` queries
-    (keys drawn again, with repeats) at the end; y holds the value at the queries and -100 (no loss) elsewhere."""
+    """x, y (batch, tokens): `pairs` distinct keys, each followed by its value, filler tokens, then `pairs`
+    queries (keys drawn again, with repeats) at the end; y holds the value at the queries and -100 (no loss)
+    elsewhere."""
     keys = torch.rand(batch, RECALL_VOCAB, generator=generator).argsort(-1)[:, :pairs]  # (batch, pairs), distinct
     values = RECALL_VOCAB + torch.randint(RECALL_VOCAB, (batch, pairs), generator=generator)  # (batch, pairs)
     filler = 2 * RECALL_VOCAB + torch.randint(RECALL_VOCAB, (batch, tokens - 3 * pairs), generator=generator)
@@ -92,8 +94,9 @@ def mqar_batch(batch, pairs, tokens, generator):
 
 
 def most_frequent_guess(x, y, pairs):
-    """Recall (%) of a model that knows each sequence's values but not which key has which: it answers the value
-    most frequent in the sequence (ties broken at random). What attention that cannot select (the floor) can reach."""
+    """Recall (%) of a model that knows each sequence's values but not which key has which: it answers the
+    value most frequent in the sequence (ties broken at random). What attention that cannot select (the floor)
+    can reach."""
     values = x[:, 1:2 * pairs:2]  # (batch, pairs)
     counts = (values.unsqueeze(-1) == values.unsqueeze(-2)).sum(-1).double()  # (batch, pairs): each value's count
     counts = counts + torch.rand(counts.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -104,8 +107,8 @@ def most_frequent_guess(x, y, pairs):
 
 class CausalSoftmax(torch.nn.Module):
     """Causal softmax attention between InLineAttention's projections: x (B, N, C) -> (B, N, C); with
-    residual='local', plus causal Eq. 6 as InLine has it (inline.sequence_residual over the last 3 tokens), so that
-    softmax and InLine differ only in the attention."""
+    residual='local', plus causal Eq. 6 as InLine has it (inline.sequence_residual over the last 3 tokens), so
+    that softmax and InLine differ only in the attention."""
 
     def __init__(self, dim, num_heads, normalise_q=False, residual='none'):
         super().__init__()
@@ -166,35 +169,35 @@ class RecallLM(torch.nn.Module):
         self.norm, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, 3 * RECALL_VOCAB)
 
     def forward(self, x, answers=None):
-        """Logits at every token, or with `answers`, at the last `answers` tokens only (B, answers, 3V): where the
-        queries sit, the only places a loss or a score reads (it saves about a tenth of a step)."""
+        """Logits at every token, or with `answers`, at the last `answers` tokens only (B, answers, 3V): where
+        the queries sit, the only places a loss or a score reads (it saves about a tenth of a step)."""
         h = self.blocks(self.embed(x) + self.pos[:, :x.shape[1]])  # (B, N, C)
         return self.head(self.norm(h if answers is None else h[:, -answers:]))
 
 
 def short_sequence_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False, scale_by_count=True):
-    """inline.inline_core through the explicit causal weights: at 64 tokens the N x N form costs a CPU the least
-    (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same function
-    (test_causal_forms_equal_the_explicit_weights)."""
+    """inline.inline_core through the explicit causal weights: at 64 tokens the N x N form costs a CPU the
+    least (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same
+    function (test_causal_forms_equal_the_explicit_weights)."""
     o = inline.inline_attention_quadratic(q, k, v, scale, causal, scale_by_count)  # Eq. 5, (B, H, N, D)
     return o if r is None else o + inline.local_residual(v, r, grid, size, dilation, causal)  # Eq. 6
 
 
 def recall_answers(model, pairs, tokens, seed):
-    """Which answers the model gets right, (RECALL_HELD_OUT, pairs) bool, on held-out sequences drawn from generator
-    seed (RECALL_VALID or RECALL_TEST)."""
+    """Which answers the model gets right, (RECALL_HELD_OUT, pairs) bool, on held-out sequences drawn from
+    generator seed (RECALL_VALID or RECALL_TEST)."""
     x, y = mqar_batch(RECALL_HELD_OUT, pairs, tokens, torch.Generator().manual_seed(seed))
     with torch.no_grad():
         return model(x, pairs).argmax(-1) == y[:, -pairs:]
 
 
 def recall_run(name, width, pairs, tokens, seed, lr, steps, compiled=False):
-    """Train one model on fresh batches (AdamW, one-cycle schedule; no weight decay: every batch is new, so there is
-    nothing to overfit, and decay would pull against the q length that s/i asks to grow) and count its right
-    answers on the held-out sequences (for the learning rate) and the test ones, keeping which test answers it got
-    right (pack_correct, sequence by sequence), for the intervals over the test set. compiled: the training
-    forward through torch.compile (the same function, about 1.4x faster a step on a CPU after about 12 s of
-    compiling; scoring stays eager). Returns the run's JSON line."""
+    """Train one model on fresh batches (AdamW, one-cycle schedule; no weight decay: every batch is new, so
+    there is nothing to overfit, and decay would pull against the q length that s/i asks to grow) and count
+    its right answers on the held-out sequences (for the learning rate) and the test ones, keeping which test
+    answers it got right (pack_correct, sequence by sequence), for the intervals over the test set. compiled:
+    the training forward through torch.compile (the same function, about 1.4x faster a step on a CPU after
+    about 12 s of compiling; scoring stays eager). Returns the run's JSON line."""
     torch.manual_seed(seed)
     model = RecallLM(name, width, tokens)
     forward = torch.compile(model, dynamic=False) if compiled else model
@@ -212,7 +215,8 @@ def recall_run(name, width, pairs, tokens, seed, lr, steps, compiled=False):
         return loss
 
     with torch._dynamo.config.patch(recompile_limit=64):  # compiled: a graph per model and size, none dropped to eager
-        # the first step compiles them: one process at a time, the others then load them from the inductor cache
+        # the first step compiles them: one process at a time, the others then load them from the inductor
+        # cache
         with kernels.node_lock(('recall', name, width, pairs, tokens)) if compiled else contextlib.nullcontext():
             loss = step()
         for _ in range(steps - 1):
@@ -241,15 +245,16 @@ def held_out(runs, name, size, steps):
 
 
 def best_lr(runs, name, size, steps):
-    """The learning rate of RECALL_LRS whose seed-0 run recalls most on the held-out sequences (the smaller on a
-    tie), or None until all of them have run."""
+    """The learning rate of RECALL_LRS whose seed-0 run recalls most on the held-out sequences (the smaller on
+    a tie), or None until all of them have run."""
     valid = held_out(runs, name, size, steps)
     return None if None in valid else max(zip(valid, RECALL_LRS), key=lambda pair: (pair[0], -pair[1]))[1]
 
 
 def recall_plan(runs, models, sizes, seeds, steps):
-    """The runs still to train, in the order that leaves a stopped study balanced: every model at every learning rate
-    (seed 0), then seed 1 of every model at its best, then seed 2, ... (cmd_recall: one size at a time)."""
+    """The runs still to train, in the order that leaves a stopped study balanced: every model at every
+    learning rate (seed 0), then seed 1 of every model at its best, then seed 2, ... (cmd_recall: one size at
+    a time)."""
     first = [(n, *size, 0, lr) for size in sizes for n in models for lr in RECALL_LRS]
     chosen = {(n, size): best_lr(runs, n, size, steps) for size in sizes for n in models}
     later = [(n, *size, s, chosen[n, size]) for s in range(1, seeds) for size in sizes for n in models
@@ -285,16 +290,17 @@ def cmd_recall(args):
 
 
 def recall_claim(out, key, wait=False):
-    """lock_run on OUT/recall-claims/<the run>: the descriptor, or None while another command trains that run (and
-    not wait)."""
+    """lock_run on OUT/recall-claims/<the run>: the descriptor, or None while another command trains that run
+    (and not wait)."""
     return lock_run(os.path.join(out, 'recall-claims', hashlib.sha256(key.encode()).hexdigest()[:24]), wait)
 
 
 def train_recall(runs, todo, stage, args):
-    """Train the runs of todo, each added to args.results (and runs) the moment it finishes. Each run is claimed
-    first (recall_claim), so several commands share one plan: a run another command is training is left to it and
-    waited for at the end (trained here if it left no record), so that the next stage is planned from every run of
-    this one; and one command compiles a model's graph while the others wait to load it from the cache."""
+    """Train the runs of todo, each added to args.results (and runs) the moment it finishes. Each run is
+    claimed first (recall_claim), so several commands share one plan: a run another command is training is
+    left to it and waited for at the end (trained here if it left no record), so that the next stage is
+    planned from every run of this one; and one command compiles a model's graph while the others wait to load
+    it from the cache."""
     def rate(name):  # CPU seconds per token of a step: the model's own records (compiled or not), else every record's
         done = [r for r in runs.values() if r['batch'] == RECALL_BATCH and r['model'] == name
                 and r.get('compiled', False) == args.compile] or list(runs.values())
@@ -326,15 +332,15 @@ def train_recall(runs, todo, stage, args):
 
 
 def chosen_runs(runs, name, size, steps, seeds):
-    """(the model's best learning rate or None, its records at that rate in seed order, those of seeds 0..seeds-1
-    that exist)."""
+    """(the model's best learning rate or None, its records at that rate in seed order, those of seeds
+    0..seeds-1 that exist)."""
     lr = best_lr(runs, name, size, steps)
     return lr, [] if lr is None else [runs[k] for s in range(seeds) if (k := recall_key(name, *size, s, lr, steps)) in runs]
 
 
 def first_study(runs, name, size, seeds):
-    """The model's recall at the first study's budget, RECALL_FIRST_STEPS (its own best learning rate there, mean
-    over its seeds), '-' without those records: what ten times the steps changed."""
+    """The model's recall at the first study's budget, RECALL_FIRST_STEPS (its own best learning rate there,
+    mean over its seeds), '-' without those records: what ten times the steps changed."""
     rows = chosen_runs(runs, name, size, RECALL_FIRST_STEPS, seeds)[1]
     return f"{statistics.mean(r['recall'] for r in rows):.1f} ({len(rows)})" if rows else '-'
 
@@ -349,8 +355,8 @@ def by_sequence(rows, pairs):
 
 
 def recall_report(runs, models, sizes, args):
-    """The tables and the picture from the records: the learning rates, recall by model against the floor and the
-    guess, and each comparison's verdict, gated by both."""
+    """The tables and the picture from the records: the learning rates, recall by model against the floor and
+    the guess, and each comparison's verdict, gated by both."""
     guesses = {(w, p, n): most_frequent_guess(*mqar_batch(RECALL_HELD_OUT, p, n, torch.Generator().manual_seed(
         RECALL_TEST)), p) for w, p, n in sizes}
     recall, sequences = recall_table(runs, models, sizes, guesses, args)
@@ -369,8 +375,8 @@ def recall_report(runs, models, sizes, args):
 
 
 def recall_table(runs, models, sizes, guesses, args):
-    """Print each model's learning rates, recall and seeds at each size; return {(model, C, pairs, tokens): recall
-    per seed} and {the same: by_sequence}."""
+    """Print each model's learning rates, recall and seeds at each size; return {(model, C, pairs, tokens):
+    recall per seed} and {the same: by_sequence}."""
     print(f"\nMQAR: keys, values and filler from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, "
           f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on {RECALL_HELD_OUT} test "
           f"sequences, mean over the seeds with its 95% interval over the seeds and the test sequences (the ablations' "
@@ -402,8 +408,8 @@ def recall_table(runs, models, sizes, guesses, args):
 
 
 def recall_comparisons(recall, sequences, guesses, models, sizes):
-    """Print each comparison's difference, verdict and Holm verdict, untestable unless both models clear the floor
-    and the guess by RECALL_GATE."""
+    """Print each comparison's difference, verdict and Holm verdict, untestable unless both models clear the
+    floor and the guess by RECALL_GATE."""
     verdicts, ps = [], []
     for (question, a, b), eq6 in itertools.product(RECALL_COMPARISONS, ('', RECALL_EQ6)):
         a, b, floor_name = a + eq6, b + eq6, RECALL_FLOOR + eq6  # each model's floor has Eq. 6 where it has

@@ -1,13 +1,14 @@
-"""The lab's training runs and their records: the scheduler, its locks, the records in results/, and the command
-that trains one paper experiment.
+"""The lab's training runs and their records: the scheduler, its locks, the records in results/, and the
+command that trains one paper experiment.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. Every image model of the lab is trained by train.py's loop, through
 
-    python -m paper train NAME [train.py flags]   # NAME: an experiment (python -m paper experiments) or a model
+    python -m paper train NAME [train.py flags]   # NAME: an experiment (python -m paper experiments) or a
+    model
 
-which the scheduler (train_runs) starts as a subprocess, one per run, from the repository root; each finished run
-appends its record to results/runs.jsonl, from which every table and picture is rebuilt.
+which the scheduler (train_runs) starts as a subprocess, one per run, from the repository root; each finished
+run appends its record to results/runs.jsonl, from which every table and picture is rebuilt.
 """
 import base64
 import fcntl
@@ -36,8 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 # Training runs: every model here is trained by train.py's loop (`python -m paper train`); each finished run
 # appends its record (the model, recipe, seed, per-epoch metrics, command line, CPU time, machine) to
-# results/runs.jsonl, kept in the repository, and every table and picture is rebuilt from the records: a run with
-# a record is never redone
+# results/runs.jsonl, kept in the repository, and every table and picture is rebuilt from the records: a run
+# with a record is never redone
 
 RECORDS = os.path.join(ROOT, 'results', 'runs.jsonl')
 # the per-epoch metrics a record keeps; val_correct (pack_correct) only the final epoch has
@@ -46,7 +47,8 @@ KEPT = ('epoch', 'train_loss', 'lr', 'val_loss', 'val_acc1', 'val_acc5', 'val_im
 
 class Run(NamedTuple):
     """One training run: the experiment it trains under, its model (config_key), its recipe (data, budget,
-    precision, device and train.py's own recipe: records of two recipes never mix), its seed, train.py's flags."""
+    precision, device and train.py's own recipe: records of two recipes never mix), its seed, train.py's
+    flags."""
     name: str
     config: str
     recipe: dict
@@ -94,8 +96,9 @@ def append_record(path, record):
 
 
 def lock_run(folder, wait=False):
-    """An open descriptor holding an exclusive flock on FOLDER/lock, or None when another process holds it (and
-    not wait). The train.py process inherits it, so the lock lasts as long as the run, even if the lab dies."""
+    """An open descriptor holding an exclusive flock on FOLDER/lock, or None when another process holds it
+    (and not wait). The train.py process inherits it, so the lock lasts as long as the run, even if the lab
+    dies."""
     os.makedirs(folder, exist_ok=True)
     fd = os.open(os.path.join(folder, 'lock'), os.O_RDWR | os.O_CREAT)
     try:
@@ -133,8 +136,8 @@ def metrics(path):
 
 
 def make_record(run, folder, state, threads):
-    """The record of a run finished in its folder: its CPU and wall time summed over every attempt (cpu.json), and
-    in its last epoch the final validation's per-image results (FOLDER/val_correct.pt, packed)."""
+    """The record of a run finished in its folder: its CPU and wall time summed over every attempt (cpu.json),
+    and in its last epoch the final validation's per-image results (FOLDER/val_correct.pt, packed)."""
     spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
     log = metrics(folder) if os.path.exists(os.path.join(folder, 'metrics.jsonl')) else []
     correct = os.path.join(folder, 'val_correct.pt')
@@ -161,11 +164,12 @@ def write_json(path, value):
 
 
 def train_runs(runs, args, desc='training'):
-    """Train each run (Run) without a record in args.results, args.jobs at a time (cores/jobs threads each), as
-    `python -m paper train ARGV --output-dir FOLDER`, holding a lock on FOLDER: a run another command is training is
-    left to it and waited for at the end. Each finished run appends its record; an interrupted one resumes when
-    rerun. Stopped (SIGTERM, Ctrl-C, a failed run), it stops the running train.py (they save) and keeps their
-    CPU time. With args.no_train nothing is trained. Returns {run key: record} of the runs that have one."""
+    """Train each run (Run) without a record in args.results, args.jobs at a time (cores/jobs threads each),
+    as `python -m paper train ARGV --output-dir FOLDER`, holding a lock on FOLDER: a run another command is
+    training is left to it and waited for at the end. Each finished run appends its record; an interrupted one
+    resumes when rerun. Stopped (SIGTERM, Ctrl-C, a failed run), it stops the running train.py (they save) and
+    keeps their CPU time. With args.no_train nothing is trained. Returns {run key: record} of the runs that
+    have one."""
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     todo = [r for r in runs if r.key() not in read_records(args.results)]
     if len(todo) < len(runs):
@@ -228,8 +232,8 @@ def train_runs(runs, args, desc='training'):
 
 
 def launch(run, folder, lock, threads, env):
-    """Start `python -m paper train ARGV --output-dir FOLDER` from the repository root (output appended to FOLDER/train.log), handing it the run's
-    lock: (the process, its open log)."""
+    """Start `python -m paper train ARGV --output-dir FOLDER` from the repository root (output appended to
+    FOLDER/train.log), handing it the run's lock: (the process, its open log)."""
     log = open(os.path.join(folder, 'train.log'), 'a')
     argv = [sys.executable, '-m', 'paper', 'train', *run.argv, '--output-dir', folder, '--threads',
             str(threads)]
@@ -263,8 +267,8 @@ def children_cpu_s():
 
 
 def wait_any(running):
-    """(the first of the running {key: (process, ...)} to finish, its CPU seconds): the children's CPU time grows
-    by exactly the process that poll() reaps."""
+    """(the first of the running {key: (process, ...)} to finish, its CPU seconds): the children's CPU time
+    grows by exactly the process that poll() reaps."""
     while True:
         for key, (proc, *_) in running.items():
             before = children_cpu_s()
@@ -274,8 +278,8 @@ def wait_any(running):
 
 
 def pack_correct(correct):
-    """Per-image right (1) or wrong (0), in a fixed image order, as base64 text, 8 images to a byte, the first in
-    the lowest bit: 10,000 images in 1,668 characters. unpack_correct reads it back."""
+    """Per-image right (1) or wrong (0), in a fixed image order, as base64 text, 8 images to a byte, the first
+    in the lowest bit: 10,000 images in 1,668 characters. unpack_correct reads it back."""
     bits = F.pad(correct.to(torch.uint8), (0, -len(correct) % 8)).view(-1, 8)  # (bytes, 8)
     return base64.b64encode(bytes((bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8).tolist())
                             ).decode()
@@ -288,12 +292,13 @@ def unpack_correct(text, images):
 
 
 # ---------------------------------------------------------------------------------------------------
-# python -m paper train NAME [train.py flags]: one paper experiment (or released model) through train.py's loop
+# python -m paper train NAME [train.py flags]: one paper experiment (or released model) through train.py's
+# loop
 
 def train_args(argv):
-    """train.py's arguments for `python -m paper train NAME [flags]`: train.py's parser with NAME and the mosaics'
-    flags added (fashion_recall registered in train.DATASETS first, so --dataset offers it), and NAME's experiment
-    turned into --model and --model-kwargs, under which the flags given win (each said)."""
+    """train.py's arguments for `python -m paper train NAME [flags]`: train.py's parser with NAME and the
+    mosaics' flags added (fashion_recall registered in train.DATASETS first, so --dataset offers it), and
+    NAME's experiment turned into --model and --model-kwargs, under which the flags given win (each said)."""
     mosaics.register()
     parser = train.get_args_parser()
     parser.prog = 'python -m paper train'

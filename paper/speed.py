@@ -1,4 +1,5 @@
-"""The paper's speed figures, timed on this machine: F5b and F5c, a whole training step, whole models, dense sizes.
+"""The paper's speed figures, timed on this machine: F5b and F5c, a whole training step, whole models, dense
+sizes.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. Commands (from the repository root):
@@ -75,7 +76,8 @@ def check_sdpa(model, x):
 
 def speed_point(figure, point, dtype, device, batch, rounds):
     """Interleaved rounds (softmax then InLine, one forward each) at one point: images/s of each, and the
-    speed-up as the median over rounds of softmax time / InLine time (the machine's drift cancels in a round)."""
+    speed-up as the median over rounds of softmax time / InLine time (the machine's drift cancels in a
+    round)."""
     softmax, inline_model = speed_models(figure, point, device)
     x = torch.randn(batch, 3, *softmax.img_size, generator=torch.Generator().manual_seed(0)).to(device)
     check_sdpa(softmax, x[:1])
@@ -144,15 +146,16 @@ def cmd_speed(args):
 
 
 def free_core(q, k, v, r, grid, *options):
-    """A stand-in for the InLine core that costs nothing, o = v: a step with it is as fast as any core can make
-    it (the projections, r and everything else still run)."""
+    """A stand-in for the InLine core that costs nothing, o = v: a step with it is as fast as any core can
+    make it (the projections, r and everything else still run)."""
     return v
 
 
 def model_step(dtype, device, batch=8):
     """One training step of InLine-Swin-T at 224 px (forward, loss, backward): reference core, fast core, fast
-    core under whole-model torch.compile, and every InLine core replaced by free_core (the bound: Amdahl's law).
-    Returns ms per step (medians over interleaved rounds) and speed-ups (medians of per-round ratios)."""
+    core under whole-model torch.compile, and every InLine core replaced by free_core (the bound: Amdahl's
+    law). Returns ms per step (medians over interleaved rounds) and speed-ups (medians of per-round
+    ratios)."""
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(batch, 3, 224, 224, generator=gen, device=device)
     y = torch.randint(0, 1000, (batch,), generator=gen, device=device)
@@ -213,8 +216,8 @@ def whole_step(model, x, y, dtype, training):
 
 
 def without_infer(model, f):
-    """f() with every InLine module's inference graph (kernels.infer_fast) off: Eq. 6's weights, then the fast core,
-    two calls, as the fast path ran inference before that graph."""
+    """f() with every InLine module's inference graph (kernels.infer_fast) off: Eq. 6's weights, then the fast
+    core, two calls, as the fast path ran inference before that graph."""
     saved = [(m, m.infer) for m in model.modules() if getattr(m, 'infer', None) is not None]
     for m, _ in saved:
         m.infer = None
@@ -226,9 +229,9 @@ def without_infer(model, f):
 
 
 def whole_point(row, dtype, device, rounds, compiled):
-    """One row of --whole at one dtype: ms of the softmax original, of InLine through the fast core, for inference
-    also without its inference graph (without_infer), and (compiled) of InLine under whole-model torch.compile, in one
-    interleaved run; speed-ups as medians of per-round ratios."""
+    """One row of --whole at one dtype: ms of the softmax original, of InLine through the fast core, for
+    inference also without its inference graph (without_infer), and (compiled) of InLine under whole-model
+    torch.compile, in one interleaved run; speed-ups as medians of per-round ratios."""
     what, name, softmax_name, side, batch, training = row
     drop = dict(drop_path_rate=0.0)  # no random depth: every round runs the same blocks
     softmax = create_experiment(softmax_name, img_size=side, **drop).train(training).to(device)
@@ -266,10 +269,10 @@ PREDICTOR_LABEL = 'Eq. 6 predictor (residual_weights)'
 
 
 def forward_profile(model, x, dtype, rounds=5):
-    """Where one forward (eval, inference_mode, batch 1) spends its time: {group: (ms, calls) per forward}, from
-    torch.profiler's top-level operators, grouped by PROFILE_GROUPS; the InLine core and Eq. 6's predictor are
-    labelled around their calls (with no gradient the fast path computes both in one graph, kernels.infer_fast), and
-    the core split into its compiled graph's kernels (inductor's code and the GEMMs
+    """Where one forward (eval, inference_mode, batch 1) spends its time: {group: (ms, calls) per forward},
+    from torch.profiler's top-level operators, grouped by PROFILE_GROUPS; the InLine core and Eq. 6's
+    predictor are labelled around their calls (with no gradient the fast path computes both in one graph,
+    kernels.infer_fast), and the core split into its compiled graph's kernels (inductor's code and the GEMMs
     it calls), dynamo's guards and wrappers around them, and its call in Python (checks, the table)."""
     cores = [m for m in model.modules() if getattr(m, 'core', None) is not None]
     saved = [(m, m.core, m.infer) for m in cores], inline.residual_weights

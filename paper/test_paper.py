@@ -115,7 +115,8 @@ MERGED = pytest.mark.skipif(not hasattr(train, 'DATASETS'), reason="train.DATASE
 @MERGED
 def test_paper_train_resolves_the_experiment_with_the_flags_given_winning(capsys):
     """python -m paper train NAME: the experiment's model and overrides become train.py's --model and
-    --model-kwargs, and the flags given (--model-kwargs, the named attention flags) win over them, each said."""
+    --model-kwargs, and the flags given (--model-kwargs, the named attention flags) win over them, each
+    said."""
     args = runs.train_args(['t4_window7_no_residual', '--residual', 'local', '--model-kwargs', 'window=14',
                             '--epochs', '1'])
     assert args.model == 'inline_swin_t' and args.epochs == 1
@@ -140,8 +141,8 @@ def test_paper_train_resolves_the_experiment_with_the_flags_given_winning(capsys
 
 @MERGED
 def test_recipe_a_new_experiment_by_name(monkeypatch):
-    """An experiment is one experiment(...) line in paper/experiments.py: create_experiment, python -m paper train
-    and the ablations find it."""
+    """An experiment is one experiment(...) line in paper/experiments.py: create_experiment, python -m paper
+    train and the ablations find it."""
     monkeypatch.setattr(registry, 'EXPERIMENTS', dict(registry.EXPERIMENTS))
     monkeypatch.setattr(runs, 'EXPERIMENTS', registry.EXPERIMENTS)
     monkeypatch.setattr(ablations, 'EXPERIMENTS', registry.EXPERIMENTS)
@@ -169,8 +170,8 @@ def test_mqar_batches_ask_for_the_values_of_earlier_keys():
 
 
 def test_recall_sizes_put_every_query_where_inline_is_injective():
-    """Every query of the default sizes sits at token D + 1 or later (D = C / 2), where the prefix's centred keys can
-    span D dimensions (test_causal_injectivity_needs_d_plus_1_tokens)."""
+    """Every query of the default sizes sits at token D + 1 or later (D = C / 2), where the prefix's centred
+    keys can span D dimensions (test_causal_injectivity_needs_d_plus_1_tokens)."""
     for width, pairs, tokens in recall.RECALL_SIZES:
         _, y = recall.mqar_batch(2, pairs, tokens, torch.Generator().manual_seed(0))
         first_query = (y[0] != -100).nonzero().min().item() + 1  # counting tokens from 1
@@ -186,8 +187,9 @@ def test_most_frequent_guess_against_a_hand_count():
 
 
 def test_recall_models_run_the_reference_function():
-    """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits, under either factor
-    of Eq. 5; q-norm models give q and 2q the same weights (injectivity in q's length off), the others do not."""
+    """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits, under either
+    factor of Eq. 5; q-norm models give q and 2q the same weights (injectivity in q's length off), the others
+    do not."""
     torch.manual_seed(0)
     x, _ = recall.mqar_batch(3, 4, 12, torch.Generator().manual_seed(0))
     for name in ('InLine s/i', 'InLine 1+elu s', 'InLine s/i q-norm', 'linear 1+elu', 'floor phi=0', 'InLine s + Eq. 6'):
@@ -212,8 +214,9 @@ def test_recall_models_run_the_reference_function():
 
 
 def test_recall_softmax_adds_causal_eq6_token_by_token():
-    """CausalSoftmax with residual='local' adds, at token i, sum over t of r_i[3c + t] * v_{i-2+t} (zero before the
-    start) to softmax's output, r from the prefix mean; token i's output does not move when a later token does."""
+    """CausalSoftmax with residual='local' adds, at token i, sum over t of r_i[3c + t] * v_{i-2+t} (zero
+    before the start) to softmax's output, r from the prefix mean; token i's output does not move when a later
+    token does."""
     torch.manual_seed(0)
     plain, shifted = recall.CausalSoftmax(16, 2).double(), recall.CausalSoftmax(16, 2, residual='local').double()
     shifted.qkv.load_state_dict(plain.qkv.state_dict())
@@ -231,8 +234,9 @@ def test_recall_softmax_adds_causal_eq6_token_by_token():
 
 def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only_the_rest(tmp_path, monkeypatch,
                                                                                          capsys):
-    """Seed 0 at every learning rate, then seed 1 at the one that recalled most on the held-out sequences; a rerun
-    trains only what is missing, a run another command has claimed is left to it, and --no-train trains nothing."""
+    """Seed 0 at every learning rate, then seed 1 at the one that recalled most on the held-out sequences; a
+    rerun trains only what is missing, a run another command has claimed is left to it, and --no-train trains
+    nothing."""
     results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes', '8x2x6',
                                                      '--out', str(tmp_path)]
     threads = torch.get_num_threads()
@@ -250,7 +254,8 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
     trained = []
     real = recall.recall_run
     monkeypatch.setattr(recall, 'recall_run', lambda *run: trained.append(run) or real(*run))
-    # another command holds the first run and gives it up unfinished after 2 s: it is left, waited for, then trained
+    # another command holds the first run and gives it up unfinished after 2 s: it is left, waited for, then
+    # trained
     claimed = recall.recall_claim(str(tmp_path), recall.recall_key('linear 1+elu', 8, 2, 6, 0, recall.RECALL_LRS[0], 3))
     threading.Timer(2.0, os.close, (claimed,)).start()
     cli.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i', 'linear 1+elu'])
@@ -272,9 +277,9 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
 
 def test_recall_comparisons_are_untestable_under_the_floor_or_the_guess(tmp_path, capsys):
     """Records made up for one size: a comparison whose two models clear the floor (phi = 0) and the guess by
-    RECALL_GATE gets a verdict; one whose model sits at the floor is untestable, and Holm counts only the first. The
-    models with Eq. 6 are compared among themselves, gated by the floor with Eq. 6: the same softmax numbers are
-    untestable there, where that floor sits at 58%."""
+    RECALL_GATE gets a verdict; one whose model sits at the floor is untestable, and Holm counts only the
+    first. The models with Eq. 6 are compared among themselves, gated by the floor with Eq. 6: the same
+    softmax numbers are untestable there, where that floor sits at 58%."""
     width, pairs, tokens, steps = 16, 4, 12, 7
     scores = {'softmax': [99.0, 98.5, 99.5], 'softmax q-norm': [60.0, 58.0, 61.0], 'floor phi=0': [27.0, 26.5, 27.5],
               'InLine s/i': [27.2, 26.8, 27.1], 'InLine s/i q-norm': [26.9, 27.3, 27.0],
@@ -301,10 +306,10 @@ def test_recall_comparisons_are_untestable_under_the_floor_or_the_guess(tmp_path
 
 
 def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
-    """Made-up records with right answers kept: a gets the same answers right in every seed, b those and the same 410
-    more (20 points), so the seeds alone give ± 0.0, while the test sequences give the interval of a mean over 1024
-    sequences: t(0.975, 1023) sd / sqrt(1024) of the per-sequence differences (the two-way model with no seed or
-    residual variance)."""
+    """Made-up records with right answers kept: a gets the same answers right in every seed, b those and the
+    same 410 more (20 points), so the seeds alone give ± 0.0, while the test sequences give the interval of a
+    mean over 1024 sequences: t(0.975, 1023) sd / sqrt(1024) of the per-sequence differences (the two-way
+    model with no seed or residual variance)."""
     width, pairs, tokens, steps = 16, 2, 12, 7
     g = torch.Generator().manual_seed(0)
     a = torch.rand(1024 * pairs, generator=g) < 0.5
@@ -328,8 +333,8 @@ def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
 
 
 def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys):
-    """RESULTS.md's claim tables are what `python -m paper ablations --claims --no-train` prints from results/runs.jsonl,
-    line for line: the evidence cannot drift from its records."""
+    """RESULTS.md's claim tables are what `python -m paper ablations --claims --no-train` prints from
+    results/runs.jsonl, line for line: the evidence cannot drift from its records."""
     cli.main(['ablations', '--claims', '--no-train', '--out', str(tmp_path), '--png', str(tmp_path / 'a.png')])
     tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
@@ -338,8 +343,8 @@ def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys
 
 
 def test_the_committed_records_rebuild_the_results_mosaic_tables(tmp_path, capsys):
-    """RESULTS.md's tables of the test bed where attention must select are what `python -m paper ablations --dataset
-    fashion_recall --no-train` prints from results/runs.jsonl, line for line."""
+    """RESULTS.md's tables of the test bed where attention must select are what `python -m paper ablations
+    --dataset fashion_recall --no-train` prints from results/runs.jsonl, line for line."""
     cli.main(['ablations', '--dataset', 'fashion_recall', '--no-train', '--out', str(tmp_path)])
     tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
@@ -348,8 +353,8 @@ def test_the_committed_records_rebuild_the_results_mosaic_tables(tmp_path, capsy
 
 
 def test_the_committed_recall_records_rebuild_the_results_recall_tables(tmp_path, capsys):
-    """RESULTS.md's recall tables are what `python -m paper recall --no-train` prints from results/recall.jsonl, line for
-    line."""
+    """RESULTS.md's recall tables are what `python -m paper recall --no-train` prints from
+    results/recall.jsonl, line for line."""
     cli.main(['recall', '--no-train', '--out', str(tmp_path)])
     tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
@@ -396,10 +401,11 @@ def tiny_deit_checkpoint(path, layout='I', **overrides):
 
 
 def test_paper_locality_of_known_patterns_equals_the_hand_count():
-    """Weights replaced by patterns whose shares are known, on a 4x4 grid + class token (N = 17): all on the token
-    itself; uniform (class token 1/17; among the 16 grid tokens own 1/16, and on average 6.25 - 1 = 5.25 of the
-    others in the 3x3, per axis 2, 3, 3, 2 neighbours); half on the class token and half on the token itself (the
-    grid renormalised: own 1); half on itself and half two columns away, outside its 3x3 (own 0.5 or 1)."""
+    """Weights replaced by patterns whose shares are known, on a 4x4 grid + class token (N = 17): all on the
+    token itself; uniform (class token 1/17; among the 16 grid tokens own 1/16, and on average 6.25 - 1 = 5.25
+    of the others in the 3x3, per axis 2, 3, 3, 2 neighbours); half on the class token and half on the token
+    itself (the grid renormalised: own 1); half on itself and half two columns away, outside its 3x3 (own 0.5
+    or 1)."""
     torch.manual_seed(0)
     model = models.create_model('inline_deit_t', img_size=64, depth=4, embed_dim=32, num_heads=2, num_classes=10)
     N = 17
@@ -434,9 +440,9 @@ def test_paper_locality_of_known_patterns_equals_the_hand_count():
 
 
 def test_paper_eq6_share_is_measured_apart_from_the_weights():
-    """Eq. 6's share is 0 without it; with it, a fraction in (0, 1); and all of the output where Eq. 5 gives 0:
-    with q = k = 0 every InLine weight is 1/N, so Eq. 5 returns the mean of v, which is 0 for tokens centred
-    over the sequence and no v bias."""
+    """Eq. 6's share is 0 without it; with it, a fraction in (0, 1); and all of the output where Eq. 5 gives
+    0: with q = k = 0 every InLine weight is 1/N, so Eq. 5 returns the mean of v, which is 0 for tokens
+    centred over the sequence and no v bias."""
     torch.manual_seed(0)
     sizes = dict(img_size=32, patch_size=8, depth=1, embed_dim=16, num_heads=2)
     with_eq6, without = (models.create_model('inline_deit_t', residual=r, **sizes) for r in ('local', 'none'))
@@ -453,8 +459,8 @@ def test_paper_eq6_share_is_measured_apart_from_the_weights():
 
 
 def test_paper_locality_and_maps_commands(tmp_path):
-    """Untrained softmax attention (weights init std .02, so q.k ~ 0) is close to uniform: its shares are near the
-    uniform lines the command prints. A name given twice is two seeds. Both commands draw their PNG."""
+    """Untrained softmax attention (weights init std .02, so q.k ~ 0) is close to uniform: its shares are near
+    the uniform lines the command prints. A name given twice is two seeds. Both commands draw their PNG."""
     softmax = tiny_deit_checkpoint(tmp_path / 'softmax.pt', layout='S')
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
     results, uniform = cli.main(['locality', '--checkpoints', f'softmax={softmax}', f'InLine={ours}',
@@ -473,9 +479,9 @@ def test_paper_locality_and_maps_commands(tmp_path):
 
 
 def test_paper_locality_keeps_its_measurements_beside_the_records(tmp_path, monkeypatch):
-    """F4 of a run's checkpoint is measured once, trained and untrained, and kept in results/locality.jsonl: with
-    the checkpoint gone the same table comes back from the file; a checkpoint that is neither here nor measured
-    is a clear error."""
+    """F4 of a run's checkpoint is measured once, trained and untrained, and kept in results/locality.jsonl:
+    with the checkpoint gone the same table comes back from the file; a checkpoint that is neither here nor
+    measured is a clear error."""
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
     monkeypatch.setattr(figures, 'checkpoints', lambda args, seeds=1: {'InLine': [('run-0', ours), ('run-1', ours)]})
     argv = ['locality', '--images', '4', '--out', str(tmp_path), '--results', str(tmp_path / 'r' / 'runs.jsonl')]
@@ -490,8 +496,8 @@ def test_paper_locality_keeps_its_measurements_beside_the_records(tmp_path, monk
 
 
 def test_paper_measures_on_the_data_a_checkpoint_was_trained_on(tmp_path):
-    """A checkpoint trained on Fashion-MNIST is measured on Fashion-MNIST's test images (its stored arguments),
-    not on the synthetic task; --dataset/--data-path choose other images."""
+    """A checkpoint trained on Fashion-MNIST is measured on Fashion-MNIST's test images (its stored
+    arguments), not on the synthetic task; --dataset/--data-path choose other images."""
     os.makedirs(tmp_path / 'fm')
     data = write_fashion_mnist(str(tmp_path / 'fm'), test=6)
     path = tiny_deit_checkpoint(tmp_path / 'inline.pt')
@@ -528,8 +534,8 @@ def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
 
 
 def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, capsys):
-    """The speed command on tiny DeiTs (the real points are minutes each on a CPU): one row per point, dtype and
-    device, cached; and a softmax that builds its N x N weights explicitly is refused."""
+    """The speed command on tiny DeiTs (the real points are minutes each on a CPU): one row per point, dtype
+    and device, cached; and a softmax that builds its N x N weights explicitly is refused."""
     tiny = dict(depth=1, embed_dim=32, num_heads=1, num_classes=10)
     monkeypatch.setattr(speed, 'SPEED', {'F5b': ('window', (32,), {}), 'F5c': ('image size', (32, 64), {64: 2.0})})
     monkeypatch.setattr(speed, 'speed_models', lambda figure, point, device: [
@@ -607,10 +613,10 @@ def fake_record(run, acc):
 
 
 def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch, capsys):
-    """Runs with a record are read, not retrained; the others go to train.py with the experiment's miniature, its
-    data and its precision on the command line, and append their records; the tables compare seed by seed, with
-    the MDE, Holm's verdict and the φ = 0 floor's gate; --no-train rebuilds the same tables from the records
-    alone, and the learning curves are drawn."""
+    """Runs with a record are read, not retrained; the others go to train.py with the experiment's miniature,
+    its data and its precision on the command line, and append their records; the tables compare seed by seed,
+    with the MDE, Holm's verdict and the φ = 0 floor's gate; --no-train rebuilds the same tables from the
+    records alone, and the learning curves are drawn."""
     os.makedirs(tmp_path / 'fm')
     write_fashion_mnist(str(tmp_path / 'fm'))
     chosen = {n: registry.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q')}
@@ -636,9 +642,9 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     assert argv0[argv0.index('--amp') + 1] == ablations.PRECISION['cpu']  # explicit, never train.py's default
     assert configs[0][3] == '71.0 ± 1.0 (3)'
     assert [c[5] for c in configs] == ['+21.0', '+11.0', '+0.0']  # over the floor's 50
-    # per-seed differences -10, -11, -9: mean -10, sd 1; half-width 4.303 / sqrt(3) = 2.48; MDE (4.303 + 1.061) /
-    # sqrt(3) = 3.10; 10 seeds bring the MDE under 1 point; one comparison, so Holm's p is its own; the fake runs
-    # keep no per-image results, so the interval is the seeds' only, and says so
+    # per-seed differences -10, -11, -9: mean -10, sd 1; half-width 4.303 / sqrt(3) = 2.48; MDE (4.303 +
+    # 1.061) / sqrt(3) = 3.10; 10 seeds bring the MDE under 1 point; one comparison, so Holm's p is its own;
+    # the fake runs keep no per-image results, so the interval is the seeds' only, and says so
     assert rows == [['T1', 't1_softmax_normalised_q − t1_softmax', '70.6 / 69.9 vs 72.2', '-10.0 [-12.5, -7.5]',
                      'seeds only', '3', '3.1', '10', rows[0][8], 'reproduced', 'reproduced']]
     assert float(rows[0][8]) < 0.01
@@ -678,9 +684,9 @@ def test_paper_device_cuda_plans_the_converging_scale():
 
 
 def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch):
-    """Two comparisons each reproduced on its own (p 0.035 and 0.046, under 5%) are both not resolved under Holm
-    (0.035 x 2 = 0.07); a configuration two tables share is one row of the first table; each comparison row
-    carries its MDE at 80% power."""
+    """Two comparisons each reproduced on its own (p 0.035 and 0.046, under 5%) are both not resolved under
+    Holm (0.035 x 2 = 0.07); a configuration two tables share is one row of the first table; each comparison
+    row carries its MDE at 80% power."""
     os.makedirs(tmp_path / 'fm')
     write_fashion_mnist(str(tmp_path / 'fm'))
     chosen = {n: registry.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q', 's_deit_t')}
@@ -709,8 +715,8 @@ def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch)
 
 
 def test_paper_sigterm_stops_the_runs_and_keeps_their_cpu_time(tmp_path):
-    """The lab stopped by SIGTERM stops the train.py it runs (here a stand-in that sleeps) and adds their CPU and
-    wall time to the run's cpu.json before it exits, so a resumed run's record counts every attempt."""
+    """The lab stopped by SIGTERM stops the train.py it runs (here a stand-in that sleeps) and adds their CPU
+    and wall time to the run's cpu.json before it exits, so a resumed run's record counts every attempt."""
     out = str(tmp_path)
     code = ('import argparse, subprocess, sys\nfrom paper import runs\n'
             'real = subprocess.Popen\n'
@@ -738,8 +744,9 @@ def glob_one(pattern):
 
 
 def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, capsys):
-    """The record store: one JSON line per run, appended; the first record of a run counts (a second is ignored);
-    a run of another recipe or seed is another record; a line that is not a record stops with its number."""
+    """The record store: one JSON line per run, appended; the first record of a run counts (a second is
+    ignored); a run of another recipe or seed is another record; a line that is not a record stops with its
+    number."""
     path = str(tmp_path / 'r' / 'runs.jsonl')
     assert runs.read_records(path) == {}
     run = runs.Run('x', 'config', {'epochs': 2}, 0, ['--seed', '0'])
@@ -758,7 +765,8 @@ def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, c
 
 def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
     """A run's lock is exclusive, and the train.py process inherits it: it holds after the parent lets go. A
-    command that finds a run locked trains the others, waits for it, and takes its record without training it."""
+    command that finds a run locked trains the others, waits for it, and takes its record without training
+    it."""
     folder = str(tmp_path / 'run')
     fd = runs.lock_run(folder)
     assert fd is not None and runs.lock_run(folder) is None
@@ -789,8 +797,9 @@ def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
 
 @MERGED
 def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
-    """--dataset imagefolder --data-path DIR: the same runs on an ImageFolder, with the small datasets' recipe in
-    place of the released ImageNet one (no Mixup, RandAugment, erasing or EMA; one process, no accumulation)."""
+    """--dataset imagefolder --data-path DIR: the same runs on an ImageFolder, with the small datasets' recipe
+    in place of the released ImageNet one (no Mixup, RandAugment, erasing or EMA; one process, no
+    accumulation)."""
     root = str(tmp_path / 'data')
     write_image_folder(root, {'train': 2, 'val': 1})
     ns = argparse.Namespace(out=str(tmp_path), epochs=2, train_images=3, dataset='imagefolder', data_path=root,
@@ -819,7 +828,8 @@ def test_paper_refuses_a_folder_without_train(tmp_path, capsys):
 
 def test_paper_distinct_configurations_never_share_a_run():
     """Two different models never get the same train.py command line, so never the same run folder: the
-    experiments outside registry.EXPERIMENTS (the released InLine variants, F4's DeiTs) carry their overrides."""
+    experiments outside registry.EXPERIMENTS (the released InLine variants, F4's DeiTs) carry their
+    overrides."""
     every = {**ablations.experiments(), **figures.F4_EXTRA}
     ns = argparse.Namespace(epochs=1, train_images=8, dataset='synthetic', device='cpu')
     owner = {}
@@ -830,8 +840,8 @@ def test_paper_distinct_configurations_never_share_a_run():
 
 
 def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, monkeypatch):
-    """r_residual_local and t4_window56_residual build the same model: whichever subset asks for it, the run is
-    the one of the registry's first name, so --only (or --quick) and the full run never train it twice."""
+    """r_residual_local and t4_window56_residual build the same model: whichever subset asks for it, the run
+    is the one of the registry's first name, so --only (or --quick) and the full run never train it twice."""
     every = {n: registry.EXPERIMENTS[n] for n in ('t4_window56_residual', 'r_residual_local')}
     monkeypatch.setattr(ablations, 'experiments', lambda dataset=None: every)
     fake = FakeTrain()
@@ -846,8 +856,9 @@ def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, mo
 
 
 def test_paper_every_ablation_miniature_builds_and_runs():
-    """Each experiment's miniature (its overrides and the family's sizes) is a valid model on 64 px images, so a
-    full ablation run cannot fail hours in; and the experiments that are one model share one configuration."""
+    """Each experiment's miniature (its overrides and the family's sizes) is a valid model on 64 px images, so
+    a full ablation run cannot fail hours in; and the experiments that are one model share one
+    configuration."""
     torch.manual_seed(0)
     chosen = ablations.experiments()
     for name, e in chosen.items():
@@ -949,10 +960,10 @@ def test_paper_p_values_agree_with_the_interval():
 
 
 def test_paper_interval_mde_and_seeds_for_power():
-    """The interval against the t table; the MDE at 80% power and the seeds it takes against their explicit formula,
-    (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + the test set's term), sd pooled over a table's comparisons with their
-    degrees of freedom summed; the MDE against a simulation: a true effect of that size is caught about 80% of the
-    time."""
+    """The interval against the t table; the MDE at 80% power and the seeds it takes against their explicit
+    formula, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + the test set's term), sd pooled over a table's
+    comparisons with their degrees of freedom summed; the MDE against a simulation: a true effect of that size
+    is caught about 80% of the time."""
     mean, half = stats.interval([1.0, 2.0, 3.0])  # sd 1, 3 seeds: 4.303 / sqrt(3)
     assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
     assert stats.interval([1.0])[1] == math.inf and stats.mde(1.0, 1) == math.inf
@@ -964,7 +975,8 @@ def test_paper_interval_mde_and_seeds_for_power():
     assert stats.mde(2.0, 5, image_var=0.3) == pytest.approx((2.776 + 0.941) * math.sqrt(4 / 5 + 0.3), abs=1e-3)
     # sd 1: (t_0.975,8 + t_0.8,8) / 3 = (2.306 + 0.889) / 3 = 1.065; (2.262 + 0.883) / sqrt(10) = 0.995
     assert stats.seeds_for(1.0) == 10
-    # the test set's term does not shrink with seeds: 0.2 points² alone holds the MDE over (1.96 + 0.84) 0.447 = 1.25
+    # the test set's term does not shrink with seeds: 0.2 points² alone holds the MDE over (1.96 + 0.84) 0.447
+    # = 1.25
     assert stats.seeds_for(1.0, image_var=0.2) is None and stats.seeds_for(1.0, image_var=0.01) == 11
     g = np.random.default_rng(0)
     n, effect = 5, stats.mde(1.0, 5)
@@ -983,10 +995,10 @@ def summary_record(seed, acc, correct=None, state='done'):
 
 
 def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
-    """A comparison pairs runs by seed number: a seed one side lacks (no record, or diverged) drops that pair and
-    leaves the others in place, where pairing by list position would shift every later pair. A diverged run is
-    left out of every mean and t-test (never counted as a guess) and named; per-image differences come only when
-    every paired run kept them, else the interval is the seeds' only."""
+    """A comparison pairs runs by seed number: a seed one side lacks (no record, or diverged) drops that pair
+    and leaves the others in place, where pairing by list position would shift every later pair. A diverged
+    run is left out of every mean and t-test (never counted as a guess) and named; per-image differences come
+    only when every paired run kept them, else the interval is the seeds' only."""
     def right(*wrong):  # 10 test images, all right but these
         return [int(i not in wrong) for i in range(10)]
     a = stats.summarise([summary_record(0, 80.0, right(0, 1)), summary_record(1, 90.0, right(0)),
@@ -1012,9 +1024,9 @@ def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
 
 
 def test_paper_record_keeps_the_final_per_image_results(tmp_path):
-    """make_record keeps what train.py's final evaluation wrote of each test image (val_images in metrics.jsonl,
-    val_correct.pt: True where top-1 is right) beside the per-epoch metrics, packed into the last epoch as
-    val_correct, and drops what a table never reads (the architecture, the speed)."""
+    """make_record keeps what train.py's final evaluation wrote of each test image (val_images in
+    metrics.jsonl, val_correct.pt: True where top-1 is right) beside the per-epoch metrics, packed into the
+    last epoch as val_correct, and drops what a table never reads (the architecture, the speed)."""
     correct = runs.pack_correct(torch.tensor([1, 0, 1]))
     with open(tmp_path / 'metrics.jsonl', 'w') as f:
         f.write(json.dumps({'epoch': 1, 'train_loss': 2.0, 'images_per_s': 9.0, 'arch': {}}) + '\n')
@@ -1071,10 +1083,10 @@ def test_paper_seeds_per_table(capsys):
 
 
 def test_paper_mosaic_bed_is_injective_and_runs_its_own_recipe(tmp_path):
-    """python -m paper ablations --dataset fashion_recall: MOSAIC_ROWS alone, each miniature with head dim 8 in every stage
-    and every InLine layer of stages 1-3 at least D + 1 tokens (injective); each run trains on task 'below' at
-    MOSAIC_BUDGET, new training mosaics a seed, the same 10,000 test mosaics every seed; 5 seeds of every row;
-    its comparisons include T1 within softmax and within InLine."""
+    """python -m paper ablations --dataset fashion_recall: MOSAIC_ROWS alone, each miniature with head dim 8
+    in every stage and every InLine layer of stages 1-3 at least D + 1 tokens (injective); each run trains on
+    task 'below' at MOSAIC_BUDGET, new training mosaics a seed, the same 10,000 test mosaics every seed; 5
+    seeds of every row; its comparisons include T1 within softmax and within InLine."""
     every = ablations.experiments('fashion_recall')
     assert set(every) == set(ablations.MOSAIC_ROWS) and not set(ablations.MOSAIC_ONLY) & set(ablations.experiments())
     for name, e in every.items():
@@ -1103,8 +1115,8 @@ def test_paper_mosaic_bed_is_injective_and_runs_its_own_recipe(tmp_path):
 
 
 def test_paper_a_comparison_with_one_seed_of_per_image_results_is_not_run_yet():
-    """One seed a side, with per-image results: the row says '(1 seed)' and gets no interval (the test set's term
-    needs two seeds), rather than dividing by zero; the gate row beside it has its interval from two."""
+    """One seed a side, with per-image results: the row says '(1 seed)' and gets no interval (the test set's
+    term needs two seeds), rather than dividing by zero; the gate row beside it has its interval from two."""
     every = ablations.experiments()
     chosen = {n: every[n] for n in ('s_deit_t', 'inline_deit_t', 'floor_deit')}
     right = lambda p, seed: torch.rand(200, generator=torch.Generator().manual_seed(seed)) < p  # noqa: E731
@@ -1120,8 +1132,8 @@ def test_paper_a_comparison_with_one_seed_of_per_image_results_is_not_run_yet():
 
 @MERGED
 def test_paper_mosaic_runs_draw_new_training_mosaics_a_seed_and_the_same_test_ones(tmp_path):
-    """The mosaics' runs, as `python -m paper train` reads their command lines: task below, 20,000 training and
-    10,000 test mosaics; two seeds share their test mosaics and not their training ones."""
+    """The mosaics' runs, as `python -m paper train` reads their command lines: task below, 20,000 training
+    and 10,000 test mosaics; two seeds share their test mosaics and not their training ones."""
     root = str(tmp_path / 'fm')
     os.makedirs(root)
     write_fashion_mnist(root, train=40, test=20)
@@ -1142,12 +1154,12 @@ def test_paper_mosaic_runs_draw_new_training_mosaics_a_seed_and_the_same_test_on
 
 @pytest.mark.parametrize('task, pairs, query', [('recall', 2, 'other'), ('recall', 4, 'same'), ('below', None, None)])
 def test_mosaics_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, query):
-    """Every label of a batch of mosaics, checked against the layout: recall's keys and values distinct in class, each
-    key right above its value, the framed query of one key's class (the key's own image with query='same'), the
-    label that key's value; below's cells all filled, its framed item in row 1, the label the class right below it
-    and distinct from the two cells in the same slot of the other 2x2 blocks (what a network without attention
-    cannot tell apart). The pixels are the layout's items (at 14 px, in their cells) with the framed cell's border
-    lit; test mosaics hold test images."""
+    """Every label of a batch of mosaics, checked against the layout: recall's keys and values distinct in
+    class, each key right above its value, the framed query of one key's class (the key's own image with
+    query='same'), the label that key's value; below's cells all filled, its framed item in row 1, the label
+    the class right below it and distinct from the two cells in the same slot of the other 2x2 blocks (what a
+    network without attention cannot tell apart). The pixels are the layout's items (at 14 px, in their cells)
+    with the framed cell's border lit; test mosaics hold test images."""
     write_fashion_mnist(str(tmp_path), train=30, test=20)
     args = argparse.Namespace(data_path=str(tmp_path), recall_task=task, recall_pairs=pairs, recall_query=query,
                               synthetic_train=40, synthetic_val=30, seed=0, img_size=64)
