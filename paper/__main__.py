@@ -65,8 +65,9 @@ def main(argv=None):
     budget.add_argument('--epochs', type=int, help=f'epochs of every training run (CPU {BUDGET["cpu"]["epochs"]}, '
                                                    f'CUDA {BUDGET["cuda"]["epochs"]})')
     budget.add_argument('--train-images', type=int,
-                        help=f'training images: a fixed subset of the dataset, or synthetic ones per epoch (CPU '
-                             f'{BUDGET["cpu"]["train_images"]:,}, CUDA {BUDGET["cuda"]["train_images"]:,})')
+                        help='training images: a fixed subset of the dataset, or synthetic ones per epoch '
+                             f'(CPU {BUDGET["cpu"]["train_images"]:,}, CUDA '
+                             f'{BUDGET["cuda"]["train_images"]:,})')
     budget.add_argument('--device', choices=['cpu', 'cuda'], default='cpu',
                         help='where train.py runs: cpu, or cuda at the scale where the miniatures converge (BUDGET)')
     budget.add_argument('--results', default=RECORDS, help='the run records, one JSON line per finished run '
@@ -74,17 +75,18 @@ def main(argv=None):
     budget.add_argument('--no-train', action='store_true',
                         help='train nothing: rebuild from the records, leaving out the runs without one')
     budget.add_argument('--dataset', choices=['synthetic', 'imagefolder', *train.SMALL_DATASETS, 'fashion_recall'],
-                        help='the data every run trains on (default fashion_mnist; ablations on fashion_recall: the '
-                             'test bed where attention must select, MOSAIC_ROWS at MOSAIC_BUDGET); with --checkpoints, '
-                             'the images to measure on (default: each checkpoint\'s own)')
+                        help='the data every run trains on (default fashion_mnist; ablations on '
+                             'fashion_recall: the test bed where attention must select, MOSAIC_ROWS at '
+                             'MOSAIC_BUDGET); with --checkpoints, the images to measure on (default: each '
+                             'checkpoint\'s own)')
     budget.add_argument('--data-path', help=f'its root (default {FASHION_MNIST_DEB} for fashion_mnist where '
                                             'Debian\'s dataset-fashion-mnist package put it, else data/)')
     budget.add_argument('--download', action='store_true', help='download a small dataset first (torchvision)')
     budget.add_argument('--jobs', type=int, default=2, help='train.py processes at a time, sharing the cores')
     trained = argparse.ArgumentParser(add_help=False, parents=[budget])
     trained.add_argument('--checkpoints', nargs='+', metavar='[NAME=]PATH',
-                         help='train.py checkpoints of DeiT models, a NAME again for another seed (default: train '
-                              'the four small ones)')
+                         help='train.py checkpoints of DeiT models, a NAME again for another seed (default: '
+                              'train the four small ones)')
     p = sub.add_parser('locality', parents=[trained], help='F4: attention mass on the 3x3 neighbourhood per layer')
     p.add_argument('--images', type=int, default=512, help='validation images to average over')
     p.add_argument('--seeds', type=int, default=3, help='seeds of each of the four models (0, 1, ...)')
@@ -121,8 +123,8 @@ def main(argv=None):
     p.add_argument('--data-path', default=FASHION_MNIST_DEB, help='Fashion-MNIST\'s IDX files')
     args = parser.parse_args(argv)
     if args.command in ('locality', 'maps') and args.dataset == 'fashion_recall':
-        parser.error(f'{args.command} measures DeiT checkpoints of the small datasets; fashion_recall is the ablations\' '
-                     f'test bed (python -m paper ablations --dataset fashion_recall)')
+        parser.error(f'{args.command} measures DeiT checkpoints of the small datasets; fashion_recall is the '
+                     'ablations\' test bed (python -m paper ablations --dataset fashion_recall)')
     return {'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity,
             'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed, 'ablations': cmd_ablations,
             'recall': cmd_recall, 'mosaics': mosaics.cmd_mosaics}[args.command](args)

@@ -443,10 +443,10 @@ def cmd_ablations(args):
     minutes, source = estimate(runs, every, records)
     todo = [r for r in runs if r.key() not in records]
     passes = sum(r.recipe['epochs'] * r.recipe['train_images'] for r in todo)
-    print(f'{len(chosen)} experiments, {len({tuple(r.key() for r in rs) for rs in planned.values() if rs})} distinct '
-          f'configurations, {len(runs)} runs of {args.epochs} epochs x {args.train_images} images of {args.dataset} '
-          f'on {args.device} ({PRECISION[args.device]}), {args.jobs} at a time; estimate for the {len(todo)} runs '
-          f'without a record ({passes / 1e6:.1f}M training image passes): ' +
+    print(f'{len(chosen)} experiments, {len({tuple(r.key() for r in rs) for rs in planned.values() if rs})} '
+          f'distinct configurations, {len(runs)} runs of {args.epochs} epochs x {args.train_images} images '
+          f'of {args.dataset} on {args.device} ({PRECISION[args.device]}), {args.jobs} at a time; estimate '
+          f'for the {len(todo)} runs without a record ({passes / 1e6:.1f}M training image passes): ' +
           (f'unknown ({source})' if minutes is None else
            f'{minutes:.0f} {"GPU" if args.device == "cuda" else "CPU"}-minutes by {source}, about '
            f'{minutes / args.jobs // 60:.0f} h {minutes / args.jobs % 60:.0f} min {args.jobs} at a time' +
@@ -459,35 +459,36 @@ def cmd_ablations(args):
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
     bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the same '
            f'{MOSAICS["val_images"]:,} test mosaics for every run' if mosaics else 'validation on its test set')
-    print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} training '
-          f'images, {bed}, {PRECISION[args.device]} on {args.device}): one row per distinct '
-          f'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) seeds, '
-          f'beside the paper\'s ImageNet-1K top-1; over the φ = 0 floor: its mean minus the mean of its family\'s '
-          f'attention-free miniature (the gate: under it when less than {FLOOR_MARGIN:g}); last quarter: the top-1 '
-          f'gained over the last quarter of the epochs (near 0: flat); a diverged run is left out and named. * our '
-          f'construction (no released code).\n')
+    print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} '
+          f'training images, {bed}, {PRECISION[args.device]} on {args.device}): one row per distinct '
+          'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) '
+          'seeds, beside the paper\'s ImageNet-1K top-1; over the φ = 0 floor: its mean minus the mean of '
+          f'its family\'s attention-free miniature (the gate: under it when less than {FLOOR_MARGIN:g}); '
+          'last quarter: the top-1 gained over the last quarter of the epochs (near 0: flat); a diverged '
+          'run is left out and named. * our construction (no released code).\n')
     print_table(['configuration', 'tables', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)',
                  'over the φ = 0 floor', 'last quarter'], configs)
     gaps = [c[5] for c in configs if c[5] and c[1] != 'floor']  # the attention configurations' gaps to their floor
     if gaps and all('(under)' in g for g in gaps):
-        print(f'\nNo configuration with attention clears its φ = 0 floor by {FLOOR_MARGIN:g} points: on this test bed '
-              f'the task does not need attention, and every comparison is untestable.')
+        print(f'\nNo configuration with attention clears its φ = 0 floor by {FLOOR_MARGIN:g} points: on this '
+              'test bed the task does not need attention, and every comparison is untestable.')
     header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over', 'seeds',
               'MDE at 80% power', 'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
-    print(f'\nComparisons, row minus reference, runs paired by seed number: the mean difference and its 95% interval, '
-          f'over seeds and the test set\'s images (a two-way random-effects model, t on Satterthwaite\'s degrees of '
-          f'freedom), or over seeds only (Student-t) where a record predates per-image results: those leave out the '
-          f'test set\'s sampling error. MDE, the minimum detectable effect at 80% power: the true difference a 5% '
-          f'two-sided paired t-test at these seeds catches 4 times in 5, (t_0.975 + t_0.8) sqrt(sd² / n + the test '
-          f'set\'s term), sd the per-seed differences\' pooled over this table\'s comparisons ' +
+    print('\nComparisons, row minus reference, runs paired by seed number: the mean difference and its 95% '
+          'interval, over seeds and the test set\'s images (a two-way random-effects model, t on '
+          'Satterthwaite\'s degrees of freedom), or over seeds only (Student-t) where a record predates '
+          'per-image results: those leave out the test set\'s sampling error. MDE, the minimum detectable '
+          'effect at 80% power: the true difference a 5% two-sided paired t-test at these seeds catches 4 '
+          'times in 5, (t_0.975 + t_0.8) sqrt(sd² / n + the test set\'s term), sd the per-seed '
+          'differences\' pooled over this table\'s comparisons ' +
           ('(none has two seeds)' if sd is None else f'({sd:.2f} on {df} degrees of freedom)') +
-          f'; seeds for 1 point: how many would bring the MDE to 1. Verdict (RESULTS.md, "Verdicts"): an ordering is '
-          f'reproduced when the interval excludes 0 on the paper\'s side, contradicted on the other; a paper tie '
-          f'(≤ {PAPER_TIE}) by TOST, reproduced when the interval lies within ±{MARGIN}, contradicted wholly outside '
-          f'it; else not resolved; untestable where a side is under its φ = 0 floor + {FLOOR_MARGIN:g} (p is still '
-          f'shown). Holm verdict: the same test with its p adjusted by Holm\'s method over this table\'s family, '
-          f'"{family_name}": the {m} comparisons with a verdict, so that the chance of any false verdict among them '
-          f'is at most 5%. † a claim row.\n')
+          '; seeds for 1 point: how many would bring the MDE to 1. Verdict (RESULTS.md, "Verdicts"): an '
+          'ordering is reproduced when the interval excludes 0 on the paper\'s side, contradicted on the '
+          f'other; a paper tie (≤ {PAPER_TIE}) by TOST, reproduced when the interval lies within ±{MARGIN}, '
+          'contradicted wholly outside it; else not resolved; untestable where a side is under its φ = 0 '
+          f'floor + {FLOOR_MARGIN:g} (p is still shown). Holm verdict: the same test with its p adjusted by '
+          f'Holm\'s method over this table\'s family, "{family_name}": the {m} comparisons with a verdict, '
+          'so that the chance of any false verdict among them is at most 5%. † a claim row.\n')
     print_table(header, rows)
     ablations_pictures(args, chosen, planned, done, result, rows, points)
     return configs, rows

@@ -133,8 +133,9 @@ def cmd_models(args):
         rows.append([name, model.img_size[0], f'{ours:,}', f'{params:,}', f'{macs:.3f}', f'{gmacs:.3f}',
                      f'{(macs / gmacs - 1) * 100:+.2f}%', top1 or '-'])
     print_table(['variant', 'img', 'params', 'released', 'GMACs', 'released', 'diff', 'top-1'], rows)
-    print("GMACs = torch.utils.flop_counter FLOPs / 2 (matmuls and convolutions). Ours are lower by the released\n"
-          "code's q.k_mean product alone (N*D per head), which the centred form of Eq. 5 does not need.")
+    print("GMACs = torch.utils.flop_counter FLOPs / 2 (matmuls and convolutions). Ours are lower by the "
+          "released\ncode's q.k_mean product alone (N*D per head), which the centred form of Eq. 5 does not "
+          "need.")
 
 
 def cmd_experiments(args):
@@ -146,5 +147,5 @@ def cmd_experiments(args):
         rows.append([name, e.table, e.model, f'{sum(p.numel() for p in model.parameters()):,}',
                      f'{models.count_macs(model) / 1e9:.2f}', e.reported or '-', '(ours) ' * e.ours + e.what])
     print_table(['experiment', 'table', 'model', 'params', 'GMACs', 'paper top-1', 'what'], rows)
-    print("paper top-1: ImageNet-1K as the paper reports it; (ours): our construction, no code was released.\n"
-          "Train one: torchrun --standalone --nproc_per_node=2 -m paper train NAME")
+    print("paper top-1: ImageNet-1K as the paper reports it; (ours): our construction, no code was "
+          "released.\nTrain one: torchrun --standalone --nproc_per_node=2 -m paper train NAME")

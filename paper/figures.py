@@ -95,9 +95,9 @@ def cmd_injectivity(args):
     weights, (relu_affine, k, q) = injectivity_weights()
     labels = ['q', '2q', '3q', '4q', 'r1', 'r2', 'r3', 'r4']
     groups = {name: identical_rows(w) for name, w in weights.items()}
-    print('F1: attention weights of 8 queries against 4 random keys (D = 8, float64). Rows q..4q are collinear,\n'
-          'r1..r4 random. relu_affine: inline.ReLUAffine, ReLU(A x + b), with a fixed random A = I + 0.3 N(0, 1) and\n'
-          'b = 0 (its initial bias).\n')
+    print('F1: attention weights of 8 queries against 4 random keys (D = 8, float64). Rows q..4q are '
+          'collinear,\nr1..r4 random. relu_affine: inline.ReLUAffine, ReLU(A x + b), with a fixed random A '
+          '= I + 0.3 N(0, 1) and\nb = 0 (its initial bias).\n')
     for name, w in weights.items():
         same = {i: f'= {labels[g[0]]}' for g in groups[name] for i in g[1:]}
         print(f'{name}:')
@@ -107,12 +107,13 @@ def cmd_injectivity(args):
     print('identical rows: ' + '; '.join(f'{n}: {[[labels[i] for i in g] for g in gs] or "none"}'
                                           for n, gs in groups.items()))
     ray, line = relu_affine_bias_check(relu_affine, k, q)
-    print(f'relu_affine with a random b != 0: q..4q differ by up to {ray:.3f}, but x_a = A^-1(a(Aq + b) - b), '
-          f'a = 1..4, still coincide (max difference {line:.1e}): the confusion moves, it does not go away.')
+    print(f'relu_affine with a random b != 0: q..4q differ by up to {ray:.3f}, but x_a = A^-1(a(Aq + b) - '
+          f'b), a = 1..4, still coincide (max difference {line:.1e}): the confusion moves, it does not go '
+          'away.')
 
     heatmaps(args.png or os.path.join(args.out, 'injectivity.png'), weights, groups, labels,
-             'rows q..4q: collinear queries; r1..r4: random. Outlined and bracketed: rows identical to 1e-12. '
-             'Colour: weight / max |weight| (blue < 0 < red).')
+             'rows q..4q: collinear queries; r1..r4: random. Outlined and bracketed: rows identical to '
+             '1e-12. Colour: weight / max |weight| (blue < 0 < red).')
     return groups
 
 
@@ -306,12 +307,13 @@ def cmd_locality(args):
     hw = grid[0] * grid[1]
     uniform = {'own': 1 / hw, 'near': (neighbourhood(grid).sum().item() - hw) / hw / hw}  # 1/hw each
     stat = lambda v: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0)  # noqa: E731
-    print(f'F4: per layer, means over {what}, the {grid[0]}x{grid[1]} grid queries and the heads (per head in '
-          f'brackets), ± the standard deviation over seeds. Own token and the other 8 of the 3x3: among the grid '
-          f'weights renormalised without the class token; uniform weights give {uniform["own"]:.4f} and '
-          f'{uniform["near"]:.4f}. Eq. 6\'s share: |Eq. 6| / (|Eq. 5| + |Eq. 6|) of each output. "untrained": the '
-          f'same model at the weights its run started from; the last column, the 3x3 share trained minus untrained, '
-          f'seed by seed, with its 95% Student-t interval: what training did to locality at this budget.\n')
+    print(f'F4: per layer, means over {what}, the {grid[0]}x{grid[1]} grid queries and the heads (per head '
+          'in brackets), ± the standard deviation over seeds. Own token and the other 8 of the 3x3: among '
+          f'the grid weights renormalised without the class token; uniform weights give {uniform["own"]:.4f} '
+          f'and {uniform["near"]:.4f}. Eq. 6\'s share: |Eq. 6| / (|Eq. 5| + |Eq. 6|) of each output. '
+          '"untrained": the same model at the weights its run started from; the last column, the 3x3 share '
+          'trained minus untrained, seed by seed, with its 95% Student-t interval: what training did to '
+          'locality at this budget.\n')
     rows, curves = [], {k: [] for k in SHARES}
     for name, per_seed in results.items():
         accs = [a for a in top1[name] if a is not None]
@@ -388,8 +390,8 @@ def cmd_maps(args):
                 table.append([name, layer, f'({y},{x_})', f'{row[P + y * grid[1] + x_].item():.3f}', f'{local:.3f}',
                               f'{row[0].item():.3f}', f'{row[P:].min().item():.3f}', f'{row[P:].max().item():.3f}'])
             rows.append((f'{name}, layer {layer}', tiles))
-    print(f'F3: attention weights of {len(queries)} query tokens in {what}, the mean over heads (Eq. 6 not among '
-          f'them: F4 gives its share)\n')
+    print(f'F3: attention weights of {len(queries)} query tokens in {what}, the mean over heads (Eq. 6 not '
+          'among them: F4 gives its share)\n')
     print_table(['model', 'layer', 'query (row,col)', 'on itself', 'on its 3x3', 'on the class token', 'min', 'max'],
                 table)
 

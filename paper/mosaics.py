@@ -42,12 +42,12 @@ class FashionRecall(Dataset):
 
     def __init__(self, images, labels, size, seed, train, task='recall', pairs=None, query=None):
         if task == 'below' and (pairs, query) != (None, None):
-            fail(f"fashion_recall: task 'below' fills every cell and has no query; pairs and query are recall's "
-                 f"(got pairs {pairs!r}, query {query!r})")
+            fail("fashion_recall: task 'below' fills every cell and has no query; pairs and query are "
+                 f"recall's (got pairs {pairs!r}, query {query!r})")
         pairs, query = (pairs or self.PAIRS, query or self.QUERY) if task == 'recall' else (pairs, query)
         if task not in ('recall', 'below') or task == 'recall' and (query not in ('other', 'same') or not 1 <= pairs <= 4):
-            fail(f"fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs 1 to 4 (4 "
-                 f"pairs always fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
+            fail("fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs "
+                 f"1 to 4 (4 pairs always fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
         self.size, self.seed, self.train, self.task, self.pairs, self.query = size, seed, train, task, pairs, query
         items = F.resize(images[:, :1], [14, 14], antialias=True)  # (N, 1, 14, 14) uint8: one channel of the gray
         self.items, self.labels = items[:, 0], labels
@@ -134,8 +134,8 @@ def load(args):
     run's seed; the test mosaics the same for every run (seed 0), so that the per-image results of runs of
     different seeds are on the same images (the lab's intervals pair them)."""
     if args.img_size != 64:
-        train.fail(f'--dataset fashion_recall makes 64 px mosaics of 4x4 cells; --img-size {args.img_size} would '
-                   f'resample them: leave it unset or give 64')
+        train.fail(f'--dataset fashion_recall makes 64 px mosaics of 4x4 cells; --img-size {args.img_size} '
+                   'would resample them: leave it unset or give 64')
     options = dict(task=args.recall_task, pairs=args.recall_pairs, query=args.recall_query)
     found = [FashionRecall(*train.read_small('fashion_mnist', args.data_path or 'data', split)[:2], size,
                            args.seed if split else 0, split, **options)
@@ -143,8 +143,8 @@ def load(args):
                                  (False, args.synthetic_val or TEST_MOSAICS))]
     task = 'below' if args.recall_task == 'below' else \
         f'recall {found[1].pairs} pairs, query {found[1].query}'
-    train.print0(f'data: fashion_recall ({task}), {len(found[0]):,} training and {len(found[1]):,} test mosaics, '
-                 f'64 px')
+    train.print0(f'data: fashion_recall ({task}), {len(found[0]):,} training and {len(found[1]):,} test '
+                 'mosaics, 64 px')
     return found
 
 

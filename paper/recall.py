@@ -272,9 +272,10 @@ def cmd_recall(args):
     sizes = [tuple(map(int, size.split('x'))) for size in args.sizes if re.fullmatch(r'\d+x\d+x\d+', size)]
     if len(sizes) != len(args.sizes) or any(not 2 <= p <= RECALL_VOCAB or w < 1 or w % RECALL_HEADS
                                             or n - p < w // RECALL_HEADS or n < 3 * p for w, p, n in sizes):
-        train.fail(f"--sizes takes CxPAIRSxTOKENS: the width C a multiple of the {RECALL_HEADS} heads, 2 <= PAIRS <= "
-                   f"{RECALL_VOCAB} (distinct keys of {RECALL_VOCAB}), TOKENS >= 3 PAIRS and TOKENS - PAIRS >= D = "
-                   f"C/{RECALL_HEADS}, so that every query sits at token D + 1 or later; got {args.sizes}")
+        train.fail(f"--sizes takes CxPAIRSxTOKENS: the width C a multiple of the {RECALL_HEADS} heads, 2 <= "
+                   f"PAIRS <= {RECALL_VOCAB} (distinct keys of {RECALL_VOCAB}), TOKENS >= 3 PAIRS and TOKENS "
+                   f"- PAIRS >= D = C/{RECALL_HEADS}, so that every query sits at token D + 1 or later; got "
+                   f"{args.sizes}")
     runs = read_records(args.results, key=recall_row_key)
     if not args.no_train:
         threads = torch.get_num_threads()
@@ -306,8 +307,9 @@ def train_recall(runs, todo, stage, args):
                 and r.get('compiled', False) == args.compile] or list(runs.values())
         return sum(r['cpu_s'] for r in done) / max(sum(r['tokens'] * r['steps'] for r in done), 1)
     estimate = sum(rate(name) * tokens * args.steps for name, _, _, tokens, _, _ in todo) / 60
-    print(f"recall (MQAR), {stage}: {len(todo)} runs to train at {args.threads} thread(s), {args.steps} steps of "
-          f"{RECALL_BATCH}, about {estimate:.0f} CPU-min (from the records' CPU time per token)", flush=True)
+    print(f"recall (MQAR), {stage}: {len(todo)} runs to train at {args.threads} thread(s), {args.steps} "
+          f"steps of {RECALL_BATCH}, about {estimate:.0f} CPU-min (from the records' CPU time "
+          "per token)", flush=True)
     trained = []
 
     def attempt(run, wait):  # False: another command holds the run
@@ -379,10 +381,10 @@ def recall_table(runs, models, sizes, guesses, args):
     recall per seed} and {the same: by_sequence}."""
     print(f"\nMQAR: keys, values and filler from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, "
           f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on {RECALL_HELD_OUT} test "
-          f"sequences, mean over the seeds with its 95% interval over the seeds and the test sequences (the ablations' "
-          f"two-way model), or over the seeds only (Student-t) where a record predates per-answer results; each model "
-          f"at the learning rate of {', '.join(map(str, RECALL_LRS))} that recalled most on {RECALL_HELD_OUT} "
-          f"held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
+          "sequences, mean over the seeds with its 95% interval over the seeds and the test sequences (the "
+          "ablations' two-way model), or over the seeds only (Student-t) where a record predates per-answer "
+          f"results; each model at the learning rate of {', '.join(map(str, RECALL_LRS))} that recalled most "
+          f"on {RECALL_HELD_OUT} held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
     first = args.steps != RECALL_FIRST_STEPS  # a column for the first study's recall
     recall, sequences, table, missing = {}, {}, [], []
     for (w, p, n), name in itertools.product(sizes, models):
@@ -435,11 +437,12 @@ def recall_comparisons(recall, sequences, guesses, models, sizes):
     for row, q in zip(verdicts, ps):  # Holm over the testable comparisons of this table
         row.append('untestable' if q is None else row[-1] if next(adjusted) < ALPHA else 'not resolved')
     if verdicts:
-        print(f'\nComparisons, b minus a seed by seed, with its 95% interval over the seeds and the {RECALL_HELD_OUT} '
-              f'test sequences (the ablations\' two-way random-effects model, t on Satterthwaite\'s degrees of freedom), '
-              f'or over the seeds only (Student-t) where a record predates per-answer results; the verdict is on "b '
-              f'recalls more than a" (RESULTS.md, "Verdicts"), untestable unless both clear the floor (phi = 0) and the '
-              f'guess by {RECALL_GATE:g} points; the Holm verdict the same over the testable ones.\n')
+        print('\nComparisons, b minus a seed by seed, with its 95% interval over the seeds and the '
+              f'{RECALL_HELD_OUT} test sequences (the ablations\' two-way random-effects model, t on '
+              'Satterthwaite\'s degrees of freedom), or over the seeds only (Student-t) where a record '
+              'predates per-answer results; the verdict is on "b recalls more than a" (RESULTS.md, '
+              '"Verdicts"), untestable unless both clear the floor (phi = 0) and the guess by '
+              f'{RECALL_GATE:g} points; the Holm verdict the same over the testable ones.\n')
         print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict', 'Holm verdict'],
                     verdicts)
 
@@ -454,8 +457,8 @@ def add_recall_parser(sub, common):
                    'results/recall.jsonl); a rerun trains only what is missing')
     p.add_argument('--models', nargs='+', metavar='NAME', help=f'these models (default: the study\'s, every one with Eq. 6), of {", ".join(RECALL_MODELS)}')
     p.add_argument('--sizes', nargs='+', metavar='CxPAIRSxTOKENS', default=[f'{w}x{p}x{n}' for w, p, n in RECALL_SIZES],
-                   help=f'model width C ({RECALL_HEADS} heads), key-value pairs and tokens per sequence (default '
-                        f'{" ".join(f"{w}x{p}x{n}" for w, p, n in RECALL_SIZES)})')
+                   help=f'model width C ({RECALL_HEADS} heads), key-value pairs and tokens per sequence '
+                        f'(default {" ".join(f"{w}x{p}x{n}" for w, p, n in RECALL_SIZES)})')
     p.add_argument('--seeds', type=int, default=RECALL_SEEDS, help='seeds per model and size (0, 1, ...)')
     p.add_argument('--steps', type=int, default=RECALL_STEPS, help=f'training steps of {RECALL_BATCH} sequences')
     p.add_argument('--threads', type=int, default=1, help='CPU threads of this process')

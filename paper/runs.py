@@ -225,8 +225,8 @@ def train_runs(runs, args, desc='training'):
     if count:  # CPU time hardly depends on what else the machine runs; wall time does
         cpu = children_cpu_s() - cpu_before
         print(f'{count} train.py runs took {cpu / 60:.1f} CPU-minutes ({cpu / 60 / count:.1f} per run): '
-              f'about {cpu / 60 / (threads * args.jobs):.1f} min of wall time on {threads * args.jobs} cores of '
-              f'their own')
+              f'about {cpu / 60 / (threads * args.jobs):.1f} min of wall time on {threads * args.jobs} cores '
+              'of their own')
     records = read_records(args.results)
     return {r.key(): records[r.key()] for r in runs if r.key() in records}
 
@@ -308,8 +308,8 @@ def train_args(argv):
     args = parser.parse_args(argv)
     e = EXPERIMENTS.get(args.name)
     if e is None and args.name not in models.MODELS:
-        train.fail(f'unknown experiment or model {args.name}; choose an experiment ({", ".join(EXPERIMENTS)}) or a '
-                   f'model ({", ".join(models.MODELS)})')
+        train.fail(f'unknown experiment or model {args.name}; choose an experiment '
+                   f'({", ".join(EXPERIMENTS)}) or a model ({", ".join(models.MODELS)})')
     base = e.overrides if e else {}
     given = train.model_kwargs(args)  # --model-kwargs and the attention flags (--layout, ...) given
     won = [f'{k}={v!r} (its {base[k]!r})' for k, v in given.items() if base.get(k, v) != v]
@@ -324,8 +324,8 @@ def train_args(argv):
     if args.dataset == mosaics.NAME and args.img_size is None:
         args.img_size = 64  # the mosaics' own size (train.py gives a dataset it does not know 32)
     if e:
-        train.print0(f'experiment: {args.name} ({e.table}, reported {e.reported}{", our construction" * e.ours}): '
-                     f'{e.what}')
+        train.print0(f'experiment: {args.name} ({e.table}, reported '
+                     f'{e.reported}{", our construction" * e.ours}): {e.what}')
     return args
 
 

@@ -118,10 +118,11 @@ def cmd_speed(args):
             rows.append(json.load(f))
     cpu_amp, why = train.default_amp(torch.device('cpu'))
     amx = getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)()  # private, so guarded; bf16's speed turns on it
-    print(f'\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, softmax vs '
-          f'InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, InLine through the '
-          f'fast core; speed-up = median of per-round ratios. CPU: {torch.get_num_threads()} threads, '
-          f'{torch.backends.cpu.get_cpu_capability()}; {why}, so train.py defaults to {cpu_amp} there.\n')
+    print('\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, '
+          'softmax vs InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, '
+          'InLine through the fast core; speed-up = median of per-round ratios. CPU: '
+          f'{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}; {why}, so train.py '
+          f'defaults to {cpu_amp} there.\n')
     print_table(['figure', 'point', 'device', 'dtype', 'batch', 'softmax img/s', 'InLine img/s', 'InLine speed-up',
                  'paper (GPU)'],
                 [[r['figure'], f"{r['point']}²" if r['figure'] == 'F5b' else f"{r['point']} px", r['device'], r['dtype'],
@@ -185,8 +186,8 @@ def model_step_table(devices, dtypes):
         for dtype in dtypes:
             step = model_step(dtype, device)
             rows.append([device.type, str(dtype)[6:], *[f'{t:.0f} ms ({r:.2f}x)' for t, r in step.values()]])
-    print('\nA whole InLine-Swin-T training step, batch 8, 224 px (ms, speed-up over the reference). The free core '
-          'returns v and costs nothing: no InLine core can make the step faster than that.\n')
+    print('\nA whole InLine-Swin-T training step, batch 8, 224 px (ms, speed-up over the reference). The '
+          'free core returns v and costs nothing: no InLine core can make the step faster than that.\n')
     print_table(['device', 'dtype', 'reference core', 'fast core', 'fast core + whole-model torch.compile',
                  'free core (the bound)'], rows)
 
@@ -328,12 +329,12 @@ def cmd_speed_whole(args):
     rows = [whole_point(row, dtype, device, rounds, args.compile)
             for row in tqdm(chosen, desc='whole', dynamic_ncols=True) for dtype in dtypes]
     info = machine(torch.get_num_threads())
-    print(f"\nWhole models, InLine through the fast core against the softmax original built with F.scaled_dot_product_"
-          f"attention, the same sizes; {rounds} interleaved rounds, ms = median, speed-up = median of per-round "
-          f"ratios (softmax time / InLine time: above 1, InLine is faster); without the inference graph: Eq. 6's weights "
-          f"and the fast core as two calls, as the fast path ran inference before kernels.infer_fast. {device.type}: "
-          f"{info['cpu']}, "
-          f"AVX-512 BF16 {'yes' if info['avx512_bf16'] else 'no'}, AMX {'yes' if info['amx'] else 'no'}, "
+    print("\nWhole models, InLine through the fast core against the softmax original built with "
+          f"F.scaled_dot_product_attention, the same sizes; {rounds} interleaved rounds, ms = median, "
+          "speed-up = median of per-round ratios (softmax time / InLine time: above 1, InLine is faster); "
+          "without the inference graph: Eq. 6's weights and the fast core as two calls, as the fast path "
+          f"ran inference before kernels.infer_fast. {device.type}: {info['cpu']}, AVX-512 BF16 "
+          f"{'yes' if info['avx512_bf16'] else 'no'}, AMX {'yes' if info['amx'] else 'no'}, "
           f"{info['threads']} threads, torch {info['torch']}.\n")
     header = ['model', 'image', 'batch', 'dtype', 'softmax ms', 'InLine ms', 'InLine speed-up',
               'speed-up without the inference graph']
@@ -354,9 +355,9 @@ def cmd_speed_whole(args):
     order = []
     for g in (g for g in groups if not g.startswith('  ')):  # the core's parts under it
         order += [g] + ([s for s in groups if s.startswith('  ')] if g == CORE_LABEL else [])
-    print(f"\nWhere a forward of batch 1 at 224 px spends its time (eval, inference_mode; torch.profiler, the mean "
-          f"of 5 forwards; ms per forward, with calls per forward): InLine-DeiT-T through the fast core, DeiT-T "
-          f"through SDPA.\n")
+    print("\nWhere a forward of batch 1 at 224 px spends its time (eval, inference_mode; torch.profiler, "
+          "the mean of 5 forwards; ms per forward, with calls per forward): InLine-DeiT-T through the fast "
+          "core, DeiT-T through SDPA.\n")
     print_table(['where'] + list(profiles), [[g.replace('  ', '… ')] + [
         (f"{p[g][0]:.2f}" + (f" ({p[g][1]:.0f})" if p[g][1] else '')) if g in p else '' for p in profiles.values()]
         for g in order] +
@@ -456,10 +457,10 @@ def cmd_speed_dense(args):
             rows.append(json.load(f))
     cpu = subprocess.run(['sh', '-c', "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
                          text=True).stdout.strip() or 'unknown CPU'
-    print(f'\nBackbone forward, batch 1, fp32, eval + inference_mode; InLine through the fast core, softmax through '
-          f'SDPA; time = median of {rounds} interleaved rounds, speed-up = median of per-round ratios. Peak: CPU, the rise '
-          f'of peak RSS over one forward in a fresh process; CUDA, max_memory_allocated above the model. CPU: {cpu}, '
-          f'{torch.get_num_threads()} threads.\n')
+    print('\nBackbone forward, batch 1, fp32, eval + inference_mode; InLine through the fast core, softmax '
+          f'through SDPA; time = median of {rounds} interleaved rounds, speed-up = median of per-round '
+          'ratios. Peak: CPU, the rise of peak RSS over one forward in a fresh process; CUDA, '
+          f'max_memory_allocated above the model. CPU: {cpu}, {torch.get_num_threads()} threads.\n')
     mb = lambda v: '—' if v is None else f'{v:.0f}'  # noqa: E731  (None: the forward did not fit)
     print_table(['backbone', 'image', 'device', 'softmax ms', 'InLine ms', 'InLine speed-up', 'softmax peak MiB',
                  'InLine peak MiB'],
@@ -476,8 +477,9 @@ def cmd_speed_dense(args):
                                and r[f'{kind.lower()}_{key}'] is not None]] if sel]
         panels.append(dict(series=series, xlabel='megapixels: ' + ', '.join(f'{h}x{w}' for h, w in DENSE_SIZES),
                            log_x=True, ylabel=ylabel, xticks=pixels,
-                           xlabels=labels, title=f"Backbone {'forward time' if key == 'ms' else 'peak memory'}, "
-                                                 f"softmax vs InLine"))
+                           xlabels=labels, title="Backbone "
+                                                 f"{'forward time' if key == 'ms' else 'peak memory'}, "
+                                                 "softmax vs InLine"))
     charts(args.png or os.path.join(args.out, 'dense.png'), panels, cols=1, size=(820, 400))  # legend: one row
     return rows
 

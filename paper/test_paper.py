@@ -580,8 +580,8 @@ def test_paper_speed_dense_rows_cache_and_picture(tmp_path, monkeypatch):
 def test_paper_dense_peak_rss_sees_what_a_forward_allocates():
     """The CPU peak is the rise of a fresh process's peak RSS over one forward: 64 MiB held during a forward
     shows. (In a process that has run other things, freed pages are reused and the rise can read 0.)"""
-    code = ('import torch; from paper import speed; speed.dense_forward = lambda name, size, device: lambda x: torch.ones(size[0], 2**20)'
-            '.sum(); speed.dense_peak_rss("any", 16, 1)')  # float32: 16 * 4 MiB
+    code = ('import torch; from paper import speed; speed.dense_forward = lambda name, size, device: lambda '
+            'x: torch.ones(size[0], 2**20).sum(); speed.dense_peak_rss("any", 16, 1)')  # float32: 16 * 4 MiB
     run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert 56 <= float(run.stdout.split()[-1]) <= 90, run.stdout
@@ -718,14 +718,12 @@ def test_paper_sigterm_stops_the_runs_and_keeps_their_cpu_time(tmp_path):
     """The lab stopped by SIGTERM stops the train.py it runs (here a stand-in that sleeps) and adds their CPU
     and wall time to the run's cpu.json before it exits, so a resumed run's record counts every attempt."""
     out = str(tmp_path)
-    code = ('import argparse, subprocess, sys\nfrom paper import runs\n'
-            'real = subprocess.Popen\n'
-            'subprocess.Popen = lambda argv, **kw: real([sys.executable, "-c", "import time\\nwhile True: sum(range(9999))"],'
-            ' pass_fds=kw["pass_fds"])\n'
-            f'run = runs.Run("x", "config", {{"epochs": 1}}, 0, ["--seed", "0"])\n'
-            f'open({out!r} + "/started", "w").close()\n'
-            f'runs.train_runs([run], argparse.Namespace(jobs=1, results={out!r} + "/runs.jsonl", no_train=False, '
-            f'device="cpu", out={out!r}))\n')
+    code = ('import argparse, subprocess, sys\nfrom paper import runs\nreal = '
+            'subprocess.Popen\nsubprocess.Popen = lambda argv, **kw: real([sys.executable, "-c", "import '
+            'time\\nwhile True: sum(range(9999))"], pass_fds=kw["pass_fds"])\nrun = runs.Run("x", "config", '
+            f'{{"epochs": 1}}, 0, ["--seed", "0"])\nopen({out!r} + "/started", '
+            f'"w").close()\nruns.train_runs([run], argparse.Namespace(jobs=1, results={out!r} + '
+            f'"/runs.jsonl", no_train=False, device="cpu", out={out!r}))\n')
     proc = subprocess.Popen([sys.executable, '-c', code], cwd=ROOT)
     deadline = time.time() + 60
     while not glob_one(os.path.join(out, 'runs', 'x-seed0-*', 'train.log')) and time.time() < deadline:
@@ -781,8 +779,9 @@ def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
     results = str(tmp_path / 'runs.jsonl')
     planned = [runs.Run(f'x{i}', 'config', {'epochs': 1}, i, ['--epochs', '1', '--seed', str(i)]) for i in range(2)]
     other = planned[0].folder(str(tmp_path))  # another command trains run 0: it holds the lock, then records it
-    code = (f'import json, time, os; from paper import runs; fd = runs.lock_run({other!r}); open({other!r} + "/held", "w").close(); '
-            f'time.sleep(2); runs.append_record({results!r}, json.loads({json.dumps(json.dumps(fake_record(planned[0], 42.0)))}))')
+    code = (f'import json, time, os; from paper import runs; fd = runs.lock_run({other!r}); open({other!r} + '
+            f'"/held", "w").close(); time.sleep(2); runs.append_record({results!r}, '
+            f'json.loads({json.dumps(json.dumps(fake_record(planned[0], 42.0)))}))')
     holder = subprocess.Popen([sys.executable, '-c', code], cwd=ROOT)
     while not os.path.exists(os.path.join(other, 'held')):
         time.sleep(0.05)
