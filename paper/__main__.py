@@ -57,37 +57,47 @@ def main(argv=None):
     common.add_argument('--png', help='write the picture here instead of OUT/<subcommand>.png')
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     sub = parser.add_subparsers(dest='command', required=True)
-    sub.add_parser('train', help='train one experiment or released model: python -m paper train NAME [train.py flags]', add_help=False)
-    sub.add_parser('models', help="every released variant's params and GMACs beside the authors' and the paper's")
-    sub.add_parser('experiments', help='every experiment of the paper by name, with its params and the paper\'s top-1')
-    sub.add_parser('injectivity', parents=[common], help='F1: identical weight rows under softmax, linear and InLine')
+    sub.add_parser('train',
+                   help='train one experiment or released model: python -m paper train NAME [train.py flags]',
+                   add_help=False)
+    sub.add_parser('models',
+                   help="every released variant's params and GMACs beside the authors' and the paper's")
+    sub.add_parser('experiments',
+                   help='every experiment of the paper by name, with its params and the paper\'s top-1')
+    sub.add_parser('injectivity', parents=[common],
+                   help='F1: identical weight rows under softmax, linear and InLine')
     budget = argparse.ArgumentParser(add_help=False, parents=[common])  # what each train.py run gets
-    budget.add_argument('--epochs', type=int, help=f'epochs of every training run (CPU {BUDGET["cpu"]["epochs"]}, '
+    budget.add_argument('--epochs', type=int,
+                        help=f'epochs of every training run (CPU {BUDGET["cpu"]["epochs"]}, '
                                                    f'CUDA {BUDGET["cuda"]["epochs"]})')
     budget.add_argument('--train-images', type=int,
                         help='training images: a fixed subset of the dataset, or synthetic ones per epoch '
                              f'(CPU {BUDGET["cpu"]["train_images"]:,}, CUDA '
                              f'{BUDGET["cuda"]["train_images"]:,})')
     budget.add_argument('--device', choices=['cpu', 'cuda'], default='cpu',
-                        help='where train.py runs: cpu, or cuda at the scale where the miniatures converge (BUDGET)')
+                        help='where train.py runs: cpu, or cuda at the scale where the miniatures '
+                        'converge (BUDGET)')
     budget.add_argument('--results', default=RECORDS, help='the run records, one JSON line per finished run '
                                                           '(default results/runs.jsonl)')
     budget.add_argument('--no-train', action='store_true',
                         help='train nothing: rebuild from the records, leaving out the runs without one')
-    budget.add_argument('--dataset', choices=['synthetic', 'imagefolder', *train.SMALL_DATASETS, 'fashion_recall'],
+    budget.add_argument('--dataset',
+                        choices=['synthetic', 'imagefolder', *train.SMALL_DATASETS, 'fashion_recall'],
                         help='the data every run trains on (default fashion_mnist; ablations on '
                              'fashion_recall: the test bed where attention must select, MOSAIC_ROWS at '
                              'MOSAIC_BUDGET); with --checkpoints, the images to measure on (default: each '
                              'checkpoint\'s own)')
     budget.add_argument('--data-path', help=f'its root (default {FASHION_MNIST_DEB} for fashion_mnist where '
                                             'Debian\'s dataset-fashion-mnist package put it, else data/)')
-    budget.add_argument('--download', action='store_true', help='download a small dataset first (torchvision)')
+    budget.add_argument('--download', action='store_true',
+                        help='download a small dataset first (torchvision)')
     budget.add_argument('--jobs', type=int, default=2, help='train.py processes at a time, sharing the cores')
     trained = argparse.ArgumentParser(add_help=False, parents=[budget])
     trained.add_argument('--checkpoints', nargs='+', metavar='[NAME=]PATH',
                          help='train.py checkpoints of DeiT models, a NAME again for another seed (default: '
                               'train the four small ones)')
-    p = sub.add_parser('locality', parents=[trained], help='F4: attention mass on the 3x3 neighbourhood per layer')
+    p = sub.add_parser('locality', parents=[trained],
+                       help='F4: attention mass on the 3x3 neighbourhood per layer')
     p.add_argument('--images', type=int, default=512, help='validation images to average over')
     p.add_argument('--seeds', type=int, default=3, help='seeds of each of the four models (0, 1, ...)')
     p = sub.add_parser('maps', parents=[trained], help='F3: attention maps of query tokens over an image')
@@ -95,31 +105,43 @@ def main(argv=None):
     p.add_argument('--index', type=int, default=0, help='which validation image')
     p.add_argument('--queries', nargs='+', default=['1,1', '3,4', '6,5'], metavar='ROW,COL',
                    help='query tokens on the token grid, from 0')
-    p.add_argument('--layers', nargs='+', default=[], metavar='L', help='layers to show, from 1 (default first, last)')
+    p.add_argument('--layers', nargs='+', default=[], metavar='L',
+                   help='layers to show, from 1 (default first, last)')
     p = sub.add_parser('speed', parents=[common], help='F5b, F5c: images/s against window and image size')
     p.add_argument('--quick', action='store_true', help='two points per figure, 3 rounds on CPU')
     p.add_argument('--batch', type=int, help='images per forward (default: CPU 1, CUDA 32)')
-    p.add_argument('--rounds', type=int, help='interleaved rounds per point (default: CPU 5, quick 3; CUDA 20)')
+    p.add_argument('--rounds', type=int,
+                   help='interleaved rounds per point (default: CPU 5, quick 3; CUDA 20)')
     p.add_argument('--model-step', action='store_true',
                    help='also time a whole InLine-Swin-T training step: reference vs fast core')
-    p.add_argument('--whole', nargs='?', const='all', choices=['all', 'swin', 'deit'], help='whole models against '
-                   'their softmax originals: InLine-Swin-T inference and training step, InLine-DeiT-T inference at 224, '
-                   '512, 1024 px (swin, deit: those rows only), and a profile of an InLine-DeiT-T forward (instead of '
+    p.add_argument('--whole', nargs='?', const='all', choices=['all', 'swin', 'deit'],
+                   help='whole models against '
+                   'their softmax originals: InLine-Swin-T inference and training step, InLine-DeiT-T '
+                   'inference at 224, '
+                   '512, 1024 px (swin, deit: those rows only), and a profile of an InLine-DeiT-T forward '
+                   '(instead of '
                    'F5b, F5c)')
-    p.add_argument('--compile', action='store_true', help='--whole: also time InLine under whole-model torch.compile '
+    p.add_argument('--compile', action='store_true',
+                   help='--whole: also time InLine under whole-model torch.compile '
                    '(compiling takes minutes)')
     p.add_argument('--device', help='--whole: cpu (default) or cuda')
-    p.add_argument('--dense', action='store_true', help='backbone forward time and peak memory at detection sizes, '
-                   '512x512 to 800x1344: Swin-T, PVT-S, DeiT-T, each softmax against InLine (instead of F5b, F5c)')
-    p = sub.add_parser('ablations', parents=[budget], help='T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small')
+    p.add_argument('--dense', action='store_true',
+                   help='backbone forward time and peak memory at detection sizes, '
+                   '512x512 to 800x1344: Swin-T, PVT-S, DeiT-T, each softmax against InLine (instead '
+                   'of F5b, F5c)')
+    p = sub.add_parser('ablations', parents=[budget],
+                       help='T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small')
     p.add_argument('--quick', action='store_true',
                    help=f'{QUICK_SEEDS} seeds of {len(QUICK)} experiments: {", ".join(QUICK)}')
     p.add_argument('--only', nargs='+', metavar='NAME', help='these experiments only')
-    p.add_argument('--claims', action='store_true', help=f'the claim rows ({CLAIM_SEEDS} seeds) and their floors')
-    p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N', help=f'seeds (0, 1, ...): N for every table, TABLE=N '
+    p.add_argument('--claims', action='store_true',
+                   help=f'the claim rows ({CLAIM_SEEDS} seeds) and their floors')
+    p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N',
+                   help=f'seeds (0, 1, ...): N for every table, TABLE=N '
                    f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')
     add_recall_parser(sub, common)
-    p = sub.add_parser('mosaics', parents=[common], help="the fashion_recall mosaics (paper/mosaics.py), with their labels")
+    p = sub.add_parser('mosaics', parents=[common],
+                       help="the fashion_recall mosaics (paper/mosaics.py), with their labels")
     p.add_argument('--data-path', default=FASHION_MNIST_DEB, help='Fashion-MNIST\'s IDX files')
     args = parser.parse_args(argv)
     if args.command in ('locality', 'maps') and args.dataset == 'fashion_recall':

@@ -58,7 +58,8 @@ BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=
 # stage) scores 1 in 3 at best. On CUDA, a scale at which the curves should flatten (not yet measured).
 MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
 MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
-MOSAIC_RUN_CPU_MIN = 7.0  # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
+# a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
+MOSAIC_RUN_CPU_MIN = 7.0
 # T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not
 # injective
 MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q')
@@ -66,9 +67,9 @@ MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q')
 # with R-res's no-Eq. 6 row; T3's pair; T1 within softmax and within InLine; R-res's plain row with T4's
 # one-cell window. r_residual_local and t4_window56_no_residual name configurations trained above
 # (InLine-Swin-T, r_residual_none).
-MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3_linear_relu', 't3_inline_relu',
-               't1_swin_softmax_normalised_q', 't1_inline_normalised_q', 'r_residual_plain', 't4_window14_no_residual',
-               'r_residual_local', 't4_window56_no_residual')
+MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3_linear_relu',
+               't3_inline_relu', 't1_swin_softmax_normalised_q', 't1_inline_normalised_q', 'r_residual_plain',
+               't4_window14_no_residual', 'r_residual_local', 't4_window56_no_residual')
 # bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training
 # step of the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved
 # rounds)
@@ -84,10 +85,12 @@ RUN_CPU_MIN = {'swin': 9.5, 'deit': 7.2, 'pvt': 17.0, 'cswin': 19.0}
 SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3, 'floor': 3}
 # The claim rows (RESULTS.md, "Verdicts"), with the seeds that give a 1-point effect 80% power at the spreads
 # measured (in the order a batch trains them: T3's pair, R-res's (T4's at 56²), S's, then T4's windows)
-CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual', 'r_residual_none',
-              'r_residual_local', 's_swin_t', 'inline_swin_t', 't4_window14_no_residual', 't4_window28_no_residual')
+CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual',
+              'r_residual_none', 'r_residual_local', 's_swin_t', 'inline_swin_t', 't4_window14_no_residual',
+              't4_window28_no_residual')
 CLAIM_SEEDS = 5
-FIRST_SEEDS = 3  # a batch gives every configuration 3 seeds, in the chosen order, before it gives any a fourth
+# a batch gives every configuration 3 seeds, in the chosen order, before it gives any a fourth
+FIRST_SEEDS = 3
 QUICK = ('r_residual_none', 'r_residual_local')  # R-res, the paper's pair: runs the claim batch shares
 QUICK_SEEDS = 3
 # The data the lab trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs
@@ -115,17 +118,19 @@ def experiments(dataset=None):
         dataset == 'fashion_recall' or n not in MOSAIC_ONLY)}
     none, local = chosen['r_residual_none'], chosen['r_residual_local']
     chosen['r_residual_none_matched'] = Experiment(
-        none.model, {**none.overrides, 'mlp_ratio': matched_mlp_ratio(none, parameters(local))}, 'R-res', None,
-        True, "no residual (APE), every MLP widened to Eq. 6's parameter count")
+        none.model, {**none.overrides, 'mlp_ratio': matched_mlp_ratio(none, parameters(local))}, 'R-res',
+        None, True, "no residual (APE), every MLP widened to Eq. 6's parameter count")
     inline_t = {n: Experiment(n, {}, 'S', str(models.RELEASED[n][2]), False, f'{n} as released')
                 for n in ('inline_swin_t', 'inline_deit_t', 'inline_pvt_t', 'inline_cswin_t')}
     floors = {f'floor_{f}': Experiment(f'inline_{f}_t', dict(
-        layout='I' if f == 'deit' else 'IIII', kernel='zero', residual='none', **({'ape': False} if f == 'swin' else {})),
+        layout='I' if f == 'deit' else 'IIII', kernel='zero', residual='none',
+        **({'ape': False} if f == 'swin' else {})),
         'floor', None, True, f'{f} miniature, attention-free: every weight 1/N, no Eq. 6') for f in MINI}
     every = {**chosen, **inline_t, **floors}
     if dataset == 'fashion_recall':
         heads = tuple(round(h / MINI['swin'][1]) for h in MOSAICS['heads'])
-        return {n: every[n]._replace(overrides={**every[n].overrides, 'num_heads': heads}) for n in MOSAIC_ROWS}
+        return {n: every[n]._replace(overrides={**every[n].overrides, 'num_heads': heads})
+                for n in MOSAIC_ROWS}
     return every
 
 
@@ -185,8 +190,10 @@ CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape
           'r_residual_none_matched': ('R-res: -2.2', -2.2),
           # T1's claim, that softmax loses by losing injectivity (DeiT-T 72.2 -> 70.6 / 69.9), in Swin and in
           # InLine
-          't1_swin_softmax_normalised_q': ('T1 (DeiT-T): -1.6', -1.6), 't1_inline_normalised_q': ('T1 (DeiT-T): -1.6', -1.6)}
-T1_REFERENCE = {'t1_swin_softmax_normalised_q': 's_swin_t', 't1_inline_normalised_q': 'inline_swin_t'}  # else t1_softmax
+          't1_swin_softmax_normalised_q': ('T1 (DeiT-T): -1.6', -1.6),
+          't1_inline_normalised_q': ('T1 (DeiT-T): -1.6', -1.6)}
+# else t1_softmax
+T1_REFERENCE = {'t1_swin_softmax_normalised_q': 's_swin_t', 't1_inline_normalised_q': 'inline_swin_t'}
 
 
 def mini_kwargs(e):
@@ -201,7 +208,8 @@ def mini_kwargs(e):
         scaled = [h * width for h in (heads if isinstance(heads, tuple) else (heads,))]
         if any(abs(h - round(h)) > 1e-9 for h in scaled):
             raise ValueError(f'{e.model}: {heads} heads do not scale by {width:.3g} to whole heads')
-        kwargs['num_heads'] = tuple(round(h) for h in scaled) if isinstance(heads, tuple) else round(scaled[0])
+        kwargs['num_heads'] = tuple(round(h)
+                                    for h in scaled) if isinstance(heads, tuple) else round(scaled[0])
     if e.overrides.get('window') is not None:
         window = e.overrides['window'] * (img // 4) // 56
         kwargs['window'] = None if window >= img // 4 else window
@@ -237,7 +245,8 @@ def resolve_data(args, need=True):
     elif args.dataset == 'imagefolder':
         for split in ('train', 'val'):
             if not os.path.isdir(os.path.join(args.data_path, split)):
-                train.fail(f'--data-path {args.data_path} has no {split}/ folder (an ImageFolder root: train/ and val/)')
+                train.fail(f'--data-path {args.data_path} has no {split}/ folder (an ImageFolder root: '
+                           'train/ and val/)')
     if args.data_path:
         args.data_path = os.path.abspath(args.data_path)
 
@@ -247,7 +256,8 @@ def resolve_budget(args):
     on fashion_recall) where not given."""
     args.device = getattr(args, 'device', None) or 'cpu'
     if args.device == 'cuda' and not torch.cuda.is_available():
-        train.fail('--device cuda: torch sees no CUDA device here; run on a machine with a GPU, or --device cpu')
+        train.fail('--device cuda: torch sees no CUDA device here; run on a machine with a GPU, or '
+                   '--device cpu')
     for k, v in budgets(getattr(args, 'dataset', None))[args.device].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -260,7 +270,8 @@ def recipe(e, args):
     mosaics = {k: MOSAICS[k] for k in ('task', 'val_images')} if args.dataset == 'fashion_recall' else {}
     return dict(dataset=args.dataset, **mosaics, train_images=args.train_images, img_size=MINI[family(e)][0],
                 epochs=args.epochs, warmup_epochs=round(args.epochs / 12, 3),
-                val_every=1 if args.device == 'cuda' else max(1, args.epochs // 4),  # cheap on a GPU: every epoch
+                # cheap on a GPU: every epoch
+                val_every=1 if args.device == 'cuda' else max(1, args.epochs // 4),
                 precision=PRECISION[args.device], device=args.device,
                 train={k: v for k, v in own.items() if k not in ('epochs', 'warmup_epochs', 'img_size')})
 
@@ -271,12 +282,14 @@ def data_argv(args):
     if args.dataset == 'synthetic':
         return ['--synthetic-train', str(args.train_images)]
     if args.dataset == 'fashion_recall':  # new training mosaics a seed, the same test ones for every run
-        return ['--dataset', 'fashion_recall', '--data-path', args.data_path, '--recall-task', MOSAICS['task'],
-                '--synthetic-train', str(args.train_images), '--synthetic-val', str(MOSAICS['val_images'])]
+        return ['--dataset', 'fashion_recall', '--data-path', args.data_path, '--recall-task',
+                MOSAICS['task'], '--synthetic-train', str(args.train_images), '--synthetic-val',
+                str(MOSAICS['val_images'])]
     small = [] if args.dataset != 'imagefolder' else ['--accum-steps', '1', '--ema-decay', '0'] + [
         x for k, v in train.SMALL.items() if k not in ('epochs', 'warmup_epochs')
         for x in (f'--{k.replace("_", "-")}', str(v))]
-    return ['--dataset', args.dataset, '--data-path', args.data_path, '--train-subset', str(args.train_images), *small]
+    return ['--dataset', args.dataset, '--data-path', args.data_path, '--train-subset',
+            str(args.train_images), *small]
 
 
 def make_run(name, e, seed, args):
@@ -289,8 +302,8 @@ def make_run(name, e, seed, args):
     kwargs = {**({} if registered else e.overrides), **mini_kwargs(e)}
     argv = [name if registered else e.model] + [
         '--img-size', str(r['img_size']), '--model-kwargs', *[f'{k}={v!r}' for k, v in kwargs.items()],
-        '--epochs', str(r['epochs']), '--warmup-epochs', str(r['warmup_epochs']), '--val-every', str(r['val_every']),
-        *data_argv(args), '--amp', r['precision'], '--seed', str(seed)]
+        '--epochs', str(r['epochs']), '--warmup-epochs', str(r['warmup_epochs']), '--val-every',
+        str(r['val_every']), *data_argv(args), '--amp', r['precision'], '--seed', str(seed)]
     return Run(name, config_key(e), r, seed, argv)
 
 
@@ -308,7 +321,8 @@ def config_key(e):
         o.update(window=model.window, ape=bool(model.ape))
     count = sum(p.numel() for p in model.parameters())  # tells apart what the options do not name (mlp_ratio)
     return json.dumps([e.model, model.layout, sorted(o.items()),
-                       sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window'), count], default=str)
+                       sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window'), count],
+                       default=str)
 
 
 def miniature(e):
@@ -352,15 +366,18 @@ def estimate(runs, every, records):
     for run in runs:
         if run.key() not in records:
             f, cuda = family(every[run.name]), run.recipe['device'] == 'cuda'
-            seen = [r['wall_min' if cuda else 'cpu_min'] for r in records.values() if r['recipe'] == run.recipe
+            seen = [r['wall_min' if cuda else 'cpu_min'] for r in records.values()
+                    if r['recipe'] == run.recipe
                     and r['name'] in every and family(every[r['name']]) == f and r['cpu_min'] > 0]
             if not seen and cuda:
                 return None, 'no GPU record of this recipe yet'
             guessed |= not seen
             mosaics = run.recipe['dataset'] == 'fashion_recall'
             budget = budgets(run.recipe['dataset'])['cpu']
-            scale = run.recipe['epochs'] * run.recipe['train_images'] / (budget['epochs'] * budget['train_images'])
-            total += statistics.mean(seen) if seen else (MOSAIC_RUN_CPU_MIN if mosaics else RUN_CPU_MIN[f]) * scale
+            scale = run.recipe['epochs'] * run.recipe['train_images'] / (budget['epochs']
+                                                                         * budget['train_images'])
+            total += statistics.mean(seen) if seen else (MOSAIC_RUN_CPU_MIN if mosaics
+                                                         else RUN_CPU_MIN[f]) * scale
     return total, 'RUN_CPU_MIN' if guessed else 'the records of this recipe'
 
 
@@ -420,8 +437,10 @@ def choose(args, every):
         chosen = args.only
     else:
         chosen = every
-    chosen = tuple(dict.fromkeys([*chosen, *(f'floor_{family(every[n])}' for n in chosen  # the gate: each family's
-                                             if f'floor_{family(every[n])}' in every)]))  # floor, on every test bed
+    # the gate: each family's
+    chosen = tuple(dict.fromkeys([*chosen, *(f'floor_{family(every[n])}' for n in chosen
+                                             # floor, on every test bed
+                                             if f'floor_{family(every[n])}' in every)]))
     per_table = seeds_option(args.seeds, {t: QUICK_SEEDS for t in SEEDS} if args.quick else SEEDS)
     named = {v.rpartition('=')[0] or '*' for v in args.seeds or []}
     claims = () if args.quick else rows
@@ -457,8 +476,10 @@ def cmd_ablations(args):
     configs, rows, points, (sd, df, m) = table_rows(chosen, planned, result, every,
                                                     MOSAICS['guess'] if mosaics else None)
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
-    bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the same '
-           f'{MOSAICS["val_images"]:,} test mosaics for every run' if mosaics else 'validation on its test set')
+    bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the '
+           'same '
+           f'{MOSAICS["val_images"]:,} test mosaics for every run' if mosaics
+           else 'validation on its test set')
     print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} '
           f'training images, {bed}, {PRECISION[args.device]} on {args.device}): one row per distinct '
           'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) '
@@ -468,12 +489,13 @@ def cmd_ablations(args):
           'run is left out and named. * our construction (no released code).\n')
     print_table(['configuration', 'tables', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)',
                  'over the φ = 0 floor', 'last quarter'], configs)
-    gaps = [c[5] for c in configs if c[5] and c[1] != 'floor']  # the attention configurations' gaps to their floor
+    # the attention configurations' gaps to their floor
+    gaps = [c[5] for c in configs if c[5] and c[1] != 'floor']
     if gaps and all('(under)' in g for g in gaps):
         print(f'\nNo configuration with attention clears its φ = 0 floor by {FLOOR_MARGIN:g} points: on this '
               'test bed the task does not need attention, and every comparison is untestable.')
-    header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over', 'seeds',
-              'MDE at 80% power', 'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
+    header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over',
+              'seeds', 'MDE at 80% power', 'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
     print('\nComparisons, row minus reference, runs paired by seed number: the mean difference and its 95% '
           'interval, over seeds and the test set\'s images (a two-way random-effects model, t on '
           'Satterthwaite\'s degrees of freedom), or over seeds only (Student-t) where a record predates '
@@ -511,9 +533,10 @@ def ablations_pictures(args, chosen, planned, done, result, rows, points):
         xlabels=[label for label, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
         for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
         series=[('here', list(range(1, len(chosen) + 1)),
-                 [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)], title='top-1 here',
-        xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)), xlabels=[short_name(n) for n in chosen],
-        lines=False)], cols=4, size=(420, 330))
+                 [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)],
+                 title='top-1 here',
+        xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
+        xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
     curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
     learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done)
@@ -531,31 +554,39 @@ def table_rows(chosen, planned, result, every, guess=None):
         distinct.setdefault(tuple(r.key() for r in planned[name]) or name, []).append(name)
     mean = {n: statistics.mean(result[n].top1.values()) if result[n].top1 else None for n in chosen}
     floor = {n: f'floor_{family(e)}' for n, e in chosen.items()}
-    above = {n: None if mean[n] is None or mean.get(floor[n]) is None else mean[n] - mean[floor[n]] for n in chosen}
+    above = {n: None if mean[n] is None or mean.get(floor[n]) is None else mean[n] - mean[floor[n]]
+             for n in chosen}
     cleared, configs = {n: above[n] is not None and above[n] >= FLOOR_MARGIN for n in chosen}, []
     for names in distinct.values():
         r, e, n = result[names[0]], every[names[0]], names[0]
         why, accs = untestable(e), list(r.top1.values())
-        ours = ('—' if not accs else f'{mean[n]:.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})' if len(accs) > 1
-                else f'{accs[0]:.1f} (1)') + (f', seed {", ".join(map(str, r.diverged))} diverged' if r.diverged else '')
+        ours = ('—' if not accs else f'{mean[n]:.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})'
+                if len(accs) > 1
+                else f'{accs[0]:.1f} (1)') + (f', seed {", ".join(map(str, r.diverged))} diverged'
+                                              if r.diverged else '')
         configs.append([' = '.join(n + (' *' if every[n].ours else '') for n in names),
-                        ', '.join(dict.fromkeys(every[n].table for n in names)), f'{parameters(e) / 1e6:.2f}M',
-                        f'not trained: {why}' if why else ours,
+                        ', '.join(dict.fromkeys(every[n].table for n in names)),
+                        f'{parameters(e) / 1e6:.2f}M', f'not trained: {why}' if why else ours,
                         ' / '.join(dict.fromkeys(every[n].reported or '—' for n in names)),
-                        '' if above[n] is None else f'{above[n]:+.1f}' + ('' if cleared[n] or e.table == 'floor'
+                        '' if above[n] is None else f'{above[n]:+.1f}'
+                        + ('' if cleared[n] or e.table == 'floor'
                                                                          else ' (under)'),
                         '' if r.gain is None else f'{r.gain:+.1f}'])
     if guess is not None:
-        configs.insert(0, ['guess: 1 of the 3 candidate cells, the most a network without position in a stage can '
+        configs.insert(0,
+                       ['guess: 1 of the 3 candidate cells, the most a network without position in '
+                        'a stage can '
                            'score (the floor\'s ceiling)', '', '', f'{guess:.1f}', '—', '', ''])
-    pairs = [(tables, name, ref, *matched(result[name], result[ref])) for tables, name, ref in comparisons(chosen)]
+    pairs = [(tables, name, ref, *matched(result[name], result[ref]))
+             for tables, name, ref in comparisons(chosen)]
     sd, df = pooled_sd([diffs for *_, diffs, _ in pairs])
     rows, tested = [], []
     for tables, name, ref, seeds, diffs, images in pairs:
         paper_text, paper_diff = paper_claim(name, ref, every)
         label = f'{name} − {ref}' + ('†' if name in CLAIM_ROWS and ref in CLAIM_ROWS else '')
         if untestable(every[name]) or untestable(every[ref]):
-            rows.append([', '.join(tables), label, paper_text, '', '', '', '', '', '', 'untestable', '', None])
+            rows.append([', '.join(tables), label, paper_text, '', '', '', '', '', '', 'untestable', '',
+                         None])
             continue
         unpaired = sorted((result[name].top1.keys() | result[ref].top1.keys() |
                            set(result[name].diverged + result[ref].diverged)) - set(seeds))
@@ -564,8 +595,8 @@ def table_rows(chosen, planned, result, every, guess=None):
         gate = None if cleared[name] and cleared[ref] else 'untestable (no floor run)' if None in (
             above[name], above[ref]) else 'untestable (under the floor)'
         if len(seeds) < 2:
-            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if seeds else '', over,
-                         count, '∞' if seeds else '', '', '', 'not run' if not seeds else gate or (
+            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if seeds else '',
+                         over, count, '∞' if seeds else '', '', '', 'not run' if not seeds else gate or (
                              'not resolved' if paper_diff is not None else '—'), '', None])
             continue
         mid, half = interval(diffs, images)
@@ -573,12 +604,15 @@ def table_rows(chosen, planned, result, every, guess=None):
         p = p_values(diffs, paper_diff, images) if paper_diff is not None else None
         word = verdict(diffs, paper_diff, images) if gate is None or paper_diff is None else gate
         needed = seeds_for(sd, image_var)
-        rows.append([', '.join(tables), label, paper_text, f'{mid:+.1f} [{mid - half:+.1f}, {mid + half:+.1f}]', over,
-                     count, f'{mde(sd, len(seeds), image_var):.1f}', '> 1000' if needed is None else str(needed),
+        rows.append([', '.join(tables), label, paper_text,
+                     f'{mid:+.1f} [{mid - half:+.1f}, {mid + half:+.1f}]', over, count,
+                     f'{mde(sd, len(seeds), image_var):.1f}', '> 1000' if needed is None else str(needed),
                      '' if p is None else f'{min(p):.3f}', word, '',
-                     (short_name(name), mid, half, paper_diff if paper_diff is not None and math.isfinite(paper_diff)
+                     (short_name(name), mid, half,
+                      paper_diff if paper_diff is not None and math.isfinite(paper_diff)
                       else None)])
-        if p is not None and gate is None:  # Holm's family: the comparisons with a verdict; each row's p, its smaller
+        # Holm's family: the comparisons with a verdict; each row's p, its smaller
+        if p is not None and gate is None:
             tested.append((len(rows) - 1, min(p), word))
     for (i, _, word), q in zip(tested, holm([p for _, p, _ in tested])):
         rows[i][10] = word if q < ALPHA else 'not resolved'
@@ -603,7 +637,8 @@ def learning_curves(path, chosen, planned, done):
             drawn.add(key)
             points = min(len(log) for log in logs)
             series.append((short_name(name), [e['epoch'] for e in logs[0][:points]],
-                           [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)], None))
+                           [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)],
+                           None))
         if series:
             panels.append(dict(series=series, title=f'{table}: validation top-1 by epoch', xlabel='epoch',
                                ylabel='top-1 (%)', xticks=sorted({x for s in series for x in s[1]})))
@@ -614,8 +649,9 @@ def learning_curves(path, chosen, planned, done):
 def short_name(name):
     """An experiment's name short enough to label a chart's x axis: t4_window7_residual -> w7 + res."""
     for pattern, short in ((r't3_linear_(\w+)', r'lin \1'), (r't3_inline_(\w+)', r'InL \1'),
-                           (r't4_window(\d+)_no_residual', r'w\1'), (r't4_window(\d+)_residual', r'w\1 + res'),
-                           (r't10_kernel_(\w+)', r'\1'), (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
+                           (r't4_window(\d+)_no_residual', r'w\1'),
+                           (r't4_window(\d+)_residual', r'w\1 + res'), (r't10_kernel_(\w+)', r'\1'),
+                           (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
                            (r't1_softmax_normalised_q', 'normalised q'), (r's_(\w+)_t', r'softmax \1'),
                            (r'inline_(\w+)_t', r'InLine \1'), (r'floor_(\w+)', r'floor \1')):
         if re.fullmatch(pattern, name):

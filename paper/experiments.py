@@ -44,15 +44,17 @@ T3 = {'relu': ('77.3', '79.8'), 'relu_affine': ('70.2', '80.0'), 'leakyrelu': ('
 for kernel, (linear, inline_) in T3.items():
     signed = kernel not in inline.NON_NEGATIVE_KERNELS
     experiment(f't3_linear_{kernel}', 'inline_swin_t',
-               dict(layout='LLLS', kernel=kernel, residual='none', **({'allow_divergent': True} if signed else {})),
+               dict(layout='LLLS', kernel=kernel, residual='none',
+                    **({'allow_divergent': True} if signed else {})),
                'T3', linear, f'vanilla linear attention (division), phi = {kernel}, no Eq. 6, APE',
                ours=kernel == 'relu_affine')
     experiment(f't3_inline_{kernel}', 'inline_swin_t', dict(kernel=kernel, residual='none'), 'T3', inline_,
                f'InLine attention (subtraction), phi = {kernel}, no Eq. 6, APE', ours=kernel == 'relu_affine')
 # T4: InLine windows 7^2 .. 56^2 (56 covers stage 1 at 224 px: global), without and with Eq. 6
-for window, without, with_ in ((7, '80.3', '81.6'), (14, '80.4', '82.1'), (28, '80.2', '82.3'), (56, '80.2', '82.4')):
-    experiment(f't4_window{window}_no_residual', 'inline_swin_t', dict(window=window, residual='none'), 'T4', without,
-               f'InLine windows {window}x{window}, shifted on odd blocks, no Eq. 6, APE')
+for window, without, with_ in ((7, '80.3', '81.6'), (14, '80.4', '82.1'), (28, '80.2', '82.3'),
+                               (56, '80.2', '82.4')):
+    experiment(f't4_window{window}_no_residual', 'inline_swin_t', dict(window=window, residual='none'), 'T4',
+               without, f'InLine windows {window}x{window}, shifted on odd blocks, no Eq. 6, APE')
     experiment(f't4_window{window}_residual', 'inline_swin_t', dict(window=window), 'T4', with_,
                f'InLine windows {window}x{window}, shifted on odd blocks, with Eq. 6')
 for kernel, reported in (('identity', '82.4'), ('relu', '82.5'), ('leakyrelu', None), ('exp', 'about relu')):
@@ -67,34 +69,39 @@ experiment('r_residual_local', 'inline_swin_t', {}, 'R-res', '82.4', "Eq. 6's lo
 # numbers)
 experiment('r_residual_none_no_ape', 'inline_swin_t', dict(residual='none', ape=False), 'R-res', None,
            'no residual and no APE', ours=True)
-experiment('r_residual_local_ape', 'inline_swin_t', dict(ape=True), 'R-res', None, "Eq. 6 and the APE", ours=True)
+experiment('r_residual_local_ape', 'inline_swin_t', dict(ape=True), 'R-res', None, "Eq. 6 and the APE",
+           ours=True)
 for dilation, reported in ((1, '82.4'), (2, '81.7'), (3, '80.8'), (4, '80.6')):
     experiment(f'r_dilation{dilation}', 'inline_swin_t', dict(dilation=dilation), 'R-dil', reported,
                f"Eq. 6's 3x3 neighbourhood dilated by {dilation}", ours=dilation > 1)
 experiment('r_nonneg', 'inline_swin_t', dict(nonneg=True), 'R-nonneg', '81.7',
            'every InLine weight >= 0: q, k L2-normalised per head, s = 1/2', ours=True)
 # T1 and S: the softmax originals have their own head counts (DeiT-T 3, PVT 1-2-5-8) and CSwin its own depths
-experiment('t1_softmax', 'inline_deit_t', dict(layout='S', num_heads=3), 'T1', '72.2', 'DeiT-T, softmax (injective)')
+experiment('t1_softmax', 'inline_deit_t', dict(layout='S', num_heads=3), 'T1', '72.2',
+           'DeiT-T, softmax (injective)')
 experiment('t1_softmax_normalised_q', 'inline_deit_t', dict(layout='S', num_heads=3, normalise_q='S'), 'T1',
-           '70.6 / 69.9', 'DeiT-T, softmax over L2-normalised queries times a learned per-head gain: q and a*q get '
+           '70.6 / 69.9',
+           'DeiT-T, softmax over L2-normalised queries times a learned per-head gain: q and a*q get '
            'the same weights', ours=True)
 # T1 in Swin, for the test bed whose every InLine layer is injective (the fashion_recall ablations): softmax
 # and InLine each against itself over L2-normalised queries (ours; the paper has no numbers)
 experiment('t1_swin_softmax_normalised_q', 'inline_swin_t', dict(layout='SSSS', normalise_q='S'), 'T1', None,
            "Swin-T's windowed softmax over L2-normalised queries times a learned per-head gain", ours=True)
 experiment('t1_inline_normalised_q', 'inline_swin_t', dict(normalise_q='I'), 'T1', None,
-           'InLine-Swin-T, InLine over L2-normalised queries times a learned per-head gain (stage 4 softmax as it is)',
-           ours=True)
+           'InLine-Swin-T, InLine over L2-normalised queries times a learned per-head gain (stage 4 '
+           'softmax as it is)', ours=True)
 for size in 'tsml':
     experiment(f's_pvt_{size}', f'inline_pvt_{size}', dict(layout='SSSS', num_heads=(1, 2, 5, 8)), 'S', None,
                f'PVT-{size.upper()}: softmax with spatial reduction 8-4-2-1 in the InLine-PVT skeleton')
 for size, reported in (('t', '81.3'), ('s', None), ('b', None)):
     experiment(f's_swin_{size}', f'inline_swin_{size}', dict(layout='SSSS'), 'S', reported,
                f"Swin-{size.upper()}: shifted-window softmax in every stage")
-for size, depths, reported in (('t', (1, 2, 21, 1), '82.7'), ('s', (2, 4, 32, 2), None), ('b', (2, 4, 32, 2), None)):
+for size, depths, reported in (('t', (1, 2, 21, 1), '82.7'), ('s', (2, 4, 32, 2), None),
+                               ('b', (2, 4, 32, 2), None)):
     experiment(f's_cswin_{size}', f'inline_cswin_{size}', dict(layout='SSSS', depths=depths), 'S', reported,
                f"CSwin-{size.upper()}: cross-shaped stripe softmax in every stage, CSwin's own depths")
-experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.2', 'DeiT-T: softmax over all tokens')
+experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.2',
+           'DeiT-T: softmax over all tokens')
 
 
 def create_experiment(name, **overrides):

@@ -46,11 +46,12 @@ def injectivity_weights(seed=0, D=8, keys=4):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(1, 1, keys, D, generator=g, dtype=torch.float64)  # (B, H, N, D) = (1, 1, 4, D)
     q = torch.randn(1, 1, 1, D, generator=g, dtype=torch.float64).abs()  # positive, so relu keeps all of q
-    queries = torch.cat([a * q for a in (1, 2, 3, 4)] + [torch.randn(1, 1, 4, D, generator=g, dtype=torch.float64)],
-                        dim=2)  # (1, 1, 8, D)
+    queries = torch.cat([a * q for a in (1, 2, 3, 4)]
+                        + [torch.randn(1, 1, 4, D, generator=g, dtype=torch.float64)], dim=2)  # (1, 1, 8, D)
     relu, relu_affine = inline.get_kernel('relu'), inline.get_kernel('relu_affine', D).double()
     with torch.no_grad():
-        relu_affine.weight.add_(0.3 * torch.randn(D, D, generator=g, dtype=torch.float64))  # A = I + noise; b = 0
+        # A = I + noise; b = 0
+        relu_affine.weight.add_(0.3 * torch.randn(D, D, generator=g, dtype=torch.float64))
     eye = torch.eye(keys, dtype=torch.float64).expand(1, 1, keys, keys)
     weights = {
         # softmax_attention with V = identity returns its weights: row i of W @ I is row i of W
@@ -85,7 +86,8 @@ def relu_affine_bias_check(relu_affine, k, q, seed=1):
     b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(seed), dtype=b.dtype).abs())
     w = lambda x: inline.linear_attention_weights(relu_affine(x), relu_affine(k), eps=0)[0, 0]  # noqa: E731
     on_ray = torch.cat([a * q for a in (1, 2, 3, 4)], dim=2)  # (1, 1, 4, D)
-    on_line = torch.cat([torch.linalg.solve(A, a * (A @ q[0, 0, 0] + b) - b)[None, None, None] for a in (1, 2, 3, 4)],
+    on_line = torch.cat([torch.linalg.solve(A, a * (A @ q[0, 0, 0] + b) - b)[None, None, None]
+                         for a in (1, 2, 3, 4)],
                         dim=2)  # (1, 1, 4, D)
     spread = lambda x: (w(x) - w(x)[0]).abs().max().item()  # noqa: E731
     return spread(on_ray), spread(on_line)
@@ -102,7 +104,8 @@ def cmd_injectivity(args):
         same = {i: f'= {labels[g[0]]}' for g in groups[name] for i in g[1:]}
         print(f'{name}:')
         print_table(['query', *[f'key {j + 1}' for j in range(w.shape[1])], 'identical to'],
-                    [[labels[i], *[f'{x:.4f}' for x in row.tolist()], same.get(i, '')] for i, row in enumerate(w)])
+                    [[labels[i], *[f'{x:.4f}' for x in row.tolist()], same.get(i, '')]
+                     for i, row in enumerate(w)])
         print()
     print('identical rows: ' + '; '.join(f'{n}: {[[labels[i] for i in g] for g in gs] or "none"}'
                                           for n, gs in groups.items()))
@@ -135,11 +138,13 @@ def load_trained(path):
 # F4 and F3: the explicit N x N weights of each layer of small trained DeiT models, and Eq. 6's share beside
 # them
 
-F4_MODELS = {'softmax': 's_deit_t', 'linear (relu)': 'deit_linear_relu', 'InLine without Eq. 6': 'deit_no_residual',
-             'InLine': 'inline_deit_t'}  # label: experiment; softmax is the S row's miniature (one head of 64)
+F4_MODELS = {'softmax': 's_deit_t', 'linear (relu)': 'deit_linear_relu',
+             # label: experiment; softmax is the S row's miniature (one head of 64)
+             'InLine without Eq. 6': 'deit_no_residual', 'InLine': 'inline_deit_t'}
 F4_EXTRA = {  # the ablations' miniature DeiT with vanilla linear attention, and InLine without Eq. 6
     'deit_linear_relu': Experiment('inline_deit_t', dict(layout='L', kernel='relu', residual='none'), 'F4',
-                                          None, True, 'DeiT miniature, vanilla linear attention (relu), no Eq. 6'),
+                                          None, True,
+                                          'DeiT miniature, vanilla linear attention (relu), no Eq. 6'),
     'deit_no_residual': Experiment('inline_deit_t', dict(residual='none'), 'F4', None, True,
                                           'InLine-DeiT miniature without Eq. 6')}
 
@@ -181,7 +186,9 @@ def eval_images(ckpt, model, args, count, spread=True):
         ns.dataset, ns.data_path = args.dataset, args.data_path
     ns.dataset = train.dataset(ns)
     ns.img_size, ns.download, ns.train_subset, ns.seed = model.img_size[0], False, None, ns.seed or 0
-    ns.synthetic_train, ns.synthetic_val, ns.model = 1, max(count, ns.synthetic_val or 0), ns.model or 'inline_deit_t'
+    ns.synthetic_train, ns.synthetic_val, ns.model = 1, max(count,
+                                                            ns.synthetic_val
+                                                            or 0), ns.model or 'inline_deit_t'
     with contextlib.redirect_stdout(io.StringIO()):
         val = train.load_data(ns)[1]
     picked = range(0, len(val), max(1, len(val) // count) if spread else 1)[:count]
@@ -195,7 +202,8 @@ def attention_inputs(model, images):
         train.fail(f'this needs an isotropic DeiT model (one token grid, layers in order); got '
                    f'{type(model).__name__}')
     captured = {}
-    handles = [block.attn.register_forward_pre_hook(lambda module, inputs, i=i: captured.__setitem__(i, inputs[0]))
+    handles = [block.attn.register_forward_pre_hook(lambda module, inputs,
+                                                    i=i: captured.__setitem__(i, inputs[0]))
                for i, block in enumerate(model.blocks)]
     try:
         with torch.no_grad():
@@ -209,7 +217,8 @@ def attention_inputs(model, images):
 def attention_weights(model, images):
     """[(B, H, N, N)] per block: the explicit weights of every block's attention for the input it really gets."""
     with torch.no_grad():
-        return [block.attn.weights(x, model.grid) for block, x in zip(model.blocks, attention_inputs(model, images))]
+        return [block.attn.weights(x, model.grid)
+                for block, x in zip(model.blocks, attention_inputs(model, images))]
 
 
 def neighbourhood(grid):
@@ -257,7 +266,8 @@ def layer_shares(model, images, batch=128):
         part = [{**weight_shares(block.attn.weights(x, model.grid), model.grid),
                  'eq6': eq6_share(block.attn, x, model.grid)} for block, x in zip(model.blocks, xs)]
         n = len(images[i:i + batch])
-        sums = [{k: v * n + (sums[j][k] if sums else 0) for k, v in layer.items()} for j, layer in enumerate(part)]
+        sums = [{k: v * n + (sums[j][k] if sums else 0) for k, v in layer.items()}
+                for j, layer in enumerate(part)]
     return [{k: v / len(images) for k, v in layer.items()} for layer in sums]
 
 
@@ -297,7 +307,8 @@ def cmd_locality(args):
                 m = measure_locality(path, args, key)
                 if key:
                     append_record(measures, m)
-            for label, shares, acc in ((name, m['trained'], m['top1']), (f'{name}, untrained', m['untrained'], None)):
+            for label, shares, acc in ((name, m['trained'], m['top1']),
+                                       (f'{name}, untrained', m['untrained'], None)):
                 results.setdefault(label, []).append([{k: torch.tensor(v) for k, v in layer.items()}
                                                       for layer in shares])
                 top1.setdefault(label, []).append(acc)
@@ -323,17 +334,21 @@ def cmd_locality(args):
             for key in SHARES:
                 heads = torch.stack([seed[layer][key] for seed in per_seed])  # (seeds, H)
                 m, s = stat(heads.mean(1).tolist())
-                cells.append(f'{m:.3f} ± {s:.3f} (' + ' / '.join(f'{h:.2f}' for h in heads.mean(0).tolist()) + ')')
+                cells.append(f'{m:.3f} ± {s:.3f} (' + ' / '.join(f'{h:.2f}' for h in heads.mean(0).tolist())
+                             + ')')
             moved = ''
             if start and len(per_seed) > 1:  # seed by seed: the trained model against the one it started from
                 mean, half = interval([(a[layer]['near'] - b[layer]['near']).mean().item()
                                        for a, b in zip(per_seed, start)])
                 moved = f'{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]'
-            rows.append([name, layer + 1, (f'{statistics.mean(accs):.1f} ({len(accs)} seeds)' if accs else '—')
+            rows.append([name, layer + 1,
+                         (f'{statistics.mean(accs):.1f} ({len(accs)} seeds)' if accs else '—')
                          if layer == 0 else '', *cells, moved])
         for key in SHARES:
-            series = [stat([seed[layer][key].mean().item() for seed in per_seed]) for layer in range(len(per_seed[0]))]
-            curves[key].append((name, list(range(1, len(series) + 1)), [m for m, _ in series], [s for _, s in series]))
+            series = [stat([seed[layer][key].mean().item() for seed in per_seed])
+                      for layer in range(len(per_seed[0]))]
+            curves[key].append((name, list(range(1, len(series) + 1)), [m for m, _ in series],
+                                [s for _, s in series]))
     print_table(['model', 'layer', 'top-1', *SHARES.values(), '3x3: trained − untrained [95% CI]'], rows)
     layers = max(len(s[1]) for s in curves['near'])
     charts(args.png or os.path.join(args.out, 'locality.png'), [dict(
@@ -387,12 +402,14 @@ def cmd_maps(args):
                 row = w[P + y * grid[1] + x_]  # (N,) the query's weights
                 tiles.append(row[P:].reshape(grid))
                 local = (row[P:] * neighbourhood(grid)[y * grid[1] + x_]).sum().item()
-                table.append([name, layer, f'({y},{x_})', f'{row[P + y * grid[1] + x_].item():.3f}', f'{local:.3f}',
-                              f'{row[0].item():.3f}', f'{row[P:].min().item():.3f}', f'{row[P:].max().item():.3f}'])
+                table.append([name, layer, f'({y},{x_})', f'{row[P + y * grid[1] + x_].item():.3f}',
+                              f'{local:.3f}', f'{row[0].item():.3f}', f'{row[P:].min().item():.3f}',
+                              f'{row[P:].max().item():.3f}'])
             rows.append((f'{name}, layer {layer}', tiles))
     print(f'F3: attention weights of {len(queries)} query tokens in {what}, the mean over heads (Eq. 6 not '
           'among them: F4 gives its share)\n')
-    print_table(['model', 'layer', 'query (row,col)', 'on itself', 'on its 3x3', 'on the class token', 'min', 'max'],
+    print_table(['model', 'layer', 'query (row,col)', 'on itself', 'on its 3x3', 'on the class token', 'min',
+                 'max'],
                 table)
 
     image_grid(args.png or os.path.join(args.out, 'maps.png'), image, rows, queries, grid)

@@ -45,11 +45,14 @@ class FashionRecall(Dataset):
             fail("fashion_recall: task 'below' fills every cell and has no query; pairs and query are "
                  f"recall's (got pairs {pairs!r}, query {query!r})")
         pairs, query = (pairs or self.PAIRS, query or self.QUERY) if task == 'recall' else (pairs, query)
-        if task not in ('recall', 'below') or task == 'recall' and (query not in ('other', 'same') or not 1 <= pairs <= 4):
+        if task not in ('recall',
+                        'below') or task == 'recall' and (query not in ('other', 'same')
+                                                          or not 1 <= pairs <= 4):
             fail("fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs "
                  f"1 to 4 (4 pairs always fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
         self.size, self.seed, self.train, self.task, self.pairs, self.query = size, seed, train, task, pairs, query
-        items = F.resize(images[:, :1], [14, 14], antialias=True)  # (N, 1, 14, 14) uint8: one channel of the gray
+        # (N, 1, 14, 14) uint8: one channel of the gray
+        items = F.resize(images[:, :1], [14, 14], antialias=True)
         self.items, self.labels = items[:, 0], labels
         self.by_class = [torch.nonzero(labels == c).flatten() for c in range(len(self.classes))]
         self.to_tensor = T.Compose(TO_TENSOR)
@@ -64,7 +67,9 @@ class FashionRecall(Dataset):
         g = torch.Generator().manual_seed(hash((self.seed, self.train, index)) % 2**62)
         pick = lambda n, k: torch.randperm(n, generator=g)[:k].tolist()  # noqa: E731  k distinct of range(n)
         image = lambda c: int(self.by_class[c][torch.randint(len(self.by_class[c]), (), generator=g)])  # noqa: E731
-        classes, roles, images = [[-1] * 4 for _ in range(4)], [[''] * 4 for _ in range(4)], [[-1] * 4 for _ in range(4)]
+        classes, roles, images = [[-1] * 4
+                                  for _ in range(4)], [[''] * 4
+                                                       for _ in range(4)], [[-1] * 4 for _ in range(4)]
 
         def put(cell, c, role, source=None):
             (r, col) = cell
@@ -89,7 +94,8 @@ class FashionRecall(Dataset):
         tops = [divmod(i, 4) for i in pick(12, 12)]  # key cells in rows 0-2, so the value below fits
         keys = []
         for top in tops:  # the first `pairs` that do not overlap: each blocks at most 3 tops, so 4 always fit
-            if len(keys) < self.pairs and all(top != k and top != (k[0] + 1, k[1]) and (top[0] + 1, top[1]) != k
+            if len(keys) < self.pairs and all(top != k and top != (k[0] + 1, k[1])
+                                              and (top[0] + 1, top[1]) != k
                                               for k in keys):
                 keys.append(top)
         key_classes, value_classes = pick(10, self.pairs), pick(10, self.pairs)
@@ -125,7 +131,8 @@ def add_flags(parser):
       help="fashion_recall's task: recall (a key's value) or below (the item below the framed one)")
     a('--recall-pairs', type=int, help="fashion_recall's key-value pairs, 1-4 (recall only; default 2)")
     a('--recall-query', choices=['other', 'same'],
-      help="fashion_recall's query: another image of the key's class (default), or the key's own (recall only)")
+      help="fashion_recall's query: another image of the key's class (default), or the key's own "
+      "(recall only)")
 
 
 def load(args):
@@ -166,8 +173,10 @@ def cmd_mosaics(args):
         draw.text((8, y + 90), name, fill='black', font=font(14))
         for i in range(8):
             x, label = mosaics[i]
-            pixels = (x[0] * train.STD[0] + train.MEAN[0]).clamp(0, 1).mul(255).byte()  # (64, 64), the gray channel
+            # (64, 64), the gray channel
+            pixels = (x[0] * train.STD[0] + train.MEAN[0]).clamp(0, 1).mul(255).byte()
             tile = Image.fromarray(pixels.numpy(), 'L').resize((64 * scale,) * 2, Image.NEAREST)
             img.paste(tile, (150 + i * (64 * scale + pad), y))
-            draw.text((150 + i * (64 * scale + pad), y + 64 * scale + 6), classes[label], fill='black', font=font(14))
+            draw.text((150 + i * (64 * scale + pad), y + 64 * scale + 6), classes[label], fill='black',
+                      font=font(14))
     save_png(img, args.png or os.path.join(args.out, 'mosaics.png'))

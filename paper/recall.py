@@ -42,12 +42,15 @@ from paper.stats import ALPHA, holm, interval, p_values, verdict
 RECALL_RESULTS = os.path.join(ROOT, 'results', 'recall.jsonl')
 RECALL_VOCAB = 64  # keys are tokens 0..63, values 64..127, filler 128..191
 RECALL_HEADS = 2
-RECALL_SIZES = ((32, 4, 20), (32, 6, 24), (32, 8, 24))  # (C, key-value pairs, tokens); D = C / 2, queries from D + 1
+# (C, key-value pairs, tokens); D = C / 2, queries from D + 1
+RECALL_SIZES = ((32, 4, 20), (32, 6, 24), (32, 8, 24))
 RECALL_MODELS = {  # name: how its attention is built (RecallLM); without Eq. 6 here, with it below
     'softmax': dict(attention='softmax'),
-    'softmax q-norm': dict(attention='softmax', normalise_q=True),  # T1 on sequences: q/|q| times a learned gain
+    # T1 on sequences: q/|q| times a learned gain
+    'softmax q-norm': dict(attention='softmax', normalise_q=True),
     'floor phi=0': dict(kernel='zero', residual='none'),  # every weight 1/i: attention that cannot select
-    'linear relu': dict(attention='linear', kernel='relu', residual='none'),  # division, the other usual kernel
+    # division, the other usual kernel
+    'linear relu': dict(attention='linear', kernel='relu', residual='none'),
     'linear 1+elu': dict(attention='linear', kernel='one_plus_elu', residual='none'),  # division
     'InLine 1+elu s/i': dict(kernel='one_plus_elu', residual='none'),  # subtraction, Eq. 5 with s/i
     'InLine 1+elu s': dict(kernel='one_plus_elu', residual='none', scale_by_count=False),  # the printed Eq. 5
@@ -60,9 +63,11 @@ RECALL_MODELS = {  # name: how its attention is built (RecallLM); without Eq. 6 
 # the guess (RESULTS.md)
 RECALL_EQ6 = ' + Eq. 6'
 RECALL_STUDY = [name + RECALL_EQ6 for name in RECALL_MODELS]
-RECALL_MODELS.update({name + RECALL_EQ6: {**options, 'residual': 'local'} for name, options in list(RECALL_MODELS.items())})
+RECALL_MODELS.update({name + RECALL_EQ6: {**options, 'residual': 'local'}
+                      for name, options in list(RECALL_MODELS.items())})
 RECALL_FLOOR = 'floor phi=0'
-RECALL_COMPARISONS = (  # (question, a, b): the claim is "b recalls more than a", read seed by seed; with and without Eq. 6
+# (question, a, b): the claim is "b recalls more than a", read seed by seed; with and without Eq. 6
+RECALL_COMPARISONS = (
     ('injectivity within softmax', 'softmax q-norm', 'softmax'),
     ('injectivity within InLine', 'InLine s/i q-norm', 'InLine s/i'),
     ('subtraction over division, 1+elu', 'linear 1+elu', 'InLine 1+elu s/i'),
@@ -71,7 +76,8 @@ RECALL_COMPARISONS = (  # (question, a, b): the claim is "b recalls more than a"
     ('kernel identity over 1+elu', 'InLine 1+elu s/i', 'InLine s/i'),
 )
 RECALL_LRS = (1e-3, 3e-3, 1e-2)  # each model's learning rate: the best of these on held-out sequences, seed 0
-RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH = 5, 20000, 64  # 20000 steps: every seed of InLine 1+elu left the guess
+# 20000 steps: every seed of InLine 1+elu left the guess
+RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH = 5, 20000, 64
 RECALL_FIRST_STEPS = 2000  # the first study's budget, where no linear-state run left the guess reliably
 RECALL_GATE = 3.0  # recall points over the floor and the guess that both models of a comparison must clear
 RECALL_CLAIM = 1.0  # "b recalls more than a", as verdict reads a paper's difference
@@ -83,11 +89,13 @@ def mqar_batch(batch, pairs, tokens, generator):
     """x, y (batch, tokens): `pairs` distinct keys, each followed by its value, filler tokens, then `pairs`
     queries (keys drawn again, with repeats) at the end; y holds the value at the queries and -100 (no loss)
     elsewhere."""
-    keys = torch.rand(batch, RECALL_VOCAB, generator=generator).argsort(-1)[:, :pairs]  # (batch, pairs), distinct
+    # (batch, pairs), distinct
+    keys = torch.rand(batch, RECALL_VOCAB, generator=generator).argsort(-1)[:, :pairs]
     values = RECALL_VOCAB + torch.randint(RECALL_VOCAB, (batch, pairs), generator=generator)  # (batch, pairs)
     filler = 2 * RECALL_VOCAB + torch.randint(RECALL_VOCAB, (batch, tokens - 3 * pairs), generator=generator)
     asked = torch.randint(pairs, (batch, pairs), generator=generator)  # (batch, pairs)
-    x = torch.cat([torch.stack([keys, values], -1).flatten(1), filler, keys.gather(1, asked)], 1)  # (batch, tokens)
+    # (batch, tokens)
+    x = torch.cat([torch.stack([keys, values], -1).flatten(1), filler, keys.gather(1, asked)], 1)
     y = torch.full_like(x, -100)
     y[:, tokens - pairs:] = values.gather(1, asked)
     return x, y
@@ -98,8 +106,10 @@ def most_frequent_guess(x, y, pairs):
     value most frequent in the sequence (ties broken at random). What attention that cannot select (the floor)
     can reach."""
     values = x[:, 1:2 * pairs:2]  # (batch, pairs)
-    counts = (values.unsqueeze(-1) == values.unsqueeze(-2)).sum(-1).double()  # (batch, pairs): each value's count
-    counts = counts + torch.rand(counts.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    # (batch, pairs): each value's count
+    counts = (values.unsqueeze(-1) == values.unsqueeze(-2)).sum(-1).double()
+    counts = counts + torch.rand(counts.shape, generator=torch.Generator().manual_seed(0),
+                                 dtype=torch.float64)
     guess = values.gather(1, counts.argmax(-1, keepdim=True))  # (batch, 1)
     answers = y[y != -100].reshape(len(y), -1)  # (batch, pairs)
     return 100 * (answers == guess).double().mean().item()
@@ -145,7 +155,8 @@ class DecoderBlock(torch.nn.Module):
         super().__init__()
         self.norm1, self.attn = torch.nn.LayerNorm(dim), attn
         self.norm2 = torch.nn.LayerNorm(dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * dim, dim))
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -163,7 +174,9 @@ class RecallLM(torch.nn.Module):
             del options['attention']
         self.embed = torch.nn.Embedding(3 * RECALL_VOCAB, width)
         self.pos = torch.nn.Parameter(0.02 * torch.randn(1, tokens, width))
-        self.blocks = torch.nn.Sequential(*[DecoderBlock(width, CausalSoftmax(width, RECALL_HEADS, **options) if softmax
+        self.blocks = torch.nn.Sequential(*[DecoderBlock(width,
+                                                         CausalSoftmax(width, RECALL_HEADS, **options)
+                                                         if softmax
                                                          else CausalInLine(width, RECALL_HEADS, **options))
                                             for _ in range(2)])
         self.norm, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, 3 * RECALL_VOCAB)
@@ -214,19 +227,22 @@ def recall_run(name, width, pairs, tokens, seed, lr, steps, compiled=False):
         schedule.step()
         return loss
 
-    with torch._dynamo.config.patch(recompile_limit=64):  # compiled: a graph per model and size, none dropped to eager
+    # compiled: a graph per model and size, none dropped to eager
+    with torch._dynamo.config.patch(recompile_limit=64):
         # the first step compiles them: one process at a time, the others then load them from the inductor
         # cache
-        with kernels.node_lock(('recall', name, width, pairs, tokens)) if compiled else contextlib.nullcontext():
+        with kernels.node_lock(('recall', name, width, pairs,
+                                tokens)) if compiled else contextlib.nullcontext():
             loss = step()
         for _ in range(steps - 1):
             loss = step()
     valid, test = (recall_answers(model, pairs, tokens, s) for s in (RECALL_VALID, RECALL_TEST))
-    return dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed, steps=steps, batch=RECALL_BATCH,
-                lr=lr, valid=round(100 * valid.double().mean().item(), 2),
+    return dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed, steps=steps,
+                batch=RECALL_BATCH, lr=lr, valid=round(100 * valid.double().mean().item(), 2),
                 recall=round(100 * test.double().mean().item(), 2), correct=pack_correct(test.flatten()),
                 final_loss=round(loss.item(), 4), params=sum(p.numel() for p in model.parameters()),
-                cpu_s=round(time.process_time() - start, 1), threads=torch.get_num_threads(), compiled=compiled)
+                cpu_s=round(time.process_time() - start, 1), threads=torch.get_num_threads(),
+                compiled=compiled)
 
 
 def recall_key(name, width, pairs, tokens, seed, lr, steps, batch=RECALL_BATCH):
@@ -236,12 +252,14 @@ def recall_key(name, width, pairs, tokens, seed, lr, steps, batch=RECALL_BATCH):
 
 def recall_row_key(row):
     """A stored run's recall_key, for read_records: the recall runs are records too, one JSON line each."""
-    return recall_key(*(row[k] for k in ('model', 'width', 'pairs', 'tokens', 'seed', 'lr', 'steps', 'batch')))
+    return recall_key(*(row[k]
+                        for k in ('model', 'width', 'pairs', 'tokens', 'seed', 'lr', 'steps', 'batch')))
 
 
 def held_out(runs, name, size, steps):
     """Seed 0's held-out recall at each of RECALL_LRS (None where it has no record): what chooses the rate."""
-    return [runs[k]['valid'] if (k := recall_key(name, *size, 0, lr, steps)) in runs else None for lr in RECALL_LRS]
+    return [runs[k]['valid'] if (k := recall_key(name, *size, 0, lr, steps)) in runs else None
+            for lr in RECALL_LRS]
 
 
 def best_lr(runs, name, size, steps):
@@ -268,7 +286,8 @@ def cmd_recall(args):
     if unknown:
         train.fail(f"unknown recall models {unknown}; choose from {list(RECALL_MODELS)}")
     if args.seeds < 1 or args.steps < 1 or args.threads < 1:
-        train.fail(f"--seeds, --steps and --threads must be at least 1, got {args.seeds}, {args.steps}, {args.threads}")
+        train.fail(f"--seeds, --steps and --threads must be at least 1, got {args.seeds}, {args.steps}, "
+                   f"{args.threads}")
     sizes = [tuple(map(int, size.split('x'))) for size in args.sizes if re.fullmatch(r'\d+x\d+x\d+', size)]
     if len(sizes) != len(args.sizes) or any(not 2 <= p <= RECALL_VOCAB or w < 1 or w % RECALL_HEADS
                                             or n - p < w // RECALL_HEADS or n < 3 * p for w, p, n in sizes):
@@ -281,8 +300,10 @@ def cmd_recall(args):
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)
         try:
-            for size in sizes:  # a size finished before the next, so a stopped study has verdicts where it went
-                for stage in ('first pass', 'second pass'):  # the second trains the seeds of learning rates the first chose
+            # a size finished before the next, so a stopped study has verdicts where it went
+            for size in sizes:
+                # the second trains the seeds of learning rates the first chose
+                for stage in ('first pass', 'second pass'):
                     train_recall(runs, recall_plan(runs, models, [size], args.seeds, args.steps),
                                  f"{'x'.join(map(str, size))}, {stage}", args)
         finally:  # a caller in this process (the tests) keeps its threads
@@ -302,7 +323,8 @@ def train_recall(runs, todo, stage, args):
     left to it and waited for at the end (trained here if it left no record), so that the next stage is
     planned from every run of this one; and one command compiles a model's graph while the others wait to load
     it from the cache."""
-    def rate(name):  # CPU seconds per token of a step: the model's own records (compiled or not), else every record's
+    # CPU seconds per token of a step: the model's own records (compiled or not), else every record's
+    def rate(name):
         done = [r for r in runs.values() if r['batch'] == RECALL_BATCH and r['model'] == name
                 and r.get('compiled', False) == args.compile] or list(runs.values())
         return sum(r['cpu_s'] for r in done) / max(sum(r['tokens'] * r['steps'] for r in done), 1)
@@ -337,7 +359,8 @@ def chosen_runs(runs, name, size, steps, seeds):
     """(the model's best learning rate or None, its records at that rate in seed order, those of seeds
     0..seeds-1 that exist)."""
     lr = best_lr(runs, name, size, steps)
-    return lr, [] if lr is None else [runs[k] for s in range(seeds) if (k := recall_key(name, *size, s, lr, steps)) in runs]
+    return lr, [] if lr is None else [runs[k] for s in range(seeds)
+                                      if (k := recall_key(name, *size, s, lr, steps)) in runs]
 
 
 def first_study(runs, name, size, seeds):
@@ -359,7 +382,8 @@ def by_sequence(rows, pairs):
 def recall_report(runs, models, sizes, args):
     """The tables and the picture from the records: the learning rates, recall by model against the floor and
     the guess, and each comparison's verdict, gated by both."""
-    guesses = {(w, p, n): most_frequent_guess(*mqar_batch(RECALL_HELD_OUT, p, n, torch.Generator().manual_seed(
+    guesses = {(w, p,
+                n): most_frequent_guess(*mqar_batch(RECALL_HELD_OUT, p, n, torch.Generator().manual_seed(
         RECALL_TEST)), p) for w, p, n in sizes}
     recall, sequences = recall_table(runs, models, sizes, guesses, args)
     recall_comparisons(recall, sequences, guesses, models, sizes)
@@ -368,9 +392,10 @@ def recall_report(runs, models, sizes, args):
         series = [(name, list(RECALL_LRS), held_out(runs, name, size, args.steps), None) for name in models]
         if all(y is None for _, _, ys, _ in series for y in ys):
             continue  # no runs at this size yet
-        panels.append(dict(series=series, title='MQAR, C {}, {} pairs, {} tokens: held-out recall, seed 0'.format(
-            *size), xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True, lines=True,
-            ylim=(0, 100), hlines=[('the guess', guesses[size])]))
+        panels.append(dict(series=series,
+                           title='MQAR, C {}, {} pairs, {} tokens: held-out recall, seed 0'.format(
+            *size), xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True,
+            lines=True, ylim=(0, 100), hlines=[('the guess', guesses[size])]))
     if panels:
         charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 460))
     return runs
@@ -396,16 +421,22 @@ def recall_table(runs, models, sizes, guesses, args):
             missing.append(f"{name} at {w} / {p} / {n}")
             continue
         mean, half = interval(values, sequences[name, w, p, n]) if values else (math.nan, math.nan)
-        table.append([f"{w} / {p} / {n}", name, ' '.join('-' if v is None else f'{v:.1f}' for v in tried), lr or '-',
-                      f"{mean:.1f} ± {half:.1f}" if values else '-', ' '.join(f'{v:.1f}' for v in values),
+        table.append([f"{w} / {p} / {n}", name, ' '.join('-' if v is None else f'{v:.1f}' for v in tried),
+                      lr or '-', f"{mean:.1f} ± {half:.1f}" if values else '-',
+                      ' '.join(f'{v:.1f}' for v in values),
                       len(values)] + ([first_study(runs, name, (w, p, n), args.seeds)] if first else []))
-    cpu = sum(r['cpu_s'] for r in runs.values() if r['model'] in models and (r['width'], r['pairs'], r['tokens'])
+    cpu = sum(r['cpu_s'] for r in runs.values() if r['model'] in models
+              and (r['width'], r['pairs'], r['tokens'])
               in sizes and r['steps'] == args.steps)
-    print_table(['C / pairs / tokens', 'model', 'held-out % at each lr', 'lr', 'recall %', 'per seed', 'seeds']
+    print_table(['C / pairs / tokens', 'model', 'held-out % at each lr', 'lr', 'recall %', 'per seed',
+                 'seeds']
                 + ([f'at {RECALL_FIRST_STEPS} steps'] if first else []), table)
-    print('\nthe guess: a model that knows the values of its sequence and answers the most frequent (simulated on the '
-          'test sequences): ' + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
-          f'. CPU time of these runs: {cpu / 60:.1f} min.' + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
+    print('\nthe guess: a model that knows the values of its sequence and answers the most frequent '
+          '(simulated on the '
+          'test sequences): '
+          + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
+          f'. CPU time of these runs: {cpu / 60:.1f} min.'
+          + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
     return recall, sequences
 
 
@@ -443,7 +474,8 @@ def recall_comparisons(recall, sequences, guesses, models, sizes):
               'predates per-answer results; the verdict is on "b recalls more than a" (RESULTS.md, '
               '"Verdicts"), untestable unless both clear the floor (phi = 0) and the guess by '
               f'{RECALL_GATE:g} points; the Holm verdict the same over the testable ones.\n')
-        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict', 'Holm verdict'],
+        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict',
+                     'Holm verdict'],
                     verdicts)
 
 
@@ -452,16 +484,24 @@ def recall_comparisons(recall, sequences, guesses, models, sizes):
 
 def add_recall_parser(sub, common):
     """`python -m paper recall`'s options."""
-    p = sub.add_parser('recall', parents=[common], help='associative recall (MQAR): softmax, linear and causal InLine')
+    p = sub.add_parser('recall', parents=[common],
+                       help='associative recall (MQAR): softmax, linear and causal InLine')
     p.add_argument('--results', default=RECALL_RESULTS, help='finished runs, one JSON line each (default '
                    'results/recall.jsonl); a rerun trains only what is missing')
-    p.add_argument('--models', nargs='+', metavar='NAME', help=f'these models (default: the study\'s, every one with Eq. 6), of {", ".join(RECALL_MODELS)}')
-    p.add_argument('--sizes', nargs='+', metavar='CxPAIRSxTOKENS', default=[f'{w}x{p}x{n}' for w, p, n in RECALL_SIZES],
+    p.add_argument('--models', nargs='+', metavar='NAME',
+                   help='these models (default: the study\'s, every one with Eq. 6), of '
+                   f'{", ".join(RECALL_MODELS)}')
+    p.add_argument('--sizes', nargs='+', metavar='CxPAIRSxTOKENS',
+                   default=[f'{w}x{p}x{n}' for w, p, n in RECALL_SIZES],
                    help=f'model width C ({RECALL_HEADS} heads), key-value pairs and tokens per sequence '
                         f'(default {" ".join(f"{w}x{p}x{n}" for w, p, n in RECALL_SIZES)})')
     p.add_argument('--seeds', type=int, default=RECALL_SEEDS, help='seeds per model and size (0, 1, ...)')
-    p.add_argument('--steps', type=int, default=RECALL_STEPS, help=f'training steps of {RECALL_BATCH} sequences')
+    p.add_argument('--steps', type=int, default=RECALL_STEPS,
+                   help=f'training steps of {RECALL_BATCH} sequences')
     p.add_argument('--threads', type=int, default=1, help='CPU threads of this process')
-    p.add_argument('--compile', action='store_true', help='train through torch.compile (about 1.4x faster a step '
-                   'on a CPU). Several commands at once share the study: each trains what no other has claimed')
-    p.add_argument('--no-train', action='store_true', help='train nothing: the tables and picture from the records')
+    p.add_argument('--compile', action='store_true',
+                   help='train through torch.compile (about 1.4x faster a step '
+                   'on a CPU). Several commands at once share the study: each trains what no other '
+                   'has claimed')
+    p.add_argument('--no-train', action='store_true',
+                   help='train nothing: the tables and picture from the records')

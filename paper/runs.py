@@ -32,7 +32,8 @@ import train
 from paper import mosaics
 from paper.experiments import EXPERIMENTS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: results/, figures/, train.py
+# the repository: results/, figures/, train.py
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Training runs: every model here is trained by train.py's loop (`python -m paper train`); each finished run
@@ -144,9 +145,9 @@ def make_record(run, folder, state, threads):
     if log and 'val_acc1' in log[-1] and os.path.exists(correct):
         log[-1]['val_correct'] = pack_correct(torch.load(correct, weights_only=True))
     return dict(run._asdict(), argv=['paper', 'train', *run.argv], state=state,
-                epochs=[{k: e[k] for k in KEPT if k in e} for e in log], cpu_min=round(spent['cpu_s'] / 60, 3),
-                wall_min=round(spent['wall_s'] / 60, 3), machine=machine(threads),
-                finished=time.strftime('%Y-%m-%d %H:%M:%S'))
+                epochs=[{k: e[k] for k in KEPT if k in e} for e in log],
+                cpu_min=round(spent['cpu_s'] / 60, 3), wall_min=round(spent['wall_s'] / 60, 3),
+                machine=machine(threads), finished=time.strftime('%Y-%m-%d %H:%M:%S'))
 
 
 def read_json(path, default):
@@ -180,7 +181,8 @@ def train_runs(runs, args, desc='training'):
     count, cpu_before, running, waiting = len(todo), children_cpu_s(), {}, []
     env = dict(os.environ, **({'CUDA_VISIBLE_DEVICES': ''} if args.device == 'cpu' else {}))
     bar = tqdm(total=count, desc=desc, dynamic_ncols=True)
-    stop = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM unwinds through the finally below
+    # SIGTERM unwinds through the finally below
+    stop = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         while todo or running or waiting:
             while todo and len(running) < args.jobs:
@@ -199,7 +201,8 @@ def train_runs(runs, args, desc='training'):
                     continue
                 running[run.key()] = (*launch(run, folder, lock, threads, env), run, lock, time.time())
             if not running:
-                if waiting:  # only other commands' runs are left: wait for the first to end, then take it up again
+                # only other commands' runs are left: wait for the first to end, then take it up again
+                if waiting:
                     run = waiting.pop(0)
                     os.close(lock_run(run.folder(args.out), wait=True))
                     todo.append(run)
@@ -210,10 +213,12 @@ def train_runs(runs, args, desc='training'):
             folder = run.folder(args.out)
             spend(folder, cpu_s, time.time() - start)
             check_ended(proc, run, folder)
-            append_record(args.results, make_record(run, folder, run_state(folder, run.recipe['epochs']), threads))
+            append_record(args.results,
+                          make_record(run, folder, run_state(folder, run.recipe['epochs']), threads))
             os.close(lock)
             bar.update()
-    finally:  # the runs still going are stopped (train.py saves on SIGTERM; a rerun resumes them), their CPU kept
+    # the runs still going are stopped (train.py saves on SIGTERM; a rerun resumes them), their CPU kept
+    finally:
         signal.signal(signal.SIGTERM, stop)
         for proc, *_ in running.values():
             proc.terminate()
@@ -239,7 +244,8 @@ def launch(run, folder, lock, threads, env):
             str(threads)]
     log.write('$ ' + ' '.join(argv) + '\n')
     log.flush()
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, pass_fds=(lock,)), log
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                            pass_fds=(lock,)), log
 
 
 def check_ended(proc, run, folder):
@@ -257,7 +263,8 @@ def check_ended(proc, run, folder):
 def spend(folder, cpu_s, wall_s):
     """Add one attempt's CPU and wall seconds to FOLDER/cpu.json, the run's total over its attempts."""
     spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
-    write_json(os.path.join(folder, 'cpu.json'), {'cpu_s': spent['cpu_s'] + cpu_s, 'wall_s': spent['wall_s'] + wall_s})
+    write_json(os.path.join(folder, 'cpu.json'),
+               {'cpu_s': spent['cpu_s'] + cpu_s, 'wall_s': spent['wall_s'] + wall_s})
 
 
 def children_cpu_s():
@@ -281,7 +288,9 @@ def pack_correct(correct):
     """Per-image right (1) or wrong (0), in a fixed image order, as base64 text, 8 images to a byte, the first
     in the lowest bit: 10,000 images in 1,668 characters. unpack_correct reads it back."""
     bits = F.pad(correct.to(torch.uint8), (0, -len(correct) % 8)).view(-1, 8)  # (bytes, 8)
-    return base64.b64encode(bytes((bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8).tolist())
+    return base64.b64encode(bytes((bits << torch.arange(8,
+                                                        dtype=torch.uint8)).sum(1,
+                                                                                dtype=torch.uint8).tolist())
                             ).decode()
 
 
@@ -302,7 +311,8 @@ def train_args(argv):
     mosaics.register()
     parser = train.get_args_parser()
     parser.prog = 'python -m paper train'
-    parser.add_argument('name', metavar='NAME', help='an experiment of the paper (python -m paper experiments) or a '
+    parser.add_argument('name', metavar='NAME',
+                        help='an experiment of the paper (python -m paper experiments) or a '
                         f'released model: {", ".join(models.MODELS)}')
     mosaics.add_flags(parser)
     args = parser.parse_args(argv)

@@ -32,7 +32,8 @@ from paper.runs import ROOT, machine
 
 # F5b, F5c: images/s of softmax models against their InLine versions, as the window or the image grows
 
-SPEED = {  # figure: (what varies, its values, the GPU speed-ups of InLine over softmax in the paper's Fig. 5b, 5c)
+# figure: (what varies, its values, the GPU speed-ups of InLine over softmax in the paper's Fig. 5b, 5c)
+SPEED = {
     'F5b': ('window', (7, 14, 28, 56), {28: 1.9, 56: 3.7}),
     'F5c': ('image size', (224, 384, 640, 1024), {640: 2.4, 1024: 4.8}),
 }
@@ -86,10 +87,11 @@ def speed_point(figure, point, dtype, device, batch, rounds):
         with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             model(x)
 
-    ms = kernels.time_interleaved({'softmax': lambda: forward(softmax), 'InLine': lambda: forward(inline_model)},
+    ms = kernels.time_interleaved({'softmax': lambda: forward(softmax),
+                                   'InLine': lambda: forward(inline_model)},
                                   device, budget_s=1e9, max_rounds=rounds)  # exactly `rounds` rounds
-    return dict(figure=figure, point=point, device=device.type, dtype=str(dtype).replace('torch.', ''), batch=batch,
-                rounds=rounds, softmax_img_s=batch / statistics.median(ms['softmax']) * 1e3,
+    return dict(figure=figure, point=point, device=device.type, dtype=str(dtype).replace('torch.', ''),
+                batch=batch, rounds=rounds, softmax_img_s=batch / statistics.median(ms['softmax']) * 1e3,
                 inline_img_s=batch / statistics.median(ms['InLine']) * 1e3,
                 speedup=kernels.paired_ratio(ms, 'softmax', 'InLine'))
 
@@ -101,7 +103,8 @@ def cmd_speed(args):
         return cmd_speed_whole(args)
     devices = [torch.device('cpu')] + ([torch.device('cuda')] if torch.cuda.is_available() else [])
     dtypes = [torch.float32, torch.bfloat16]
-    points = [(fig, p) for fig, (_, values, _) in SPEED.items() for p in (SPEED_QUICK[fig] if args.quick else values)]
+    points = [(fig, p) for fig,
+              (_, values, _) in SPEED.items() for p in (SPEED_QUICK[fig] if args.quick else values)]
     jobs = [(fig, p, dt, dev) for dev in devices for dt in dtypes for fig, p in points]
     rows = []
     for fig, point, dtype, device in tqdm(jobs, desc='speed', dynamic_ncols=True):
@@ -117,29 +120,35 @@ def cmd_speed(args):
         with open(path) as f:
             rows.append(json.load(f))
     cpu_amp, why = train.default_amp(torch.device('cpu'))
-    amx = getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)()  # private, so guarded; bf16's speed turns on it
+    # private, so guarded; bf16's speed turns on it
+    amx = getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)()
     print('\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, '
           'softmax vs InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, '
           'InLine through the fast core; speed-up = median of per-round ratios. CPU: '
           f'{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}; {why}, so train.py '
           f'defaults to {cpu_amp} there.\n')
-    print_table(['figure', 'point', 'device', 'dtype', 'batch', 'softmax img/s', 'InLine img/s', 'InLine speed-up',
-                 'paper (GPU)'],
-                [[r['figure'], f"{r['point']}²" if r['figure'] == 'F5b' else f"{r['point']} px", r['device'], r['dtype'],
-                  r['batch'], f"{r['softmax_img_s']:.2f}", f"{r['inline_img_s']:.2f}", f"{r['speedup']:.2f}x",
+    print_table(['figure', 'point', 'device', 'dtype', 'batch', 'softmax img/s', 'InLine img/s',
+                 'InLine speed-up', 'paper (GPU)'],
+                [[r['figure'], f"{r['point']}²" if r['figure'] == 'F5b' else f"{r['point']} px", r['device'],
+                  r['dtype'], r['batch'], f"{r['softmax_img_s']:.2f}", f"{r['inline_img_s']:.2f}",
+                  f"{r['speedup']:.2f}x",
                   f"{SPEED[r['figure']][2][r['point']]}x" if r['point'] in SPEED[r['figure']][2] else '']
                  for r in rows])
     panels = []
     for fig, (what, values, paper) in SPEED.items():
-        series = [(f'{dev} {dt}' + ((' (AMX)' if amx else ' (no AMX)') if (dev, dt) == ('cpu', 'bfloat16') else ''),
+        series = [(f'{dev} {dt}'
+                   + ((' (AMX)' if amx else ' (no AMX)') if (dev, dt) == ('cpu', 'bfloat16') else ''),
                    [r['point'] for r in sel], [r['speedup'] for r in sel], None)
                   for dev in dict.fromkeys(r['device'] for r in rows) for dt in ('float32', 'bfloat16')
-                  for sel in [[r for r in rows if (r['figure'], r['device'], r['dtype']) == (fig, dev, dt)]] if sel]
+                  for sel in [[r for r in rows if (r['figure'], r['device'], r['dtype']) == (fig, dev, dt)]]
+                  if sel]
         series.append(('paper, GPU', list(paper), list(paper.values()), None))
-        panels.append(dict(series=series, xlabel=what, log_x=True, ylabel='InLine speed-up (x)', xticks=list(values),
+        panels.append(dict(series=series, xlabel=what, log_x=True, ylabel='InLine speed-up (x)',
+                           xticks=list(values),
                            title=('F5b: Swin-T vs InLine-Swin-T, by window' if fig == 'F5b' else
                                   'F5c: DeiT-T vs InLine-DeiT-T, by size'),
-                           hlines=[('equal speed', 1.0)], xlabels=[f'{v}x{v}' if fig == 'F5b' else str(v) for v in values]))
+                           hlines=[('equal speed', 1.0)],
+                           xlabels=[f'{v}x{v}' if fig == 'F5b' else str(v) for v in values]))
     charts(args.png or os.path.join(args.out, 'speed.png'), panels, cols=2, size=(500, 420))
     if args.model_step:
         model_step_table([torch.device('cpu')] + devices[1:], dtypes)
@@ -177,7 +186,8 @@ def model_step(dtype, device, batch=8):
     ms = kernels.time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
                                    'fast + compile': lambda: step(compiled), 'free core': lambda: step(free)},
                                   device, budget_s=60, max_rounds=15)
-    return {name: (statistics.median(t), kernels.paired_ratio(ms, 'reference', name)) for name, t in ms.items()}
+    return {name: (statistics.median(t), kernels.paired_ratio(ms, 'reference', name))
+            for name, t in ms.items()}
 
 
 def model_step_table(devices, dtypes):
@@ -195,7 +205,8 @@ def model_step_table(devices, dtypes):
 # ---------------------------------------------------------------------------------------------------
 # python -m paper speed --whole: whole models, InLine against the softmax original a user would pick instead
 
-WHOLE = (  # (what, InLine model, its softmax original (EXPERIMENTS), image side, batch on CPU, training step?)
+# (what, InLine model, its softmax original (EXPERIMENTS), image side, batch on CPU, training step?)
+WHOLE = (
     ('InLine-Swin-T inference', 'inline_swin_t', 's_swin_t', 224, 32, False),
     ('InLine-Swin-T training step', 'inline_swin_t', 's_swin_t', 224, 8, True),
     ('InLine-DeiT-T inference', 'inline_deit_t', 's_deit_t', 224, 1, False),
@@ -238,13 +249,15 @@ def whole_point(row, dtype, device, rounds, compiled):
     softmax = create_experiment(softmax_name, img_size=side, **drop).train(training).to(device)
     inline_model = models.create_model(name, img_size=side, fast=True, **drop).train(training).to(device)
     gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, 3, side, side, generator=gen).to(device), torch.randint(0, 1000, (batch,)).to(device)
+    x, y = torch.randn(batch, 3, side, side,
+                       generator=gen).to(device), torch.randint(0, 1000, (batch,)).to(device)
     if not training:
         check_sdpa(softmax, x[:1])
     fns = {'softmax': lambda: whole_step(softmax, x, y, dtype, training),
            'InLine': lambda: whole_step(inline_model, x, y, dtype, training)}
     if not training:
-        fns['two_calls'] = lambda: without_infer(inline_model, lambda: whole_step(inline_model, x, y, dtype, False))
+        fns['two_calls'] = lambda: without_infer(inline_model,
+                                                 lambda: whole_step(inline_model, x, y, dtype, False))
     if compiled:
         compiled_model = torch.compile(inline_model)
         fns['compiled'] = lambda: whole_step(compiled_model, x, y, dtype, training)
@@ -343,7 +356,8 @@ def cmd_speed_whole(args):
     print_table(header, [[r['what'], f"{r['side']} px", r['batch'], r['dtype'], f"{r['softmax_ms']:.1f}",
                           f"{r['InLine_ms']:.1f}", f"{r['speedup']:.2f}x",
                           '—' if r['two_calls_speedup'] is None else f"{r['two_calls_speedup']:.2f}x"] + ([
-                          f"{r['compiled_ms']:.1f}", f"{r['compiled_speedup']:.2f}x", f"{r['compiled_over_fast']:.2f}x"]
+                          f"{r['compiled_ms']:.1f}", f"{r['compiled_speedup']:.2f}x",
+                          f"{r['compiled_over_fast']:.2f}x"]
                           if args.compile else []) for r in rows])
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)
     profiles = {}
@@ -359,9 +373,11 @@ def cmd_speed_whole(args):
           "the mean of 5 forwards; ms per forward, with calls per forward): InLine-DeiT-T through the fast "
           "core, DeiT-T through SDPA.\n")
     print_table(['where'] + list(profiles), [[g.replace('  ', '… ')] + [
-        (f"{p[g][0]:.2f}" + (f" ({p[g][1]:.0f})" if p[g][1] else '')) if g in p else '' for p in profiles.values()]
+        (f"{p[g][0]:.2f}" + (f" ({p[g][1]:.0f})" if p[g][1] else '')) if g in p else ''
+        for p in profiles.values()]
         for g in order] +
-        [['total'] + [f"{sum(v[0] for k, v in p.items() if not k.startswith('  ') and not k.startswith('every')):.2f}"
+        [['total']
+         + [f"{sum(v[0] for k, v in p.items() if not k.startswith('  ') and not k.startswith('every')):.2f}"
                       for p in profiles.values()]])
     return rows
 
@@ -369,9 +385,11 @@ def cmd_speed_whole(args):
 # ---------------------------------------------------------------------------------------------------
 # Dense: backbone forward time and peak memory at detection sizes, each softmax original against InLine
 
-DENSE_SIZES = ((512, 512), (640, 640), (800, 800), (800, 1344))  # COCO's 800x1333 padded to 32, as detectors pad
+# COCO's 800x1333 padded to 32, as detectors pad
+DENSE_SIZES = ((512, 512), (640, 640), (800, 800), (800, 1344))
 DENSE = {  # comparison: (softmax original, InLine), EXPERIMENTS and registered names
-    'Swin-T': ('s_swin_t', 'inline_swin_t'),  # shifted 7x7 windows in every stage; InLine over the whole stage
+    # shifted 7x7 windows in every stage; InLine over the whole stage
+    'Swin-T': ('s_swin_t', 'inline_swin_t'),
     'PVT-S': ('s_pvt_s', 'inline_pvt_s'),  # softmax with spatial reduction 8-4-2-1; InLine over all tokens
     'DeiT-T': ('s_deit_t', 'inline_deit_t'),  # global softmax over all (H/16)(W/16) + 1 tokens
 }
@@ -416,10 +434,12 @@ def dense_peak_mb(name, size, device):
     if device.type == 'cuda':
         fn, x = dense_forward(name, size, device), torch.randn(1, 3, *size, device=device)
         with torch.inference_mode():
-            return kernels.peak_mb(lambda: fn(x), device)  # max_memory_allocated above what was allocated before
+            # max_memory_allocated above what was allocated before
+            return kernels.peak_mb(lambda: fn(x), device)
     code = f'from paper import speed; speed.dense_peak_rss({name!r}, {size[0]}, {size[1]})'
     run = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True)
-    return json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None  # None: did not fit
+    # None: did not fit
+    return json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None
 
 
 def dense_point(comparison, size, device, rounds):
@@ -438,7 +458,8 @@ def dense_point(comparison, size, device, rounds):
     return dict(comparison=comparison, size=list(size), device=device.type, rounds=rounds,
                 softmax_ms=statistics.median(ms[softmax_name]), inline_ms=statistics.median(ms[inline_name]),
                 speedup=kernels.paired_ratio(ms, softmax_name, inline_name),
-                softmax_mb=dense_peak_mb(softmax_name, size, device), inline_mb=dense_peak_mb(inline_name, size, device))
+                softmax_mb=dense_peak_mb(softmax_name, size, device),
+                inline_mb=dense_peak_mb(inline_name, size, device))
 
 
 def cmd_speed_dense(args):
@@ -447,7 +468,8 @@ def cmd_speed_dense(args):
     jobs = [(c, s, d) for d in devices for c in DENSE for s in DENSE_SIZES]
     for comparison, size, device in tqdm(jobs, desc='dense', dynamic_ncols=True):
         rounds = args.rounds or (3 if device.type == 'cpu' else 20)
-        path = os.path.join(args.out, 'dense', f'{device.type}-{comparison}-{size[0]}x{size[1]}-r{rounds}-fast.json')
+        path = os.path.join(args.out, 'dense',
+                            f'{device.type}-{comparison}-{size[0]}x{size[1]}-r{rounds}-fast.json')
         if not os.path.exists(path):  # a finished point is kept; a rerun times only what is missing
             row = dense_point(comparison, size, device, rounds)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -455,32 +477,36 @@ def cmd_speed_dense(args):
                 json.dump(row, f)
         with open(path) as f:
             rows.append(json.load(f))
-    cpu = subprocess.run(['sh', '-c', "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
-                         text=True).stdout.strip() or 'unknown CPU'
+    cpu = subprocess.run(['sh', '-c', "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
+                         capture_output=True, text=True).stdout.strip() or 'unknown CPU'
     print('\nBackbone forward, batch 1, fp32, eval + inference_mode; InLine through the fast core, softmax '
           f'through SDPA; time = median of {rounds} interleaved rounds, speed-up = median of per-round '
           'ratios. Peak: CPU, the rise of peak RSS over one forward in a fresh process; CUDA, '
           f'max_memory_allocated above the model. CPU: {cpu}, {torch.get_num_threads()} threads.\n')
     mb = lambda v: '—' if v is None else f'{v:.0f}'  # noqa: E731  (None: the forward did not fit)
-    print_table(['backbone', 'image', 'device', 'softmax ms', 'InLine ms', 'InLine speed-up', 'softmax peak MiB',
-                 'InLine peak MiB'],
+    print_table(['backbone', 'image', 'device', 'softmax ms', 'InLine ms', 'InLine speed-up',
+                 'softmax peak MiB', 'InLine peak MiB'],
                 [[r['comparison'], '{}×{}'.format(*r['size']), r['device'], f"{r['softmax_ms']:.0f}",
-                  f"{r['inline_ms']:.0f}", f"{r['speedup']:.2f}x", mb(r['softmax_mb']), mb(r['inline_mb'])] for r in rows])
+                  f"{r['inline_ms']:.0f}", f"{r['speedup']:.2f}x", mb(r['softmax_mb']),
+                  mb(r['inline_mb'])] for r in rows])
     pixels = [h * w for h, w in DENSE_SIZES]
     labels = [f'{h * w / 1e6:.2f}' for h, w in DENSE_SIZES]
     panels = []
     for key, ylabel in (('ms', 'forward ms (batch 1)'), ('mb', 'peak MiB of the forward')):
-        series = [(f"{c} {kind}{'' if dev == 'cpu' else ' ' + dev}", [h * w for h, w in (r['size'] for r in sel)],
-                   [r[f'{kind.lower()}_{key}'] for r in sel], None)
-                  for dev in dict.fromkeys(r['device'] for r in rows) for c in DENSE for kind in ('softmax', 'InLine')
+        series = [(f"{c} {kind}{'' if dev == 'cpu' else ' ' + dev}",
+                   [h * w for h, w in (r['size'] for r in sel)], [r[f'{kind.lower()}_{key}'] for r in sel],
+                   None)
+                  for dev in dict.fromkeys(r['device'] for r in rows) for c in DENSE
+                  for kind in ('softmax', 'InLine')
                   for sel in [[r for r in rows if (r['comparison'], r['device']) == (c, dev)
                                and r[f'{kind.lower()}_{key}'] is not None]] if sel]
-        panels.append(dict(series=series, xlabel='megapixels: ' + ', '.join(f'{h}x{w}' for h, w in DENSE_SIZES),
-                           log_x=True, ylabel=ylabel, xticks=pixels,
-                           xlabels=labels, title="Backbone "
+        panels.append(dict(series=series,
+                           xlabel='megapixels: ' + ', '.join(f'{h}x{w}' for h, w in DENSE_SIZES), log_x=True,
+                           ylabel=ylabel, xticks=pixels, xlabels=labels, title="Backbone "
                                                  f"{'forward time' if key == 'ms' else 'peak memory'}, "
                                                  "softmax vs InLine"))
-    charts(args.png or os.path.join(args.out, 'dense.png'), panels, cols=1, size=(820, 400))  # legend: one row
+    # legend: one row
+    charts(args.png or os.path.join(args.out, 'dense.png'), panels, cols=1, size=(820, 400))
     return rows
 
 

@@ -21,8 +21,10 @@ from paper.runs import unpack_correct
 # table, no scipy); Holm's adjustment over a table's family
 
 MARGIN = 1.0  # top-1 points: TOST's tie margin, and the effect the claim rows' seeds are chosen to detect
-PAPER_TIE = 0.2  # the paper's own ties: rows 0.2 or less apart, as it reads T10 (82.4, 82.5) and T4 (82.3, 82.4)
-ALPHA, POWER = 0.05, 0.8  # every test's level (two-sided; TOST 2.5% a side) and the power seeds are chosen for
+# the paper's own ties: rows 0.2 or less apart, as it reads T10 (82.4, 82.5) and T4 (82.3, 82.4)
+PAPER_TIE = 0.2
+# every test's level (two-sided; TOST 2.5% a side) and the power seeds are chosen for
+ALPHA, POWER = 0.05, 0.8
 WORDS = ('reproduced', 'contradicted', 'not resolved')
 
 
@@ -86,7 +88,8 @@ def image_term(images):
     n, M = d.shape
     by_image = d.mean(0)  # (M,)
     ms_image = n * by_image.var().item()
-    ms_residual = (d - d.mean(1, keepdim=True) - by_image + d.mean()).pow(2).sum().item() / ((n - 1) * (M - 1))
+    ms_residual = (d - d.mean(1, keepdim=True) - by_image
+                   + d.mean()).pow(2).sum().item() / ((n - 1) * (M - 1))
     return (max(0.0, ms_image - ms_residual) / (n * M),
             (ms_image ** 2 / (M - 1) + ms_residual ** 2 / ((n - 1) * (M - 1))) / (n * M) ** 2)
 
@@ -233,4 +236,5 @@ def matched(a, b):
     diffs = [a.top1[s] - b.top1[s] for s in seeds]
     if not seeds or any(a.correct[s] is None or b.correct[s] is None for s in seeds):
         return seeds, diffs, None
-    return seeds, diffs, torch.stack([a.correct[s].to(torch.int8) - b.correct[s].to(torch.int8) for s in seeds])
+    return seeds, diffs, torch.stack([a.correct[s].to(torch.int8) - b.correct[s].to(torch.int8)
+                                      for s in seeds])

@@ -39,7 +39,8 @@ def tiny_experiment(name, **extra):
     """An experiment at its real 224 px (so its windows tile as in the paper) but a few channels wide."""
     e = registry.EXPERIMENTS[name]
     family = e.model.split('_')[1]
-    small = {'deit': dict(embed_dim=24, depth=2), 'pvt': dict(embed_dims=(8, 16, 40, 64), depths=(1, 1, 1, 1)),
+    small = {'deit': dict(embed_dim=24, depth=2),
+             'pvt': dict(embed_dims=(8, 16, 40, 64), depths=(1, 1, 1, 1)),
              'swin': dict(embed_dim=8, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8)),
              'cswin': dict(embed_dim=8, depths=(1, 2, 2, 1))}[family]
     return registry.create_experiment(name, num_classes=3, **small, **extra)
@@ -67,13 +68,15 @@ def test_experiment_registry_matches_the_spec():
     assert model.ape and model.window == 7 and model.layers[0].blocks[1].shift
     assert 'InLine windows 7 (shifted on odd blocks' in registry.describe(model)
     assert models.create_model('inline_deit_t', img_size=32, embed_dim=16, depth=1, num_heads=2,
-                               layout='S').arch == dict(img_size=32, embed_dim=16, depth=1, num_heads=2, layout='S')
+                               layout='S').arch == dict(img_size=32, embed_dim=16, depth=1, num_heads=2,
+                                                        layout='S')
 
 
 def test_experiment_switches_reject_bad_input():
     with pytest.raises(ValueError, match=r"unknown experiment 't9_nothing'; choose one of t3_linear_relu, "):
         registry.create_experiment('t9_nothing')
-    with pytest.raises(ValueError, match=r"InLine window 5 does not tile stage 1 \(56x56 tokens at 224x224 px\); "
+    with pytest.raises(ValueError,
+                       match=r"InLine window 5 does not tile stage 1 \(56x56 tokens at 224x224 px\); "
                                          r"windows that tile it: \[1, 2, 4, 7, 8, 14, 28, 56\]"):
         meta_model('inline_swin_t', window=5)
     with pytest.raises(ValueError, match=r"dilation must be a whole number >= 1"):
@@ -89,16 +92,20 @@ def test_experiment_switches_reject_bad_input():
         meta_model('inline_deit_t', layout='M')
     with pytest.raises(ValueError, match=r"layout 'IIMI2': need 4 letters from I L S"):
         meta_model('inline_pvt_t', layout='IIMI2')
-    with pytest.raises(ValueError, match=r"needs a non-negative kernel .* got 'leakyrelu'; pass allow_divergent=True"):
+    with pytest.raises(ValueError,
+                       match=r"needs a non-negative kernel .* got 'leakyrelu'; pass allow_divergent=True"):
         meta_model('inline_swin_t', layout='LLLS', kernel='leakyrelu')
     assert meta_model('inline_swin_t', layout='LLLS', kernel='relu_affine')  # T3's 70.2 row: allowed
-    with pytest.raises(ValueError, match=r"unknown residual 'global'; choose one of \['local', 'plain', 'none'\]"):
+    with pytest.raises(ValueError,
+                       match=r"unknown residual 'global'; choose one of \['local', 'plain', 'none'\]"):
         meta_model('inline_swin_t', residual='global')
     with pytest.raises(ValueError, match=r"window and ape are InLine-Swin's options"):
         meta_model('inline_deit_t', window=7)
-    with pytest.raises(ValueError, match=r"normalise_q takes the letters .* of \['I'\] in this layout .* got 'S'"):
+    with pytest.raises(ValueError,
+                       match=r"normalise_q takes the letters .* of \['I'\] in this layout .* got 'S'"):
         meta_model('inline_deit_t', normalise_q='S')  # layout I: no softmax block to normalise
-    with pytest.raises(ValueError, match=r"of \['I'\] in this layout .*nor CSwin's stripe softmax\), got 'IS'"):
+    with pytest.raises(ValueError,
+                       match=r"of \['I'\] in this layout .*nor CSwin's stripe softmax\), got 'IS'"):
         meta_model('inline_cswin_t', normalise_q='IS')
     with pytest.raises(ValueError, match=r"not 'L': division cancels q's length already\), got 'L'"):
         meta_model('inline_swin_t', layout='LLLS', normalise_q='L')
@@ -146,8 +153,8 @@ def test_recipe_a_new_experiment_by_name(monkeypatch):
     monkeypatch.setattr(registry, 'EXPERIMENTS', dict(registry.EXPERIMENTS))
     monkeypatch.setattr(runs, 'EXPERIMENTS', registry.EXPERIMENTS)
     monkeypatch.setattr(ablations, 'EXPERIMENTS', registry.EXPERIMENTS)
-    registry.experiment('r_local5', 'inline_swin_t', dict(local_size=5), 'R-res', None, "Eq. 6 over 5x5 neighbours",
-                        ours=True)
+    registry.experiment('r_local5', 'inline_swin_t', dict(local_size=5), 'R-res', None,
+                        "Eq. 6 over 5x5 neighbours", ours=True)
     assert registry.create_experiment('r_local5', img_size=64).options['local_size'] == 5
     args = runs.train_args(['r_local5'])
     assert args.model == 'inline_swin_t' and train.model_kwargs(args) == dict(local_size=5)
@@ -192,13 +199,15 @@ def test_recall_models_run_the_reference_function():
     do not."""
     torch.manual_seed(0)
     x, _ = recall.mqar_batch(3, 4, 12, torch.Generator().manual_seed(0))
-    for name in ('InLine s/i', 'InLine 1+elu s', 'InLine s/i q-norm', 'linear 1+elu', 'floor phi=0', 'InLine s + Eq. 6'):
+    for name in ('InLine s/i', 'InLine 1+elu s', 'InLine s/i q-norm', 'linear 1+elu', 'floor phi=0',
+                 'InLine s + Eq. 6'):
         model = recall.RecallLM(name, 16, 12).double()
         cores = [m for m in model.modules() if hasattr(m, 'core')]
         assert len(cores) == 2 and all(m.causal for m in cores)
         assert all(m.scale_by_count == recall.RECALL_MODELS[name].get('scale_by_count', True) for m in cores)
         logits = model(x)
-        torch.testing.assert_close(model(x, 4), logits[:, -4:], rtol=0, atol=1e-12)  # the head at the answers only
+        # the head at the answers only
+        torch.testing.assert_close(model(x, 4), logits[:, -4:], rtol=0, atol=1e-12)
         for m in cores:
             m.core = inline.inline_core
         torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
@@ -218,13 +227,15 @@ def test_recall_softmax_adds_causal_eq6_token_by_token():
     before the start) to softmax's output, r from the prefix mean; token i's output does not move when a later
     token does."""
     torch.manual_seed(0)
-    plain, shifted = recall.CausalSoftmax(16, 2).double(), recall.CausalSoftmax(16, 2, residual='local').double()
+    plain, shifted = recall.CausalSoftmax(16,
+                                          2).double(), recall.CausalSoftmax(16, 2, residual='local').double()
     shifted.qkv.load_state_dict(plain.qkv.state_dict())
     shifted.proj.load_state_dict(plain.proj.state_dict())
     x = torch.randn(3, 7, 16, dtype=torch.float64)
     v = plain.qkv(x).chunk(3, -1)[2]  # (B, N, C), channel c = head*D + j
     r = inline.residual_weights(shifted.residual, x, causal=True).reshape(3, 7, 16, 3)  # (B, N, C, taps)
-    eq6 = torch.stack([sum(r[:, i, :, t] * v[:, i - 2 + t] for t in range(3) if i - 2 + t >= 0) for i in range(7)], 1)
+    eq6 = torch.stack([sum(r[:, i, :, t] * v[:, i - 2 + t] for t in range(3) if i - 2 + t >= 0)
+                       for i in range(7)], 1)
     expected = plain(x) + eq6 @ plain.proj.weight.T  # proj is linear: its bias is in plain(x) already
     torch.testing.assert_close(shifted(x), expected)
     later = x.clone()
@@ -232,20 +243,23 @@ def test_recall_softmax_adds_causal_eq6_token_by_token():
     torch.testing.assert_close(shifted(later)[:, :4], shifted(x)[:, :4])
 
 
-def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only_the_rest(tmp_path, monkeypatch,
+def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only_the_rest(tmp_path,
+                                                                                          monkeypatch,
                                                                                          capsys):
     """Seed 0 at every learning rate, then seed 1 at the one that recalled most on the held-out sequences; a
     rerun trains only what is missing, a run another command has claimed is left to it, and --no-train trains
     nothing."""
-    results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes', '8x2x6',
-                                                     '--out', str(tmp_path)]
+    results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes',
+                                                     '8x2x6', '--out', str(tmp_path)]
     threads = torch.get_num_threads()
     recorded = cli.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i'])
     assert torch.get_num_threads() == threads  # --threads 1 held for the training only
     with open(results) as f:
-        assert len(f.readlines()) == 2 * (len(recall.RECALL_LRS) + 1)  # 2 models x (3 learning rates + seed 1)
+        # 2 models x (3 learning rates + seed 1)
+        assert len(f.readlines()) == 2 * (len(recall.RECALL_LRS) + 1)
     for r in recorded.values():  # the right test answers kept, 1024 sequences x 2 pairs, are the recall
-        assert 100 * runs.unpack_correct(r['correct'], 1024 * 2).double().mean().item() == pytest.approx(r['recall'],
+        assert 100 * runs.unpack_correct(r['correct'],
+                                         1024 * 2).double().mean().item() == pytest.approx(r['recall'],
                                                                                                            abs=0.01)
     for name in ('softmax', 'InLine s/i'):
         best = max((r for r in recorded.values() if r['model'] == name and r['seed'] == 0),
@@ -256,7 +270,8 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
     monkeypatch.setattr(recall, 'recall_run', lambda *run: trained.append(run) or real(*run))
     # another command holds the first run and gives it up unfinished after 2 s: it is left, waited for, then
     # trained
-    claimed = recall.recall_claim(str(tmp_path), recall.recall_key('linear 1+elu', 8, 2, 6, 0, recall.RECALL_LRS[0], 3))
+    claimed = recall.recall_claim(str(tmp_path),
+                                  recall.recall_key('linear 1+elu', 8, 2, 6, 0, recall.RECALL_LRS[0], 3))
     threading.Timer(2.0, os.close, (claimed,)).start()
     cli.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i', 'linear 1+elu'])
     assert {run[0] for run in trained} == {'linear 1+elu'} and [run[4] for run in trained] == [0, 0, 0, 1]
@@ -281,28 +296,30 @@ def test_recall_comparisons_are_untestable_under_the_floor_or_the_guess(tmp_path
     first. The models with Eq. 6 are compared among themselves, gated by the floor with Eq. 6: the same
     softmax numbers are untestable there, where that floor sits at 58%."""
     width, pairs, tokens, steps = 16, 4, 12, 7
-    scores = {'softmax': [99.0, 98.5, 99.5], 'softmax q-norm': [60.0, 58.0, 61.0], 'floor phi=0': [27.0, 26.5, 27.5],
-              'InLine s/i': [27.2, 26.8, 27.1], 'InLine s/i q-norm': [26.9, 27.3, 27.0],
-              'softmax + Eq. 6': [99.0, 98.5, 99.5], 'softmax q-norm + Eq. 6': [60.0, 58.0, 61.0],
-              'floor phi=0 + Eq. 6': [58.0, 58.0, 58.0]}
+    scores = {'softmax': [99.0, 98.5, 99.5], 'softmax q-norm': [60.0, 58.0, 61.0],
+              'floor phi=0': [27.0, 26.5, 27.5], 'InLine s/i': [27.2, 26.8, 27.1],
+              'InLine s/i q-norm': [26.9, 27.3, 27.0], 'softmax + Eq. 6': [99.0, 98.5, 99.5],
+              'softmax q-norm + Eq. 6': [60.0, 58.0, 61.0], 'floor phi=0 + Eq. 6': [58.0, 58.0, 58.0]}
     path = tmp_path / 'recall.jsonl'
     for name, values in scores.items():
         for lr in recall.RECALL_LRS:
             runs.append_record(str(path), dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=0,
                                                 steps=steps, batch=recall.RECALL_BATCH, lr=lr, cpu_s=1.0,
-                                                valid=values[0] + (lr == recall.RECALL_LRS[1]), recall=values[0]))
+                                                valid=values[0] + (lr == recall.RECALL_LRS[1]),
+                                                recall=values[0]))
         for seed, value in enumerate(values[1:], 1):
             runs.append_record(str(path), dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed,
-                                                steps=steps, batch=recall.RECALL_BATCH, lr=recall.RECALL_LRS[1],
-                                                cpu_s=1.0, valid=0.0, recall=value))
-    cli.main(['recall', '--no-train', '--results', str(path), '--steps', str(steps), '--seeds', '3', '--sizes',
+                                                steps=steps, batch=recall.RECALL_BATCH,
+                                                lr=recall.RECALL_LRS[1], cpu_s=1.0, valid=0.0, recall=value))
+    cli.main(['recall', '--no-train', '--results', str(path), '--steps', str(steps), '--seeds', '3',
+              '--sizes',
                 f'{width}x{pairs}x{tokens}', '--models', *scores, '--out', str(tmp_path)])
     out = capsys.readouterr().out
     assert '| injectivity within softmax | 16 / 4 / 12 | 59.7 | 99.0 | +39.3 ± ' in out
     assert '| reproduced | reproduced |' in out
     assert '| injectivity within InLine | 16 / 4 / 12 | 27.1 | 27.0 | ' in out and '| untestable | untestable |' in out
-    assert re.search(r'\| injectivity within softmax \+ Eq. 6 \| 16 / 4 / 12 \| 59.7 \| 99.0 \| .* \| untestable \| untestable \|',
-                     out)  # 59.7 < 58 + RECALL_GATE
+    assert re.search(r'\| injectivity within softmax \+ Eq. 6 \| 16 / 4 / 12 \| 59.7 \| 99.0 \| .* \| '
+                     r'untestable \| untestable \|', out)  # 59.7 < 58 + RECALL_GATE
 
 
 def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
@@ -321,13 +338,16 @@ def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
         for seed in range(3):
             for lr in recall.RECALL_LRS if seed == 0 else recall.RECALL_LRS[:1]:
                 runs.append_record(path, dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed,
-                                               steps=steps, batch=recall.RECALL_BATCH, lr=lr, cpu_s=1.0, valid=50.0,
-                                               recall=100 * bits.double().mean().item(),
+                                               steps=steps, batch=recall.RECALL_BATCH, lr=lr, cpu_s=1.0,
+                                               valid=50.0, recall=100 * bits.double().mean().item(),
                                                correct=runs.pack_correct(bits)))
     cli.main(['recall', '--no-train', '--results', path, '--steps', str(steps), '--seeds', '3', '--sizes',
-                f'{width}x{pairs}x{tokens}', '--models', 'InLine s/i q-norm', 'InLine s/i', '--out', str(tmp_path)])
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith('| injectivity within InLine |'))
-    d = 100 * (b.view(1024, pairs).double().mean(1) - a.view(1024, pairs).double().mean(1))  # per test sequence
+                f'{width}x{pairs}x{tokens}', '--models', 'InLine s/i q-norm', 'InLine s/i', '--out',
+                str(tmp_path)])
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith('| injectivity within InLine |'))
+    # per test sequence
+    d = 100 * (b.view(1024, pairs).double().mean(1) - a.view(1024, pairs).double().mean(1))
     half = 1.962339 * d.std().item() / 1024 ** 0.5  # t(0.975, 1023)
     assert 1.0 < half < 5.0 and f'| {d.mean().item():+.1f} ± {half:.1f} |' in row
 
@@ -335,7 +355,8 @@ def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
 def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys):
     """RESULTS.md's claim tables are what `python -m paper ablations --claims --no-train` prints from
     results/runs.jsonl, line for line: the evidence cannot drift from its records."""
-    cli.main(['ablations', '--claims', '--no-train', '--out', str(tmp_path), '--png', str(tmp_path / 'a.png')])
+    cli.main(['ablations', '--claims', '--no-train', '--out', str(tmp_path), '--png',
+              str(tmp_path / 'a.png')])
     tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
         results = f.read().splitlines()
@@ -394,8 +415,8 @@ def test_paper_injectivity_finds_identical_rows_for_linear_only(tmp_path):
 def tiny_deit_checkpoint(path, layout='I', **overrides):
     """A train.py-format checkpoint of an untrained tiny DeiT: 64 px, 8 px patches, an 8x8 grid, 2 blocks."""
     torch.manual_seed(0)
-    model = models.create_model('inline_deit_t', img_size=64, patch_size=8, depth=2, embed_dim=32, num_heads=1,
-                                num_classes=10, layout=layout, **overrides)
+    model = models.create_model('inline_deit_t', img_size=64, patch_size=8, depth=2, embed_dim=32,
+                                num_heads=1, num_classes=10, layout=layout, **overrides)
     torch.save({'model': model.state_dict(), 'arch': model.arch, 'args': {'model': 'inline_deit_t'}}, path)
     return str(path)
 
@@ -407,7 +428,8 @@ def test_paper_locality_of_known_patterns_equals_the_hand_count():
     itself (the grid renormalised: own 1); half on itself and half two columns away, outside its 3x3 (own 0.5
     or 1)."""
     torch.manual_seed(0)
-    model = models.create_model('inline_deit_t', img_size=64, depth=4, embed_dim=32, num_heads=2, num_classes=10)
+    model = models.create_model('inline_deit_t', img_size=64, depth=4, embed_dim=32, num_heads=2,
+                                num_classes=10)
     N = 17
 
     def pattern(kind):
@@ -432,7 +454,8 @@ def test_paper_locality_of_known_patterns_equals_the_hand_count():
         block.attn.weights = pattern(kind)
     got = [{k: v.tolist() for k, v in figures.weight_shares(w, model.grid).items()}
            for w in figures.attention_weights(model.eval(), torch.randn(2, 3, 64, 64))]
-    expected = [dict(own=1.0, near=0.0, **{'class': 0.0}), dict(own=1 / 16, near=5.25 / 16, **{'class': 1 / 17}),
+    expected = [dict(own=1.0, near=0.0, **{'class': 0.0}),
+                dict(own=1 / 16, near=5.25 / 16, **{'class': 1 / 17}),
                 dict(own=1.0, near=0.0, **{'class': 0.5}), dict(own=0.75, near=0.0, **{'class': 0.0})]
     for layer, want in zip(got, expected):
         for key, value in want.items():
@@ -472,9 +495,12 @@ def test_paper_locality_and_maps_commands(tmp_path):
         assert layer['class'].tolist() == pytest.approx([1 / 65], abs=2e-3) and layer['eq6'].tolist() == [0.0]
     assert all((layer['eq6'] > 0).all() for layer in results['InLine'][0])
     assert_png(tmp_path / 'locality.png', (500, 300))
-    rows = cli.main(['maps', '--checkpoints', f'softmax={softmax}', f'InLine={ours}', '--queries', '0,0', '7,7',
+    rows = cli.main(['maps', '--checkpoints', f'softmax={softmax}', f'InLine={ours}', '--queries', '0,0',
+                     '7,7',
                        '--out', str(tmp_path)])
-    assert [label for label, _ in rows] == ['softmax, layer 1', 'softmax, layer 2', 'InLine, layer 1', 'InLine, layer 2']
+    assert [label
+            for label, _ in rows] == ['softmax, layer 1', 'softmax, layer 2', 'InLine, layer 1',
+                                      'InLine, layer 2']
     assert_png(tmp_path / 'maps.png', (400, 500))
 
 
@@ -483,8 +509,10 @@ def test_paper_locality_keeps_its_measurements_beside_the_records(tmp_path, monk
     with the checkpoint gone the same table comes back from the file; a checkpoint that is neither here nor
     measured is a clear error."""
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
-    monkeypatch.setattr(figures, 'checkpoints', lambda args, seeds=1: {'InLine': [('run-0', ours), ('run-1', ours)]})
-    argv = ['locality', '--images', '4', '--out', str(tmp_path), '--results', str(tmp_path / 'r' / 'runs.jsonl')]
+    monkeypatch.setattr(figures, 'checkpoints', lambda args,
+                        seeds=1: {'InLine': [('run-0', ours), ('run-1', ours)]})
+    argv = ['locality', '--images', '4', '--out', str(tmp_path), '--results',
+            str(tmp_path / 'r' / 'runs.jsonl')]
     first, _ = cli.main(argv)
     assert sorted(first) == ['InLine', 'InLine, untrained'] and len(first['InLine']) == 2
     os.remove(ours)
@@ -515,18 +543,22 @@ def test_paper_measures_on_the_data_a_checkpoint_was_trained_on(tmp_path):
 def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt')
     (tmp_path / 'broken.png').write_bytes(b'not an image')
-    swin = models.create_model('inline_swin_t', img_size=64, embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
-                               num_classes=10)
-    torch.save({'model': swin.state_dict(), 'arch': swin.arch, 'args': {'model': 'inline_swin_t'}}, tmp_path / 'swin.pt')
+    swin = models.create_model('inline_swin_t', img_size=64, embed_dim=32, depths=(1, 1, 1, 1),
+                               num_heads=(1, 1, 1, 1), num_classes=10)
+    torch.save({'model': swin.state_dict(), 'arch': swin.arch, 'args': {'model': 'inline_swin_t'}},
+               tmp_path / 'swin.pt')
     torch.save({'weights': 1}, tmp_path / 'other.pt')
     for argv, message in [
-            (['maps', '--checkpoints', ours, '--image', str(tmp_path / 'broken.png')], 'cannot read image .*broken.png'),
+            (['maps', '--checkpoints', ours, '--image', str(tmp_path / 'broken.png')],
+             'cannot read image .*broken.png'),
             (['locality', '--checkpoints', str(tmp_path / 'swin.pt')], 'needs an isotropic DeiT'),
-            (['locality', '--checkpoints', str(tmp_path / 'other.pt')], 'not a checkpoint written by train.py'),
+            (['locality', '--checkpoints', str(tmp_path / 'other.pt')],
+             'not a checkpoint written by train.py'),
             (['locality', '--checkpoints', str(tmp_path / 'none.pt')], 'no checkpoint at'),
             (['maps', '--checkpoints', ours, '--queries', '8,0'], '--queries must lie on the 8x8 token grid'),
             (['ablations', '--only', 'no_such_experiment', '--dataset', 'synthetic'], 'unknown experiments'),
-            (['ablations', '--data-path', str(tmp_path / 'nothing')], 'no fashion_mnist files in .*apt-get install '
+            (['ablations', '--data-path', str(tmp_path / 'nothing')],
+             'no fashion_mnist files in .*apt-get install '
                                                                       'dataset-fashion-mnist.*--download')]:
         with pytest.raises(SystemExit):
             cli.main(argv + ['--out', str(tmp_path)])
@@ -537,10 +569,12 @@ def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, caps
     """The speed command on tiny DeiTs (the real points are minutes each on a CPU): one row per point, dtype
     and device, cached; and a softmax that builds its N x N weights explicitly is refused."""
     tiny = dict(depth=1, embed_dim=32, num_heads=1, num_classes=10)
-    monkeypatch.setattr(speed, 'SPEED', {'F5b': ('window', (32,), {}), 'F5c': ('image size', (32, 64), {64: 2.0})})
+    monkeypatch.setattr(speed, 'SPEED',
+                        {'F5b': ('window', (32,), {}), 'F5c': ('image size', (32, 64), {64: 2.0})})
     monkeypatch.setattr(speed, 'speed_models', lambda figure, point, device: [
         models.create_model('inline_deit_t', img_size=point, layout=c, **tiny).eval() for c in 'SI'])
-    monkeypatch.setattr(speed, 'speed_point', lambda *a, real=speed.speed_point, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(speed, 'speed_point', lambda *a, real=speed.speed_point,
+                        **k: calls.append(a) or real(*a, **k))
     calls = []
     rows = cli.main(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
     assert [(r['figure'], r['point'], r['dtype']) for r in rows] == [
@@ -590,7 +624,8 @@ def test_paper_dense_peak_rss_sees_what_a_forward_allocates():
 def fake_run(path, accs, epochs):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
-        f.writelines(json.dumps({'epoch': e + 1, 'val_acc1': acc}) + '\n' for e, acc in enumerate(accs[:epochs]))
+        f.writelines(json.dumps({'epoch': e + 1, 'val_acc1': acc}) + '\n'
+                     for e, acc in enumerate(accs[:epochs]))
 
 
 class FakeTrain:
@@ -609,7 +644,8 @@ class FakeTrain:
 def fake_record(run, acc):
     """A finished run's record, as train_runs writes it."""
     return dict(run._asdict(), argv=['paper', 'train', *run.argv], state='done', cpu_min=1.0, wall_min=1.0,
-                epochs=[{'epoch': run.recipe['epochs'], 'val_acc1': acc}], machine={'cpu': 'test'}, finished='')
+                epochs=[{'epoch': run.recipe['epochs'], 'val_acc1': acc}], machine={'cpu': 'test'},
+                finished='')
 
 
 def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch, capsys):
@@ -623,16 +659,19 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     chosen['floor_deit'] = ablations.experiments()['floor_deit']  # --only adds the family's floor: the gate
     monkeypatch.setattr(ablations, 'experiments', lambda dataset=None: chosen)
     results = str(tmp_path / 'runs.jsonl')
-    args = ['ablations', '--only', *list(chosen)[:2], '--seeds', 'T1=3', '--epochs', '2', '--train-images', '64',
-            '--jobs', '1',
+    args = ['ablations', '--only', *list(chosen)[:2], '--seeds', 'T1=3', '--epochs', '2', '--train-images',
+            '64', '--jobs', '1',
             '--data-path', str(tmp_path / 'fm'), '--out', str(tmp_path), '--results', results]
     fake = FakeTrain()
     monkeypatch.setattr(runs.subprocess, 'Popen', fake)
-    ns = argparse.Namespace(epochs=2, train_images=64, dataset='fashion_mnist', data_path=str(tmp_path / 'fm'),
-                            device='cpu')
+    ns = argparse.Namespace(epochs=2, train_images=64, dataset='fashion_mnist',
+                            data_path=str(tmp_path / 'fm'), device='cpu')
     for seed, acc in ((0, 70.0), (1, 72.0), (2, 71.0)):  # softmax and the floor: every seed has its record
-        runs.append_record(results, fake_record(ablations.make_run('t1_softmax', chosen['t1_softmax'], seed, ns), acc))
-        runs.append_record(results, fake_record(ablations.make_run('floor_deit', chosen['floor_deit'], seed, ns), 50.0))
+        runs.append_record(results,
+                           fake_record(ablations.make_run('t1_softmax', chosen['t1_softmax'], seed, ns), acc))
+        runs.append_record(results,
+                           fake_record(ablations.make_run('floor_deit', chosen['floor_deit'], seed, ns),
+                                       50.0))
     configs, rows = cli.main(args)
     assert len(fake.launched) == 3 and all('t1_softmax_normalised_q' in a for a in fake.launched)
     argv0 = ablations.make_run('t1_softmax', chosen['t1_softmax'], 0, ns).argv
@@ -645,8 +684,9 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     # per-seed differences -10, -11, -9: mean -10, sd 1; half-width 4.303 / sqrt(3) = 2.48; MDE (4.303 +
     # 1.061) / sqrt(3) = 3.10; 10 seeds bring the MDE under 1 point; one comparison, so Holm's p is its own;
     # the fake runs keep no per-image results, so the interval is the seeds' only, and says so
-    assert rows == [['T1', 't1_softmax_normalised_q − t1_softmax', '70.6 / 69.9 vs 72.2', '-10.0 [-12.5, -7.5]',
-                     'seeds only', '3', '3.1', '10', rows[0][8], 'reproduced', 'reproduced']]
+    assert rows == [['T1', 't1_softmax_normalised_q − t1_softmax', '70.6 / 69.9 vs 72.2',
+                     '-10.0 [-12.5, -7.5]', 'seeds only', '3', '3.1', '10', rows[0][8], 'reproduced',
+                     'reproduced']]
     assert float(rows[0][8]) < 0.01
     records = runs.read_records(results)
     assert len(records) == 9
@@ -664,7 +704,8 @@ def test_paper_device_cuda_is_refused_without_a_gpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip('a GPU is here: test_paper_device_cuda_plans_the_converging_scale covers it')
     with pytest.raises(SystemExit):
-        cli.main(['ablations', '--quick', '--device', 'cuda', '--dataset', 'synthetic', '--out', str(tmp_path),
+        cli.main(['ablations', '--quick', '--device', 'cuda', '--dataset', 'synthetic', '--out',
+                  str(tmp_path),
                     '--results', str(tmp_path / 'runs.jsonl')])
     assert '--device cuda: torch sees no CUDA device' in capsys.readouterr().err
 
@@ -673,13 +714,15 @@ def test_paper_device_cuda_is_refused_without_a_gpu(tmp_path, capsys):
 def test_paper_device_cuda_plans_the_converging_scale():
     """On a GPU the same experiments get BUDGET['cuda']: every training image, epochs until flat, bf16, a
     validation every epoch; a recipe of its own, so its records never mix with the CPU's."""
-    ns = argparse.Namespace(epochs=None, train_images=None, device='cuda', dataset='fashion_mnist', data_path='x')
+    ns = argparse.Namespace(epochs=None, train_images=None, device='cuda', dataset='fashion_mnist',
+                            data_path='x')
     ablations.resolve_budget(ns)
     every = ablations.experiments()
     run = ablations.make_run('r_residual_local', every['r_residual_local'], 0, ns)
     assert (ns.train_images, ns.epochs) == (60_000, ablations.BUDGET['cuda']['epochs'])
     assert run.recipe['device'] == 'cuda' and run.recipe['val_every'] == 1 and '--amp' in run.argv
-    cpu = ablations.make_run('r_residual_local', every['r_residual_local'], 0, argparse.Namespace(**{**vars(ns), 'device': 'cpu'}))
+    cpu = ablations.make_run('r_residual_local', every['r_residual_local'], 0,
+                             argparse.Namespace(**{**vars(ns), 'device': 'cpu'}))
     assert cpu.key() != run.key()
 
 
@@ -695,11 +738,13 @@ def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch)
     monkeypatch.setattr(ablations, 'experiments', lambda dataset=None: chosen)
     offset = {'t1_softmax_normalised_q': (-4.0, -3.0, -2.0), 'inline_deit_t': (4.5, 3.25, 2.0)}
 
-    def acc(seed, argv):  # softmax (t1_softmax = s_deit_t) 70 at every seed; the others offset from it; the floor 60
+    # softmax (t1_softmax = s_deit_t) 70 at every seed; the others offset from it; the floor 60
+    def acc(seed, argv):
         name = argv[argv.index('train') + 1]  # python -m paper train NAME ...
         return 60.0 if "kernel='zero'" in argv else 70.0 + offset.get(name, (0.0, 0.0, 0.0))[seed]
     monkeypatch.setattr(runs.subprocess, 'Popen', FakeTrain(acc))
-    configs, rows = cli.main(['ablations', '--only', *chosen, '--seeds', '3', '--epochs', '2', '--train-images', '64',
+    configs, rows = cli.main(['ablations', '--only', *chosen, '--seeds', '3', '--epochs', '2',
+                              '--train-images', '64',
                                 '--jobs', '1', '--data-path', str(tmp_path / 'fm'), '--out', str(tmp_path),
                                 '--results', str(tmp_path / 'runs.jsonl')])
     assert [c[0] for c in configs] == ['t1_softmax = s_deit_t', 't1_softmax_normalised_q *', 'inline_deit_t',
@@ -708,7 +753,8 @@ def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch)
     assert [r[1] for r in rows] == ['t1_softmax_normalised_q − t1_softmax', 's_deit_t − inline_deit_t',
                                     'inline_deit_t − floor_deit']
     assert [float(r[8]) for r in rows[:2]] == pytest.approx([0.0352, 0.0459], abs=5e-4)
-    assert [(r[9], r[10]) for r in rows] == [('reproduced', 'not resolved')] * 2 + [('—', '—')]  # the gate: no claim
+    # the gate: no claim
+    assert [(r[9], r[10]) for r in rows] == [('reproduced', 'not resolved')] * 2 + [('—', '—')]
     # the MDE from the sd pooled over the three comparisons (sds 1, 1.25, 1.25; 2 degrees of freedom each)
     sd = math.sqrt((1 + 1.25 ** 2 + 1.25 ** 2) / 3)
     assert [r[6] for r in rows] == [f'{stats.mde(sd, 3):.1f}'] * 3
@@ -777,8 +823,10 @@ def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
     os.close(again)
 
     results = str(tmp_path / 'runs.jsonl')
-    planned = [runs.Run(f'x{i}', 'config', {'epochs': 1}, i, ['--epochs', '1', '--seed', str(i)]) for i in range(2)]
-    other = planned[0].folder(str(tmp_path))  # another command trains run 0: it holds the lock, then records it
+    planned = [runs.Run(f'x{i}', 'config', {'epochs': 1}, i, ['--epochs', '1', '--seed', str(i)])
+               for i in range(2)]
+    # another command trains run 0: it holds the lock, then records it
+    other = planned[0].folder(str(tmp_path))
     code = (f'import json, time, os; from paper import runs; fd = runs.lock_run({other!r}); open({other!r} + '
             f'"/held", "w").close(); time.sleep(2); runs.append_record({results!r}, '
             f'json.loads({json.dumps(json.dumps(fake_record(planned[0], 42.0)))}))')
@@ -801,13 +849,15 @@ def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
     accumulation)."""
     root = str(tmp_path / 'data')
     write_image_folder(root, {'train': 2, 'val': 1})
-    ns = argparse.Namespace(out=str(tmp_path), epochs=2, train_images=3, dataset='imagefolder', data_path=root,
-                            download=False, device='cpu')
+    ns = argparse.Namespace(out=str(tmp_path), epochs=2, train_images=3, dataset='imagefolder',
+                            data_path=root, download=False, device='cpu')
     ablations.resolve_data(ns)
-    run = train.Run(runs.train_args(ablations.make_run('inline_deit_t', ablations.experiments()['inline_deit_t'],
-                                                       0, ns).argv), world=1)
+    run = train.Run(runs.train_args(ablations.make_run('inline_deit_t',
+                                                       ablations.experiments()['inline_deit_t'], 0, ns).argv),
+                                                       world=1)
     with tempfile.TemporaryDirectory() as empty, contextlib.chdir(empty):
-        train.resolve(run)  # as train.main resolves it, in an empty folder (no runs/ of an earlier run resumed)
+        # as train.main resolves it, in an empty folder (no runs/ of an earlier run resumed)
+        train.resolve(run)
     a = run.args
     assert (a.dataset, a.train_subset, a.epochs, a.accum_steps, a.ema_decay) == ('imagefolder', 3, 2, 1, 0.0)
     assert {k: getattr(a, k) for k in train.SMALL if k not in ('epochs', 'warmup_epochs')} == {
@@ -845,8 +895,8 @@ def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, mo
     monkeypatch.setattr(ablations, 'experiments', lambda dataset=None: every)
     fake = FakeTrain()
     monkeypatch.setattr(runs.subprocess, 'Popen', fake)
-    common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--dataset', 'synthetic',
-              '--out', str(tmp_path), '--results', str(tmp_path / 'runs.jsonl')]
+    common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--dataset',
+              'synthetic', '--out', str(tmp_path), '--results', str(tmp_path / 'runs.jsonl')]
     cli.main(['ablations', '--only', 'r_residual_local', *common])
     assert len(fake.launched) == 1
     assert fake.launched[0][fake.launched[0].index('train') + 1] == 't4_window56_residual'
@@ -862,7 +912,8 @@ def test_paper_every_ablation_miniature_builds_and_runs():
     chosen = ablations.experiments()
     for name, e in chosen.items():
         size = ablations.MINI[ablations.family(e)][0]
-        model = models.create_model(e.model, img_size=size, num_classes=10, **{**e.overrides, **ablations.mini_kwargs(e)})
+        model = models.create_model(e.model, img_size=size, num_classes=10,
+                                    **{**e.overrides, **ablations.mini_kwargs(e)})
         assert model(torch.randn(1, 3, size, size)).shape == (1, 10), name
     keys = {name: ablations.config_key(e) for name, e in chosen.items()}
     assert keys['r_residual_local'] == keys['t10_kernel_identity'] == keys['inline_swin_t'] == keys['r_dilation1']
@@ -879,7 +930,8 @@ def test_paper_matched_row_has_eq6s_parameter_count_and_runs_of_its_own():
     r_residual_local's parameters, counted here, within 0.1%; it is compared with r_residual_local against the
     paper's -2.2, and a different model from r_residual_none, so it never shares that row's runs."""
     every = ablations.experiments()
-    matched, local, none = (every[n] for n in ('r_residual_none_matched', 'r_residual_local', 'r_residual_none'))
+    matched, local, none = (every[n]
+                            for n in ('r_residual_none_matched', 'r_residual_local', 'r_residual_none'))
     counts = {}
     for name, e in (('matched', matched), ('local', local), ('none', none)):
         model = ablations.miniature(e)
@@ -914,8 +966,8 @@ def test_t_distribution_against_published_values():
     """Quantiles from the published t table (3 decimals) and CDF values in closed form: df = 1 is Cauchy's,
     1/2 + atan(t)/pi; df = 2 is 1/2 + t / (2 sqrt(2 + t^2))."""
     for p, df, table in ((0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 4, 2.776), (0.975, 10, 2.228),
-                         (0.975, 30, 2.042), (0.8, 2, 1.061), (0.8, 4, 0.941), (0.8, 9, 0.883), (0.9, 20, 1.325),
-                         (0.995, 5, 4.032), (0.95, 5, 2.015)):
+                         (0.975, 30, 2.042), (0.8, 2, 1.061), (0.8, 4, 0.941), (0.8, 9, 0.883),
+                         (0.9, 20, 1.325), (0.995, 5, 4.032), (0.95, 5, 2.015)):
         assert round(stats.t_quantile(p, df), 3) == table, (p, df)
         assert stats.t_quantile(1 - p, df) == pytest.approx(-table, abs=1e-3)
     for t in (-3.0, -0.5, 0.0, 1.0, 2.0, 7.5):
@@ -924,12 +976,14 @@ def test_t_distribution_against_published_values():
     assert stats.t_cdf(1.959964, 10 ** 6) == pytest.approx(0.975, abs=1e-5)  # the normal's, in the limit
 
 
-@pytest.mark.parametrize('diffs,paper_diff,expected', [  # per-seed differences (row minus reference), the paper's
+# per-seed differences (row minus reference), the paper's
+@pytest.mark.parametrize('diffs,paper_diff,expected', [
     ([-10, -9, -11], -1.6, 'reproduced'),  # lower here and in the paper: the interval excludes 0 on its side
     ([10, 9, 11], -1.6, 'contradicted'),
     ([-1, 1, 0.5], -1.6, 'not resolved'),  # the interval holds 0
     ([1, 1.1, 0.9], 1.0, 'reproduced'),  # mean 1.0, sd 0.1, 3 seeds: +-0.25
-    ([0.5, 2.0, 0.1], 1.0, 'not resolved'),  # the same sign on every seed, but +-2.5 at 3 seeds (t = 4.30, not 2)
+    # the same sign on every seed, but +-2.5 at 3 seeds (t = 4.30, not 2)
+    ([0.5, 2.0, 0.1], 1.0, 'not resolved'),
     ([1, 1, 1], 2.4, 'reproduced'),  # the seeds spread top-1 widely, yet each gains 1: paired
     ([-60, -58, -63], float('-inf'), 'reproduced'),  # 'does not converge' against a number
     ([0.1, -0.1, 0.0, 0.2, -0.2], 0.1, 'reproduced'),  # a paper tie: TOST, the whole interval within +-MARGIN
@@ -971,7 +1025,8 @@ def test_paper_interval_mde_and_seeds_for_power():
     assert df == 3 and sd == pytest.approx(math.sqrt((2 * 1 + 1 * 2) / 3))
     assert stats.pooled_sd([[1.0], []]) == (None, 0)
     assert stats.mde(1.0, 3) == pytest.approx((4.303 + 1.061) / math.sqrt(3), abs=1e-3)
-    assert stats.mde(2.0, 5, image_var=0.3) == pytest.approx((2.776 + 0.941) * math.sqrt(4 / 5 + 0.3), abs=1e-3)
+    assert stats.mde(2.0, 5,
+                     image_var=0.3) == pytest.approx((2.776 + 0.941) * math.sqrt(4 / 5 + 0.3), abs=1e-3)
     # sd 1: (t_0.975,8 + t_0.8,8) / 3 = (2.306 + 0.889) / 3 = 1.065; (2.262 + 0.883) / sqrt(10) = 0.995
     assert stats.seeds_for(1.0) == 10
     # the test set's term does not shrink with seeds: 0.2 points² alone holds the MDE over (1.96 + 0.84) 0.447
@@ -990,7 +1045,8 @@ def summary_record(seed, acc, correct=None, state='done'):
     last = {'epoch': 4, 'val_acc1': acc}
     if correct is not None:
         last.update(val_images=len(correct), val_correct=runs.pack_correct(torch.tensor(correct)))
-    return dict(seed=seed, state=state, recipe={'epochs': 4}, epochs=[{'epoch': 3, 'val_acc1': acc - 1}, last])
+    return dict(seed=seed, state=state, recipe={'epochs': 4},
+                epochs=[{'epoch': 3, 'val_acc1': acc - 1}, last])
 
 
 def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
@@ -1008,7 +1064,8 @@ def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
     seeds, diffs, images = stats.matched(a, b)
     assert seeds == [0, 2] and diffs == [10.0, -10.0]  # by position: 80 - 70 and 90 - 80
     assert images.tolist() == [[0, 0, 0, 1, 0, 0, 0, 0, 0, 0], [0, -1, -1, 0, 1, 0, 0, 0, 0, 0]]
-    old = stats.summarise([summary_record(0, 78.0), summary_record(2, 71.0)])  # records without per-image results
+    # records without per-image results
+    old = stats.summarise([summary_record(0, 78.0), summary_record(2, 71.0)])
     assert old.correct == {0: None, 2: None} and stats.matched(a, old)[2] is None
     every = ablations.experiments()
     chosen = {n: every[n] for n in ('t3_linear_relu', 't3_inline_relu')}
@@ -1019,7 +1076,8 @@ def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
     assert rows[0][3:6] == [f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]', 'seeds and test images',
                             '2 (seed 1 unpaired)']
     assert (sd, df, m) == (pytest.approx(math.sqrt(200)), 1, 0)
-    assert rows[0][9:] == ['untestable (no floor run)', 'untestable']  # no floor_swin among the results: no gate
+    # no floor_swin among the results: no gate
+    assert rows[0][9:] == ['untestable (no floor run)', 'untestable']
 
 
 def test_paper_record_keeps_the_final_per_image_results(tmp_path):
@@ -1048,9 +1106,12 @@ def test_paper_interval_covers_a_known_difference():
                                  dtype=torch.float64).T  # (kinds,) each: how common, P(a right), P(b right)
     truth = 100 * (share * (pa - pb)).sum().item()  # 0.2 (0.3) + 0.2 (-0.25) = 0.01
     kind = torch.multinomial(share, sims * images, replacement=True, generator=g).view(sims, 1, images)
-    both = 0.01 * torch.randn(sims, seeds, 1, generator=g, dtype=torch.float64)  # a seed's effect on both models
-    apart = 0.004 * torch.randn(sims, seeds, 1, generator=g, dtype=torch.float64)  # ... and on their difference
-    u = torch.rand(sims, seeds, images, generator=g, dtype=torch.float64)  # one draw for both: easy images agree
+    # a seed's effect on both models
+    both = 0.01 * torch.randn(sims, seeds, 1, generator=g, dtype=torch.float64)
+    # ... and on their difference
+    apart = 0.004 * torch.randn(sims, seeds, 1, generator=g, dtype=torch.float64)
+    # one draw for both: easy images agree
+    u = torch.rand(sims, seeds, images, generator=g, dtype=torch.float64)
     right_a, right_b = u < pa[kind] + both + apart / 2, u < pb[kind] + both - apart / 2
     per_image = right_a.to(torch.int8) - right_b.to(torch.int8)  # (sims, seeds, images)
     diffs = 100 * per_image.double().mean(2)  # (sims, seeds)
@@ -1101,8 +1162,8 @@ def test_paper_mosaic_bed_is_injective_and_runs_its_own_recipe(tmp_path):
     os.makedirs(root)
     write_fashion_mnist(root, train=40, test=20)
     ns = argparse.Namespace(out=str(tmp_path), epochs=None, train_images=None, dataset='fashion_recall',
-                            data_path=root, download=False, device='cpu', quick=False, claims=False, only=None,
-                            seeds=None)
+                            data_path=root, download=False, device='cpu', quick=False, claims=False,
+                            only=None, seeds=None)
     ablations.resolve_budget(ns)
     ablations.resolve_data(ns)
     assert (ns.epochs, ns.train_images) == (4, 20_000)
@@ -1120,8 +1181,10 @@ def test_paper_a_comparison_with_one_seed_of_per_image_results_is_not_run_yet():
     chosen = {n: every[n] for n in ('s_deit_t', 'inline_deit_t', 'floor_deit')}
     right = lambda p, seed: torch.rand(200, generator=torch.Generator().manual_seed(seed)) < p  # noqa: E731
     result = {'s_deit_t': stats.Summary({0: 80.0}, {0: right(0.8, 0)}, [], None),
-              'inline_deit_t': stats.Summary({0: 81.0, 1: 82.0}, {0: right(0.81, 1), 1: right(0.82, 2)}, [], None),
-              'floor_deit': stats.Summary({0: 40.0, 1: 41.0}, {0: right(0.4, 3), 1: right(0.41, 4)}, [], None)}
+              'inline_deit_t': stats.Summary({0: 81.0, 1: 82.0}, {0: right(0.81, 1), 1: right(0.82, 2)}, [],
+                                             None),
+              'floor_deit': stats.Summary({0: 40.0, 1: 41.0}, {0: right(0.4, 3), 1: right(0.41, 4)}, [],
+                                          None)}
     configs, rows, points, _ = ablations.table_rows(chosen, {n: [] for n in chosen}, result, every)
     one = next(r for r in rows if r[1].startswith('s_deit_t'))
     assert one[3] == '-1.0 (1 seed)' and one[6] == '∞' and points[rows.index(one)] is None
@@ -1151,7 +1214,8 @@ def test_paper_mosaic_runs_draw_new_training_mosaics_a_seed_and_the_same_test_on
     assert not torch.equal(sets[0][0][3][0], sets[1][0][3][0])  # another training mosaic
 
 
-@pytest.mark.parametrize('task, pairs, query', [('recall', 2, 'other'), ('recall', 4, 'same'), ('below', None, None)])
+@pytest.mark.parametrize('task, pairs, query',
+                         [('recall', 2, 'other'), ('recall', 4, 'same'), ('below', None, None)])
 def test_mosaics_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, query):
     """Every label of a batch of mosaics, checked against the layout: recall's keys and values distinct in
     class, each key right above its value, the framed query of one key's class (the key's own image with
@@ -1160,8 +1224,8 @@ def test_mosaics_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, q
     network without attention cannot tell apart). The pixels are the layout's items (at 14 px, in their cells)
     with the framed cell's border lit; test mosaics hold test images."""
     write_fashion_mnist(str(tmp_path), train=30, test=20)
-    args = argparse.Namespace(data_path=str(tmp_path), recall_task=task, recall_pairs=pairs, recall_query=query,
-                              synthetic_train=40, synthetic_val=30, seed=0, img_size=64)
+    args = argparse.Namespace(data_path=str(tmp_path), recall_task=task, recall_pairs=pairs,
+                              recall_query=query, synthetic_train=40, synthetic_val=30, seed=0, img_size=64)
     train_set, val_set = mosaics.load(args)
     assert (len(train_set), len(val_set)) == (40, 30) and train_set.classes == datasets.FashionMNIST.classes
     test_images, test_labels, _ = train.read_small('fashion_mnist', str(tmp_path), train=False)
@@ -1181,11 +1245,14 @@ def test_mosaics_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, q
         else:
             assert fr == 1 and cells[2, fc][1] == 'below' and label == cells[2, fc][0]
             assert all(source >= 0 for _, _, source in cells.values())
-            same_slot = [(r, c) for r in (0, 2) for c in (fc % 2, fc % 2 + 2)]  # row 0 of each block, fc's column
+            # row 0 of each block, fc's column
+            same_slot = [(r, c) for r in (0, 2) for c in (fc % 2, fc % 2 + 2)]
             assert len({cells[cell][0] for cell in same_slot if cell != (0, fc)}) == 3
-        assert all(test_labels[source] == c for c, _, source in cells.values() if source >= 0)  # the test split's
+        # the test split's
+        assert all(test_labels[source] == c for c, _, source in cells.values() if source >= 0)
         x, y = val_set[i]
-        pixels = (x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None])[0] * 255
+        pixels = (x * torch.tensor(train.STD)[:, None, None]
+                  + torch.tensor(train.MEAN)[:, None, None])[0] * 255
         assert y == label and x.shape == (3, 64, 64)
         for (r, c), (_, role, source) in cells.items():
             inner = pixels[16 * r + 1:16 * r + 15, 16 * c + 1:16 * c + 15]
