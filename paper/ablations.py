@@ -385,7 +385,8 @@ def estimate(runs, every, records):
 
 
 def reported_value(text):
-    """The paper's number as a float: the first figure given; 'does not converge' as -inf; None when unreported."""
+    """The paper's number as a float: the first figure given; 'does not converge' as -inf; None when
+    unreported."""
     if text is None:
         return None
     if 'not converge' in text:

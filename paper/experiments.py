@@ -117,9 +117,11 @@ def describe(model):
     o = model.options
     parts = [f"{model.family}", f"layout {model.layout}",
              f"kernel {o['kernel'] or 'identity (I) / relu (L)'}", f"residual {o['residual']}"]
-    parts += [f"local_size {o['local_size']}"] * (o['local_size'] != 3) + [f"dilation {o['dilation']}"] * (o['dilation'] > 1)
+    parts += ([f"local_size {o['local_size']}"] * (o['local_size'] != 3)
+              + [f"dilation {o['dilation']}"] * (o['dilation'] > 1))
     parts += ['nonneg'] * o['nonneg']
-    parts += [f"normalise_q {o['normalise_q']}"] * bool(o['normalise_q']) + ['allow_divergent'] * o['allow_divergent']
+    parts += ([f"normalise_q {o['normalise_q']}"] * bool(o['normalise_q'])
+              + ['allow_divergent'] * o['allow_divergent'])
     if model.family == 'swin':
         parts.append('InLine windows: whole stage' if model.window is None else
                      f'InLine windows {model.window} (shifted on odd blocks, no mask)')

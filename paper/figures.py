@@ -215,7 +215,8 @@ def attention_inputs(model, images):
 
 
 def attention_weights(model, images):
-    """[(B, H, N, N)] per block: the explicit weights of every block's attention for the input it really gets."""
+    """[(B, H, N, N)] per block: the explicit weights of every block's attention for the input it really
+    gets."""
     with torch.no_grad():
         return [block.attn.weights(x, model.grid)
                 for block, x in zip(model.blocks, attention_inputs(model, images))]
@@ -275,7 +276,8 @@ SHARES = {'near': 'other 8 of the 3x3', 'own': 'own token', 'class': 'class toke
 
 
 def initial_model(model, ckpt):
-    """The model a trained one's run started from: built as train.py builds it, after torch.manual_seed(its seed)."""
+    """The model a trained one's run started from: built as train.py builds it, after torch.manual_seed(its
+    seed)."""
     torch.manual_seed(ckpt['args'].get('seed') or 0)
     return models.create_model(ckpt['args']['model'], **{**ckpt['arch'], 'img_size': model.img_size,
                                                          'num_classes': model.num_classes}).eval()
@@ -360,7 +362,8 @@ def cmd_locality(args):
 
 
 def read_image(path, size):
-    """An image file as the models see it: RGB, resized to size x size (bicubic), normalised like train.py's data."""
+    """An image file as the models see it: RGB, resized to size x size (bicubic), normalised like train.py's
+    data."""
     try:
         with Image.open(path) as img:
             img = img.convert('RGB')
@@ -383,7 +386,8 @@ def cmd_maps(args):
     else:
         model, ckpt = next(iter(loaded.values()))
         images, labels, classes, what = eval_images(ckpt, model, args, args.index + 1, spread=False)
-        x, what = images[args.index], f'{what.split()[1]} validation image {args.index} ({classes[labels[args.index]]})'
+        x, what = images[args.index], (f'{what.split()[1]} validation image {args.index} '
+                                       f'({classes[labels[args.index]]})')
     queries = [tuple(int(v) for v in q.split(',')) for q in args.queries]
     if any(not (0 <= y < grid[0] and 0 <= x_ < grid[1]) for y, x_ in queries):
         train.fail(f'--queries must lie on the {grid[0]}x{grid[1]} token grid (row,col from 0)')

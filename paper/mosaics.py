@@ -50,7 +50,8 @@ class FashionRecall(Dataset):
                                                           or not 1 <= pairs <= 4):
             fail("fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs "
                  f"1 to 4 (4 pairs always fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
-        self.size, self.seed, self.train, self.task, self.pairs, self.query = size, seed, train, task, pairs, query
+        self.size, self.seed, self.train = size, seed, train
+        self.task, self.pairs, self.query = task, pairs, query
         # (N, 1, 14, 14) uint8: one channel of the gray
         items = F.resize(images[:, :1], [14, 14], antialias=True)
         self.items, self.labels = items[:, 0], labels
@@ -66,7 +67,8 @@ class FashionRecall(Dataset):
         the label)."""
         g = torch.Generator().manual_seed(hash((self.seed, self.train, index)) % 2**62)
         pick = lambda n, k: torch.randperm(n, generator=g)[:k].tolist()  # noqa: E731  k distinct of range(n)
-        image = lambda c: int(self.by_class[c][torch.randint(len(self.by_class[c]), (), generator=g)])  # noqa: E731
+        image = lambda c: int(self.by_class[c][torch.randint(len(self.by_class[c]), (),  # noqa: E731
+                                                             generator=g)])
         classes, roles, images = [[-1] * 4
                                   for _ in range(4)], [[''] * 4
                                                        for _ in range(4)], [[-1] * 4 for _ in range(4)]
@@ -106,7 +108,8 @@ class FashionRecall(Dataset):
         free = [divmod(i, 4) for i in pick(16, 16) if classes[i // 4][i % 4] < 0]
         r, col = keys[asked]
         source = images[r][col]
-        while self.query == 'other' and source == images[r][col] and len(self.by_class[key_classes[asked]]) > 1:
+        while (self.query == 'other' and source == images[r][col]
+               and len(self.by_class[key_classes[asked]]) > 1):
             source = image(key_classes[asked])  # another image of the key's class
         put(free[0], key_classes[asked], 'query', source)
         return classes, roles, images, value_classes[asked]
@@ -161,7 +164,8 @@ def register():
 
 
 def cmd_mosaics(args):
-    """Samples of train.py's --dataset fashion_recall, test split, each task a row, every mosaic under its label."""
+    """Samples of train.py's --dataset fashion_recall, test split, each task a row, every mosaic under its
+    label."""
     images, labels, classes = train.read_small('fashion_mnist', args.data_path, train=False)
     rows = [(f'recall, {p} pairs', FashionRecall(images, labels, 8, 0, False, task='recall', pairs=p))
             for p in (2, 4)] + [('below, 16 items', FashionRecall(images, labels, 8, 0, False, task='below'))]

@@ -140,7 +140,8 @@ class CausalSoftmax(torch.nn.Module):
 
 
 class CausalInLine(inline.InLineAttention):
-    """inline.InLineAttention(causal=True) through short_sequence_core (T1's normalise_q is InLine's own option)."""
+    """inline.InLineAttention(causal=True) through short_sequence_core (T1's normalise_q is InLine's own
+    option)."""
 
     def __init__(self, dim, num_heads, **options):
         super().__init__(dim, num_heads, causal=True, **options)
@@ -164,7 +165,8 @@ class DecoderBlock(torch.nn.Module):
 
 
 class RecallLM(torch.nn.Module):
-    """Token and learned position embeddings, 2 decoder blocks, a norm and a head: (B, N) -> logits (B, N, 3V)."""
+    """Token and learned position embeddings, 2 decoder blocks, a norm and a head: (B, N) -> logits (B, N,
+    3V)."""
 
     def __init__(self, name, width, tokens):
         super().__init__()

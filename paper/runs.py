@@ -60,7 +60,8 @@ class Run(NamedTuple):
         return record_key(self._asdict())
 
     def folder(self, out):
-        """OUT/runs/<name>-seed<seed>-<digest of the key>: the run's checkpoints, log and CPU time while it trains."""
+        """OUT/runs/<name>-seed<seed>-<digest of the key>: the run's checkpoints, log and CPU time while it
+        trains."""
         return os.path.join(out, 'runs', f'{self.name}-seed{self.seed}-'
                                          f'{hashlib.sha1(self.key().encode()).hexdigest()[:8]}')
 
@@ -111,7 +112,8 @@ def lock_run(folder, wait=False):
 
 
 def machine(threads):
-    """What a record says its run ran on: the CPU (and whether it has AVX-512 BF16 and AMX), the GPU if any."""
+    """What a record says its run ran on: the CPU (and whether it has AVX-512 BF16 and AMX), the GPU if
+    any."""
     with open('/proc/cpuinfo') as f:
         info = f.read()
     name = re.search(r'model name\s*:\s*(.*)', info)

@@ -67,7 +67,8 @@ class CountSoftmax(torch.overrides.TorchFunctionMode):
 
 
 def check_sdpa(model, x):
-    """Softmax is timed as users run it, through F.scaled_dot_product_attention, never the N x N teaching form."""
+    """Softmax is timed as users run it, through F.scaled_dot_product_attention, never the N x N teaching
+    form."""
     with torch.no_grad(), CountSoftmax() as count:
         model(x)
     if count.sdpa == 0 or count.explicit:
@@ -216,7 +217,8 @@ WHOLE = (
 
 
 def whole_step(model, x, y, dtype, training):
-    """One forward (eval, inference_mode) or one training step (forward, cross-entropy, backward) under autocast."""
+    """One forward (eval, inference_mode) or one training step (forward, cross-entropy, backward) under
+    autocast."""
     autocast = torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32)
     if not training:
         with torch.inference_mode(), autocast:
@@ -443,7 +445,8 @@ def dense_peak_mb(name, size, device):
 
 
 def dense_point(comparison, size, device, rounds):
-    """Interleaved rounds (softmax then InLine, one forward of batch 1 each) at one size, and each one's peak."""
+    """Interleaved rounds (softmax then InLine, one forward of batch 1 each) at one size, and each one's
+    peak."""
     softmax_name, inline_name = DENSE[comparison]
     fns = {n: dense_forward(n, size, device) for n in (softmax_name, inline_name)}
     x = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(0)).to(device)

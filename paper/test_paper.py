@@ -60,7 +60,8 @@ def test_every_experiment_builds_and_trains(name):
 
 def test_experiment_registry_matches_the_spec():
     e = registry.EXPERIMENTS
-    assert e['t4_window7_no_residual'].overrides == dict(window=7, residual='none') and e['t4_window7_no_residual'].reported == '80.3'
+    assert (e['t4_window7_no_residual'].overrides == dict(window=7, residual='none')
+            and e['t4_window7_no_residual'].reported == '80.3')
     assert e['t3_linear_relu_affine'].ours and e['t3_linear_relu_affine'].reported == '70.2'
     assert e['r_dilation3'].reported == '80.8' and e['r_nonneg'].reported == '81.7'
     assert e['t1_softmax_normalised_q'].reported == '70.6 / 69.9' and e['s_swin_t'].reported == '81.3'
@@ -167,7 +168,8 @@ def test_mqar_batches_ask_for_the_values_of_earlier_keys():
     x, y = recall.mqar_batch(16, 8, 30, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (16, 30)
     keys, values, filler = x[:, 0:16:2], x[:, 1:16:2], x[:, 16:22]
-    assert (keys < recall.RECALL_VOCAB).all() and ((values >= recall.RECALL_VOCAB) & (values < 2 * recall.RECALL_VOCAB)).all()
+    assert (keys < recall.RECALL_VOCAB).all() and ((values >= recall.RECALL_VOCAB)
+                                                   & (values < 2 * recall.RECALL_VOCAB)).all()
     assert (filler >= 2 * recall.RECALL_VOCAB).all()
     assert all(len(set(row.tolist())) == 8 for row in keys)  # distinct keys in each sequence
     assert (y[:, :22] == -100).all() and (y[:, 22:] >= recall.RECALL_VOCAB).all()
@@ -186,7 +188,8 @@ def test_recall_sizes_put_every_query_where_inline_is_injective():
 
 
 def test_most_frequent_guess_against_a_hand_count():
-    """Values 64, 64, 65, 66 with queries asking for each key once: the guess answers 64, right 2 times in 4."""
+    """Values 64, 64, 65, 66 with queries asking for each key once: the guess answers 64, right 2 times in
+    4."""
     x = torch.tensor([[0, 64, 1, 64, 2, 65, 3, 66, 0, 1, 2, 3]])
     y = torch.full_like(x, -100)
     y[0, 8:] = torch.tensor([64, 64, 65, 66])
@@ -258,9 +261,8 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
         # 2 models x (3 learning rates + seed 1)
         assert len(f.readlines()) == 2 * (len(recall.RECALL_LRS) + 1)
     for r in recorded.values():  # the right test answers kept, 1024 sequences x 2 pairs, are the recall
-        assert 100 * runs.unpack_correct(r['correct'],
-                                         1024 * 2).double().mean().item() == pytest.approx(r['recall'],
-                                                                                                           abs=0.01)
+        right = runs.unpack_correct(r['correct'], 1024 * 2)
+        assert 100 * right.double().mean().item() == pytest.approx(r['recall'], abs=0.01)
     for name in ('softmax', 'InLine s/i'):
         best = max((r for r in recorded.values() if r['model'] == name and r['seed'] == 0),
                    key=lambda r: (r['valid'], -r['lr']))
@@ -317,7 +319,8 @@ def test_recall_comparisons_are_untestable_under_the_floor_or_the_guess(tmp_path
     out = capsys.readouterr().out
     assert '| injectivity within softmax | 16 / 4 / 12 | 59.7 | 99.0 | +39.3 ± ' in out
     assert '| reproduced | reproduced |' in out
-    assert '| injectivity within InLine | 16 / 4 / 12 | 27.1 | 27.0 | ' in out and '| untestable | untestable |' in out
+    assert ('| injectivity within InLine | 16 / 4 / 12 | 27.1 | 27.0 | ' in out
+            and '| untestable | untestable |' in out)
     assert re.search(r'\| injectivity within softmax \+ Eq. 6 \| 16 / 4 / 12 \| 59.7 \| 99.0 \| .* \| '
                      r'untestable \| untestable \|', out)  # 59.7 < 58 + RECALL_GATE
 
@@ -916,11 +919,13 @@ def test_paper_every_ablation_miniature_builds_and_runs():
                                     **{**e.overrides, **ablations.mini_kwargs(e)})
         assert model(torch.randn(1, 3, size, size)).shape == (1, 10), name
     keys = {name: ablations.config_key(e) for name, e in chosen.items()}
-    assert keys['r_residual_local'] == keys['t10_kernel_identity'] == keys['inline_swin_t'] == keys['r_dilation1']
+    assert (keys['r_residual_local'] == keys['t10_kernel_identity'] == keys['inline_swin_t']
+            == keys['r_dilation1'])
     assert keys['t4_window56_no_residual'] == keys['r_residual_none'] == keys['t3_inline_identity']
     assert keys['t4_window28_residual'] != keys['t4_window56_residual'] != keys['t4_window56_no_residual']
     assert ablations.mini_kwargs(chosen['t4_window7_residual'])['window'] == 2  # 7/56 of the 16x16 stage 1
-    assert ablations.untestable(chosen['t4_window7_residual']) and not ablations.untestable(chosen['t4_window14_residual'])
+    assert (ablations.untestable(chosen['t4_window7_residual'])
+            and not ablations.untestable(chosen['t4_window14_residual']))
     assert keys['floor_swin'] != keys['r_residual_none_no_ape']  # phi = 0: the same shapes, another model
     assert ablations.MINI['deit'][0] // ablations.MINI['deit'][2]['patch_size'] == 8  # DeiT's 8x8 grid
 
@@ -1125,7 +1130,8 @@ def test_paper_interval_covers_a_known_difference():
 
 
 def test_paper_holm_adjusts_against_a_worked_example():
-    """Holm: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 -> 0.02, 0.03, 0.06, 0.04, kept increasing -> 0.06."""
+    """Holm: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 -> 0.02, 0.03, 0.06, 0.04, kept increasing ->
+    0.06."""
     assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert stats.holm([0.5, 0.9]) == [1.0, 1.0] and stats.holm([]) == []
 
@@ -1148,7 +1154,8 @@ def test_paper_mosaic_bed_is_injective_and_runs_its_own_recipe(tmp_path):
     task 'below' at MOSAIC_BUDGET, new training mosaics a seed, the same 10,000 test mosaics every seed; 5
     seeds of every row; its comparisons include T1 within softmax and within InLine."""
     every = ablations.experiments('fashion_recall')
-    assert set(every) == set(ablations.MOSAIC_ROWS) and not set(ablations.MOSAIC_ONLY) & set(ablations.experiments())
+    assert (set(every) == set(ablations.MOSAIC_ROWS)
+            and not set(ablations.MOSAIC_ONLY) & set(ablations.experiments()))
     for name, e in every.items():
         model = ablations.miniature(e)
         for stage, grid in zip(model.layers, models.stage_grids(model.img_size)):
