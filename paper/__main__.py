@@ -115,12 +115,9 @@ def main(argv=None):
     p.add_argument('--model-step', action='store_true',
                    help='also time a whole InLine-Swin-T training step: reference vs fast core')
     p.add_argument('--whole', nargs='?', const='all', choices=['all', 'swin', 'deit'],
-                   help='whole models against '
-                   'their softmax originals: InLine-Swin-T inference and training step, InLine-DeiT-T '
-                   'inference at 224, '
-                   '512, 1024 px (swin, deit: those rows only), and a profile of an InLine-DeiT-T forward '
-                   '(instead of '
-                   'F5b, F5c)')
+                   help='whole models against their softmax originals: InLine-Swin-T inference and training '
+                        'step, InLine-DeiT-T inference at 224, 512, 1024 px (swin, deit: those rows only), '
+                        'and a profile of an InLine-DeiT-T forward (instead of F5b, F5c)')
     p.add_argument('--compile', action='store_true',
                    help='--whole: also time InLine under whole-model torch.compile '
                    '(compiling takes minutes)')

@@ -208,8 +208,8 @@ def mini_kwargs(e):
         scaled = [h * width for h in (heads if isinstance(heads, tuple) else (heads,))]
         if any(abs(h - round(h)) > 1e-9 for h in scaled):
             raise ValueError(f'{e.model}: {heads} heads do not scale by {width:.3g} to whole heads')
-        kwargs['num_heads'] = tuple(round(h)
-                                    for h in scaled) if isinstance(heads, tuple) else round(scaled[0])
+        kwargs['num_heads'] = (tuple(round(h) for h in scaled) if isinstance(heads, tuple)
+                               else round(scaled[0]))
     if e.overrides.get('window') is not None:
         window = e.overrides['window'] * (img // 4) // 56
         kwargs['window'] = None if window >= img // 4 else window
@@ -478,8 +478,7 @@ def cmd_ablations(args):
                                                     MOSAICS['guess'] if mosaics else None)
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
     bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the '
-           'same '
-           f'{MOSAICS["val_images"]:,} test mosaics for every run' if mosaics
+           f'same {MOSAICS["val_images"]:,} test mosaics for every run' if mosaics
            else 'validation on its test set')
     print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} '
           f'training images, {bed}, {PRECISION[args.device]} on {args.device}): one row per distinct '
@@ -574,10 +573,8 @@ def table_rows(chosen, planned, result, every, guess=None):
                                                                          else ' (under)'),
                         '' if r.gain is None else f'{r.gain:+.1f}'])
     if guess is not None:
-        configs.insert(0,
-                       ['guess: 1 of the 3 candidate cells, the most a network without position in '
-                        'a stage can '
-                           'score (the floor\'s ceiling)', '', '', f'{guess:.1f}', '—', '', ''])
+        configs.insert(0, ['guess: 1 of the 3 candidate cells, the most a network without position in a '
+                           'stage can score (the floor\'s ceiling)', '', '', f'{guess:.1f}', '—', '', ''])
     pairs = [(tables, name, ref, *matched(result[name], result[ref]))
              for tables, name, ref in comparisons(chosen)]
     sd, df = pooled_sd([diffs for *_, diffs, _ in pairs])

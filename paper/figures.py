@@ -186,9 +186,8 @@ def eval_images(ckpt, model, args, count, spread=True):
         ns.dataset, ns.data_path = args.dataset, args.data_path
     ns.dataset = train.dataset(ns)
     ns.img_size, ns.download, ns.train_subset, ns.seed = model.img_size[0], False, None, ns.seed or 0
-    ns.synthetic_train, ns.synthetic_val, ns.model = 1, max(count,
-                                                            ns.synthetic_val
-                                                            or 0), ns.model or 'inline_deit_t'
+    ns.synthetic_train, ns.synthetic_val = 1, max(count, ns.synthetic_val or 0)
+    ns.model = ns.model or 'inline_deit_t'
     with contextlib.redirect_stdout(io.StringIO()):
         val = train.load_data(ns)[1]
     picked = range(0, len(val), max(1, len(val) // count) if spread else 1)[:count]
@@ -202,8 +201,8 @@ def attention_inputs(model, images):
         train.fail(f'this needs an isotropic DeiT model (one token grid, layers in order); got '
                    f'{type(model).__name__}')
     captured = {}
-    handles = [block.attn.register_forward_pre_hook(lambda module, inputs,
-                                                    i=i: captured.__setitem__(i, inputs[0]))
+    handles = [block.attn.register_forward_pre_hook(
+                   lambda module, inputs, i=i: captured.__setitem__(i, inputs[0]))
                for i, block in enumerate(model.blocks)]
     try:
         with torch.no_grad():

@@ -45,9 +45,8 @@ class FashionRecall(Dataset):
             fail("fashion_recall: task 'below' fills every cell and has no query; pairs and query are "
                  f"recall's (got pairs {pairs!r}, query {query!r})")
         pairs, query = (pairs or self.PAIRS, query or self.QUERY) if task == 'recall' else (pairs, query)
-        if task not in ('recall',
-                        'below') or task == 'recall' and (query not in ('other', 'same')
-                                                          or not 1 <= pairs <= 4):
+        if (task not in ('recall', 'below')
+                or task == 'recall' and (query not in ('other', 'same') or not 1 <= pairs <= 4)):
             fail("fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs "
                  f"1 to 4 (4 pairs always fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
         self.size, self.seed, self.train = size, seed, train
@@ -69,9 +68,8 @@ class FashionRecall(Dataset):
         pick = lambda n, k: torch.randperm(n, generator=g)[:k].tolist()  # noqa: E731  k distinct of range(n)
         image = lambda c: int(self.by_class[c][torch.randint(len(self.by_class[c]), (),  # noqa: E731
                                                              generator=g)])
-        classes, roles, images = [[-1] * 4
-                                  for _ in range(4)], [[''] * 4
-                                                       for _ in range(4)], [[-1] * 4 for _ in range(4)]
+        classes, roles = [[-1] * 4 for _ in range(4)], [[''] * 4 for _ in range(4)]
+        images = [[-1] * 4 for _ in range(4)]
 
         def put(cell, c, role, source=None):
             (r, col) = cell

@@ -384,9 +384,9 @@ def by_sequence(rows, pairs):
 def recall_report(runs, models, sizes, args):
     """The tables and the picture from the records: the learning rates, recall by model against the floor and
     the guess, and each comparison's verdict, gated by both."""
-    guesses = {(w, p,
-                n): most_frequent_guess(*mqar_batch(RECALL_HELD_OUT, p, n, torch.Generator().manual_seed(
-        RECALL_TEST)), p) for w, p, n in sizes}
+    guesses = {(w, p, n): most_frequent_guess(*mqar_batch(RECALL_HELD_OUT, p, n,
+                                                          torch.Generator().manual_seed(RECALL_TEST)), p)
+               for w, p, n in sizes}
     recall, sequences = recall_table(runs, models, sizes, guesses, args)
     recall_comparisons(recall, sequences, guesses, models, sizes)
     panels = []
@@ -395,9 +395,9 @@ def recall_report(runs, models, sizes, args):
         if all(y is None for _, _, ys, _ in series for y in ys):
             continue  # no runs at this size yet
         panels.append(dict(series=series,
-                           title='MQAR, C {}, {} pairs, {} tokens: held-out recall, seed 0'.format(
-            *size), xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True,
-            lines=True, ylim=(0, 100), hlines=[('the guess', guesses[size])]))
+                           title='MQAR, C {}, {} pairs, {} tokens: held-out recall, seed 0'.format(*size),
+                           xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True,
+                           lines=True, ylim=(0, 100), hlines=[('the guess', guesses[size])]))
     if panels:
         charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 460))
     return runs
@@ -434,8 +434,7 @@ def recall_table(runs, models, sizes, guesses, args):
                  'seeds']
                 + ([f'at {RECALL_FIRST_STEPS} steps'] if first else []), table)
     print('\nthe guess: a model that knows the values of its sequence and answers the most frequent '
-          '(simulated on the '
-          'test sequences): '
+          '(simulated on the test sequences): '
           + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
           f'. CPU time of these runs: {cpu / 60:.1f} min.'
           + (f' No runs yet: {", ".join(missing)}.' if missing else ''))

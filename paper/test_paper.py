@@ -561,8 +561,7 @@ def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
             (['maps', '--checkpoints', ours, '--queries', '8,0'], '--queries must lie on the 8x8 token grid'),
             (['ablations', '--only', 'no_such_experiment', '--dataset', 'synthetic'], 'unknown experiments'),
             (['ablations', '--data-path', str(tmp_path / 'nothing')],
-             'no fashion_mnist files in .*apt-get install '
-                                                                      'dataset-fashion-mnist.*--download')]:
+             'no fashion_mnist files in .*apt-get install dataset-fashion-mnist.*--download')]:
         with pytest.raises(SystemExit):
             cli.main(argv + ['--out', str(tmp_path)])
         assert re.search('error: .*' + message, capsys.readouterr().err), argv
