@@ -8,11 +8,11 @@ stopped. From the repository root:
 
     python -m paper models                 # every released variant: params and GMACs beside the authors'
     python -m paper experiments            # every experiment of the paper by name, with the paper's top-1
-    python -m paper train NAME [train.py flags]  # train one experiment (or released model) with train.py's
-    loop python -m paper injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear,
-    InLine python -m paper locality               # F4: per layer, the weight on the 3x3, own and class
-    tokens; Eq. 6's python -m paper maps                   # F3: attention maps of a few query tokens, laid
-    over an image python -m paper speed [--quick]        # F5b, F5c: images/s against window and resolution
+    python -m paper train NAME [train.py flags]  # one experiment (or released model), train.py's loop
+    python -m paper injectivity            # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
+    python -m paper locality               # F4: per layer, the weight on the 3x3, own and class tokens
+    python -m paper maps                   # F3: attention maps of a few query tokens, laid over an image
+    python -m paper speed [--quick]        # F5b, F5c: images/s against window and resolution
     python -m paper speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python -m paper speed --dense          # backbones at detection sizes: forward time and peak memory
     python -m paper speed --whole [--compile]  # whole models against softmax; where a forward's time goes
@@ -20,7 +20,8 @@ stopped. From the repository root:
     python -m paper ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
     python -m paper ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
     python -m paper ablations --device cuda  # the same set where the miniatures converge (all 60,000 images)
-    python -m paper recall                 # InLine on sequences: associative recall (MQAR)
+    python -m paper ablations --dataset fashion_recall  # the test bed where attention must select
+    python -m paper recall [--no-train]    # InLine on sequences: associative recall (MQAR)
     python -m paper mosaics --png figures/fashion_recall.png  # the fashion_recall mosaics, with their labels
 
 The trained ones (locality, maps, ablations) train on Fashion-MNIST unless told (--dataset, --data-path: any

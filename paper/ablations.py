@@ -3,13 +3,7 @@ train.py: the miniatures, the budgets, the plans of runs, and the tables and pic
 records.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Commands (from the repository root):
-
-    python -m paper ablations --claims     # the claim rows at 5 seeds and their floor: the first batch
-    python -m paper ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
-    python -m paper ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
-    python -m paper ablations --device cuda  # the same set where the miniatures converge (all 60,000 images)
-    python -m paper ablations --dataset fashion_recall  # the test bed where attention must select
+arXiv 2412.06590. Run as `python -m paper ablations` (its command lines: paper/__main__.py).
 """
 import json
 import math

@@ -2,12 +2,7 @@
 paper reports, and the two tables that list them.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Commands (from the repository root):
-
-    python -m paper models                 # every released variant: params and GMACs beside the authors'
-    python -m paper experiments            # every experiment of the paper by name, with the paper's top-1
-    python -m paper train NAME [train.py flags]  # train one (paper/runs.py): its model and overrides, flags
-    win
+arXiv 2412.06590. Run as `python -m paper models`, `experiments`, `train NAME` (paper/__main__.py).
 """
 from typing import NamedTuple
 

@@ -2,11 +2,7 @@
 maps).
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Commands (from the repository root):
-
-    python -m paper injectivity   # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
-    python -m paper locality      # F4: per layer, the weight on the 3x3, own and class tokens; Eq. 6's share
-    python -m paper maps          # F3: attention maps of a few query tokens, laid over an image
+arXiv 2412.06590. Run as `python -m paper injectivity`, `locality`, `maps` (paper/__main__.py).
 
 locality and maps train their four small DeiTs on first use (through the ablations' runs), or measure
 --checkpoints given.

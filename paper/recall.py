@@ -1,9 +1,7 @@
 """InLine on sequences: multi-query associative recall (MQAR), small causal transformers trained in process.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Command (from the repository root):
-
-    python -m paper recall [--no-train]   # associative recall (MQAR), injectivity where it holds
+arXiv 2412.06590. Run as `python -m paper recall [--no-train]` (paper/__main__.py).
 """
 import contextlib
 import hashlib

@@ -4,8 +4,7 @@ command that trains one paper experiment.
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. Every image model of the lab is trained by train.py's loop, through
 
-    python -m paper train NAME [train.py flags]   # NAME: an experiment (python -m paper experiments) or a
-    model
+    python -m paper train NAME [train.py flags]   # NAME: an experiment (python -m paper experiments), a model
 
 which the scheduler (train_runs) starts as a subprocess, one per run, from the repository root; each finished
 run appends its record to results/runs.jsonl, from which every table and picture is rebuilt.

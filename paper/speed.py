@@ -2,12 +2,7 @@
 sizes.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Commands (from the repository root):
-
-    python -m paper speed [--quick]        # F5b, F5c: images/s against window and resolution
-    python -m paper speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
-    python -m paper speed --dense          # backbones at detection sizes: forward time and peak memory
-    python -m paper speed --whole [--compile]  # whole models against softmax; where a forward's time goes
+arXiv 2412.06590. Run as `python -m paper speed` (its command lines: paper/__main__.py).
 """
 import ctypes
 import functools

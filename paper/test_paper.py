@@ -18,8 +18,6 @@ import types
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from PIL import Image
 from torchvision import datasets
 
@@ -30,9 +28,8 @@ from paper import __main__ as cli
 from paper import ablations, figures, mosaics, recall, runs, speed, stats
 from paper import experiments as registry
 from paper.runs import ROOT
-from test_inline import CUDA, causal
 from test_models import SMALL, meta_model
-from test_train import command, metrics, printed, refused, resolved, write_fashion_mnist, write_image_folder
+from test_train import write_fashion_mnist, write_image_folder
 from conftest import qkv
 
 def tiny_experiment(name, **extra):
