@@ -231,8 +231,8 @@ def recall_run(name, width, pairs, tokens, seed, lr, steps, compiled=False):
     with torch._dynamo.config.patch(recompile_limit=64):
         # the first step compiles them: one process at a time, the others then load them from the inductor
         # cache
-        with kernels.node_lock(('recall', name, width, pairs,
-                                tokens)) if compiled else contextlib.nullcontext():
+        with (kernels.node_lock(('recall', name, width, pairs, tokens)) if compiled
+              else contextlib.nullcontext()):
             loss = step()
         for _ in range(steps - 1):
             loss = step()
