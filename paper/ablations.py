@@ -1,14 +1,9 @@
-"""The paper's ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py:
-the miniatures, the budgets, the plans of runs, and the tables and pictures built from their records.
+"""The paper's ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by
+train.py: the miniatures, the budgets, the plans of runs, and the tables and pictures built from their
+records.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Commands (from the repository root):
-
-    python -m paper ablations --claims     # the claim rows at 5 seeds and their floor: the first batch
-    python -m paper ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
-    python -m paper ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
-    python -m paper ablations --device cuda  # the same set where the miniatures converge (all 60,000 images)
-    python -m paper ablations --dataset fashion_recall  # the test bed where attention must select
+arXiv 2412.06590. Run as `python -m paper ablations` (its command lines: paper/__main__.py).
 """
 import json
 import math
@@ -29,12 +24,13 @@ from paper.stats import (ALPHA, MARGIN, PAPER_TIE, holm, image_term, interval, m
 
 # The ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py
 
-# The miniature, the same for every experiment of a family, at an image size per family: 64 px (Fashion-MNIST's
-# 28 px resized), so Swin's stage 1 is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at 224 px, and DeiT's 8 px
-# patches give an 8x8 grid. Everything measured in stage-1 tokens shrinks by 16/56: the InLine windows 7, 14, 28,
-# 56 of T4 become 2, 4, 8, 16 (1/8, 1/4, 1/2 and all of the stage, as in the paper); Swin's softmax window becomes
-# 4. Widths shrink by the family's factor with the head dim kept, so head counts shrink with them (the softmax
-# originals' own counts too); depths as listed, the same for a softmax original as for its InLine version.
+# The miniature, the same for every experiment of a family, at an image size per family: 64 px
+# (Fashion-MNIST's 28 px resized), so Swin's stage 1 is a 16x16 grid (stages 16, 8, 4, 2), against 56x56 at
+# 224 px, and DeiT's 8 px patches give an 8x8 grid. Everything measured in stage-1 tokens shrinks by 16/56:
+# the InLine windows 7, 14, 28, 56 of T4 become 2, 4, 8, 16 (1/8, 1/4, 1/2 and all of the stage, as in the
+# paper); Swin's softmax window becomes 4. Widths shrink by the family's factor with the head dim kept, so
+# head counts shrink with them (the softmax originals' own counts too); depths as listed, the same for a
+# softmax original as for its InLine version.
 MINI = {  # family: (image side, width factor, create_model sizes)
     'swin': (64, 1 / 3, dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), softmax_window=4)),
     'deit': (64, 1 / 3, dict(patch_size=8, embed_dim=64, depth=6, num_heads=2)),
@@ -42,49 +38,57 @@ MINI = {  # family: (image side, width factor, create_model sizes)
     # CSwin keeps its width: its two-branch softmax blocks split the heads in halves, and stage 1 has 2
     'cswin': (64, 1, dict(depths=(1, 2, 2, 1), stripes=(1, 2, 2, 2))),
 }
-# The budget of every run (RESULTS.md, "Ablations"), chosen by a pilot of r_residual_local and r_residual_none: the
-# cheapest that lifted both 3 points over a linear read-out of the pixels. The first train_images of a fixed random order
-# of the training set, the same for every run and seed; warm-up 1/12 of the epochs (the small recipe's 1 of 12).
-# On CUDA, the scale at which the miniatures converge: every training image, epochs until the curve is flat.
+# The budget of every run (RESULTS.md, "Ablations"), chosen by a pilot of r_residual_local and
+# r_residual_none: the cheapest that lifted both 3 points over a linear read-out of the pixels. The first
+# train_images of a fixed random order of the training set, the same for every run and seed; warm-up 1/12 of
+# the epochs (the small recipe's 1 of 12). On CUDA, the scale at which the miniatures converge: every training
+# image, epochs until the curve is flat.
 BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=60_000, epochs=40)}
 # The test bed where attention must select (RESULTS.md, "A test bed where attention must select"): train.py's
-# fashion_recall mosaics, task 'below', 20,000 training mosaics (new ones each seed) and the same 10,000 test mosaics
-# for every run, at the accepted pilot's budget; the Swin miniature with heads of dim 8 in every stage (4, 8, 16, 32),
-# so that every InLine layer of stages 1-3 has at least D + 1 tokens (256, 64, 16 against 9) and is injective. A
-# network that cannot tell the three candidate blocks apart (the floor, no position in a stage) scores 1 in 3 at best.
-# On CUDA, a scale at which the curves should flatten (not yet measured).
+# fashion_recall mosaics, task 'below', 20,000 training mosaics (new ones each seed) and the same 10,000 test
+# mosaics for every run, at the accepted pilot's budget; the Swin miniature with heads of dim 8 in every stage
+# (4, 8, 16, 32), so that every InLine layer of stages 1-3 has at least D + 1 tokens (256, 64, 16 against 9)
+# and is injective. A network that cannot tell the three candidate blocks apart (the floor, no position in a
+# stage) scores 1 in 3 at best. On CUDA, a scale at which the curves should flatten (not yet measured).
 MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
 MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
-MOSAIC_RUN_CPU_MIN = 7.0  # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
-# T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not injective
+# a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
+MOSAIC_RUN_CPU_MIN = 7.0
+# T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not
+# injective
 MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q')
-# The claims it can test, in the order a batch trains them, two by two: the gate (InLine against its floor); S with
-# R-res's no-Eq. 6 row; T3's pair; T1 within softmax and within InLine; R-res's plain row with T4's one-cell window.
-# r_residual_local and t4_window56_no_residual name configurations trained above (InLine-Swin-T, r_residual_none).
-MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3_linear_relu', 't3_inline_relu',
-               't1_swin_softmax_normalised_q', 't1_inline_normalised_q', 'r_residual_plain', 't4_window14_no_residual',
-               'r_residual_local', 't4_window56_no_residual')
-# bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training step of
-# the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved rounds)
+# The claims it can test, in the order a batch trains them, two by two: the gate (InLine against its floor); S
+# with R-res's no-Eq. 6 row; T3's pair; T1 within softmax and within InLine; R-res's plain row with T4's
+# one-cell window. r_residual_local and t4_window56_no_residual name configurations trained above
+# (InLine-Swin-T, r_residual_none).
+MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3_linear_relu',
+               't3_inline_relu', 't1_swin_softmax_normalised_q', 't1_inline_normalised_q', 'r_residual_plain',
+               't4_window14_no_residual', 'r_residual_local', 't4_window56_no_residual')
+# bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training
+# step of the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved
+# rounds)
 PRECISION = {'cpu': 'bf16', 'cuda': 'bf16'}
-# top-1 points over its family's phi = 0 floor (the attention-free miniature, same recipe) that a configuration must
-# clear for its comparisons to get a verdict: fixed before the claim runs, then over a linear read-out of the pixels,
-# which the floor replaced as the gate after them
+# top-1 points over its family's phi = 0 floor (the attention-free miniature, same recipe) that a
+# configuration must clear for its comparisons to get a verdict: fixed before the claim runs, then over a
+# linear read-out of the pixels, which the floor replaced as the gate after them
 FLOOR_MARGIN = 3.0
-# CPU-minutes of one run per family at BUDGET['cpu'] on this project's machine, two at a time, to print a length
-# before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x images.
-# Swin from the pilot's two runs; the others by their step costs relative to Swin's, measured before
+# CPU-minutes of one run per family at BUDGET['cpu'] on this project's machine, two at a time, to print a
+# length before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x
+# images. Swin from the pilot's two runs; the others by their step costs relative to Swin's, measured before
 RUN_CPU_MIN = {'swin': 9.5, 'deit': 7.2, 'pvt': 17.0, 'cswin': 19.0}
 SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3, 'floor': 3}
-# The claim rows (RESULTS.md, "Verdicts"), with the seeds that give a 1-point effect 80% power at the spreads measured
-# (in the order a batch trains them: T3's pair, R-res's (T4's at 56²), S's, then T4's windows)
-CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual', 'r_residual_none',
-              'r_residual_local', 's_swin_t', 'inline_swin_t', 't4_window14_no_residual', 't4_window28_no_residual')
+# The claim rows (RESULTS.md, "Verdicts"), with the seeds that give a 1-point effect 80% power at the spreads
+# measured (in the order a batch trains them: T3's pair, R-res's (T4's at 56²), S's, then T4's windows)
+CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual',
+              'r_residual_none', 'r_residual_local', 's_swin_t', 'inline_swin_t', 't4_window14_no_residual',
+              't4_window28_no_residual')
 CLAIM_SEEDS = 5
-FIRST_SEEDS = 3  # a batch gives every configuration 3 seeds, in the chosen order, before it gives any a fourth
+# a batch gives every configuration 3 seeds, in the chosen order, before it gives any a fourth
+FIRST_SEEDS = 3
 QUICK = ('r_residual_none', 'r_residual_local')  # R-res, the paper's pair: runs the claim batch shares
 QUICK_SEEDS = 3
-# The data the lab trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs here
+# The data the lab trains on unless told: Fashion-MNIST, which Debian's dataset-fashion-mnist package installs
+# here
 FASHION_MNIST_DEB = '/usr/share/datasets/fashion-mnist'
 
 
@@ -100,32 +104,34 @@ def family(e):
 def experiments(dataset=None):
     """{name: Experiment}: every entry of EXPERIMENTS that the miniature covers (the smallest size of each
     family: S rows of bigger variants repeat the same miniature), the released InLine variants for S, and each
-    family's attention-free floor: InLine with phi = 0, so every weight is 1/N and no token selects another, no
-    Eq. 6, no APE, every stage (Swin's softmax stage 4 too); the patch embeddings, merges and MLPs are the same.
-    dataset 'fashion_recall': MOSAIC_ROWS alone, each with MOSAICS' heads (given at full size: the miniature scales
-    them by its width factor, as it does every head count)."""
+    family's attention-free floor: InLine with phi = 0, so every weight is 1/N and no token selects another,
+    no Eq. 6, no APE, every stage (Swin's softmax stage 4 too); the patch embeddings, merges and MLPs are the
+    same. dataset 'fashion_recall': MOSAIC_ROWS alone, each with MOSAICS' heads (given at full size: the
+    miniature scales them by its width factor, as it does every head count)."""
     chosen = {n: e for n, e in EXPERIMENTS.items() if (e.table != 'S' or e.model.endswith('_t')) and (
         dataset == 'fashion_recall' or n not in MOSAIC_ONLY)}
     none, local = chosen['r_residual_none'], chosen['r_residual_local']
     chosen['r_residual_none_matched'] = Experiment(
-        none.model, {**none.overrides, 'mlp_ratio': matched_mlp_ratio(none, parameters(local))}, 'R-res', None,
-        True, "no residual (APE), every MLP widened to Eq. 6's parameter count")
+        none.model, {**none.overrides, 'mlp_ratio': matched_mlp_ratio(none, parameters(local))}, 'R-res',
+        None, True, "no residual (APE), every MLP widened to Eq. 6's parameter count")
     inline_t = {n: Experiment(n, {}, 'S', str(models.RELEASED[n][2]), False, f'{n} as released')
                 for n in ('inline_swin_t', 'inline_deit_t', 'inline_pvt_t', 'inline_cswin_t')}
     floors = {f'floor_{f}': Experiment(f'inline_{f}_t', dict(
-        layout='I' if f == 'deit' else 'IIII', kernel='zero', residual='none', **({'ape': False} if f == 'swin' else {})),
+        layout='I' if f == 'deit' else 'IIII', kernel='zero', residual='none',
+        **({'ape': False} if f == 'swin' else {})),
         'floor', None, True, f'{f} miniature, attention-free: every weight 1/N, no Eq. 6') for f in MINI}
     every = {**chosen, **inline_t, **floors}
     if dataset == 'fashion_recall':
         heads = tuple(round(h / MINI['swin'][1]) for h in MOSAICS['heads'])
-        return {n: every[n]._replace(overrides={**every[n].overrides, 'num_heads': heads}) for n in MOSAIC_ROWS}
+        return {n: every[n]._replace(overrides={**every[n].overrides, 'num_heads': heads})
+                for n in MOSAIC_ROWS}
     return every
 
 
 def matched_mlp_ratio(e, count):
     """The mlp_ratio (one for every block, 3 decimals) that gives e's miniature `count` parameters: a block of
-    width C with hidden width H has (2C + 1) H of its MLP's parameters, so H grows by the gap over sum (2C + 1) C
-    per unit of ratio. The R-res row that matches Eq. 6 parameter for parameter."""
+    width C with hidden width H has (2C + 1) H of its MLP's parameters, so H grows by the gap over sum (2C +
+    1) C per unit of ratio. The R-res row that matches Eq. 6 parameter for parameter."""
     model = miniature(e)
     mlps = [m for m in model.modules() if isinstance(m, models.Mlp)]
     ratio = mlps[0].fc1.out_features / mlps[0].fc1.in_features
@@ -135,13 +141,13 @@ def matched_mlp_ratio(e, count):
 
 def comparisons(chosen):
     """[(tables, row, reference)]: the pairs the verdicts compare, row minus reference seed by seed, in the
-    order of the tables; a pair two tables make (T4's Eq. 6 at 56² is R-res's pair) comes once, naming both. T3:
-    division against subtraction, the same phi; T4: without against with Eq. 6 at each window, and each window
-    against the whole stage, with and without Eq. 6 (the paper's four no-Eq. 6 rows are a tie); R-res: against
-    the released InLine-Swin-T, and the two corners of the 2x2 (Eq. 6 x APE) against the row with the same APE;
-    T10, R-dil, R-nonneg: against InLine-Swin-T; T1: each over normalised q against itself (T1_REFERENCE); S: each
-    softmax original against its InLine version; floor: each family's InLine model against its attention-free
-    floor."""
+    order of the tables; a pair two tables make (T4's Eq. 6 at 56² is R-res's pair) comes once, naming both.
+    T3: division against subtraction, the same phi; T4: without against with Eq. 6 at each window, and each
+    window against the whole stage, with and without Eq. 6 (the paper's four no-Eq. 6 rows are a tie); R-res:
+    against the released InLine-Swin-T, and the two corners of the 2x2 (Eq. 6 x APE) against the row with the
+    same APE; T10, R-dil, R-nonneg: against InLine-Swin-T; T1: each over normalised q against itself
+    (T1_REFERENCE); S: each softmax original against its InLine version; floor: each family's InLine model
+    against its attention-free floor."""
     pairs = []
     for name, e in chosen.items():
         t = e.table
@@ -171,20 +177,24 @@ def comparisons(chosen):
     return [(tuple(tables), name, ref) for tables, name, ref in found.values()]
 
 
-# The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's corners of
-# the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2) with the APE held,
-# and the matched row tests it parameter for parameter
+# The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's
+# corners of the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2)
+# with the APE held, and the matched row tests it parameter for parameter
 CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape': ('R-res: +2.2', 2.2),
           'r_residual_none_matched': ('R-res: -2.2', -2.2),
-          # T1's claim, that softmax loses by losing injectivity (DeiT-T 72.2 -> 70.6 / 69.9), in Swin and in InLine
-          't1_swin_softmax_normalised_q': ('T1 (DeiT-T): -1.6', -1.6), 't1_inline_normalised_q': ('T1 (DeiT-T): -1.6', -1.6)}
-T1_REFERENCE = {'t1_swin_softmax_normalised_q': 's_swin_t', 't1_inline_normalised_q': 'inline_swin_t'}  # else t1_softmax
+          # T1's claim, that softmax loses by losing injectivity (DeiT-T 72.2 -> 70.6 / 69.9), in Swin and in
+          # InLine
+          't1_swin_softmax_normalised_q': ('T1 (DeiT-T): -1.6', -1.6),
+          't1_inline_normalised_q': ('T1 (DeiT-T): -1.6', -1.6)}
+# else t1_softmax
+T1_REFERENCE = {'t1_swin_softmax_normalised_q': 's_swin_t', 't1_inline_normalised_q': 'inline_swin_t'}
 
 
 def mini_kwargs(e):
-    """The create_model overrides that make an experiment's miniature, on top of its own: the family's sizes, head
-    counts the experiment sets scaled by the family's width factor, windows scaled to Swin's stage 1 (None, the
-    whole stage, where they cover it). CSwin's softmax original keeps the miniature's depths, not its own."""
+    """The create_model overrides that make an experiment's miniature, on top of its own: the family's sizes,
+    head counts the experiment sets scaled by the family's width factor, windows scaled to Swin's stage 1
+    (None, the whole stage, where they cover it). CSwin's softmax original keeps the miniature's depths, not
+    its own."""
     img, width, sizes = MINI[family(e)]
     kwargs = dict(sizes)
     if 'num_heads' in e.overrides:
@@ -192,7 +202,8 @@ def mini_kwargs(e):
         scaled = [h * width for h in (heads if isinstance(heads, tuple) else (heads,))]
         if any(abs(h - round(h)) > 1e-9 for h in scaled):
             raise ValueError(f'{e.model}: {heads} heads do not scale by {width:.3g} to whole heads')
-        kwargs['num_heads'] = tuple(round(h) for h in scaled) if isinstance(heads, tuple) else round(scaled[0])
+        kwargs['num_heads'] = (tuple(round(h) for h in scaled) if isinstance(heads, tuple)
+                               else round(scaled[0]))
     if e.overrides.get('window') is not None:
         window = e.overrides['window'] * (img // 4) // 56
         kwargs['window'] = None if window >= img // 4 else window
@@ -200,8 +211,9 @@ def mini_kwargs(e):
 
 
 def untestable(e):
-    """Why an experiment's miniature cannot test what its row claims, or None: T4's windows must be larger than
-    Eq. 6's 3x3 neighbourhood, or Eq. 6 covers the window it is compared in (at 64 px, the 7² window is 2x2)."""
+    """Why an experiment's miniature cannot test what its row claims, or None: T4's windows must be larger
+    than Eq. 6's 3x3 neighbourhood, or Eq. 6 covers the window it is compared in (at 64 px, the 7² window is
+    2x2)."""
     window = mini_kwargs(e).get('window')
     if e.table == 'T4' and window is not None and window <= 3:
         return f"its {window}x{window} window is not larger than Eq. 6's 3x3"
@@ -209,8 +221,9 @@ def untestable(e):
 
 
 def resolve_data(args, need=True):
-    """Fill --dataset (default Fashion-MNIST) and --data-path, download once if asked (not once per run), and stop
-    with how to get the data when it is missing, before any run starts (need=False: rebuilding from records)."""
+    """Fill --dataset (default Fashion-MNIST) and --data-path, download once if asked (not once per run), and
+    stop with how to get the data when it is missing, before any run starts (need=False: rebuilding from
+    records)."""
     args.dataset = args.dataset or 'fashion_mnist'
     if args.data_path is None and args.dataset != 'synthetic':
         args.data_path = FASHION_MNIST_DEB if args.dataset in ('fashion_mnist', 'fashion_recall') and \
@@ -226,67 +239,73 @@ def resolve_data(args, need=True):
     elif args.dataset == 'imagefolder':
         for split in ('train', 'val'):
             if not os.path.isdir(os.path.join(args.data_path, split)):
-                train.fail(f'--data-path {args.data_path} has no {split}/ folder (an ImageFolder root: train/ and val/)')
+                train.fail(f'--data-path {args.data_path} has no {split}/ folder (an ImageFolder root: '
+                           'train/ and val/)')
     if args.data_path:
         args.data_path = os.path.abspath(args.data_path)
 
 
 def resolve_budget(args):
-    """--device (cpu; cuda only where there is a GPU), and --epochs, --train-images from BUDGET (MOSAIC_BUDGET on
-    fashion_recall) where not given."""
+    """--device (cpu; cuda only where there is a GPU), and --epochs, --train-images from BUDGET (MOSAIC_BUDGET
+    on fashion_recall) where not given."""
     args.device = getattr(args, 'device', None) or 'cpu'
     if args.device == 'cuda' and not torch.cuda.is_available():
-        train.fail('--device cuda: torch sees no CUDA device here; run on a machine with a GPU, or --device cpu')
+        train.fail('--device cuda: torch sees no CUDA device here; run on a machine with a GPU, or '
+                   '--device cpu')
     for k, v in budgets(getattr(args, 'dataset', None))[args.device].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
 
 
 def recipe(e, args):
-    """What makes a run's result, besides its model and seed: the data, the budget, the precision, the device and
-    train.py's own recipe for the data (train.SMALL). Records of different recipes never share a table."""
+    """What makes a run's result, besides its model and seed: the data, the budget, the precision, the device
+    and train.py's own recipe for the data (train.SMALL). Records of different recipes never share a table."""
     own = train.SYNTHETIC if args.dataset == 'synthetic' else train.SMALL
     mosaics = {k: MOSAICS[k] for k in ('task', 'val_images')} if args.dataset == 'fashion_recall' else {}
     return dict(dataset=args.dataset, **mosaics, train_images=args.train_images, img_size=MINI[family(e)][0],
                 epochs=args.epochs, warmup_epochs=round(args.epochs / 12, 3),
-                val_every=1 if args.device == 'cuda' else max(1, args.epochs // 4),  # cheap on a GPU: every epoch
+                # cheap on a GPU: every epoch
+                val_every=1 if args.device == 'cuda' else max(1, args.epochs // 4),
                 precision=PRECISION[args.device], device=args.device,
                 train={k: v for k, v in own.items() if k not in ('epochs', 'warmup_epochs', 'img_size')})
 
 
 def data_argv(args):
-    """train.py's data flags: the dataset and a fixed subset of its training images, or fresh synthetic ones. An
-    ImageFolder gets the small datasets' recipe (train.SMALL) in place of the released ImageNet one."""
+    """train.py's data flags: the dataset and a fixed subset of its training images, or fresh synthetic ones.
+    An ImageFolder gets the small datasets' recipe (train.SMALL) in place of the released ImageNet one."""
     if args.dataset == 'synthetic':
         return ['--synthetic-train', str(args.train_images)]
     if args.dataset == 'fashion_recall':  # new training mosaics a seed, the same test ones for every run
-        return ['--dataset', 'fashion_recall', '--data-path', args.data_path, '--recall-task', MOSAICS['task'],
-                '--synthetic-train', str(args.train_images), '--synthetic-val', str(MOSAICS['val_images'])]
+        return ['--dataset', 'fashion_recall', '--data-path', args.data_path, '--recall-task',
+                MOSAICS['task'], '--synthetic-train', str(args.train_images), '--synthetic-val',
+                str(MOSAICS['val_images'])]
     small = [] if args.dataset != 'imagefolder' else ['--accum-steps', '1', '--ema-decay', '0'] + [
         x for k, v in train.SMALL.items() if k not in ('epochs', 'warmup_epochs')
         for x in (f'--{k.replace("_", "-")}', str(v))]
-    return ['--dataset', args.dataset, '--data-path', args.data_path, '--train-subset', str(args.train_images), *small]
+    return ['--dataset', args.dataset, '--data-path', args.data_path, '--train-subset',
+            str(args.train_images), *small]
 
 
 def make_run(name, e, seed, args):
-    """One run of an experiment: `python -m paper train`'s command line (the experiment by name, else its model
-    with its overrides; its miniature, the budget, the data, the precision, the seed) and what its record is keyed
-    by. Validation every val_every epochs and after
+    """One run of an experiment: `python -m paper train`'s command line (the experiment by name, else its
+    model with its overrides; its miniature, the budget, the data, the precision, the seed) and what its
+    record is keyed by. Validation every val_every epochs and after
     the last: the 10,000 test images, every epoch, would cost much of a short run."""
     r = recipe(e, args)
     registered = name in EXPERIMENTS  # else its overrides go on the command line
     kwargs = {**({} if registered else e.overrides), **mini_kwargs(e)}
     argv = [name if registered else e.model] + [
         '--img-size', str(r['img_size']), '--model-kwargs', *[f'{k}={v!r}' for k, v in kwargs.items()],
-        '--epochs', str(r['epochs']), '--warmup-epochs', str(r['warmup_epochs']), '--val-every', str(r['val_every']),
-        *data_argv(args), '--amp', r['precision'], '--seed', str(seed)]
+        '--epochs', str(r['epochs']), '--warmup-epochs', str(r['warmup_epochs']), '--val-every',
+        str(r['val_every']), *data_argv(args), '--amp', r['precision'], '--seed', str(seed)]
     return Run(name, config_key(e), r, seed, argv)
 
 
 def config_key(e):
-    """Experiments that build the same model share their runs (InLine-Swin-T is T10's identity row, R-res's local
-    row, R-dil's dilation 1 and S's InLine row): the variant, layout, attention options away from their defaults
-    (so a new option with a default leaves the keys as they are), Swin's window and APE, the sizes, the count."""
+    """Experiments that build the same model share their runs (InLine-Swin-T is T10's identity row, R-res's
+    local row, R-dil's dilation 1 and S's InLine row): the variant, layout, attention options away from their
+    defaults (so a new option with a default leaves the keys as they are), Swin's window and APE, the sizes,
+    the count."""
     model = miniature(e)
     o = dict(model.options)
     if o['kernel'] is None and 'L' not in model.layout:  # kernel=None is identity when no block is linear
@@ -296,7 +315,8 @@ def config_key(e):
         o.update(window=model.window, ape=bool(model.ape))
     count = sum(p.numel() for p in model.parameters())  # tells apart what the options do not name (mlp_ratio)
     return json.dumps([e.model, model.layout, sorted(o.items()),
-                       sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window'), count], default=str)
+                       sorted((k, v) for k, v in mini_kwargs(e).items() if k != 'window'), count],
+                       default=str)
 
 
 def miniature(e):
@@ -311,12 +331,12 @@ def parameters(e):
 
 
 def plan_runs(chosen, every, seeds, args):
-    """The runs `chosen` needs, in the order to train them: the first FIRST_SEEDS seeds of every configuration,
-    then the further seeds, the configurations two by two in the chosen order and the two seed by seed (the chosen
-    order puts a comparison's sides together: a batch stopped early leaves whole comparisons), and each chosen
-    name's runs in seed order. A configuration is trained under the first of all
-    experiments (`every`) that builds it, whatever subset is chosen, so --quick, --only, locality and the full run
-    share their runs; it gets the most seeds any chosen row asks of it. seeds(name) -> how many."""
+    """The runs `chosen` needs, in the order to train them: the first FIRST_SEEDS seeds of every
+    configuration, then the further seeds, the configurations two by two in the chosen order and the two seed
+    by seed (the chosen order puts a comparison's sides together: a batch stopped early leaves whole
+    comparisons), and each chosen name's runs in seed order. A configuration is trained under the first of all
+    experiments (`every`) that builds it, whatever subset is chosen, so --quick, --only, locality and the full
+    run share their runs; it gets the most seeds any chosen row asks of it. seeds(name) -> how many."""
     keys = {name: config_key(e) for name, e in every.items()}
     first, wanted = {}, {}
     for name in every:
@@ -332,22 +352,26 @@ def plan_runs(chosen, every, seeds, args):
 
 
 def estimate(runs, every, records):
-    """(minutes, how they were estimated) for the runs without a record: the mean CPU time (on CUDA, wall time) of
-    the records of the same family and recipe, else, on CPU, RUN_CPU_MIN (MOSAIC_RUN_CPU_MIN on the mosaics) scaled
-    by images x epochs; on CUDA without a record of the recipe, None: this project has measured no GPU run."""
+    """(minutes, how they were estimated) for the runs without a record: the mean CPU time (on CUDA, wall
+    time) of the records of the same family and recipe, else, on CPU, RUN_CPU_MIN (MOSAIC_RUN_CPU_MIN on the
+    mosaics) scaled by images x epochs; on CUDA without a record of the recipe, None: this project has
+    measured no GPU run."""
     total, guessed = 0.0, False
     for run in runs:
         if run.key() not in records:
             f, cuda = family(every[run.name]), run.recipe['device'] == 'cuda'
-            seen = [r['wall_min' if cuda else 'cpu_min'] for r in records.values() if r['recipe'] == run.recipe
+            seen = [r['wall_min' if cuda else 'cpu_min'] for r in records.values()
+                    if r['recipe'] == run.recipe
                     and r['name'] in every and family(every[r['name']]) == f and r['cpu_min'] > 0]
             if not seen and cuda:
                 return None, 'no GPU record of this recipe yet'
             guessed |= not seen
             mosaics = run.recipe['dataset'] == 'fashion_recall'
             budget = budgets(run.recipe['dataset'])['cpu']
-            scale = run.recipe['epochs'] * run.recipe['train_images'] / (budget['epochs'] * budget['train_images'])
-            total += statistics.mean(seen) if seen else (MOSAIC_RUN_CPU_MIN if mosaics else RUN_CPU_MIN[f]) * scale
+            scale = run.recipe['epochs'] * run.recipe['train_images'] / (budget['epochs']
+                                                                         * budget['train_images'])
+            total += statistics.mean(seen) if seen else (MOSAIC_RUN_CPU_MIN if mosaics
+                                                         else RUN_CPU_MIN[f]) * scale
     return total, 'RUN_CPU_MIN' if guessed else 'the records of this recipe'
 
 
@@ -355,7 +379,8 @@ def estimate(runs, every, records):
 
 
 def reported_value(text):
-    """The paper's number as a float: the first figure given; 'does not converge' as -inf; None when unreported."""
+    """The paper's number as a float: the first figure given; 'does not converge' as -inf; None when
+    unreported."""
     if text is None:
         return None
     if 'not converge' in text:
@@ -392,9 +417,9 @@ def seeds_option(values, default):
 
 def choose(args, every):
     """The experiments a command asks for: --quick, --claims (the claim rows: CLAIM_ROWS, or MOSAIC_ROWS on
-    fashion_recall, where every row is one), --only NAMES, else all, each with the φ = 0 floor of every family it
-    touches (the gate of its verdicts); and seeds(name): the claim rows CLAIM_SEEDS unless --seeds names their
-    table."""
+    fashion_recall, where every row is one), --only NAMES, else all, each with the φ = 0 floor of every family
+    it touches (the gate of its verdicts); and seeds(name): the claim rows CLAIM_SEEDS unless --seeds names
+    their table."""
     rows = MOSAIC_ROWS if args.dataset == 'fashion_recall' else CLAIM_ROWS
     if args.quick:
         chosen = QUICK
@@ -407,8 +432,10 @@ def choose(args, every):
         chosen = args.only
     else:
         chosen = every
-    chosen = tuple(dict.fromkeys([*chosen, *(f'floor_{family(every[n])}' for n in chosen  # the gate: each family's
-                                             if f'floor_{family(every[n])}' in every)]))  # floor, on every test bed
+    # the gate: each family's
+    chosen = tuple(dict.fromkeys([*chosen, *(f'floor_{family(every[n])}' for n in chosen
+                                             # floor, on every test bed
+                                             if f'floor_{family(every[n])}' in every)]))
     per_table = seeds_option(args.seeds, {t: QUICK_SEEDS for t in SEEDS} if args.quick else SEEDS)
     named = {v.rpartition('=')[0] or '*' for v in args.seeds or []}
     claims = () if args.quick else rows
@@ -430,10 +457,10 @@ def cmd_ablations(args):
     minutes, source = estimate(runs, every, records)
     todo = [r for r in runs if r.key() not in records]
     passes = sum(r.recipe['epochs'] * r.recipe['train_images'] for r in todo)
-    print(f'{len(chosen)} experiments, {len({tuple(r.key() for r in rs) for rs in planned.values() if rs})} distinct '
-          f'configurations, {len(runs)} runs of {args.epochs} epochs x {args.train_images} images of {args.dataset} '
-          f'on {args.device} ({PRECISION[args.device]}), {args.jobs} at a time; estimate for the {len(todo)} runs '
-          f'without a record ({passes / 1e6:.1f}M training image passes): ' +
+    print(f'{len(chosen)} experiments, {len({tuple(r.key() for r in rs) for rs in planned.values() if rs})} '
+          f'distinct configurations, {len(runs)} runs of {args.epochs} epochs x {args.train_images} images '
+          f'of {args.dataset} on {args.device} ({PRECISION[args.device]}), {args.jobs} at a time; estimate '
+          f'for the {len(todo)} runs without a record ({passes / 1e6:.1f}M training image passes): ' +
           (f'unknown ({source})' if minutes is None else
            f'{minutes:.0f} {"GPU" if args.device == "cuda" else "CPU"}-minutes by {source}, about '
            f'{minutes / args.jobs // 60:.0f} h {minutes / args.jobs % 60:.0f} min {args.jobs} at a time' +
@@ -444,45 +471,48 @@ def cmd_ablations(args):
     configs, rows, points, (sd, df, m) = table_rows(chosen, planned, result, every,
                                                     MOSAICS['guess'] if mosaics else None)
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
-    bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the same '
-           f'{MOSAICS["val_images"]:,} test mosaics for every run' if mosaics else 'validation on its test set')
-    print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} training '
-          f'images, {bed}, {PRECISION[args.device]} on {args.device}): one row per distinct '
-          f'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) seeds, '
-          f'beside the paper\'s ImageNet-1K top-1; over the φ = 0 floor: its mean minus the mean of its family\'s '
-          f'attention-free miniature (the gate: under it when less than {FLOOR_MARGIN:g}); last quarter: the top-1 '
-          f'gained over the last quarter of the epochs (near 0: flat); a diverged run is left out and named. * our '
-          f'construction (no released code).\n')
+    bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the '
+           f'same {MOSAICS["val_images"]:,} test mosaics for every run' if mosaics
+           else 'validation on its test set')
+    print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} '
+          f'training images, {bed}, {PRECISION[args.device]} on {args.device}): one row per distinct '
+          'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) '
+          'seeds, beside the paper\'s ImageNet-1K top-1; over the φ = 0 floor: its mean minus the mean of '
+          f'its family\'s attention-free miniature (the gate: under it when less than {FLOOR_MARGIN:g}); '
+          'last quarter: the top-1 gained over the last quarter of the epochs (near 0: flat); a diverged '
+          'run is left out and named. * our construction (no released code).\n')
     print_table(['configuration', 'tables', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)',
                  'over the φ = 0 floor', 'last quarter'], configs)
-    gaps = [c[5] for c in configs if c[5] and c[1] != 'floor']  # the attention configurations' gaps to their floor
+    # the attention configurations' gaps to their floor
+    gaps = [c[5] for c in configs if c[5] and c[1] != 'floor']
     if gaps and all('(under)' in g for g in gaps):
-        print(f'\nNo configuration with attention clears its φ = 0 floor by {FLOOR_MARGIN:g} points: on this test bed '
-              f'the task does not need attention, and every comparison is untestable.')
-    header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over', 'seeds',
-              'MDE at 80% power', 'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
-    print(f'\nComparisons, row minus reference, runs paired by seed number: the mean difference and its 95% interval, '
-          f'over seeds and the test set\'s images (a two-way random-effects model, t on Satterthwaite\'s degrees of '
-          f'freedom), or over seeds only (Student-t) where a record predates per-image results: those leave out the '
-          f'test set\'s sampling error. MDE, the minimum detectable effect at 80% power: the true difference a 5% '
-          f'two-sided paired t-test at these seeds catches 4 times in 5, (t_0.975 + t_0.8) sqrt(sd² / n + the test '
-          f'set\'s term), sd the per-seed differences\' pooled over this table\'s comparisons ' +
+        print(f'\nNo configuration with attention clears its φ = 0 floor by {FLOOR_MARGIN:g} points: on this '
+              'test bed the task does not need attention, and every comparison is untestable.')
+    header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over',
+              'seeds', 'MDE at 80% power', 'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
+    print('\nComparisons, row minus reference, runs paired by seed number: the mean difference and its 95% '
+          'interval, over seeds and the test set\'s images (a two-way random-effects model, t on '
+          'Satterthwaite\'s degrees of freedom), or over seeds only (Student-t) where a record predates '
+          'per-image results: those leave out the test set\'s sampling error. MDE, the minimum detectable '
+          'effect at 80% power: the true difference a 5% two-sided paired t-test at these seeds catches 4 '
+          'times in 5, (t_0.975 + t_0.8) sqrt(sd² / n + the test set\'s term), sd the per-seed '
+          'differences\' pooled over this table\'s comparisons ' +
           ('(none has two seeds)' if sd is None else f'({sd:.2f} on {df} degrees of freedom)') +
-          f'; seeds for 1 point: how many would bring the MDE to 1. Verdict (RESULTS.md, "Verdicts"): an ordering is '
-          f'reproduced when the interval excludes 0 on the paper\'s side, contradicted on the other; a paper tie '
-          f'(≤ {PAPER_TIE}) by TOST, reproduced when the interval lies within ±{MARGIN}, contradicted wholly outside '
-          f'it; else not resolved; untestable where a side is under its φ = 0 floor + {FLOOR_MARGIN:g} (p is still '
-          f'shown). Holm verdict: the same test with its p adjusted by Holm\'s method over this table\'s family, '
-          f'"{family_name}": the {m} comparisons with a verdict, so that the chance of any false verdict among them '
-          f'is at most 5%. † a claim row.\n')
+          '; seeds for 1 point: how many would bring the MDE to 1. Verdict (RESULTS.md, "Verdicts"): an '
+          'ordering is reproduced when the interval excludes 0 on the paper\'s side, contradicted on the '
+          f'other; a paper tie (≤ {PAPER_TIE}) by TOST, reproduced when the interval lies within ±{MARGIN}, '
+          'contradicted wholly outside it; else not resolved; untestable where a side is under its φ = 0 '
+          f'floor + {FLOOR_MARGIN:g} (p is still shown). Holm verdict: the same test with its p adjusted by '
+          f'Holm\'s method over this table\'s family, "{family_name}": the {m} comparisons with a verdict, '
+          'so that the chance of any false verdict among them is at most 5%. † a claim row.\n')
     print_table(header, rows)
     ablations_pictures(args, chosen, planned, done, result, rows, points)
     return configs, rows
 
 
 def ablations_pictures(args, chosen, planned, done, result, rows, points):
-    """The ablations' picture (each comparison's difference and interval beside the paper's, a panel per table;
-    top-1 per experiment where none has a comparison) and, beside it, every run's learning curves."""
+    """The ablations' picture (each comparison's difference and interval beside the paper's, a panel per
+    table; top-1 per experiment where none has a comparison) and, beside it, every run's learning curves."""
     default = 'ablations_fashion_recall.png' if args.dataset == 'fashion_recall' else 'ablations.png'
     out = args.png or os.path.join(args.out, default)
     panels = {}
@@ -497,9 +527,10 @@ def ablations_pictures(args, chosen, planned, done, result, rows, points):
         xlabels=[label for label, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
         for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
         series=[('here', list(range(1, len(chosen) + 1)),
-                 [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)], title='top-1 here',
-        xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)), xlabels=[short_name(n) for n in chosen],
-        lines=False)], cols=4, size=(420, 330))
+                 [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)],
+                 title='top-1 here',
+        xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
+        xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
     curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
     learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done)
@@ -507,40 +538,47 @@ def ablations_pictures(args, chosen, planned, done, result, rows, points):
 
 def table_rows(chosen, planned, result, every, guess=None):
     """The two tables: one row per distinct configuration (its names, tables, top-1, how far over its family's
-    φ = 0 floor), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart entry
-    (label, mean, half-width, the paper's difference) and (the pooled sd, its degrees of freedom, the size of the
-    Holm family). The gate: a configuration clears when its mean is FLOOR_MARGIN over the mean of its family's floor
-    (the same recipe); a comparison with a side that does not, or no floor run, is untestable, whatever its p."""
+    φ = 0 floor), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart
+    entry (label, mean, half-width, the paper's difference) and (the pooled sd, its degrees of freedom, the
+    size of the Holm family). The gate: a configuration clears when its mean is FLOOR_MARGIN over the mean of
+    its family's floor (the same recipe); a comparison with a side that does not, or no floor run, is
+    untestable, whatever its p."""
     distinct = {}
     for name, e in chosen.items():
         distinct.setdefault(tuple(r.key() for r in planned[name]) or name, []).append(name)
     mean = {n: statistics.mean(result[n].top1.values()) if result[n].top1 else None for n in chosen}
     floor = {n: f'floor_{family(e)}' for n, e in chosen.items()}
-    above = {n: None if mean[n] is None or mean.get(floor[n]) is None else mean[n] - mean[floor[n]] for n in chosen}
+    above = {n: None if mean[n] is None or mean.get(floor[n]) is None else mean[n] - mean[floor[n]]
+             for n in chosen}
     cleared, configs = {n: above[n] is not None and above[n] >= FLOOR_MARGIN for n in chosen}, []
     for names in distinct.values():
         r, e, n = result[names[0]], every[names[0]], names[0]
         why, accs = untestable(e), list(r.top1.values())
-        ours = ('—' if not accs else f'{mean[n]:.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})' if len(accs) > 1
-                else f'{accs[0]:.1f} (1)') + (f', seed {", ".join(map(str, r.diverged))} diverged' if r.diverged else '')
+        ours = ('—' if not accs else f'{mean[n]:.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})'
+                if len(accs) > 1
+                else f'{accs[0]:.1f} (1)') + (f', seed {", ".join(map(str, r.diverged))} diverged'
+                                              if r.diverged else '')
         configs.append([' = '.join(n + (' *' if every[n].ours else '') for n in names),
-                        ', '.join(dict.fromkeys(every[n].table for n in names)), f'{parameters(e) / 1e6:.2f}M',
-                        f'not trained: {why}' if why else ours,
+                        ', '.join(dict.fromkeys(every[n].table for n in names)),
+                        f'{parameters(e) / 1e6:.2f}M', f'not trained: {why}' if why else ours,
                         ' / '.join(dict.fromkeys(every[n].reported or '—' for n in names)),
-                        '' if above[n] is None else f'{above[n]:+.1f}' + ('' if cleared[n] or e.table == 'floor'
+                        '' if above[n] is None else f'{above[n]:+.1f}'
+                        + ('' if cleared[n] or e.table == 'floor'
                                                                          else ' (under)'),
                         '' if r.gain is None else f'{r.gain:+.1f}'])
     if guess is not None:
-        configs.insert(0, ['guess: 1 of the 3 candidate cells, the most a network without position in a stage can '
-                           'score (the floor\'s ceiling)', '', '', f'{guess:.1f}', '—', '', ''])
-    pairs = [(tables, name, ref, *matched(result[name], result[ref])) for tables, name, ref in comparisons(chosen)]
+        configs.insert(0, ['guess: 1 of the 3 candidate cells, the most a network without position in a '
+                           'stage can score (the floor\'s ceiling)', '', '', f'{guess:.1f}', '—', '', ''])
+    pairs = [(tables, name, ref, *matched(result[name], result[ref]))
+             for tables, name, ref in comparisons(chosen)]
     sd, df = pooled_sd([diffs for *_, diffs, _ in pairs])
     rows, tested = [], []
     for tables, name, ref, seeds, diffs, images in pairs:
         paper_text, paper_diff = paper_claim(name, ref, every)
         label = f'{name} − {ref}' + ('†' if name in CLAIM_ROWS and ref in CLAIM_ROWS else '')
         if untestable(every[name]) or untestable(every[ref]):
-            rows.append([', '.join(tables), label, paper_text, '', '', '', '', '', '', 'untestable', '', None])
+            rows.append([', '.join(tables), label, paper_text, '', '', '', '', '', '', 'untestable', '',
+                         None])
             continue
         unpaired = sorted((result[name].top1.keys() | result[ref].top1.keys() |
                            set(result[name].diverged + result[ref].diverged)) - set(seeds))
@@ -549,8 +587,8 @@ def table_rows(chosen, planned, result, every, guess=None):
         gate = None if cleared[name] and cleared[ref] else 'untestable (no floor run)' if None in (
             above[name], above[ref]) else 'untestable (under the floor)'
         if len(seeds) < 2:
-            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if seeds else '', over,
-                         count, '∞' if seeds else '', '', '', 'not run' if not seeds else gate or (
+            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if seeds else '',
+                         over, count, '∞' if seeds else '', '', '', 'not run' if not seeds else gate or (
                              'not resolved' if paper_diff is not None else '—'), '', None])
             continue
         mid, half = interval(diffs, images)
@@ -558,12 +596,15 @@ def table_rows(chosen, planned, result, every, guess=None):
         p = p_values(diffs, paper_diff, images) if paper_diff is not None else None
         word = verdict(diffs, paper_diff, images) if gate is None or paper_diff is None else gate
         needed = seeds_for(sd, image_var)
-        rows.append([', '.join(tables), label, paper_text, f'{mid:+.1f} [{mid - half:+.1f}, {mid + half:+.1f}]', over,
-                     count, f'{mde(sd, len(seeds), image_var):.1f}', '> 1000' if needed is None else str(needed),
+        rows.append([', '.join(tables), label, paper_text,
+                     f'{mid:+.1f} [{mid - half:+.1f}, {mid + half:+.1f}]', over, count,
+                     f'{mde(sd, len(seeds), image_var):.1f}', '> 1000' if needed is None else str(needed),
                      '' if p is None else f'{min(p):.3f}', word, '',
-                     (short_name(name), mid, half, paper_diff if paper_diff is not None and math.isfinite(paper_diff)
+                     (short_name(name), mid, half,
+                      paper_diff if paper_diff is not None and math.isfinite(paper_diff)
                       else None)])
-        if p is not None and gate is None:  # Holm's family: the comparisons with a verdict; each row's p, its smaller
+        # Holm's family: the comparisons with a verdict; each row's p, its smaller
+        if p is not None and gate is None:
             tested.append((len(rows) - 1, min(p), word))
     for (i, _, word), q in zip(tested, holm([p for _, p, _ in tested])):
         rows[i][10] = word if q < ALPHA else 'not resolved'
@@ -573,8 +614,8 @@ def table_rows(chosen, planned, result, every, guess=None):
 
 
 def learning_curves(path, chosen, planned, done):
-    """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration of
-    the table (each drawn once, in the first table that has it), so a reader sees
+    """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration
+    of the table (each drawn once, in the first table that has it), so a reader sees
     whether training had flattened for every model the text speaks of."""
     panels, drawn = [], set()
     for table in dict.fromkeys(e.table for e in chosen.values()):
@@ -588,7 +629,8 @@ def learning_curves(path, chosen, planned, done):
             drawn.add(key)
             points = min(len(log) for log in logs)
             series.append((short_name(name), [e['epoch'] for e in logs[0][:points]],
-                           [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)], None))
+                           [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)],
+                           None))
         if series:
             panels.append(dict(series=series, title=f'{table}: validation top-1 by epoch', xlabel='epoch',
                                ylabel='top-1 (%)', xticks=sorted({x for s in series for x in s[1]})))
@@ -599,8 +641,9 @@ def learning_curves(path, chosen, planned, done):
 def short_name(name):
     """An experiment's name short enough to label a chart's x axis: t4_window7_residual -> w7 + res."""
     for pattern, short in ((r't3_linear_(\w+)', r'lin \1'), (r't3_inline_(\w+)', r'InL \1'),
-                           (r't4_window(\d+)_no_residual', r'w\1'), (r't4_window(\d+)_residual', r'w\1 + res'),
-                           (r't10_kernel_(\w+)', r'\1'), (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
+                           (r't4_window(\d+)_no_residual', r'w\1'),
+                           (r't4_window(\d+)_residual', r'w\1 + res'), (r't10_kernel_(\w+)', r'\1'),
+                           (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
                            (r't1_softmax_normalised_q', 'normalised q'), (r's_(\w+)_t', r'softmax \1'),
                            (r'inline_(\w+)_t', r'InLine \1'), (r'floor_(\w+)', r'floor \1')):
         if re.fullmatch(pattern, name):

@@ -1,8 +1,9 @@
-"""The lab's pictures and tables: markdown tables and PNG charts, heat maps and image tiles, drawn with Pillow.
+"""The lab's pictures and tables: markdown tables and PNG charts, heat maps and image tiles, drawn with
+Pillow.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. No command of its own: every command of `python -m paper` draws through these (paper/__main__.py
-lists them).
+arXiv 2412.06590. No command of its own: every command of `python -m paper` draws through these
+(paper/__main__.py lists them).
 """
 import math
 import os
@@ -17,7 +18,8 @@ from torchvision.transforms import functional as TF
 # drawing: heat-map cells, line/dot charts, image tiles.
 
 PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]  # 10 series before a colour repeats
+           # 10 series before a colour repeats
+           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
 MARK = (230, 0, 120)  # identical rows, query tokens
 
 
@@ -54,8 +56,8 @@ def nice_ticks(lo, hi, n=5):
     return [i * step for i in range(math.floor(lo / step), math.ceil(hi / step) + 1)]
 
 
-def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log_x=False, hlines=(), lines=True,
-          ylim=None):
+def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log_x=False, hlines=(),
+          lines=True, ylim=None):
     """A line (or, lines=False, dot) chart in box = (left, top, right, bottom) of draw.
 
     series: [(label, xs, ys, errs or None)]; hlines: [(label, y)] drawn dashed; xticks the x positions to
@@ -114,7 +116,8 @@ def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log
             if errs and errs[j]:
                 draw.line([(px(x), py(y - errs[j])), (px(x), py(y + errs[j]))], fill=c, width=2)
             draw.ellipse([px(x) - 4, py(y) - 4, px(x) + 4, py(y) + 4], fill=c)
-    for i, ((label, *_), (dx, row)) in enumerate(zip(series, places)):  # the legend, its rows under the x label
+    # the legend, its rows under the x label
+    for i, ((label, *_), (dx, row)) in enumerate(zip(series, places)):
         legend_x, legend_y = x0 + dx, bottom - 12 - 16 * (rows - 1 - row)
         draw.rectangle([legend_x, legend_y - 5, legend_x + 12, legend_y + 5], fill=PALETTE[i % len(PALETTE)])
         draw.text((legend_x + 17, legend_y), str(label), fill='black', font=font(11), anchor='lm')
@@ -143,14 +146,16 @@ def heatmaps(path, matrices, groups, labels, caption, cell=46):
         ox = 10 + p * panel_w
         draw.text((ox + pad_left + C * cell / 2, 8), name, fill='black', font=font(14), anchor='ma')
         for j in range(C):
-            draw.text((ox + pad_left + (j + 0.5) * cell, 28), f'k{j + 1}', fill='black', font=font(11), anchor='ma')
+            draw.text((ox + pad_left + (j + 0.5) * cell, 28), f'k{j + 1}', fill='black', font=font(11),
+                      anchor='ma')
         for i in range(R):
             y = pad_top + i * cell
             draw.text((ox + pad_left - 6, y + cell / 2), labels[i], fill='black', font=font(12), anchor='rm')
             for j in range(C):
                 x, value = ox + pad_left + j * cell, w[i, j].item()
                 draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=diverging(value / vmax))
-                draw.text((x + cell / 2, y + cell / 2), f'{value:.2f}', fill='black', font=font(11), anchor='mm')
+                draw.text((x + cell / 2, y + cell / 2), f'{value:.2f}', fill='black', font=font(11),
+                          anchor='mm')
         xr = ox + pad_left + C * cell
         for g in groups[name]:
             for i in g:
@@ -164,9 +169,10 @@ def heatmaps(path, matrices, groups, labels, caption, cell=46):
 
 
 def overlay(image, w, grid, scale, vmax):
-    """image (3, S, S) in [0, 1] with the weights w (h, w) laid over it: red positive, blue negative, the colour's
-    strength sqrt(|w| / vmax), so weights near 0 leave the image visible and small ones still show. vmax is shared
-    by every map of a figure: a flat map looks faint, a peaked one strong. Returns a PIL image, S*scale wide."""
+    """image (3, S, S) in [0, 1] with the weights w (h, w) laid over it: red positive, blue negative, the
+    colour's strength sqrt(|w| / vmax), so weights near 0 leave the image visible and small ones still show.
+    vmax is shared by every map of a figure: a flat map looks faint, a peaked one strong. Returns a PIL image,
+    S*scale wide."""
     t = (w / vmax).clamp(-1, 1).repeat_interleave(image.shape[1] // grid[0], 0)
     t = t.repeat_interleave(image.shape[2] // grid[1], 1)  # (S, S) in [-1, 1]
     red, blue = torch.tensor(diverging(1.0)) / 255, torch.tensor(diverging(-1.0)) / 255
@@ -192,8 +198,8 @@ def image_grid(path, image, rows, queries, grid):
     cell = (T / grid[1], T / grid[0])
     draw.text((label_w + T / 2, top - 8), 'image', fill='black', font=font(12), anchor='md')
     for j, (y, x_) in enumerate(queries):
-        draw.text((label_w + (j + 1) * (T + 8) + T / 2, top - 8), f'query ({y},{x_})', fill='black', font=font(12),
-                  anchor='md')
+        draw.text((label_w + (j + 1) * (T + 8) + T / 2, top - 8), f'query ({y},{x_})', fill='black',
+                  font=font(12), anchor='md')
     for i, (label, tiles) in enumerate(rows):
         oy = top + i * (T + 8)
         draw.text((label_w - 8, oy + T / 2), label, fill='black', font=font(12), anchor='rm')
@@ -206,6 +212,7 @@ def image_grid(path, image, rows, queries, grid):
                                 oy + (y + 1) * cell[1] - 1], outline=MARK, width=2)
     draw.text((10, img.height - 40), 'weights on the token grid (class token not drawn), mean over heads;',
               fill='black', font=font(12))
-    draw.text((10, img.height - 22), f'red > 0, blue < 0; strength sqrt(|w| / {vmax:.3f}), the largest |w| shown',
-              fill='black', font=font(12))
+    draw.text((10, img.height - 22),
+              f'red > 0, blue < 0; strength sqrt(|w| / {vmax:.3f}), the largest |w| shown', fill='black',
+              font=font(12))
     save_png(img, path)

@@ -2,11 +2,7 @@
 paper reports, and the two tables that list them.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Commands (from the repository root):
-
-    python -m paper models                 # every released variant: params and GMACs beside the authors'
-    python -m paper experiments            # every experiment of the paper by name, with the paper's top-1
-    python -m paper train NAME [train.py flags]  # train one (paper/runs.py): its model and overrides, flags win
+arXiv 2412.06590. Run as `python -m paper models`, `experiments`, `train NAME` (paper/__main__.py).
 """
 from typing import NamedTuple
 
@@ -43,15 +39,17 @@ T3 = {'relu': ('77.3', '79.8'), 'relu_affine': ('70.2', '80.0'), 'leakyrelu': ('
 for kernel, (linear, inline_) in T3.items():
     signed = kernel not in inline.NON_NEGATIVE_KERNELS
     experiment(f't3_linear_{kernel}', 'inline_swin_t',
-               dict(layout='LLLS', kernel=kernel, residual='none', **({'allow_divergent': True} if signed else {})),
+               dict(layout='LLLS', kernel=kernel, residual='none',
+                    **({'allow_divergent': True} if signed else {})),
                'T3', linear, f'vanilla linear attention (division), phi = {kernel}, no Eq. 6, APE',
                ours=kernel == 'relu_affine')
     experiment(f't3_inline_{kernel}', 'inline_swin_t', dict(kernel=kernel, residual='none'), 'T3', inline_,
                f'InLine attention (subtraction), phi = {kernel}, no Eq. 6, APE', ours=kernel == 'relu_affine')
 # T4: InLine windows 7^2 .. 56^2 (56 covers stage 1 at 224 px: global), without and with Eq. 6
-for window, without, with_ in ((7, '80.3', '81.6'), (14, '80.4', '82.1'), (28, '80.2', '82.3'), (56, '80.2', '82.4')):
-    experiment(f't4_window{window}_no_residual', 'inline_swin_t', dict(window=window, residual='none'), 'T4', without,
-               f'InLine windows {window}x{window}, shifted on odd blocks, no Eq. 6, APE')
+for window, without, with_ in ((7, '80.3', '81.6'), (14, '80.4', '82.1'), (28, '80.2', '82.3'),
+                               (56, '80.2', '82.4')):
+    experiment(f't4_window{window}_no_residual', 'inline_swin_t', dict(window=window, residual='none'), 'T4',
+               without, f'InLine windows {window}x{window}, shifted on odd blocks, no Eq. 6, APE')
     experiment(f't4_window{window}_residual', 'inline_swin_t', dict(window=window), 'T4', with_,
                f'InLine windows {window}x{window}, shifted on odd blocks, with Eq. 6')
 for kernel, reported in (('identity', '82.4'), ('relu', '82.5'), ('leakyrelu', None), ('exp', 'about relu')):
@@ -61,38 +59,44 @@ experiment('r_residual_none', 'inline_swin_t', dict(residual='none'), 'R-res', '
 experiment('r_residual_plain', 'inline_swin_t', dict(residual='plain'), 'R-res', '80.2',
            'plain residual o_i += r * v_i, r per channel from the same MLP (C -> C -> C) (APE)', ours=True)
 experiment('r_residual_local', 'inline_swin_t', {}, 'R-res', '82.4', "Eq. 6's local 3x3 residual (released)")
-# R-res's pair changes two things at once: Eq. 6 and the APE (on without Eq. 6). The other two corners of the 2x2
-# separate them: Eq. 6 against none with the same position embedding, both ways (ours; the paper has no numbers)
+# R-res's pair changes two things at once: Eq. 6 and the APE (on without Eq. 6). The other two corners of the
+# 2x2 separate them: Eq. 6 against none with the same position embedding, both ways (ours; the paper has no
+# numbers)
 experiment('r_residual_none_no_ape', 'inline_swin_t', dict(residual='none', ape=False), 'R-res', None,
            'no residual and no APE', ours=True)
-experiment('r_residual_local_ape', 'inline_swin_t', dict(ape=True), 'R-res', None, "Eq. 6 and the APE", ours=True)
+experiment('r_residual_local_ape', 'inline_swin_t', dict(ape=True), 'R-res', None, "Eq. 6 and the APE",
+           ours=True)
 for dilation, reported in ((1, '82.4'), (2, '81.7'), (3, '80.8'), (4, '80.6')):
     experiment(f'r_dilation{dilation}', 'inline_swin_t', dict(dilation=dilation), 'R-dil', reported,
                f"Eq. 6's 3x3 neighbourhood dilated by {dilation}", ours=dilation > 1)
 experiment('r_nonneg', 'inline_swin_t', dict(nonneg=True), 'R-nonneg', '81.7',
            'every InLine weight >= 0: q, k L2-normalised per head, s = 1/2', ours=True)
 # T1 and S: the softmax originals have their own head counts (DeiT-T 3, PVT 1-2-5-8) and CSwin its own depths
-experiment('t1_softmax', 'inline_deit_t', dict(layout='S', num_heads=3), 'T1', '72.2', 'DeiT-T, softmax (injective)')
+experiment('t1_softmax', 'inline_deit_t', dict(layout='S', num_heads=3), 'T1', '72.2',
+           'DeiT-T, softmax (injective)')
 experiment('t1_softmax_normalised_q', 'inline_deit_t', dict(layout='S', num_heads=3, normalise_q='S'), 'T1',
-           '70.6 / 69.9', 'DeiT-T, softmax over L2-normalised queries times a learned per-head gain: q and a*q get '
+           '70.6 / 69.9',
+           'DeiT-T, softmax over L2-normalised queries times a learned per-head gain: q and a*q get '
            'the same weights', ours=True)
 # T1 in Swin, for the test bed whose every InLine layer is injective (the fashion_recall ablations): softmax
 # and InLine each against itself over L2-normalised queries (ours; the paper has no numbers)
 experiment('t1_swin_softmax_normalised_q', 'inline_swin_t', dict(layout='SSSS', normalise_q='S'), 'T1', None,
            "Swin-T's windowed softmax over L2-normalised queries times a learned per-head gain", ours=True)
 experiment('t1_inline_normalised_q', 'inline_swin_t', dict(normalise_q='I'), 'T1', None,
-           'InLine-Swin-T, InLine over L2-normalised queries times a learned per-head gain (stage 4 softmax as it is)',
-           ours=True)
+           'InLine-Swin-T, InLine over L2-normalised queries times a learned per-head gain (stage 4 '
+           'softmax as it is)', ours=True)
 for size in 'tsml':
     experiment(f's_pvt_{size}', f'inline_pvt_{size}', dict(layout='SSSS', num_heads=(1, 2, 5, 8)), 'S', None,
                f'PVT-{size.upper()}: softmax with spatial reduction 8-4-2-1 in the InLine-PVT skeleton')
 for size, reported in (('t', '81.3'), ('s', None), ('b', None)):
     experiment(f's_swin_{size}', f'inline_swin_{size}', dict(layout='SSSS'), 'S', reported,
                f"Swin-{size.upper()}: shifted-window softmax in every stage")
-for size, depths, reported in (('t', (1, 2, 21, 1), '82.7'), ('s', (2, 4, 32, 2), None), ('b', (2, 4, 32, 2), None)):
+for size, depths, reported in (('t', (1, 2, 21, 1), '82.7'), ('s', (2, 4, 32, 2), None),
+                               ('b', (2, 4, 32, 2), None)):
     experiment(f's_cswin_{size}', f'inline_cswin_{size}', dict(layout='SSSS', depths=depths), 'S', reported,
                f"CSwin-{size.upper()}: cross-shaped stripe softmax in every stage, CSwin's own depths")
-experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.2', 'DeiT-T: softmax over all tokens')
+experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.2',
+           'DeiT-T: softmax over all tokens')
 
 
 def create_experiment(name, **overrides):
@@ -108,9 +112,11 @@ def describe(model):
     o = model.options
     parts = [f"{model.family}", f"layout {model.layout}",
              f"kernel {o['kernel'] or 'identity (I) / relu (L)'}", f"residual {o['residual']}"]
-    parts += [f"local_size {o['local_size']}"] * (o['local_size'] != 3) + [f"dilation {o['dilation']}"] * (o['dilation'] > 1)
+    parts += ([f"local_size {o['local_size']}"] * (o['local_size'] != 3)
+              + [f"dilation {o['dilation']}"] * (o['dilation'] > 1))
     parts += ['nonneg'] * o['nonneg']
-    parts += [f"normalise_q {o['normalise_q']}"] * bool(o['normalise_q']) + ['allow_divergent'] * o['allow_divergent']
+    parts += ([f"normalise_q {o['normalise_q']}"] * bool(o['normalise_q'])
+              + ['allow_divergent'] * o['allow_divergent'])
     if model.family == 'swin':
         parts.append('InLine windows: whole stage' if model.window is None else
                      f'InLine windows {model.window} (shifted on odd blocks, no mask)')
@@ -131,8 +137,9 @@ def cmd_models(args):
         rows.append([name, model.img_size[0], f'{ours:,}', f'{params:,}', f'{macs:.3f}', f'{gmacs:.3f}',
                      f'{(macs / gmacs - 1) * 100:+.2f}%', top1 or '-'])
     print_table(['variant', 'img', 'params', 'released', 'GMACs', 'released', 'diff', 'top-1'], rows)
-    print("GMACs = torch.utils.flop_counter FLOPs / 2 (matmuls and convolutions). Ours are lower by the released\n"
-          "code's q.k_mean product alone (N*D per head), which the centred form of Eq. 5 does not need.")
+    print("GMACs = torch.utils.flop_counter FLOPs / 2 (matmuls and convolutions). Ours are lower by the "
+          "released\ncode's q.k_mean product alone (N*D per head), which the centred form of Eq. 5 does not "
+          "need.")
 
 
 def cmd_experiments(args):
@@ -144,5 +151,5 @@ def cmd_experiments(args):
         rows.append([name, e.table, e.model, f'{sum(p.numel() for p in model.parameters()):,}',
                      f'{models.count_macs(model) / 1e9:.2f}', e.reported or '-', '(ours) ' * e.ours + e.what])
     print_table(['experiment', 'table', 'model', 'params', 'GMACs', 'paper top-1', 'what'], rows)
-    print("paper top-1: ImageNet-1K as the paper reports it; (ours): our construction, no code was released.\n"
-          "Train one: torchrun --standalone --nproc_per_node=2 -m paper train NAME")
+    print("paper top-1: ImageNet-1K as the paper reports it; (ours): our construction, no code was "
+          "released.\nTrain one: torchrun --standalone --nproc_per_node=2 -m paper train NAME")

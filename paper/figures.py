@@ -1,11 +1,8 @@
-"""The paper's figures that need no ablation table: F1 (injectivity), F4 (locality by layer), F3 (attention maps).
+"""The paper's figures that need no ablation table: F1 (injectivity), F4 (locality by layer), F3 (attention
+maps).
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Commands (from the repository root):
-
-    python -m paper injectivity   # F1: the weights of q, 2q, 3q, 4q under softmax, linear, InLine
-    python -m paper locality      # F4: per layer, the weight on the 3x3, own and class tokens; Eq. 6's share
-    python -m paper maps          # F3: attention maps of a few query tokens, laid over an image
+arXiv 2412.06590. Run as `python -m paper injectivity`, `locality`, `maps` (paper/__main__.py).
 
 locality and maps train their four small DeiTs on first use (through the ablations' runs), or measure
 --checkpoints given.
@@ -39,17 +36,18 @@ def injectivity_weights(seed=0, D=8, keys=4):
 
     relu_affine is inline.ReLUAffine, ReLU(A x + b), with a fixed random A (identity + noise, seeded) in place
     of its initial identity, and b = 0, its initial bias: with b = 0 the map is homogeneous, ReLU(A a q) =
-    a ReLU(A q), so it confuses q and a*q exactly as relu does. A learned b != 0 moves the confused set off the
-    ray {a q} but does not remove it: queries x with A x + b = a (A q + b) get identical weights;
+    a ReLU(A q), so it confuses q and a*q exactly as relu does. A learned b != 0 moves the confused set off
+    the ray {a q} but does not remove it: queries x with A x + b = a (A q + b) get identical weights;
     `relu_affine_bias_check` shows both."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(1, 1, keys, D, generator=g, dtype=torch.float64)  # (B, H, N, D) = (1, 1, 4, D)
     q = torch.randn(1, 1, 1, D, generator=g, dtype=torch.float64).abs()  # positive, so relu keeps all of q
-    queries = torch.cat([a * q for a in (1, 2, 3, 4)] + [torch.randn(1, 1, 4, D, generator=g, dtype=torch.float64)],
-                        dim=2)  # (1, 1, 8, D)
+    queries = torch.cat([a * q for a in (1, 2, 3, 4)]
+                        + [torch.randn(1, 1, 4, D, generator=g, dtype=torch.float64)], dim=2)  # (1, 1, 8, D)
     relu, relu_affine = inline.get_kernel('relu'), inline.get_kernel('relu_affine', D).double()
     with torch.no_grad():
-        relu_affine.weight.add_(0.3 * torch.randn(D, D, generator=g, dtype=torch.float64))  # A = I + noise; b = 0
+        # A = I + noise; b = 0
+        relu_affine.weight.add_(0.3 * torch.randn(D, D, generator=g, dtype=torch.float64))
     eye = torch.eye(keys, dtype=torch.float64).expand(1, 1, keys, keys)
     weights = {
         # softmax_attention with V = identity returns its weights: row i of W @ I is row i of W
@@ -84,7 +82,8 @@ def relu_affine_bias_check(relu_affine, k, q, seed=1):
     b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(seed), dtype=b.dtype).abs())
     w = lambda x: inline.linear_attention_weights(relu_affine(x), relu_affine(k), eps=0)[0, 0]  # noqa: E731
     on_ray = torch.cat([a * q for a in (1, 2, 3, 4)], dim=2)  # (1, 1, 4, D)
-    on_line = torch.cat([torch.linalg.solve(A, a * (A @ q[0, 0, 0] + b) - b)[None, None, None] for a in (1, 2, 3, 4)],
+    on_line = torch.cat([torch.linalg.solve(A, a * (A @ q[0, 0, 0] + b) - b)[None, None, None]
+                         for a in (1, 2, 3, 4)],
                         dim=2)  # (1, 1, 4, D)
     spread = lambda x: (w(x) - w(x)[0]).abs().max().item()  # noqa: E731
     return spread(on_ray), spread(on_line)
@@ -94,30 +93,33 @@ def cmd_injectivity(args):
     weights, (relu_affine, k, q) = injectivity_weights()
     labels = ['q', '2q', '3q', '4q', 'r1', 'r2', 'r3', 'r4']
     groups = {name: identical_rows(w) for name, w in weights.items()}
-    print('F1: attention weights of 8 queries against 4 random keys (D = 8, float64). Rows q..4q are collinear,\n'
-          'r1..r4 random. relu_affine: inline.ReLUAffine, ReLU(A x + b), with a fixed random A = I + 0.3 N(0, 1) and\n'
-          'b = 0 (its initial bias).\n')
+    print('F1: attention weights of 8 queries against 4 random keys (D = 8, float64). Rows q..4q are '
+          'collinear,\nr1..r4 random. relu_affine: inline.ReLUAffine, ReLU(A x + b), with a fixed random A '
+          '= I + 0.3 N(0, 1) and\nb = 0 (its initial bias).\n')
     for name, w in weights.items():
         same = {i: f'= {labels[g[0]]}' for g in groups[name] for i in g[1:]}
         print(f'{name}:')
         print_table(['query', *[f'key {j + 1}' for j in range(w.shape[1])], 'identical to'],
-                    [[labels[i], *[f'{x:.4f}' for x in row.tolist()], same.get(i, '')] for i, row in enumerate(w)])
+                    [[labels[i], *[f'{x:.4f}' for x in row.tolist()], same.get(i, '')]
+                     for i, row in enumerate(w)])
         print()
     print('identical rows: ' + '; '.join(f'{n}: {[[labels[i] for i in g] for g in gs] or "none"}'
                                           for n, gs in groups.items()))
     ray, line = relu_affine_bias_check(relu_affine, k, q)
-    print(f'relu_affine with a random b != 0: q..4q differ by up to {ray:.3f}, but x_a = A^-1(a(Aq + b) - b), '
-          f'a = 1..4, still coincide (max difference {line:.1e}): the confusion moves, it does not go away.')
+    print(f'relu_affine with a random b != 0: q..4q differ by up to {ray:.3f}, but x_a = A^-1(a(Aq + b) - '
+          f'b), a = 1..4, still coincide (max difference {line:.1e}): the confusion moves, it does not go '
+          'away.')
 
     heatmaps(args.png or os.path.join(args.out, 'injectivity.png'), weights, groups, labels,
-             'rows q..4q: collinear queries; r1..r4: random. Outlined and bracketed: rows identical to 1e-12. '
-             'Colour: weight / max |weight| (blue < 0 < red).')
+             'rows q..4q: collinear queries; r1..r4: random. Outlined and bracketed: rows identical to '
+             '1e-12. Colour: weight / max |weight| (blue < 0 < red).')
     return groups
 
 
 def load_trained(path):
     """A model trained by train.py, rebuilt from its checkpoint: 'args' names the variant, 'arch' holds the
-    overrides it was built with, 'model' the weights (loaded by models.load_checkpoint, strict on parameters)."""
+    overrides it was built with, 'model' the weights (loaded by models.load_checkpoint, strict on
+    parameters)."""
     ckpt = train.read_checkpoint(path)  # a clear error for a missing or unreadable file
     if not isinstance(ckpt, dict) or not {'model', 'arch', 'args'} <= ckpt.keys():
         train.fail(f'{path} is not a checkpoint written by train.py (it needs model, arch and args)')
@@ -129,21 +131,25 @@ def load_trained(path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# F4 and F3: the explicit N x N weights of each layer of small trained DeiT models, and Eq. 6's share beside them
+# F4 and F3: the explicit N x N weights of each layer of small trained DeiT models, and Eq. 6's share beside
+# them
 
-F4_MODELS = {'softmax': 's_deit_t', 'linear (relu)': 'deit_linear_relu', 'InLine without Eq. 6': 'deit_no_residual',
-             'InLine': 'inline_deit_t'}  # label: experiment; softmax is the S row's miniature (one head of 64)
+F4_MODELS = {'softmax': 's_deit_t', 'linear (relu)': 'deit_linear_relu',
+             # label: experiment; softmax is the S row's miniature (one head of 64)
+             'InLine without Eq. 6': 'deit_no_residual', 'InLine': 'inline_deit_t'}
 F4_EXTRA = {  # the ablations' miniature DeiT with vanilla linear attention, and InLine without Eq. 6
     'deit_linear_relu': Experiment('inline_deit_t', dict(layout='L', kernel='relu', residual='none'), 'F4',
-                                          None, True, 'DeiT miniature, vanilla linear attention (relu), no Eq. 6'),
+                                          None, True,
+                                          'DeiT miniature, vanilla linear attention (relu), no Eq. 6'),
     'deit_no_residual': Experiment('inline_deit_t', dict(residual='none'), 'F4', None, True,
                                           'InLine-DeiT miniature without Eq. 6')}
 
 
 def deit_runs(args, seeds):
-    """{label: [checkpoint of each seed]}: the four models F4 and F3 look at by default, the ablations' miniature
-    DeiT (64 px images, 8 px patches: an 8x8 token grid, on which a 3x3 neighbourhood is 9 of 64 tokens; 6 blocks of
-    width 64) trained with the ablations' budget and data; the runs the ablations share are not trained twice."""
+    """{label: [checkpoint of each seed]}: the four models F4 and F3 look at by default, the ablations'
+    miniature DeiT (64 px images, 8 px patches: an 8x8 token grid, on which a 3x3 neighbourhood is 9 of 64
+    tokens; 6 blocks of width 64) trained with the ablations' budget and data; the runs the ablations share
+    are not trained twice."""
     resolve_budget(args)
     every = {**experiments(), **F4_EXTRA}
     runs, planned = plan_runs({n: every[n] for n in F4_MODELS.values()}, every, lambda name: seeds, args)
@@ -153,8 +159,8 @@ def deit_runs(args, seeds):
 
 
 def checkpoints(args, seeds=1):
-    """{name: [(run key or None, checkpoint)]}: --checkpoints NAME=PATH ... (a name given again is another seed
-    of it), or the four small DeiTs (trained on first use), each with the key of its run record."""
+    """{name: [(run key or None, checkpoint)]}: --checkpoints NAME=PATH ... (a name given again is another
+    seed of it), or the four small DeiTs (trained on first use), each with the key of its run record."""
     if not args.checkpoints:
         resolve_data(args, need=not args.no_train)
         return deit_runs(args, seeds)
@@ -166,9 +172,9 @@ def checkpoints(args, seeds=1):
 
 
 def eval_images(ckpt, model, args, count, spread=True):
-    """(images (B, 3, S, S) as the model saw them, labels, class names, what they are): `count` validation images,
-    evenly spaced through the set (else the first `count`), of the data the checkpoint was trained on (its stored
-    arguments), or of --dataset/--data-path when given."""
+    """(images (B, 3, S, S) as the model saw them, labels, class names, what they are): `count` validation
+    images, evenly spaced through the set (else the first `count`), of the data the checkpoint was trained on
+    (its stored arguments), or of --dataset/--data-path when given."""
     ns = train.get_args_parser().parse_args([])
     vars(ns).update({k: v for k, v in ckpt.get('args', {}).items() if k in vars(ns)})
     if args.dataset:
@@ -176,7 +182,8 @@ def eval_images(ckpt, model, args, count, spread=True):
         ns.dataset, ns.data_path = args.dataset, args.data_path
     ns.dataset = train.dataset(ns)
     ns.img_size, ns.download, ns.train_subset, ns.seed = model.img_size[0], False, None, ns.seed or 0
-    ns.synthetic_train, ns.synthetic_val, ns.model = 1, max(count, ns.synthetic_val or 0), ns.model or 'inline_deit_t'
+    ns.synthetic_train, ns.synthetic_val = 1, max(count, ns.synthetic_val or 0)
+    ns.model = ns.model or 'inline_deit_t'
     with contextlib.redirect_stdout(io.StringIO()):
         val = train.load_data(ns)[1]
     picked = range(0, len(val), max(1, len(val) // count) if spread else 1)[:count]
@@ -190,7 +197,8 @@ def attention_inputs(model, images):
         train.fail(f'this needs an isotropic DeiT model (one token grid, layers in order); got '
                    f'{type(model).__name__}')
     captured = {}
-    handles = [block.attn.register_forward_pre_hook(lambda module, inputs, i=i: captured.__setitem__(i, inputs[0]))
+    handles = [block.attn.register_forward_pre_hook(
+                   lambda module, inputs, i=i: captured.__setitem__(i, inputs[0]))
                for i, block in enumerate(model.blocks)]
     try:
         with torch.no_grad():
@@ -202,9 +210,11 @@ def attention_inputs(model, images):
 
 
 def attention_weights(model, images):
-    """[(B, H, N, N)] per block: the explicit weights of every block's attention for the input it really gets."""
+    """[(B, H, N, N)] per block: the explicit weights of every block's attention for the input it really
+    gets."""
     with torch.no_grad():
-        return [block.attn.weights(x, model.grid) for block, x in zip(model.blocks, attention_inputs(model, images))]
+        return [block.attn.weights(x, model.grid)
+                for block, x in zip(model.blocks, attention_inputs(model, images))]
 
 
 def neighbourhood(grid):
@@ -215,10 +225,11 @@ def neighbourhood(grid):
 
 
 def weight_shares(w, grid):
-    """{'class', 'own', 'near'}: (H,) means over images and grid queries of w (B, H, N, N), whose last h*w tokens
-    are the grid (DeiT's class token first). class: the weight on the class token. own and near: the query's own
-    token and the other 8 of its 3x3 neighbourhood, among the grid weights renormalised without the class token,
-    w_ij / (1 - w_i,cls), so a class token that takes much weight does not look like a loss of locality."""
+    """{'class', 'own', 'near'}: (H,) means over images and grid queries of w (B, H, N, N), whose last h*w
+    tokens are the grid (DeiT's class token first). class: the weight on the class token. own and near: the
+    query's own token and the other 8 of its 3x3 neighbourhood, among the grid weights renormalised without
+    the class token, w_ij / (1 - w_i,cls), so a class token that takes much weight does not look like a loss
+    of locality."""
     hw = grid[0] * grid[1]
     P = w.shape[-1] - hw
     cls = w[:, :, P:, :P].sum(-1)  # (B, H, hw)
@@ -229,9 +240,9 @@ def weight_shares(w, grid):
 
 
 def eq6_share(attn, x, grid):
-    """(H,): Eq. 6's share of each grid token's output, |res_i| / (|att_i| + |res_i|) per head (0 without Eq. 6),
-    the mean over images and tokens; att_i = sum_j w_ij v_j is Eq. 5's part, res_i Eq. 6's, which the N x N weights
-    do not hold (its weights are per channel)."""
+    """(H,): Eq. 6's share of each grid token's output, |res_i| / (|att_i| + |res_i|) per head (0 without Eq.
+    6), the mean over images and tokens; att_i = sum_j w_ij v_j is Eq. 5's part, res_i Eq. 6's, which the N x
+    N weights do not hold (its weights are per channel)."""
     if getattr(attn, 'residual', None) is None:
         return torch.zeros(attn.num_heads)
     x, q, k, v = attn.project(x, grid)
@@ -251,7 +262,8 @@ def layer_shares(model, images, batch=128):
         part = [{**weight_shares(block.attn.weights(x, model.grid), model.grid),
                  'eq6': eq6_share(block.attn, x, model.grid)} for block, x in zip(model.blocks, xs)]
         n = len(images[i:i + batch])
-        sums = [{k: v * n + (sums[j][k] if sums else 0) for k, v in layer.items()} for j, layer in enumerate(part)]
+        sums = [{k: v * n + (sums[j][k] if sums else 0) for k, v in layer.items()}
+                for j, layer in enumerate(part)]
     return [{k: v / len(images) for k, v in layer.items()} for layer in sums]
 
 
@@ -259,7 +271,8 @@ SHARES = {'near': 'other 8 of the 3x3', 'own': 'own token', 'class': 'class toke
 
 
 def initial_model(model, ckpt):
-    """The model a trained one's run started from: built as train.py builds it, after torch.manual_seed(its seed)."""
+    """The model a trained one's run started from: built as train.py builds it, after torch.manual_seed(its
+    seed)."""
     torch.manual_seed(ckpt['args'].get('seed') or 0)
     return models.create_model(ckpt['args']['model'], **{**ckpt['arch'], 'img_size': model.img_size,
                                                          'num_classes': model.num_classes}).eval()
@@ -291,7 +304,8 @@ def cmd_locality(args):
                 m = measure_locality(path, args, key)
                 if key:
                     append_record(measures, m)
-            for label, shares, acc in ((name, m['trained'], m['top1']), (f'{name}, untrained', m['untrained'], None)):
+            for label, shares, acc in ((name, m['trained'], m['top1']),
+                                       (f'{name}, untrained', m['untrained'], None)):
                 results.setdefault(label, []).append([{k: torch.tensor(v) for k, v in layer.items()}
                                                       for layer in shares])
                 top1.setdefault(label, []).append(acc)
@@ -301,12 +315,13 @@ def cmd_locality(args):
     hw = grid[0] * grid[1]
     uniform = {'own': 1 / hw, 'near': (neighbourhood(grid).sum().item() - hw) / hw / hw}  # 1/hw each
     stat = lambda v: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0)  # noqa: E731
-    print(f'F4: per layer, means over {what}, the {grid[0]}x{grid[1]} grid queries and the heads (per head in '
-          f'brackets), ± the standard deviation over seeds. Own token and the other 8 of the 3x3: among the grid '
-          f'weights renormalised without the class token; uniform weights give {uniform["own"]:.4f} and '
-          f'{uniform["near"]:.4f}. Eq. 6\'s share: |Eq. 6| / (|Eq. 5| + |Eq. 6|) of each output. "untrained": the '
-          f'same model at the weights its run started from; the last column, the 3x3 share trained minus untrained, '
-          f'seed by seed, with its 95% Student-t interval: what training did to locality at this budget.\n')
+    print(f'F4: per layer, means over {what}, the {grid[0]}x{grid[1]} grid queries and the heads (per head '
+          'in brackets), ± the standard deviation over seeds. Own token and the other 8 of the 3x3: among '
+          f'the grid weights renormalised without the class token; uniform weights give {uniform["own"]:.4f} '
+          f'and {uniform["near"]:.4f}. Eq. 6\'s share: |Eq. 6| / (|Eq. 5| + |Eq. 6|) of each output. '
+          '"untrained": the same model at the weights its run started from; the last column, the 3x3 share '
+          'trained minus untrained, seed by seed, with its 95% Student-t interval: what training did to '
+          'locality at this budget.\n')
     rows, curves = [], {k: [] for k in SHARES}
     for name, per_seed in results.items():
         accs = [a for a in top1[name] if a is not None]
@@ -316,17 +331,21 @@ def cmd_locality(args):
             for key in SHARES:
                 heads = torch.stack([seed[layer][key] for seed in per_seed])  # (seeds, H)
                 m, s = stat(heads.mean(1).tolist())
-                cells.append(f'{m:.3f} ± {s:.3f} (' + ' / '.join(f'{h:.2f}' for h in heads.mean(0).tolist()) + ')')
+                cells.append(f'{m:.3f} ± {s:.3f} (' + ' / '.join(f'{h:.2f}' for h in heads.mean(0).tolist())
+                             + ')')
             moved = ''
             if start and len(per_seed) > 1:  # seed by seed: the trained model against the one it started from
                 mean, half = interval([(a[layer]['near'] - b[layer]['near']).mean().item()
                                        for a, b in zip(per_seed, start)])
                 moved = f'{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]'
-            rows.append([name, layer + 1, (f'{statistics.mean(accs):.1f} ({len(accs)} seeds)' if accs else '—')
+            rows.append([name, layer + 1,
+                         (f'{statistics.mean(accs):.1f} ({len(accs)} seeds)' if accs else '—')
                          if layer == 0 else '', *cells, moved])
         for key in SHARES:
-            series = [stat([seed[layer][key].mean().item() for seed in per_seed]) for layer in range(len(per_seed[0]))]
-            curves[key].append((name, list(range(1, len(series) + 1)), [m for m, _ in series], [s for _, s in series]))
+            series = [stat([seed[layer][key].mean().item() for seed in per_seed])
+                      for layer in range(len(per_seed[0]))]
+            curves[key].append((name, list(range(1, len(series) + 1)), [m for m, _ in series],
+                                [s for _, s in series]))
     print_table(['model', 'layer', 'top-1', *SHARES.values(), '3x3: trained − untrained [95% CI]'], rows)
     layers = max(len(s[1]) for s in curves['near'])
     charts(args.png or os.path.join(args.out, 'locality.png'), [dict(
@@ -338,7 +357,8 @@ def cmd_locality(args):
 
 
 def read_image(path, size):
-    """An image file as the models see it: RGB, resized to size x size (bicubic), normalised like train.py's data."""
+    """An image file as the models see it: RGB, resized to size x size (bicubic), normalised like train.py's
+    data."""
     try:
         with Image.open(path) as img:
             img = img.convert('RGB')
@@ -361,7 +381,8 @@ def cmd_maps(args):
     else:
         model, ckpt = next(iter(loaded.values()))
         images, labels, classes, what = eval_images(ckpt, model, args, args.index + 1, spread=False)
-        x, what = images[args.index], f'{what.split()[1]} validation image {args.index} ({classes[labels[args.index]]})'
+        x, what = images[args.index], (f'{what.split()[1]} validation image {args.index} '
+                                       f'({classes[labels[args.index]]})')
     queries = [tuple(int(v) for v in q.split(',')) for q in args.queries]
     if any(not (0 <= y < grid[0] and 0 <= x_ < grid[1]) for y, x_ in queries):
         train.fail(f'--queries must lie on the {grid[0]}x{grid[1]} token grid (row,col from 0)')
@@ -380,12 +401,14 @@ def cmd_maps(args):
                 row = w[P + y * grid[1] + x_]  # (N,) the query's weights
                 tiles.append(row[P:].reshape(grid))
                 local = (row[P:] * neighbourhood(grid)[y * grid[1] + x_]).sum().item()
-                table.append([name, layer, f'({y},{x_})', f'{row[P + y * grid[1] + x_].item():.3f}', f'{local:.3f}',
-                              f'{row[0].item():.3f}', f'{row[P:].min().item():.3f}', f'{row[P:].max().item():.3f}'])
+                table.append([name, layer, f'({y},{x_})', f'{row[P + y * grid[1] + x_].item():.3f}',
+                              f'{local:.3f}', f'{row[0].item():.3f}', f'{row[P:].min().item():.3f}',
+                              f'{row[P:].max().item():.3f}'])
             rows.append((f'{name}, layer {layer}', tiles))
-    print(f'F3: attention weights of {len(queries)} query tokens in {what}, the mean over heads (Eq. 6 not among '
-          f'them: F4 gives its share)\n')
-    print_table(['model', 'layer', 'query (row,col)', 'on itself', 'on its 3x3', 'on the class token', 'min', 'max'],
+    print(f'F3: attention weights of {len(queries)} query tokens in {what}, the mean over heads (Eq. 6 not '
+          'among them: F4 gives its share)\n')
+    print_table(['model', 'layer', 'query (row,col)', 'on itself', 'on its 3x3', 'on the class token', 'min',
+                 'max'],
                 table)
 
     image_grid(args.png or os.path.join(args.out, 'maps.png'), image, rows, queries, grid)

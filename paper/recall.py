@@ -1,9 +1,7 @@
 """InLine on sequences: multi-query associative recall (MQAR), small causal transformers trained in process.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Command (from the repository root):
-
-    python -m paper recall [--no-train]   # associative recall (MQAR), injectivity where it holds
+arXiv 2412.06590. Run as `python -m paper recall [--no-train]` (paper/__main__.py).
 """
 import contextlib
 import hashlib
@@ -28,26 +26,29 @@ from paper.stats import ALPHA, holm, interval, p_values, verdict
 
 
 # ---------------------------------------------------------------------------------------------------
-# recall: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), the test linear attentions are judged
-# by: key-value pairs, filler, then queries for the keys, the loss on the answers only. Small causal transformers
-# (2 layers, 2 heads) with softmax, vanilla linear attention (division) and causal InLine (subtraction), each with
-# causal Eq. 6 in the study (the short causal convolution that binds a key to the value after it). InLine is
-# injective in q_i only where the prefix's centred keys span D dimensions (inline.inline_weights), so every query
-# sits at token D + 1 or later: what is compared is injective where it claims to be. The models have 20k-100k
-# parameters and a run takes minutes on one core (2.5 at 20000 steps, compiled), so they train here, in process:
-# train.py is the image loop (its data pipeline, DDP and checkpoints serve runs of hours to days). Finished runs are
-# JSON lines in RECALL_RESULTS (committed), so the tables and the picture rebuild without training and a rerun
-# trains only what is missing.
+# recall: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), the test linear attentions are
+# judged by: key-value pairs, filler, then queries for the keys, the loss on the answers only. Small causal
+# transformers (2 layers, 2 heads) with softmax, vanilla linear attention (division) and causal InLine
+# (subtraction), each with causal Eq. 6 in the study (the short causal convolution that binds a key to the
+# value after it). InLine is injective in q_i only where the prefix's centred keys span D dimensions
+# (inline.inline_weights), so every query sits at token D + 1 or later: what is compared is injective where it
+# claims to be. The models have 20k-100k parameters and a run takes minutes on one core (2.5 at 20000 steps,
+# compiled), so they train here, in process: train.py is the image loop (its data pipeline, DDP and
+# checkpoints serve runs of hours to days). Finished runs are JSON lines in RECALL_RESULTS (committed), so the
+# tables and the picture rebuild without training and a rerun trains only what is missing.
 
 RECALL_RESULTS = os.path.join(ROOT, 'results', 'recall.jsonl')
 RECALL_VOCAB = 64  # keys are tokens 0..63, values 64..127, filler 128..191
 RECALL_HEADS = 2
-RECALL_SIZES = ((32, 4, 20), (32, 6, 24), (32, 8, 24))  # (C, key-value pairs, tokens); D = C / 2, queries from D + 1
+# (C, key-value pairs, tokens); D = C / 2, queries from D + 1
+RECALL_SIZES = ((32, 4, 20), (32, 6, 24), (32, 8, 24))
 RECALL_MODELS = {  # name: how its attention is built (RecallLM); without Eq. 6 here, with it below
     'softmax': dict(attention='softmax'),
-    'softmax q-norm': dict(attention='softmax', normalise_q=True),  # T1 on sequences: q/|q| times a learned gain
+    # T1 on sequences: q/|q| times a learned gain
+    'softmax q-norm': dict(attention='softmax', normalise_q=True),
     'floor phi=0': dict(kernel='zero', residual='none'),  # every weight 1/i: attention that cannot select
-    'linear relu': dict(attention='linear', kernel='relu', residual='none'),  # division, the other usual kernel
+    # division, the other usual kernel
+    'linear relu': dict(attention='linear', kernel='relu', residual='none'),
     'linear 1+elu': dict(attention='linear', kernel='one_plus_elu', residual='none'),  # division
     'InLine 1+elu s/i': dict(kernel='one_plus_elu', residual='none'),  # subtraction, Eq. 5 with s/i
     'InLine 1+elu s': dict(kernel='one_plus_elu', residual='none', scale_by_count=False),  # the printed Eq. 5
@@ -55,13 +56,16 @@ RECALL_MODELS = {  # name: how its attention is built (RecallLM); without Eq. 6 
     'InLine s': dict(residual='none', scale_by_count=False),
     'InLine s/i q-norm': dict(residual='none', normalise_q=True),
 }
-# The study's models: each of the above with causal Eq. 6 (the token and the 2 before it), softmax too. Without a
-# token shift a linear-state layer cannot bind a key to the value after it, and none of them left the guess (RESULTS.md)
+# The study's models: each of the above with causal Eq. 6 (the token and the 2 before it), softmax too.
+# Without a token shift a linear-state layer cannot bind a key to the value after it, and none of them left
+# the guess (RESULTS.md)
 RECALL_EQ6 = ' + Eq. 6'
 RECALL_STUDY = [name + RECALL_EQ6 for name in RECALL_MODELS]
-RECALL_MODELS.update({name + RECALL_EQ6: {**options, 'residual': 'local'} for name, options in list(RECALL_MODELS.items())})
+RECALL_MODELS.update({name + RECALL_EQ6: {**options, 'residual': 'local'}
+                      for name, options in list(RECALL_MODELS.items())})
 RECALL_FLOOR = 'floor phi=0'
-RECALL_COMPARISONS = (  # (question, a, b): the claim is "b recalls more than a", read seed by seed; with and without Eq. 6
+# (question, a, b): the claim is "b recalls more than a", read seed by seed; with and without Eq. 6
+RECALL_COMPARISONS = (
     ('injectivity within softmax', 'softmax q-norm', 'softmax'),
     ('injectivity within InLine', 'InLine s/i q-norm', 'InLine s/i'),
     ('subtraction over division, 1+elu', 'linear 1+elu', 'InLine 1+elu s/i'),
@@ -70,7 +74,8 @@ RECALL_COMPARISONS = (  # (question, a, b): the claim is "b recalls more than a"
     ('kernel identity over 1+elu', 'InLine 1+elu s/i', 'InLine s/i'),
 )
 RECALL_LRS = (1e-3, 3e-3, 1e-2)  # each model's learning rate: the best of these on held-out sequences, seed 0
-RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH = 5, 20000, 64  # 20000 steps: every seed of InLine 1+elu left the guess
+# 20000 steps: every seed of InLine 1+elu left the guess
+RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH = 5, 20000, 64
 RECALL_FIRST_STEPS = 2000  # the first study's budget, where no linear-state run left the guess reliably
 RECALL_GATE = 3.0  # recall points over the floor and the guess that both models of a comparison must clear
 RECALL_CLAIM = 1.0  # "b recalls more than a", as verdict reads a paper's difference
@@ -79,24 +84,30 @@ RECALL_HELD_OUT = 1024  # sequences of each
 
 
 def mqar_batch(batch, pairs, tokens, generator):
-    """x, y (batch, tokens): `pairs` distinct keys, each followed by its value, filler tokens, then `pairs` queries
-    (keys drawn again, with repeats) at the end; y holds the value at the queries and -100 (no loss) elsewhere."""
-    keys = torch.rand(batch, RECALL_VOCAB, generator=generator).argsort(-1)[:, :pairs]  # (batch, pairs), distinct
+    """x, y (batch, tokens): `pairs` distinct keys, each followed by its value, filler tokens, then `pairs`
+    queries (keys drawn again, with repeats) at the end; y holds the value at the queries and -100 (no loss)
+    elsewhere."""
+    # (batch, pairs), distinct
+    keys = torch.rand(batch, RECALL_VOCAB, generator=generator).argsort(-1)[:, :pairs]
     values = RECALL_VOCAB + torch.randint(RECALL_VOCAB, (batch, pairs), generator=generator)  # (batch, pairs)
     filler = 2 * RECALL_VOCAB + torch.randint(RECALL_VOCAB, (batch, tokens - 3 * pairs), generator=generator)
     asked = torch.randint(pairs, (batch, pairs), generator=generator)  # (batch, pairs)
-    x = torch.cat([torch.stack([keys, values], -1).flatten(1), filler, keys.gather(1, asked)], 1)  # (batch, tokens)
+    # (batch, tokens)
+    x = torch.cat([torch.stack([keys, values], -1).flatten(1), filler, keys.gather(1, asked)], 1)
     y = torch.full_like(x, -100)
     y[:, tokens - pairs:] = values.gather(1, asked)
     return x, y
 
 
 def most_frequent_guess(x, y, pairs):
-    """Recall (%) of a model that knows each sequence's values but not which key has which: it answers the value
-    most frequent in the sequence (ties broken at random). What attention that cannot select (the floor) can reach."""
+    """Recall (%) of a model that knows each sequence's values but not which key has which: it answers the
+    value most frequent in the sequence (ties broken at random). What attention that cannot select (the floor)
+    can reach."""
     values = x[:, 1:2 * pairs:2]  # (batch, pairs)
-    counts = (values.unsqueeze(-1) == values.unsqueeze(-2)).sum(-1).double()  # (batch, pairs): each value's count
-    counts = counts + torch.rand(counts.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    # (batch, pairs): each value's count
+    counts = (values.unsqueeze(-1) == values.unsqueeze(-2)).sum(-1).double()
+    counts = counts + torch.rand(counts.shape, generator=torch.Generator().manual_seed(0),
+                                 dtype=torch.float64)
     guess = values.gather(1, counts.argmax(-1, keepdim=True))  # (batch, 1)
     answers = y[y != -100].reshape(len(y), -1)  # (batch, pairs)
     return 100 * (answers == guess).double().mean().item()
@@ -104,8 +115,8 @@ def most_frequent_guess(x, y, pairs):
 
 class CausalSoftmax(torch.nn.Module):
     """Causal softmax attention between InLineAttention's projections: x (B, N, C) -> (B, N, C); with
-    residual='local', plus causal Eq. 6 as InLine has it (inline.sequence_residual over the last 3 tokens), so that
-    softmax and InLine differ only in the attention."""
+    residual='local', plus causal Eq. 6 as InLine has it (inline.sequence_residual over the last 3 tokens), so
+    that softmax and InLine differ only in the attention."""
 
     def __init__(self, dim, num_heads, normalise_q=False, residual='none'):
         super().__init__()
@@ -127,7 +138,8 @@ class CausalSoftmax(torch.nn.Module):
 
 
 class CausalInLine(inline.InLineAttention):
-    """inline.InLineAttention(causal=True) through short_sequence_core (T1's normalise_q is InLine's own option)."""
+    """inline.InLineAttention(causal=True) through short_sequence_core (T1's normalise_q is InLine's own
+    option)."""
 
     def __init__(self, dim, num_heads, **options):
         super().__init__(dim, num_heads, causal=True, **options)
@@ -142,7 +154,8 @@ class DecoderBlock(torch.nn.Module):
         super().__init__()
         self.norm1, self.attn = torch.nn.LayerNorm(dim), attn
         self.norm2 = torch.nn.LayerNorm(dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * dim, dim))
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -150,7 +163,8 @@ class DecoderBlock(torch.nn.Module):
 
 
 class RecallLM(torch.nn.Module):
-    """Token and learned position embeddings, 2 decoder blocks, a norm and a head: (B, N) -> logits (B, N, 3V)."""
+    """Token and learned position embeddings, 2 decoder blocks, a norm and a head: (B, N) -> logits (B, N,
+    3V)."""
 
     def __init__(self, name, width, tokens):
         super().__init__()
@@ -160,41 +174,43 @@ class RecallLM(torch.nn.Module):
             del options['attention']
         self.embed = torch.nn.Embedding(3 * RECALL_VOCAB, width)
         self.pos = torch.nn.Parameter(0.02 * torch.randn(1, tokens, width))
-        self.blocks = torch.nn.Sequential(*[DecoderBlock(width, CausalSoftmax(width, RECALL_HEADS, **options) if softmax
+        self.blocks = torch.nn.Sequential(*[DecoderBlock(width,
+                                                         CausalSoftmax(width, RECALL_HEADS, **options)
+                                                         if softmax
                                                          else CausalInLine(width, RECALL_HEADS, **options))
                                             for _ in range(2)])
         self.norm, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, 3 * RECALL_VOCAB)
 
     def forward(self, x, answers=None):
-        """Logits at every token, or with `answers`, at the last `answers` tokens only (B, answers, 3V): where the
-        queries sit, the only places a loss or a score reads (it saves about a tenth of a step)."""
+        """Logits at every token, or with `answers`, at the last `answers` tokens only (B, answers, 3V): where
+        the queries sit, the only places a loss or a score reads (it saves about a tenth of a step)."""
         h = self.blocks(self.embed(x) + self.pos[:, :x.shape[1]])  # (B, N, C)
         return self.head(self.norm(h if answers is None else h[:, -answers:]))
 
 
 def short_sequence_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False, scale_by_count=True):
-    """inline.inline_core through the explicit causal weights: at 64 tokens the N x N form costs a CPU the least
-    (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same function
-    (test_causal_forms_equal_the_explicit_weights)."""
+    """inline.inline_core through the explicit causal weights: at 64 tokens the N x N form costs a CPU the
+    least (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same
+    function (test_causal_forms_equal_the_explicit_weights)."""
     o = inline.inline_attention_quadratic(q, k, v, scale, causal, scale_by_count)  # Eq. 5, (B, H, N, D)
     return o if r is None else o + inline.local_residual(v, r, grid, size, dilation, causal)  # Eq. 6
 
 
 def recall_answers(model, pairs, tokens, seed):
-    """Which answers the model gets right, (RECALL_HELD_OUT, pairs) bool, on held-out sequences drawn from generator
-    seed (RECALL_VALID or RECALL_TEST)."""
+    """Which answers the model gets right, (RECALL_HELD_OUT, pairs) bool, on held-out sequences drawn from
+    generator seed (RECALL_VALID or RECALL_TEST)."""
     x, y = mqar_batch(RECALL_HELD_OUT, pairs, tokens, torch.Generator().manual_seed(seed))
     with torch.no_grad():
         return model(x, pairs).argmax(-1) == y[:, -pairs:]
 
 
 def recall_run(name, width, pairs, tokens, seed, lr, steps, compiled=False):
-    """Train one model on fresh batches (AdamW, one-cycle schedule; no weight decay: every batch is new, so there is
-    nothing to overfit, and decay would pull against the q length that s/i asks to grow) and count its right
-    answers on the held-out sequences (for the learning rate) and the test ones, keeping which test answers it got
-    right (pack_correct, sequence by sequence), for the intervals over the test set. compiled: the training
-    forward through torch.compile (the same function, about 1.4x faster a step on a CPU after about 12 s of
-    compiling; scoring stays eager). Returns the run's JSON line."""
+    """Train one model on fresh batches (AdamW, one-cycle schedule; no weight decay: every batch is new, so
+    there is nothing to overfit, and decay would pull against the q length that s/i asks to grow) and count
+    its right answers on the held-out sequences (for the learning rate) and the test ones, keeping which test
+    answers it got right (pack_correct, sequence by sequence), for the intervals over the test set. compiled:
+    the training forward through torch.compile (the same function, about 1.4x faster a step on a CPU after
+    about 12 s of compiling; scoring stays eager). Returns the run's JSON line."""
     torch.manual_seed(seed)
     model = RecallLM(name, width, tokens)
     forward = torch.compile(model, dynamic=False) if compiled else model
@@ -211,18 +227,22 @@ def recall_run(name, width, pairs, tokens, seed, lr, steps, compiled=False):
         schedule.step()
         return loss
 
-    with torch._dynamo.config.patch(recompile_limit=64):  # compiled: a graph per model and size, none dropped to eager
-        # the first step compiles them: one process at a time, the others then load them from the inductor cache
-        with kernels.node_lock(('recall', name, width, pairs, tokens)) if compiled else contextlib.nullcontext():
+    # compiled: a graph per model and size, none dropped to eager
+    with torch._dynamo.config.patch(recompile_limit=64):
+        # the first step compiles them: one process at a time, the others then load them from the inductor
+        # cache
+        with (kernels.node_lock(('recall', name, width, pairs, tokens)) if compiled
+              else contextlib.nullcontext()):
             loss = step()
         for _ in range(steps - 1):
             loss = step()
     valid, test = (recall_answers(model, pairs, tokens, s) for s in (RECALL_VALID, RECALL_TEST))
-    return dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed, steps=steps, batch=RECALL_BATCH,
-                lr=lr, valid=round(100 * valid.double().mean().item(), 2),
+    return dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed, steps=steps,
+                batch=RECALL_BATCH, lr=lr, valid=round(100 * valid.double().mean().item(), 2),
                 recall=round(100 * test.double().mean().item(), 2), correct=pack_correct(test.flatten()),
                 final_loss=round(loss.item(), 4), params=sum(p.numel() for p in model.parameters()),
-                cpu_s=round(time.process_time() - start, 1), threads=torch.get_num_threads(), compiled=compiled)
+                cpu_s=round(time.process_time() - start, 1), threads=torch.get_num_threads(),
+                compiled=compiled)
 
 
 def recall_key(name, width, pairs, tokens, seed, lr, steps, batch=RECALL_BATCH):
@@ -232,24 +252,27 @@ def recall_key(name, width, pairs, tokens, seed, lr, steps, batch=RECALL_BATCH):
 
 def recall_row_key(row):
     """A stored run's recall_key, for read_records: the recall runs are records too, one JSON line each."""
-    return recall_key(*(row[k] for k in ('model', 'width', 'pairs', 'tokens', 'seed', 'lr', 'steps', 'batch')))
+    return recall_key(*(row[k]
+                        for k in ('model', 'width', 'pairs', 'tokens', 'seed', 'lr', 'steps', 'batch')))
 
 
 def held_out(runs, name, size, steps):
     """Seed 0's held-out recall at each of RECALL_LRS (None where it has no record): what chooses the rate."""
-    return [runs[k]['valid'] if (k := recall_key(name, *size, 0, lr, steps)) in runs else None for lr in RECALL_LRS]
+    return [runs[k]['valid'] if (k := recall_key(name, *size, 0, lr, steps)) in runs else None
+            for lr in RECALL_LRS]
 
 
 def best_lr(runs, name, size, steps):
-    """The learning rate of RECALL_LRS whose seed-0 run recalls most on the held-out sequences (the smaller on a
-    tie), or None until all of them have run."""
+    """The learning rate of RECALL_LRS whose seed-0 run recalls most on the held-out sequences (the smaller on
+    a tie), or None until all of them have run."""
     valid = held_out(runs, name, size, steps)
     return None if None in valid else max(zip(valid, RECALL_LRS), key=lambda pair: (pair[0], -pair[1]))[1]
 
 
 def recall_plan(runs, models, sizes, seeds, steps):
-    """The runs still to train, in the order that leaves a stopped study balanced: every model at every learning rate
-    (seed 0), then seed 1 of every model at its best, then seed 2, ... (cmd_recall: one size at a time)."""
+    """The runs still to train, in the order that leaves a stopped study balanced: every model at every
+    learning rate (seed 0), then seed 1 of every model at its best, then seed 2, ... (cmd_recall: one size at
+    a time)."""
     first = [(n, *size, 0, lr) for size in sizes for n in models for lr in RECALL_LRS]
     chosen = {(n, size): best_lr(runs, n, size, steps) for size in sizes for n in models}
     later = [(n, *size, s, chosen[n, size]) for s in range(1, seeds) for size in sizes for n in models
@@ -263,20 +286,24 @@ def cmd_recall(args):
     if unknown:
         train.fail(f"unknown recall models {unknown}; choose from {list(RECALL_MODELS)}")
     if args.seeds < 1 or args.steps < 1 or args.threads < 1:
-        train.fail(f"--seeds, --steps and --threads must be at least 1, got {args.seeds}, {args.steps}, {args.threads}")
+        train.fail(f"--seeds, --steps and --threads must be at least 1, got {args.seeds}, {args.steps}, "
+                   f"{args.threads}")
     sizes = [tuple(map(int, size.split('x'))) for size in args.sizes if re.fullmatch(r'\d+x\d+x\d+', size)]
     if len(sizes) != len(args.sizes) or any(not 2 <= p <= RECALL_VOCAB or w < 1 or w % RECALL_HEADS
                                             or n - p < w // RECALL_HEADS or n < 3 * p for w, p, n in sizes):
-        train.fail(f"--sizes takes CxPAIRSxTOKENS: the width C a multiple of the {RECALL_HEADS} heads, 2 <= PAIRS <= "
-                   f"{RECALL_VOCAB} (distinct keys of {RECALL_VOCAB}), TOKENS >= 3 PAIRS and TOKENS - PAIRS >= D = "
-                   f"C/{RECALL_HEADS}, so that every query sits at token D + 1 or later; got {args.sizes}")
+        train.fail(f"--sizes takes CxPAIRSxTOKENS: the width C a multiple of the {RECALL_HEADS} heads, 2 <= "
+                   f"PAIRS <= {RECALL_VOCAB} (distinct keys of {RECALL_VOCAB}), TOKENS >= 3 PAIRS and TOKENS "
+                   f"- PAIRS >= D = C/{RECALL_HEADS}, so that every query sits at token D + 1 or later; got "
+                   f"{args.sizes}")
     runs = read_records(args.results, key=recall_row_key)
     if not args.no_train:
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)
         try:
-            for size in sizes:  # a size finished before the next, so a stopped study has verdicts where it went
-                for stage in ('first pass', 'second pass'):  # the second trains the seeds of learning rates the first chose
+            # a size finished before the next, so a stopped study has verdicts where it went
+            for size in sizes:
+                # the second trains the seeds of learning rates the first chose
+                for stage in ('first pass', 'second pass'):
                     train_recall(runs, recall_plan(runs, models, [size], args.seeds, args.steps),
                                  f"{'x'.join(map(str, size))}, {stage}", args)
         finally:  # a caller in this process (the tests) keeps its threads
@@ -285,23 +312,26 @@ def cmd_recall(args):
 
 
 def recall_claim(out, key, wait=False):
-    """lock_run on OUT/recall-claims/<the run>: the descriptor, or None while another command trains that run (and
-    not wait)."""
+    """lock_run on OUT/recall-claims/<the run>: the descriptor, or None while another command trains that run
+    (and not wait)."""
     return lock_run(os.path.join(out, 'recall-claims', hashlib.sha256(key.encode()).hexdigest()[:24]), wait)
 
 
 def train_recall(runs, todo, stage, args):
-    """Train the runs of todo, each added to args.results (and runs) the moment it finishes. Each run is claimed
-    first (recall_claim), so several commands share one plan: a run another command is training is left to it and
-    waited for at the end (trained here if it left no record), so that the next stage is planned from every run of
-    this one; and one command compiles a model's graph while the others wait to load it from the cache."""
-    def rate(name):  # CPU seconds per token of a step: the model's own records (compiled or not), else every record's
+    """Train the runs of todo, each added to args.results (and runs) the moment it finishes. Each run is
+    claimed first (recall_claim), so several commands share one plan: a run another command is training is
+    left to it and waited for at the end (trained here if it left no record), so that the next stage is
+    planned from every run of this one; and one command compiles a model's graph while the others wait to load
+    it from the cache."""
+    # CPU seconds per token of a step: the model's own records (compiled or not), else every record's
+    def rate(name):
         done = [r for r in runs.values() if r['batch'] == RECALL_BATCH and r['model'] == name
                 and r.get('compiled', False) == args.compile] or list(runs.values())
         return sum(r['cpu_s'] for r in done) / max(sum(r['tokens'] * r['steps'] for r in done), 1)
     estimate = sum(rate(name) * tokens * args.steps for name, _, _, tokens, _, _ in todo) / 60
-    print(f"recall (MQAR), {stage}: {len(todo)} runs to train at {args.threads} thread(s), {args.steps} steps of "
-          f"{RECALL_BATCH}, about {estimate:.0f} CPU-min (from the records' CPU time per token)", flush=True)
+    print(f"recall (MQAR), {stage}: {len(todo)} runs to train at {args.threads} thread(s), {args.steps} "
+          f"steps of {RECALL_BATCH}, about {estimate:.0f} CPU-min (from the records' CPU time "
+          "per token)", flush=True)
     trained = []
 
     def attempt(run, wait):  # False: another command holds the run
@@ -326,15 +356,16 @@ def train_recall(runs, todo, stage, args):
 
 
 def chosen_runs(runs, name, size, steps, seeds):
-    """(the model's best learning rate or None, its records at that rate in seed order, those of seeds 0..seeds-1
-    that exist)."""
+    """(the model's best learning rate or None, its records at that rate in seed order, those of seeds
+    0..seeds-1 that exist)."""
     lr = best_lr(runs, name, size, steps)
-    return lr, [] if lr is None else [runs[k] for s in range(seeds) if (k := recall_key(name, *size, s, lr, steps)) in runs]
+    return lr, [] if lr is None else [runs[k] for s in range(seeds)
+                                      if (k := recall_key(name, *size, s, lr, steps)) in runs]
 
 
 def first_study(runs, name, size, seeds):
-    """The model's recall at the first study's budget, RECALL_FIRST_STEPS (its own best learning rate there, mean
-    over its seeds), '-' without those records: what ten times the steps changed."""
+    """The model's recall at the first study's budget, RECALL_FIRST_STEPS (its own best learning rate there,
+    mean over its seeds), '-' without those records: what ten times the steps changed."""
     rows = chosen_runs(runs, name, size, RECALL_FIRST_STEPS, seeds)[1]
     return f"{statistics.mean(r['recall'] for r in rows):.1f} ({len(rows)})" if rows else '-'
 
@@ -349,10 +380,11 @@ def by_sequence(rows, pairs):
 
 
 def recall_report(runs, models, sizes, args):
-    """The tables and the picture from the records: the learning rates, recall by model against the floor and the
-    guess, and each comparison's verdict, gated by both."""
-    guesses = {(w, p, n): most_frequent_guess(*mqar_batch(RECALL_HELD_OUT, p, n, torch.Generator().manual_seed(
-        RECALL_TEST)), p) for w, p, n in sizes}
+    """The tables and the picture from the records: the learning rates, recall by model against the floor and
+    the guess, and each comparison's verdict, gated by both."""
+    guesses = {(w, p, n): most_frequent_guess(*mqar_batch(RECALL_HELD_OUT, p, n,
+                                                          torch.Generator().manual_seed(RECALL_TEST)), p)
+               for w, p, n in sizes}
     recall, sequences = recall_table(runs, models, sizes, guesses, args)
     recall_comparisons(recall, sequences, guesses, models, sizes)
     panels = []
@@ -360,23 +392,24 @@ def recall_report(runs, models, sizes, args):
         series = [(name, list(RECALL_LRS), held_out(runs, name, size, args.steps), None) for name in models]
         if all(y is None for _, _, ys, _ in series for y in ys):
             continue  # no runs at this size yet
-        panels.append(dict(series=series, title='MQAR, C {}, {} pairs, {} tokens: held-out recall, seed 0'.format(
-            *size), xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True, lines=True,
-            ylim=(0, 100), hlines=[('the guess', guesses[size])]))
+        panels.append(dict(series=series,
+                           title='MQAR, C {}, {} pairs, {} tokens: held-out recall, seed 0'.format(*size),
+                           xlabel='learning rate', ylabel='recall (%)', xticks=list(RECALL_LRS), log_x=True,
+                           lines=True, ylim=(0, 100), hlines=[('the guess', guesses[size])]))
     if panels:
         charts(args.png or os.path.join(args.out, 'recall.png'), panels, cols=len(panels), size=(560, 460))
     return runs
 
 
 def recall_table(runs, models, sizes, guesses, args):
-    """Print each model's learning rates, recall and seeds at each size; return {(model, C, pairs, tokens): recall
-    per seed} and {the same: by_sequence}."""
+    """Print each model's learning rates, recall and seeds at each size; return {(model, C, pairs, tokens):
+    recall per seed} and {the same: by_sequence}."""
     print(f"\nMQAR: keys, values and filler from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, "
           f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on {RECALL_HELD_OUT} test "
-          f"sequences, mean over the seeds with its 95% interval over the seeds and the test sequences (the ablations' "
-          f"two-way model), or over the seeds only (Student-t) where a record predates per-answer results; each model "
-          f"at the learning rate of {', '.join(map(str, RECALL_LRS))} that recalled most on {RECALL_HELD_OUT} "
-          f"held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
+          "sequences, mean over the seeds with its 95% interval over the seeds and the test sequences (the "
+          "ablations' two-way model), or over the seeds only (Student-t) where a record predates per-answer "
+          f"results; each model at the learning rate of {', '.join(map(str, RECALL_LRS))} that recalled most "
+          f"on {RECALL_HELD_OUT} held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
     first = args.steps != RECALL_FIRST_STEPS  # a column for the first study's recall
     recall, sequences, table, missing = {}, {}, [], []
     for (w, p, n), name in itertools.product(sizes, models):
@@ -388,22 +421,27 @@ def recall_table(runs, models, sizes, guesses, args):
             missing.append(f"{name} at {w} / {p} / {n}")
             continue
         mean, half = interval(values, sequences[name, w, p, n]) if values else (math.nan, math.nan)
-        table.append([f"{w} / {p} / {n}", name, ' '.join('-' if v is None else f'{v:.1f}' for v in tried), lr or '-',
-                      f"{mean:.1f} ± {half:.1f}" if values else '-', ' '.join(f'{v:.1f}' for v in values),
+        table.append([f"{w} / {p} / {n}", name, ' '.join('-' if v is None else f'{v:.1f}' for v in tried),
+                      lr or '-', f"{mean:.1f} ± {half:.1f}" if values else '-',
+                      ' '.join(f'{v:.1f}' for v in values),
                       len(values)] + ([first_study(runs, name, (w, p, n), args.seeds)] if first else []))
-    cpu = sum(r['cpu_s'] for r in runs.values() if r['model'] in models and (r['width'], r['pairs'], r['tokens'])
+    cpu = sum(r['cpu_s'] for r in runs.values() if r['model'] in models
+              and (r['width'], r['pairs'], r['tokens'])
               in sizes and r['steps'] == args.steps)
-    print_table(['C / pairs / tokens', 'model', 'held-out % at each lr', 'lr', 'recall %', 'per seed', 'seeds']
+    print_table(['C / pairs / tokens', 'model', 'held-out % at each lr', 'lr', 'recall %', 'per seed',
+                 'seeds']
                 + ([f'at {RECALL_FIRST_STEPS} steps'] if first else []), table)
-    print('\nthe guess: a model that knows the values of its sequence and answers the most frequent (simulated on the '
-          'test sequences): ' + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
-          f'. CPU time of these runs: {cpu / 60:.1f} min.' + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
+    print('\nthe guess: a model that knows the values of its sequence and answers the most frequent '
+          '(simulated on the test sequences): '
+          + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
+          f'. CPU time of these runs: {cpu / 60:.1f} min.'
+          + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
     return recall, sequences
 
 
 def recall_comparisons(recall, sequences, guesses, models, sizes):
-    """Print each comparison's difference, verdict and Holm verdict, untestable unless both models clear the floor
-    and the guess by RECALL_GATE."""
+    """Print each comparison's difference, verdict and Holm verdict, untestable unless both models clear the
+    floor and the guess by RECALL_GATE."""
     verdicts, ps = [], []
     for (question, a, b), eq6 in itertools.product(RECALL_COMPARISONS, ('', RECALL_EQ6)):
         a, b, floor_name = a + eq6, b + eq6, RECALL_FLOOR + eq6  # each model's floor has Eq. 6 where it has
@@ -429,12 +467,14 @@ def recall_comparisons(recall, sequences, guesses, models, sizes):
     for row, q in zip(verdicts, ps):  # Holm over the testable comparisons of this table
         row.append('untestable' if q is None else row[-1] if next(adjusted) < ALPHA else 'not resolved')
     if verdicts:
-        print(f'\nComparisons, b minus a seed by seed, with its 95% interval over the seeds and the {RECALL_HELD_OUT} '
-              f'test sequences (the ablations\' two-way random-effects model, t on Satterthwaite\'s degrees of freedom), '
-              f'or over the seeds only (Student-t) where a record predates per-answer results; the verdict is on "b '
-              f'recalls more than a" (RESULTS.md, "Verdicts"), untestable unless both clear the floor (phi = 0) and the '
-              f'guess by {RECALL_GATE:g} points; the Holm verdict the same over the testable ones.\n')
-        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict', 'Holm verdict'],
+        print('\nComparisons, b minus a seed by seed, with its 95% interval over the seeds and the '
+              f'{RECALL_HELD_OUT} test sequences (the ablations\' two-way random-effects model, t on '
+              'Satterthwaite\'s degrees of freedom), or over the seeds only (Student-t) where a record '
+              'predates per-answer results; the verdict is on "b recalls more than a" (RESULTS.md, '
+              '"Verdicts"), untestable unless both clear the floor (phi = 0) and the guess by '
+              f'{RECALL_GATE:g} points; the Holm verdict the same over the testable ones.\n')
+        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict',
+                     'Holm verdict'],
                     verdicts)
 
 
@@ -443,16 +483,24 @@ def recall_comparisons(recall, sequences, guesses, models, sizes):
 
 def add_recall_parser(sub, common):
     """`python -m paper recall`'s options."""
-    p = sub.add_parser('recall', parents=[common], help='associative recall (MQAR): softmax, linear and causal InLine')
+    p = sub.add_parser('recall', parents=[common],
+                       help='associative recall (MQAR): softmax, linear and causal InLine')
     p.add_argument('--results', default=RECALL_RESULTS, help='finished runs, one JSON line each (default '
                    'results/recall.jsonl); a rerun trains only what is missing')
-    p.add_argument('--models', nargs='+', metavar='NAME', help=f'these models (default: the study\'s, every one with Eq. 6), of {", ".join(RECALL_MODELS)}')
-    p.add_argument('--sizes', nargs='+', metavar='CxPAIRSxTOKENS', default=[f'{w}x{p}x{n}' for w, p, n in RECALL_SIZES],
-                   help=f'model width C ({RECALL_HEADS} heads), key-value pairs and tokens per sequence (default '
-                        f'{" ".join(f"{w}x{p}x{n}" for w, p, n in RECALL_SIZES)})')
+    p.add_argument('--models', nargs='+', metavar='NAME',
+                   help='these models (default: the study\'s, every one with Eq. 6), of '
+                   f'{", ".join(RECALL_MODELS)}')
+    p.add_argument('--sizes', nargs='+', metavar='CxPAIRSxTOKENS',
+                   default=[f'{w}x{p}x{n}' for w, p, n in RECALL_SIZES],
+                   help=f'model width C ({RECALL_HEADS} heads), key-value pairs and tokens per sequence '
+                        f'(default {" ".join(f"{w}x{p}x{n}" for w, p, n in RECALL_SIZES)})')
     p.add_argument('--seeds', type=int, default=RECALL_SEEDS, help='seeds per model and size (0, 1, ...)')
-    p.add_argument('--steps', type=int, default=RECALL_STEPS, help=f'training steps of {RECALL_BATCH} sequences')
+    p.add_argument('--steps', type=int, default=RECALL_STEPS,
+                   help=f'training steps of {RECALL_BATCH} sequences')
     p.add_argument('--threads', type=int, default=1, help='CPU threads of this process')
-    p.add_argument('--compile', action='store_true', help='train through torch.compile (about 1.4x faster a step '
-                   'on a CPU). Several commands at once share the study: each trains what no other has claimed')
-    p.add_argument('--no-train', action='store_true', help='train nothing: the tables and picture from the records')
+    p.add_argument('--compile', action='store_true',
+                   help='train through torch.compile (about 1.4x faster a step '
+                   'on a CPU). Several commands at once share the study: each trains what no other '
+                   'has claimed')
+    p.add_argument('--no-train', action='store_true',
+                   help='train nothing: the tables and picture from the records')

@@ -1,13 +1,13 @@
-"""The lab's training runs and their records: the scheduler, its locks, the records in results/, and the command
-that trains one paper experiment.
+"""The lab's training runs and their records: the scheduler, its locks, the records in results/, and the
+command that trains one paper experiment.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. Every image model of the lab is trained by train.py's loop, through
 
-    python -m paper train NAME [train.py flags]   # NAME: an experiment (python -m paper experiments) or a model
+    python -m paper train NAME [train.py flags]   # NAME: an experiment (python -m paper experiments), a model
 
-which the scheduler (train_runs) starts as a subprocess, one per run, from the repository root; each finished run
-appends its record to results/runs.jsonl, from which every table and picture is rebuilt.
+which the scheduler (train_runs) starts as a subprocess, one per run, from the repository root; each finished
+run appends its record to results/runs.jsonl, from which every table and picture is rebuilt.
 """
 import base64
 import fcntl
@@ -31,13 +31,14 @@ import train
 from paper import mosaics
 from paper.experiments import EXPERIMENTS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: results/, figures/, train.py
+# the repository: results/, figures/, train.py
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Training runs: every model here is trained by train.py's loop (`python -m paper train`); each finished run
 # appends its record (the model, recipe, seed, per-epoch metrics, command line, CPU time, machine) to
-# results/runs.jsonl, kept in the repository, and every table and picture is rebuilt from the records: a run with
-# a record is never redone
+# results/runs.jsonl, kept in the repository, and every table and picture is rebuilt from the records: a run
+# with a record is never redone
 
 RECORDS = os.path.join(ROOT, 'results', 'runs.jsonl')
 # the per-epoch metrics a record keeps; val_correct (pack_correct) only the final epoch has
@@ -46,7 +47,8 @@ KEPT = ('epoch', 'train_loss', 'lr', 'val_loss', 'val_acc1', 'val_acc5', 'val_im
 
 class Run(NamedTuple):
     """One training run: the experiment it trains under, its model (config_key), its recipe (data, budget,
-    precision, device and train.py's own recipe: records of two recipes never mix), its seed, train.py's flags."""
+    precision, device and train.py's own recipe: records of two recipes never mix), its seed, train.py's
+    flags."""
     name: str
     config: str
     recipe: dict
@@ -57,7 +59,8 @@ class Run(NamedTuple):
         return record_key(self._asdict())
 
     def folder(self, out):
-        """OUT/runs/<name>-seed<seed>-<digest of the key>: the run's checkpoints, log and CPU time while it trains."""
+        """OUT/runs/<name>-seed<seed>-<digest of the key>: the run's checkpoints, log and CPU time while it
+        trains."""
         return os.path.join(out, 'runs', f'{self.name}-seed{self.seed}-'
                                          f'{hashlib.sha1(self.key().encode()).hexdigest()[:8]}')
 
@@ -94,8 +97,9 @@ def append_record(path, record):
 
 
 def lock_run(folder, wait=False):
-    """An open descriptor holding an exclusive flock on FOLDER/lock, or None when another process holds it (and
-    not wait). The train.py process inherits it, so the lock lasts as long as the run, even if the lab dies."""
+    """An open descriptor holding an exclusive flock on FOLDER/lock, or None when another process holds it
+    (and not wait). The train.py process inherits it, so the lock lasts as long as the run, even if the lab
+    dies."""
     os.makedirs(folder, exist_ok=True)
     fd = os.open(os.path.join(folder, 'lock'), os.O_RDWR | os.O_CREAT)
     try:
@@ -107,7 +111,8 @@ def lock_run(folder, wait=False):
 
 
 def machine(threads):
-    """What a record says its run ran on: the CPU (and whether it has AVX-512 BF16 and AMX), the GPU if any."""
+    """What a record says its run ran on: the CPU (and whether it has AVX-512 BF16 and AMX), the GPU if
+    any."""
     with open('/proc/cpuinfo') as f:
         info = f.read()
     name = re.search(r'model name\s*:\s*(.*)', info)
@@ -133,17 +138,17 @@ def metrics(path):
 
 
 def make_record(run, folder, state, threads):
-    """The record of a run finished in its folder: its CPU and wall time summed over every attempt (cpu.json), and
-    in its last epoch the final validation's per-image results (FOLDER/val_correct.pt, packed)."""
+    """The record of a run finished in its folder: its CPU and wall time summed over every attempt (cpu.json),
+    and in its last epoch the final validation's per-image results (FOLDER/val_correct.pt, packed)."""
     spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
     log = metrics(folder) if os.path.exists(os.path.join(folder, 'metrics.jsonl')) else []
     correct = os.path.join(folder, 'val_correct.pt')
     if log and 'val_acc1' in log[-1] and os.path.exists(correct):
         log[-1]['val_correct'] = pack_correct(torch.load(correct, weights_only=True))
     return dict(run._asdict(), argv=['paper', 'train', *run.argv], state=state,
-                epochs=[{k: e[k] for k in KEPT if k in e} for e in log], cpu_min=round(spent['cpu_s'] / 60, 3),
-                wall_min=round(spent['wall_s'] / 60, 3), machine=machine(threads),
-                finished=time.strftime('%Y-%m-%d %H:%M:%S'))
+                epochs=[{k: e[k] for k in KEPT if k in e} for e in log],
+                cpu_min=round(spent['cpu_s'] / 60, 3), wall_min=round(spent['wall_s'] / 60, 3),
+                machine=machine(threads), finished=time.strftime('%Y-%m-%d %H:%M:%S'))
 
 
 def read_json(path, default):
@@ -161,11 +166,12 @@ def write_json(path, value):
 
 
 def train_runs(runs, args, desc='training'):
-    """Train each run (Run) without a record in args.results, args.jobs at a time (cores/jobs threads each), as
-    `python -m paper train ARGV --output-dir FOLDER`, holding a lock on FOLDER: a run another command is training is
-    left to it and waited for at the end. Each finished run appends its record; an interrupted one resumes when
-    rerun. Stopped (SIGTERM, Ctrl-C, a failed run), it stops the running train.py (they save) and keeps their
-    CPU time. With args.no_train nothing is trained. Returns {run key: record} of the runs that have one."""
+    """Train each run (Run) without a record in args.results, args.jobs at a time (cores/jobs threads each),
+    as `python -m paper train ARGV --output-dir FOLDER`, holding a lock on FOLDER: a run another command is
+    training is left to it and waited for at the end. Each finished run appends its record; an interrupted one
+    resumes when rerun. Stopped (SIGTERM, Ctrl-C, a failed run), it stops the running train.py (they save) and
+    keeps their CPU time. With args.no_train nothing is trained. Returns {run key: record} of the runs that
+    have one."""
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     todo = [r for r in runs if r.key() not in read_records(args.results)]
     if len(todo) < len(runs):
@@ -176,7 +182,8 @@ def train_runs(runs, args, desc='training'):
     count, cpu_before, running, waiting = len(todo), children_cpu_s(), {}, []
     env = dict(os.environ, **({'CUDA_VISIBLE_DEVICES': ''} if args.device == 'cpu' else {}))
     bar = tqdm(total=count, desc=desc, dynamic_ncols=True)
-    stop = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM unwinds through the finally below
+    # SIGTERM unwinds through the finally below
+    stop = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         while todo or running or waiting:
             while todo and len(running) < args.jobs:
@@ -195,7 +202,8 @@ def train_runs(runs, args, desc='training'):
                     continue
                 running[run.key()] = (*launch(run, folder, lock, threads, env), run, lock, time.time())
             if not running:
-                if waiting:  # only other commands' runs are left: wait for the first to end, then take it up again
+                # only other commands' runs are left: wait for the first to end, then take it up again
+                if waiting:
                     run = waiting.pop(0)
                     os.close(lock_run(run.folder(args.out), wait=True))
                     todo.append(run)
@@ -206,10 +214,12 @@ def train_runs(runs, args, desc='training'):
             folder = run.folder(args.out)
             spend(folder, cpu_s, time.time() - start)
             check_ended(proc, run, folder)
-            append_record(args.results, make_record(run, folder, run_state(folder, run.recipe['epochs']), threads))
+            append_record(args.results,
+                          make_record(run, folder, run_state(folder, run.recipe['epochs']), threads))
             os.close(lock)
             bar.update()
-    finally:  # the runs still going are stopped (train.py saves on SIGTERM; a rerun resumes them), their CPU kept
+    # the runs still going are stopped (train.py saves on SIGTERM; a rerun resumes them), their CPU kept
+    finally:
         signal.signal(signal.SIGTERM, stop)
         for proc, *_ in running.values():
             proc.terminate()
@@ -221,21 +231,22 @@ def train_runs(runs, args, desc='training'):
     if count:  # CPU time hardly depends on what else the machine runs; wall time does
         cpu = children_cpu_s() - cpu_before
         print(f'{count} train.py runs took {cpu / 60:.1f} CPU-minutes ({cpu / 60 / count:.1f} per run): '
-              f'about {cpu / 60 / (threads * args.jobs):.1f} min of wall time on {threads * args.jobs} cores of '
-              f'their own')
+              f'about {cpu / 60 / (threads * args.jobs):.1f} min of wall time on {threads * args.jobs} cores '
+              'of their own')
     records = read_records(args.results)
     return {r.key(): records[r.key()] for r in runs if r.key() in records}
 
 
 def launch(run, folder, lock, threads, env):
-    """Start `python -m paper train ARGV --output-dir FOLDER` from the repository root (output appended to FOLDER/train.log), handing it the run's
-    lock: (the process, its open log)."""
+    """Start `python -m paper train ARGV --output-dir FOLDER` from the repository root (output appended to
+    FOLDER/train.log), handing it the run's lock: (the process, its open log)."""
     log = open(os.path.join(folder, 'train.log'), 'a')
     argv = [sys.executable, '-m', 'paper', 'train', *run.argv, '--output-dir', folder, '--threads',
             str(threads)]
     log.write('$ ' + ' '.join(argv) + '\n')
     log.flush()
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, pass_fds=(lock,)), log
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                            pass_fds=(lock,)), log
 
 
 def check_ended(proc, run, folder):
@@ -253,7 +264,8 @@ def check_ended(proc, run, folder):
 def spend(folder, cpu_s, wall_s):
     """Add one attempt's CPU and wall seconds to FOLDER/cpu.json, the run's total over its attempts."""
     spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
-    write_json(os.path.join(folder, 'cpu.json'), {'cpu_s': spent['cpu_s'] + cpu_s, 'wall_s': spent['wall_s'] + wall_s})
+    write_json(os.path.join(folder, 'cpu.json'),
+               {'cpu_s': spent['cpu_s'] + cpu_s, 'wall_s': spent['wall_s'] + wall_s})
 
 
 def children_cpu_s():
@@ -263,8 +275,8 @@ def children_cpu_s():
 
 
 def wait_any(running):
-    """(the first of the running {key: (process, ...)} to finish, its CPU seconds): the children's CPU time grows
-    by exactly the process that poll() reaps."""
+    """(the first of the running {key: (process, ...)} to finish, its CPU seconds): the children's CPU time
+    grows by exactly the process that poll() reaps."""
     while True:
         for key, (proc, *_) in running.items():
             before = children_cpu_s()
@@ -274,10 +286,12 @@ def wait_any(running):
 
 
 def pack_correct(correct):
-    """Per-image right (1) or wrong (0), in a fixed image order, as base64 text, 8 images to a byte, the first in
-    the lowest bit: 10,000 images in 1,668 characters. unpack_correct reads it back."""
+    """Per-image right (1) or wrong (0), in a fixed image order, as base64 text, 8 images to a byte, the first
+    in the lowest bit: 10,000 images in 1,668 characters. unpack_correct reads it back."""
     bits = F.pad(correct.to(torch.uint8), (0, -len(correct) % 8)).view(-1, 8)  # (bytes, 8)
-    return base64.b64encode(bytes((bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8).tolist())
+    return base64.b64encode(bytes((bits << torch.arange(8,
+                                                        dtype=torch.uint8)).sum(1,
+                                                                                dtype=torch.uint8).tolist())
                             ).decode()
 
 
@@ -288,23 +302,25 @@ def unpack_correct(text, images):
 
 
 # ---------------------------------------------------------------------------------------------------
-# python -m paper train NAME [train.py flags]: one paper experiment (or released model) through train.py's loop
+# python -m paper train NAME [train.py flags]: one paper experiment (or released model) through train.py's
+# loop
 
 def train_args(argv):
-    """train.py's arguments for `python -m paper train NAME [flags]`: train.py's parser with NAME and the mosaics'
-    flags added (fashion_recall registered in train.DATASETS first, so --dataset offers it), and NAME's experiment
-    turned into --model and --model-kwargs, under which the flags given win (each said)."""
+    """train.py's arguments for `python -m paper train NAME [flags]`: train.py's parser with NAME and the
+    mosaics' flags added (fashion_recall registered in train.DATASETS first, so --dataset offers it), and
+    NAME's experiment turned into --model and --model-kwargs, under which the flags given win (each said)."""
     mosaics.register()
     parser = train.get_args_parser()
     parser.prog = 'python -m paper train'
-    parser.add_argument('name', metavar='NAME', help='an experiment of the paper (python -m paper experiments) or a '
+    parser.add_argument('name', metavar='NAME',
+                        help='an experiment of the paper (python -m paper experiments) or a '
                         f'released model: {", ".join(models.MODELS)}')
     mosaics.add_flags(parser)
     args = parser.parse_args(argv)
     e = EXPERIMENTS.get(args.name)
     if e is None and args.name not in models.MODELS:
-        train.fail(f'unknown experiment or model {args.name}; choose an experiment ({", ".join(EXPERIMENTS)}) or a '
-                   f'model ({", ".join(models.MODELS)})')
+        train.fail(f'unknown experiment or model {args.name}; choose an experiment '
+                   f'({", ".join(EXPERIMENTS)}) or a model ({", ".join(models.MODELS)})')
     base = e.overrides if e else {}
     given = train.model_kwargs(args)  # --model-kwargs and the attention flags (--layout, ...) given
     won = [f'{k}={v!r} (its {base[k]!r})' for k, v in given.items() if base.get(k, v) != v]
@@ -319,8 +335,8 @@ def train_args(argv):
     if args.dataset == mosaics.NAME and args.img_size is None:
         args.img_size = 64  # the mosaics' own size (train.py gives a dataset it does not know 32)
     if e:
-        train.print0(f'experiment: {args.name} ({e.table}, reported {e.reported}{", our construction" * e.ours}): '
-                     f'{e.what}')
+        train.print0(f'experiment: {args.name} ({e.table}, reported '
+                     f'{e.reported}{", our construction" * e.ours}): {e.what}')
     return args
 
 

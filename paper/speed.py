@@ -1,12 +1,8 @@
-"""The paper's speed figures, timed on this machine: F5b and F5c, a whole training step, whole models, dense sizes.
+"""The paper's speed figures, timed on this machine: F5b and F5c, a whole training step, whole models, dense
+sizes.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Commands (from the repository root):
-
-    python -m paper speed [--quick]        # F5b, F5c: images/s against window and resolution
-    python -m paper speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
-    python -m paper speed --dense          # backbones at detection sizes: forward time and peak memory
-    python -m paper speed --whole [--compile]  # whole models against softmax; where a forward's time goes
+arXiv 2412.06590. Run as `python -m paper speed` (its command lines: paper/__main__.py).
 """
 import ctypes
 import functools
@@ -31,7 +27,8 @@ from paper.runs import ROOT, machine
 
 # F5b, F5c: images/s of softmax models against their InLine versions, as the window or the image grows
 
-SPEED = {  # figure: (what varies, its values, the GPU speed-ups of InLine over softmax in the paper's Fig. 5b, 5c)
+# figure: (what varies, its values, the GPU speed-ups of InLine over softmax in the paper's Fig. 5b, 5c)
+SPEED = {
     'F5b': ('window', (7, 14, 28, 56), {28: 1.9, 56: 3.7}),
     'F5c': ('image size', (224, 384, 640, 1024), {640: 2.4, 1024: 4.8}),
 }
@@ -65,7 +62,8 @@ class CountSoftmax(torch.overrides.TorchFunctionMode):
 
 
 def check_sdpa(model, x):
-    """Softmax is timed as users run it, through F.scaled_dot_product_attention, never the N x N teaching form."""
+    """Softmax is timed as users run it, through F.scaled_dot_product_attention, never the N x N teaching
+    form."""
     with torch.no_grad(), CountSoftmax() as count:
         model(x)
     if count.sdpa == 0 or count.explicit:
@@ -75,7 +73,8 @@ def check_sdpa(model, x):
 
 def speed_point(figure, point, dtype, device, batch, rounds):
     """Interleaved rounds (softmax then InLine, one forward each) at one point: images/s of each, and the
-    speed-up as the median over rounds of softmax time / InLine time (the machine's drift cancels in a round)."""
+    speed-up as the median over rounds of softmax time / InLine time (the machine's drift cancels in a
+    round)."""
     softmax, inline_model = speed_models(figure, point, device)
     x = torch.randn(batch, 3, *softmax.img_size, generator=torch.Generator().manual_seed(0)).to(device)
     check_sdpa(softmax, x[:1])
@@ -84,10 +83,11 @@ def speed_point(figure, point, dtype, device, batch, rounds):
         with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             model(x)
 
-    ms = kernels.time_interleaved({'softmax': lambda: forward(softmax), 'InLine': lambda: forward(inline_model)},
+    ms = kernels.time_interleaved({'softmax': lambda: forward(softmax),
+                                   'InLine': lambda: forward(inline_model)},
                                   device, budget_s=1e9, max_rounds=rounds)  # exactly `rounds` rounds
-    return dict(figure=figure, point=point, device=device.type, dtype=str(dtype).replace('torch.', ''), batch=batch,
-                rounds=rounds, softmax_img_s=batch / statistics.median(ms['softmax']) * 1e3,
+    return dict(figure=figure, point=point, device=device.type, dtype=str(dtype).replace('torch.', ''),
+                batch=batch, rounds=rounds, softmax_img_s=batch / statistics.median(ms['softmax']) * 1e3,
                 inline_img_s=batch / statistics.median(ms['InLine']) * 1e3,
                 speedup=kernels.paired_ratio(ms, 'softmax', 'InLine'))
 
@@ -99,7 +99,8 @@ def cmd_speed(args):
         return cmd_speed_whole(args)
     devices = [torch.device('cpu')] + ([torch.device('cuda')] if torch.cuda.is_available() else [])
     dtypes = [torch.float32, torch.bfloat16]
-    points = [(fig, p) for fig, (_, values, _) in SPEED.items() for p in (SPEED_QUICK[fig] if args.quick else values)]
+    points = [(fig, p) for fig,
+              (_, values, _) in SPEED.items() for p in (SPEED_QUICK[fig] if args.quick else values)]
     jobs = [(fig, p, dt, dev) for dev in devices for dt in dtypes for fig, p in points]
     rows = []
     for fig, point, dtype, device in tqdm(jobs, desc='speed', dynamic_ncols=True):
@@ -115,28 +116,35 @@ def cmd_speed(args):
         with open(path) as f:
             rows.append(json.load(f))
     cpu_amp, why = train.default_amp(torch.device('cpu'))
-    amx = getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)()  # private, so guarded; bf16's speed turns on it
-    print(f'\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, softmax vs '
-          f'InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, InLine through the '
-          f'fast core; speed-up = median of per-round ratios. CPU: {torch.get_num_threads()} threads, '
-          f'{torch.backends.cpu.get_cpu_capability()}; {why}, so train.py defaults to {cpu_amp} there.\n')
-    print_table(['figure', 'point', 'device', 'dtype', 'batch', 'softmax img/s', 'InLine img/s', 'InLine speed-up',
-                 'paper (GPU)'],
-                [[r['figure'], f"{r['point']}²" if r['figure'] == 'F5b' else f"{r['point']} px", r['device'], r['dtype'],
-                  r['batch'], f"{r['softmax_img_s']:.2f}", f"{r['inline_img_s']:.2f}", f"{r['speedup']:.2f}x",
+    # private, so guarded; bf16's speed turns on it
+    amx = getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)()
+    print('\nF5b: Swin-T, softmax (SSSS, window w) vs InLine-Swin-T (window w), 224 px; F5c: DeiT-T, '
+          'softmax vs InLine, image size varied. Inference (eval, inference_mode), softmax through SDPA, '
+          'InLine through the fast core; speed-up = median of per-round ratios. CPU: '
+          f'{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}; {why}, so train.py '
+          f'defaults to {cpu_amp} there.\n')
+    print_table(['figure', 'point', 'device', 'dtype', 'batch', 'softmax img/s', 'InLine img/s',
+                 'InLine speed-up', 'paper (GPU)'],
+                [[r['figure'], f"{r['point']}²" if r['figure'] == 'F5b' else f"{r['point']} px", r['device'],
+                  r['dtype'], r['batch'], f"{r['softmax_img_s']:.2f}", f"{r['inline_img_s']:.2f}",
+                  f"{r['speedup']:.2f}x",
                   f"{SPEED[r['figure']][2][r['point']]}x" if r['point'] in SPEED[r['figure']][2] else '']
                  for r in rows])
     panels = []
     for fig, (what, values, paper) in SPEED.items():
-        series = [(f'{dev} {dt}' + ((' (AMX)' if amx else ' (no AMX)') if (dev, dt) == ('cpu', 'bfloat16') else ''),
+        series = [(f'{dev} {dt}'
+                   + ((' (AMX)' if amx else ' (no AMX)') if (dev, dt) == ('cpu', 'bfloat16') else ''),
                    [r['point'] for r in sel], [r['speedup'] for r in sel], None)
                   for dev in dict.fromkeys(r['device'] for r in rows) for dt in ('float32', 'bfloat16')
-                  for sel in [[r for r in rows if (r['figure'], r['device'], r['dtype']) == (fig, dev, dt)]] if sel]
+                  for sel in [[r for r in rows if (r['figure'], r['device'], r['dtype']) == (fig, dev, dt)]]
+                  if sel]
         series.append(('paper, GPU', list(paper), list(paper.values()), None))
-        panels.append(dict(series=series, xlabel=what, log_x=True, ylabel='InLine speed-up (x)', xticks=list(values),
+        panels.append(dict(series=series, xlabel=what, log_x=True, ylabel='InLine speed-up (x)',
+                           xticks=list(values),
                            title=('F5b: Swin-T vs InLine-Swin-T, by window' if fig == 'F5b' else
                                   'F5c: DeiT-T vs InLine-DeiT-T, by size'),
-                           hlines=[('equal speed', 1.0)], xlabels=[f'{v}x{v}' if fig == 'F5b' else str(v) for v in values]))
+                           hlines=[('equal speed', 1.0)],
+                           xlabels=[f'{v}x{v}' if fig == 'F5b' else str(v) for v in values]))
     charts(args.png or os.path.join(args.out, 'speed.png'), panels, cols=2, size=(500, 420))
     if args.model_step:
         model_step_table([torch.device('cpu')] + devices[1:], dtypes)
@@ -144,15 +152,16 @@ def cmd_speed(args):
 
 
 def free_core(q, k, v, r, grid, *options):
-    """A stand-in for the InLine core that costs nothing, o = v: a step with it is as fast as any core can make
-    it (the projections, r and everything else still run)."""
+    """A stand-in for the InLine core that costs nothing, o = v: a step with it is as fast as any core can
+    make it (the projections, r and everything else still run)."""
     return v
 
 
 def model_step(dtype, device, batch=8):
     """One training step of InLine-Swin-T at 224 px (forward, loss, backward): reference core, fast core, fast
-    core under whole-model torch.compile, and every InLine core replaced by free_core (the bound: Amdahl's law).
-    Returns ms per step (medians over interleaved rounds) and speed-ups (medians of per-round ratios)."""
+    core under whole-model torch.compile, and every InLine core replaced by free_core (the bound: Amdahl's
+    law). Returns ms per step (medians over interleaved rounds) and speed-ups (medians of per-round
+    ratios)."""
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(batch, 3, 224, 224, generator=gen, device=device)
     y = torch.randint(0, 1000, (batch,), generator=gen, device=device)
@@ -173,7 +182,8 @@ def model_step(dtype, device, batch=8):
     ms = kernels.time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
                                    'fast + compile': lambda: step(compiled), 'free core': lambda: step(free)},
                                   device, budget_s=60, max_rounds=15)
-    return {name: (statistics.median(t), kernels.paired_ratio(ms, 'reference', name)) for name, t in ms.items()}
+    return {name: (statistics.median(t), kernels.paired_ratio(ms, 'reference', name))
+            for name, t in ms.items()}
 
 
 def model_step_table(devices, dtypes):
@@ -182,8 +192,8 @@ def model_step_table(devices, dtypes):
         for dtype in dtypes:
             step = model_step(dtype, device)
             rows.append([device.type, str(dtype)[6:], *[f'{t:.0f} ms ({r:.2f}x)' for t, r in step.values()]])
-    print('\nA whole InLine-Swin-T training step, batch 8, 224 px (ms, speed-up over the reference). The free core '
-          'returns v and costs nothing: no InLine core can make the step faster than that.\n')
+    print('\nA whole InLine-Swin-T training step, batch 8, 224 px (ms, speed-up over the reference). The '
+          'free core returns v and costs nothing: no InLine core can make the step faster than that.\n')
     print_table(['device', 'dtype', 'reference core', 'fast core', 'fast core + whole-model torch.compile',
                  'free core (the bound)'], rows)
 
@@ -191,7 +201,8 @@ def model_step_table(devices, dtypes):
 # ---------------------------------------------------------------------------------------------------
 # python -m paper speed --whole: whole models, InLine against the softmax original a user would pick instead
 
-WHOLE = (  # (what, InLine model, its softmax original (EXPERIMENTS), image side, batch on CPU, training step?)
+# (what, InLine model, its softmax original (EXPERIMENTS), image side, batch on CPU, training step?)
+WHOLE = (
     ('InLine-Swin-T inference', 'inline_swin_t', 's_swin_t', 224, 32, False),
     ('InLine-Swin-T training step', 'inline_swin_t', 's_swin_t', 224, 8, True),
     ('InLine-DeiT-T inference', 'inline_deit_t', 's_deit_t', 224, 1, False),
@@ -201,7 +212,8 @@ WHOLE = (  # (what, InLine model, its softmax original (EXPERIMENTS), image side
 
 
 def whole_step(model, x, y, dtype, training):
-    """One forward (eval, inference_mode) or one training step (forward, cross-entropy, backward) under autocast."""
+    """One forward (eval, inference_mode) or one training step (forward, cross-entropy, backward) under
+    autocast."""
     autocast = torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32)
     if not training:
         with torch.inference_mode(), autocast:
@@ -213,8 +225,8 @@ def whole_step(model, x, y, dtype, training):
 
 
 def without_infer(model, f):
-    """f() with every InLine module's inference graph (kernels.infer_fast) off: Eq. 6's weights, then the fast core,
-    two calls, as the fast path ran inference before that graph."""
+    """f() with every InLine module's inference graph (kernels.infer_fast) off: Eq. 6's weights, then the fast
+    core, two calls, as the fast path ran inference before that graph."""
     saved = [(m, m.infer) for m in model.modules() if getattr(m, 'infer', None) is not None]
     for m, _ in saved:
         m.infer = None
@@ -226,21 +238,23 @@ def without_infer(model, f):
 
 
 def whole_point(row, dtype, device, rounds, compiled):
-    """One row of --whole at one dtype: ms of the softmax original, of InLine through the fast core, for inference
-    also without its inference graph (without_infer), and (compiled) of InLine under whole-model torch.compile, in one
-    interleaved run; speed-ups as medians of per-round ratios."""
+    """One row of --whole at one dtype: ms of the softmax original, of InLine through the fast core, for
+    inference also without its inference graph (without_infer), and (compiled) of InLine under whole-model
+    torch.compile, in one interleaved run; speed-ups as medians of per-round ratios."""
     what, name, softmax_name, side, batch, training = row
     drop = dict(drop_path_rate=0.0)  # no random depth: every round runs the same blocks
     softmax = create_experiment(softmax_name, img_size=side, **drop).train(training).to(device)
     inline_model = models.create_model(name, img_size=side, fast=True, **drop).train(training).to(device)
     gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, 3, side, side, generator=gen).to(device), torch.randint(0, 1000, (batch,)).to(device)
+    x, y = torch.randn(batch, 3, side, side,
+                       generator=gen).to(device), torch.randint(0, 1000, (batch,)).to(device)
     if not training:
         check_sdpa(softmax, x[:1])
     fns = {'softmax': lambda: whole_step(softmax, x, y, dtype, training),
            'InLine': lambda: whole_step(inline_model, x, y, dtype, training)}
     if not training:
-        fns['two_calls'] = lambda: without_infer(inline_model, lambda: whole_step(inline_model, x, y, dtype, False))
+        fns['two_calls'] = lambda: without_infer(inline_model,
+                                                 lambda: whole_step(inline_model, x, y, dtype, False))
     if compiled:
         compiled_model = torch.compile(inline_model)
         fns['compiled'] = lambda: whole_step(compiled_model, x, y, dtype, training)
@@ -266,10 +280,10 @@ PREDICTOR_LABEL = 'Eq. 6 predictor (residual_weights)'
 
 
 def forward_profile(model, x, dtype, rounds=5):
-    """Where one forward (eval, inference_mode, batch 1) spends its time: {group: (ms, calls) per forward}, from
-    torch.profiler's top-level operators, grouped by PROFILE_GROUPS; the InLine core and Eq. 6's predictor are
-    labelled around their calls (with no gradient the fast path computes both in one graph, kernels.infer_fast), and
-    the core split into its compiled graph's kernels (inductor's code and the GEMMs
+    """Where one forward (eval, inference_mode, batch 1) spends its time: {group: (ms, calls) per forward},
+    from torch.profiler's top-level operators, grouped by PROFILE_GROUPS; the InLine core and Eq. 6's
+    predictor are labelled around their calls (with no gradient the fast path computes both in one graph,
+    kernels.infer_fast), and the core split into its compiled graph's kernels (inductor's code and the GEMMs
     it calls), dynamo's guards and wrappers around them, and its call in Python (checks, the table)."""
     cores = [m for m in model.modules() if getattr(m, 'core', None) is not None]
     saved = [(m, m.core, m.infer) for m in cores], inline.residual_weights
@@ -325,12 +339,12 @@ def cmd_speed_whole(args):
     rows = [whole_point(row, dtype, device, rounds, args.compile)
             for row in tqdm(chosen, desc='whole', dynamic_ncols=True) for dtype in dtypes]
     info = machine(torch.get_num_threads())
-    print(f"\nWhole models, InLine through the fast core against the softmax original built with F.scaled_dot_product_"
-          f"attention, the same sizes; {rounds} interleaved rounds, ms = median, speed-up = median of per-round "
-          f"ratios (softmax time / InLine time: above 1, InLine is faster); without the inference graph: Eq. 6's weights "
-          f"and the fast core as two calls, as the fast path ran inference before kernels.infer_fast. {device.type}: "
-          f"{info['cpu']}, "
-          f"AVX-512 BF16 {'yes' if info['avx512_bf16'] else 'no'}, AMX {'yes' if info['amx'] else 'no'}, "
+    print("\nWhole models, InLine through the fast core against the softmax original built with "
+          f"F.scaled_dot_product_attention, the same sizes; {rounds} interleaved rounds, ms = median, "
+          "speed-up = median of per-round ratios (softmax time / InLine time: above 1, InLine is faster); "
+          "without the inference graph: Eq. 6's weights and the fast core as two calls, as the fast path "
+          f"ran inference before kernels.infer_fast. {device.type}: {info['cpu']}, AVX-512 BF16 "
+          f"{'yes' if info['avx512_bf16'] else 'no'}, AMX {'yes' if info['amx'] else 'no'}, "
           f"{info['threads']} threads, torch {info['torch']}.\n")
     header = ['model', 'image', 'batch', 'dtype', 'softmax ms', 'InLine ms', 'InLine speed-up',
               'speed-up without the inference graph']
@@ -339,7 +353,8 @@ def cmd_speed_whole(args):
     print_table(header, [[r['what'], f"{r['side']} px", r['batch'], r['dtype'], f"{r['softmax_ms']:.1f}",
                           f"{r['InLine_ms']:.1f}", f"{r['speedup']:.2f}x",
                           '—' if r['two_calls_speedup'] is None else f"{r['two_calls_speedup']:.2f}x"] + ([
-                          f"{r['compiled_ms']:.1f}", f"{r['compiled_speedup']:.2f}x", f"{r['compiled_over_fast']:.2f}x"]
+                          f"{r['compiled_ms']:.1f}", f"{r['compiled_speedup']:.2f}x",
+                          f"{r['compiled_over_fast']:.2f}x"]
                           if args.compile else []) for r in rows])
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)
     profiles = {}
@@ -351,13 +366,15 @@ def cmd_speed_whole(args):
     order = []
     for g in (g for g in groups if not g.startswith('  ')):  # the core's parts under it
         order += [g] + ([s for s in groups if s.startswith('  ')] if g == CORE_LABEL else [])
-    print(f"\nWhere a forward of batch 1 at 224 px spends its time (eval, inference_mode; torch.profiler, the mean "
-          f"of 5 forwards; ms per forward, with calls per forward): InLine-DeiT-T through the fast core, DeiT-T "
-          f"through SDPA.\n")
+    print("\nWhere a forward of batch 1 at 224 px spends its time (eval, inference_mode; torch.profiler, "
+          "the mean of 5 forwards; ms per forward, with calls per forward): InLine-DeiT-T through the fast "
+          "core, DeiT-T through SDPA.\n")
     print_table(['where'] + list(profiles), [[g.replace('  ', '… ')] + [
-        (f"{p[g][0]:.2f}" + (f" ({p[g][1]:.0f})" if p[g][1] else '')) if g in p else '' for p in profiles.values()]
+        (f"{p[g][0]:.2f}" + (f" ({p[g][1]:.0f})" if p[g][1] else '')) if g in p else ''
+        for p in profiles.values()]
         for g in order] +
-        [['total'] + [f"{sum(v[0] for k, v in p.items() if not k.startswith('  ') and not k.startswith('every')):.2f}"
+        [['total']
+         + [f"{sum(v[0] for k, v in p.items() if not k.startswith('  ') and not k.startswith('every')):.2f}"
                       for p in profiles.values()]])
     return rows
 
@@ -365,9 +382,11 @@ def cmd_speed_whole(args):
 # ---------------------------------------------------------------------------------------------------
 # Dense: backbone forward time and peak memory at detection sizes, each softmax original against InLine
 
-DENSE_SIZES = ((512, 512), (640, 640), (800, 800), (800, 1344))  # COCO's 800x1333 padded to 32, as detectors pad
+# COCO's 800x1333 padded to 32, as detectors pad
+DENSE_SIZES = ((512, 512), (640, 640), (800, 800), (800, 1344))
 DENSE = {  # comparison: (softmax original, InLine), EXPERIMENTS and registered names
-    'Swin-T': ('s_swin_t', 'inline_swin_t'),  # shifted 7x7 windows in every stage; InLine over the whole stage
+    # shifted 7x7 windows in every stage; InLine over the whole stage
+    'Swin-T': ('s_swin_t', 'inline_swin_t'),
     'PVT-S': ('s_pvt_s', 'inline_pvt_s'),  # softmax with spatial reduction 8-4-2-1; InLine over all tokens
     'DeiT-T': ('s_deit_t', 'inline_deit_t'),  # global softmax over all (H/16)(W/16) + 1 tokens
 }
@@ -412,14 +431,17 @@ def dense_peak_mb(name, size, device):
     if device.type == 'cuda':
         fn, x = dense_forward(name, size, device), torch.randn(1, 3, *size, device=device)
         with torch.inference_mode():
-            return kernels.peak_mb(lambda: fn(x), device)  # max_memory_allocated above what was allocated before
+            # max_memory_allocated above what was allocated before
+            return kernels.peak_mb(lambda: fn(x), device)
     code = f'from paper import speed; speed.dense_peak_rss({name!r}, {size[0]}, {size[1]})'
     run = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True)
-    return json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None  # None: did not fit
+    # None: did not fit
+    return json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None
 
 
 def dense_point(comparison, size, device, rounds):
-    """Interleaved rounds (softmax then InLine, one forward of batch 1 each) at one size, and each one's peak."""
+    """Interleaved rounds (softmax then InLine, one forward of batch 1 each) at one size, and each one's
+    peak."""
     softmax_name, inline_name = DENSE[comparison]
     fns = {n: dense_forward(n, size, device) for n in (softmax_name, inline_name)}
     x = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(0)).to(device)
@@ -434,7 +456,8 @@ def dense_point(comparison, size, device, rounds):
     return dict(comparison=comparison, size=list(size), device=device.type, rounds=rounds,
                 softmax_ms=statistics.median(ms[softmax_name]), inline_ms=statistics.median(ms[inline_name]),
                 speedup=kernels.paired_ratio(ms, softmax_name, inline_name),
-                softmax_mb=dense_peak_mb(softmax_name, size, device), inline_mb=dense_peak_mb(inline_name, size, device))
+                softmax_mb=dense_peak_mb(softmax_name, size, device),
+                inline_mb=dense_peak_mb(inline_name, size, device))
 
 
 def cmd_speed_dense(args):
@@ -443,7 +466,8 @@ def cmd_speed_dense(args):
     jobs = [(c, s, d) for d in devices for c in DENSE for s in DENSE_SIZES]
     for comparison, size, device in tqdm(jobs, desc='dense', dynamic_ncols=True):
         rounds = args.rounds or (3 if device.type == 'cpu' else 20)
-        path = os.path.join(args.out, 'dense', f'{device.type}-{comparison}-{size[0]}x{size[1]}-r{rounds}-fast.json')
+        path = os.path.join(args.out, 'dense',
+                            f'{device.type}-{comparison}-{size[0]}x{size[1]}-r{rounds}-fast.json')
         if not os.path.exists(path):  # a finished point is kept; a rerun times only what is missing
             row = dense_point(comparison, size, device, rounds)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -451,31 +475,36 @@ def cmd_speed_dense(args):
                 json.dump(row, f)
         with open(path) as f:
             rows.append(json.load(f))
-    cpu = subprocess.run(['sh', '-c', "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
-                         text=True).stdout.strip() or 'unknown CPU'
-    print(f'\nBackbone forward, batch 1, fp32, eval + inference_mode; InLine through the fast core, softmax through '
-          f'SDPA; time = median of {rounds} interleaved rounds, speed-up = median of per-round ratios. Peak: CPU, the rise '
-          f'of peak RSS over one forward in a fresh process; CUDA, max_memory_allocated above the model. CPU: {cpu}, '
-          f'{torch.get_num_threads()} threads.\n')
+    cpu = subprocess.run(['sh', '-c', "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
+                         capture_output=True, text=True).stdout.strip() or 'unknown CPU'
+    print('\nBackbone forward, batch 1, fp32, eval + inference_mode; InLine through the fast core, softmax '
+          f'through SDPA; time = median of {rounds} interleaved rounds, speed-up = median of per-round '
+          'ratios. Peak: CPU, the rise of peak RSS over one forward in a fresh process; CUDA, '
+          f'max_memory_allocated above the model. CPU: {cpu}, {torch.get_num_threads()} threads.\n')
     mb = lambda v: '—' if v is None else f'{v:.0f}'  # noqa: E731  (None: the forward did not fit)
-    print_table(['backbone', 'image', 'device', 'softmax ms', 'InLine ms', 'InLine speed-up', 'softmax peak MiB',
-                 'InLine peak MiB'],
+    print_table(['backbone', 'image', 'device', 'softmax ms', 'InLine ms', 'InLine speed-up',
+                 'softmax peak MiB', 'InLine peak MiB'],
                 [[r['comparison'], '{}×{}'.format(*r['size']), r['device'], f"{r['softmax_ms']:.0f}",
-                  f"{r['inline_ms']:.0f}", f"{r['speedup']:.2f}x", mb(r['softmax_mb']), mb(r['inline_mb'])] for r in rows])
+                  f"{r['inline_ms']:.0f}", f"{r['speedup']:.2f}x", mb(r['softmax_mb']),
+                  mb(r['inline_mb'])] for r in rows])
     pixels = [h * w for h, w in DENSE_SIZES]
     labels = [f'{h * w / 1e6:.2f}' for h, w in DENSE_SIZES]
     panels = []
     for key, ylabel in (('ms', 'forward ms (batch 1)'), ('mb', 'peak MiB of the forward')):
-        series = [(f"{c} {kind}{'' if dev == 'cpu' else ' ' + dev}", [h * w for h, w in (r['size'] for r in sel)],
-                   [r[f'{kind.lower()}_{key}'] for r in sel], None)
-                  for dev in dict.fromkeys(r['device'] for r in rows) for c in DENSE for kind in ('softmax', 'InLine')
+        series = [(f"{c} {kind}{'' if dev == 'cpu' else ' ' + dev}",
+                   [h * w for h, w in (r['size'] for r in sel)], [r[f'{kind.lower()}_{key}'] for r in sel],
+                   None)
+                  for dev in dict.fromkeys(r['device'] for r in rows) for c in DENSE
+                  for kind in ('softmax', 'InLine')
                   for sel in [[r for r in rows if (r['comparison'], r['device']) == (c, dev)
                                and r[f'{kind.lower()}_{key}'] is not None]] if sel]
-        panels.append(dict(series=series, xlabel='megapixels: ' + ', '.join(f'{h}x{w}' for h, w in DENSE_SIZES),
-                           log_x=True, ylabel=ylabel, xticks=pixels,
-                           xlabels=labels, title=f"Backbone {'forward time' if key == 'ms' else 'peak memory'}, "
-                                                 f"softmax vs InLine"))
-    charts(args.png or os.path.join(args.out, 'dense.png'), panels, cols=1, size=(820, 400))  # legend: one row
+        panels.append(dict(series=series,
+                           xlabel='megapixels: ' + ', '.join(f'{h}x{w}' for h, w in DENSE_SIZES), log_x=True,
+                           ylabel=ylabel, xticks=pixels, xlabels=labels, title="Backbone "
+                                                 f"{'forward time' if key == 'ms' else 'peak memory'}, "
+                                                 "softmax vs InLine"))
+    # legend: one row
+    charts(args.png or os.path.join(args.out, 'dense.png'), panels, cols=1, size=(820, 400))
     return rows
 
 

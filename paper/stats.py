@@ -16,13 +16,15 @@ import torch
 from paper.runs import unpack_correct
 
 
-# Verdicts, fixed before the runs (RESULTS.md, "Verdicts"): t-tests of the mean difference of runs paired by seed, its
-# error over seeds and over the test set's images, computed here from the t distribution itself (no table, no
-# scipy); Holm's adjustment over a table's family
+# Verdicts, fixed before the runs (RESULTS.md, "Verdicts"): t-tests of the mean difference of runs paired by
+# seed, its error over seeds and over the test set's images, computed here from the t distribution itself (no
+# table, no scipy); Holm's adjustment over a table's family
 
 MARGIN = 1.0  # top-1 points: TOST's tie margin, and the effect the claim rows' seeds are chosen to detect
-PAPER_TIE = 0.2  # the paper's own ties: rows 0.2 or less apart, as it reads T10 (82.4, 82.5) and T4 (82.3, 82.4)
-ALPHA, POWER = 0.05, 0.8  # every test's level (two-sided; TOST 2.5% a side) and the power seeds are chosen for
+# the paper's own ties: rows 0.2 or less apart, as it reads T10 (82.4, 82.5) and T4 (82.3, 82.4)
+PAPER_TIE = 0.2
+# every test's level (two-sided; TOST 2.5% a side) and the power seeds are chosen for
+ALPHA, POWER = 0.05, 0.8
 WORDS = ('reproduced', 'contradicted', 'not resolved')
 
 
@@ -74,28 +76,31 @@ def t_quantile(p, df):
 
 
 def image_term(images):
-    """(variance, its Satterthwaite term): what the test set's sampling adds to the variance of a comparison's mean
-    difference (points²), from `images`, the per-image differences (seeds, M): 1 where only the row's model is right,
-    -1 where only the reference's is. The two-way random-effects model (seed + image + residual), one run per seed
-    and model, read by its mean squares: the mean's variance is (MS_seed + MS_image - MS_residual) / (n M), of
-    which MS_seed / (n M) is the seeds' term (sd² / n of the per-seed differences) and (MS_image - MS_residual) /
-    (n M) the test set's, kept at 0 or more; the second number is that term's share of Satterthwaite's
-    denominator, (MS_image² / (M - 1) + MS_residual² / ((n - 1)(M - 1))) / (n M)²."""
+    """(variance, its Satterthwaite term): what the test set's sampling adds to the variance of a comparison's
+    mean difference (points²), from `images`, the per-image differences (seeds, M): 1 where only the row's
+    model is right,
+    -1 where only the reference's is. The two-way random-effects model (seed + image + residual), one run per
+    seed and model, read by its mean squares: the mean's variance is (MS_seed + MS_image - MS_residual) / (n
+    M), of which MS_seed / (n M) is the seeds' term (sd² / n of the per-seed differences) and (MS_image -
+    MS_residual) / (n M) the test set's, kept at 0 or more; the second number is that term's share of
+    Satterthwaite's denominator, (MS_image² / (M - 1) + MS_residual² / ((n - 1)(M - 1))) / (n M)²."""
     d = 100 * images.double()  # (n, M), points
     n, M = d.shape
     by_image = d.mean(0)  # (M,)
     ms_image = n * by_image.var().item()
-    ms_residual = (d - d.mean(1, keepdim=True) - by_image + d.mean()).pow(2).sum().item() / ((n - 1) * (M - 1))
+    ms_residual = (d - d.mean(1, keepdim=True) - by_image
+                   + d.mean()).pow(2).sum().item() / ((n - 1) * (M - 1))
     return (max(0.0, ms_image - ms_residual) / (n * M),
             (ms_image ** 2 / (M - 1) + ms_residual ** 2 / ((n - 1) * (M - 1))) / (n * M) ** 2)
 
 
 def paired(diffs, images=None):
-    """(mean, standard error, degrees of freedom) of a comparison's mean difference, from its per-seed differences
-    (points) and, where given, the per-image differences behind them (image_term; their rows in the seeds'
-    order). Seeds only: sd / sqrt(n) on n - 1 degrees of freedom, which holds the test set's images fixed and so
-    leaves out their sampling error (it shrinks with images, never with seeds). With images, the test set's term is
-    added, on Satterthwaite's degrees of freedom for the sum. Infinite error with one seed."""
+    """(mean, standard error, degrees of freedom) of a comparison's mean difference, from its per-seed
+    differences (points) and, where given, the per-image differences behind them (image_term; their rows in
+    the seeds' order). Seeds only: sd / sqrt(n) on n - 1 degrees of freedom, which holds the test set's images
+    fixed and so leaves out their sampling error (it shrinks with images, never with seeds). With images, the
+    test set's term is added, on Satterthwaite's degrees of freedom for the sum. Infinite error with one
+    seed."""
     n, mean = len(diffs), statistics.mean(diffs)
     if n < 2:
         return mean, math.inf, 0
@@ -107,8 +112,8 @@ def paired(diffs, images=None):
 
 
 def upper(mean, delta, se, df):
-    """P(T > (mean - delta) / se): the one-sided p of "the true mean is delta or less"; with no spread (se = 0,
-    every seed alike) 0 or 1."""
+    """P(T > (mean - delta) / se): the one-sided p of "the true mean is delta or less"; with no spread (se =
+    0, every seed alike) 0 or 1."""
     if se == 0:
         return 0.0 if mean > delta else 1.0 if mean < delta else 0.5
     return 1 - t_cdf((mean - delta) / se, df)
@@ -116,15 +121,17 @@ def upper(mean, delta, se, df):
 
 def interval(diffs, images=None):
     """(mean, half-width) of the 95% interval of a comparison's mean difference, t(0.975, df) times paired's
-    standard error: over seeds, and over the test set's images where they are given; infinite with one seed."""
+    standard error: over seeds, and over the test set's images where they are given; infinite with one
+    seed."""
     mean, se, df = paired(diffs, images)
     return mean, t_quantile(1 - ALPHA / 2, df) * se if df else math.inf
 
 
 def pooled_sd(groups):
     """(sd, degrees of freedom) of per-seed differences pooled over a table's comparisons (groups: each one's
-    per-seed differences): sqrt(sum (n_k - 1) sd_k² / sum (n_k - 1)); (None, 0) without two seeds anywhere. One
-    comparison's own sd on 2 degrees of freedom ranges over 0.5x to 6x the truth (95%); the pool narrows that."""
+    per-seed differences): sqrt(sum (n_k - 1) sd_k² / sum (n_k - 1)); (None, 0) without two seeds anywhere.
+    One comparison's own sd on 2 degrees of freedom ranges over 0.5x to 6x the truth (95%); the pool narrows
+    that."""
     df = sum(len(g) - 1 for g in groups if len(g) > 1)
     if not df:
         return None, 0
@@ -132,10 +139,11 @@ def pooled_sd(groups):
 
 
 def mde(sd, seeds, image_var=0.0):
-    """The minimum detectable effect at 80% power: the true mean difference that the two-sided 5% paired t-test on
-    `seeds` seeds rejects 0 for with probability 0.8, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + image_var), the
-    usual approximation to the noncentral t (it counts only the side the effect is on); sd, the per-seed
-    differences' (the table's pooled_sd); image_var, the comparison's image_term, which more seeds do not shrink."""
+    """The minimum detectable effect at 80% power: the true mean difference that the two-sided 5% paired
+    t-test on `seeds` seeds rejects 0 for with probability 0.8, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n +
+    image_var), the usual approximation to the noncentral t (it counts only the side the effect is on); sd,
+    the per-seed differences' (the table's pooled_sd); image_var, the comparison's image_term, which more
+    seeds do not shrink."""
     if seeds < 2:
         return math.inf
     t = t_quantile(1 - ALPHA / 2, seeds - 1) + t_quantile(POWER, seeds - 1)
@@ -143,18 +151,18 @@ def mde(sd, seeds, image_var=0.0):
 
 
 def seeds_for(sd, image_var=0.0, effect=MARGIN):
-    """The fewest seeds (2 to 1000) whose mde is `effect` or less; None where none is (the test set's term alone
-    can keep it above)."""
+    """The fewest seeds (2 to 1000) whose mde is `effect` or less; None where none is (the test set's term
+    alone can keep it above)."""
     return next((n for n in range(2, 1001) if mde(sd, n, image_var) <= effect), None)
 
 
 def p_values(diffs, paper_diff, images=None):
-    """(p that the paper's claim is reproduced, p that it is contradicted), each rejected at ALPHA. A paper ordering:
-    the two-sided paired t-test of a zero mean, counted on the side the mean is on. A paper tie (|paper_diff| <=
-    PAPER_TIE): TOST, the two one-sided tests of -MARGIN and +MARGIN at 2.5% each (the 95% interval inside
-    +-MARGIN), its larger p doubled to the 5% scale; contradicted when the difference lies beyond the margin on
-    one side at 2.5% (the whole interval outside +-MARGIN), likewise doubled. On paired's error: over seeds, and over
-    the test set where images (image_term) are given."""
+    """(p that the paper's claim is reproduced, p that it is contradicted), each rejected at ALPHA. A paper
+    ordering: the two-sided paired t-test of a zero mean, counted on the side the mean is on. A paper tie
+    (|paper_diff| <= PAPER_TIE): TOST, the two one-sided tests of -MARGIN and +MARGIN at 2.5% each (the 95%
+    interval inside +-MARGIN), its larger p doubled to the 5% scale; contradicted when the difference lies
+    beyond the margin on one side at 2.5% (the whole interval outside +-MARGIN), likewise doubled. On paired's
+    error: over seeds, and over the test set where images (image_term) are given."""
     mean, se, df = paired(diffs, images)
     if df < 1:
         return 1.0, 1.0
@@ -168,10 +176,10 @@ def p_values(diffs, paper_diff, images=None):
 
 def verdict(diffs, paper_diff, images=None):
     """reproduced, contradicted or not resolved: the paper's difference paper_diff against ours, the per-seed
-    differences diffs (row minus reference, seed by seed); '—' when the paper gives no difference. An ordering is
-    reproduced when the 95% interval excludes 0 on the paper's side, contradicted on the other; a tie is
-    reproduced when the interval lies within +-MARGIN (TOST), contradicted when wholly outside. Else not resolved.
-    images: as in paired."""
+    differences diffs (row minus reference, seed by seed); '—' when the paper gives no difference. An ordering
+    is reproduced when the 95% interval excludes 0 on the paper's side, contradicted on the other; a tie is
+    reproduced when the interval lies within +-MARGIN (TOST), contradicted when wholly outside. Else not
+    resolved. images: as in paired."""
     if paper_diff is None:
         return '—'
     reproduce, contradict = p_values(diffs, paper_diff, images)
@@ -179,9 +187,9 @@ def verdict(diffs, paper_diff, images=None):
 
 
 def holm(ps):
-    """Holm's step-down adjustment of p-values [p_1 .. p_m], in their order: the i-th smallest is multiplied by
-    m - i + 1, each kept at least the one before it, at most 1. Rejecting where the adjusted p < ALPHA keeps the
-    chance of any false rejection among the m at ALPHA."""
+    """Holm's step-down adjustment of p-values [p_1 .. p_m], in their order: the i-th smallest is multiplied
+    by m - i + 1, each kept at least the one before it, at most 1. Rejecting where the adjusted p < ALPHA
+    keeps the chance of any false rejection among the m at ALPHA."""
     order, adjusted, running = sorted(range(len(ps)), key=lambda i: ps[i]), [1.0] * len(ps), 0.0
     for rank, i in enumerate(order):
         running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
@@ -190,9 +198,10 @@ def holm(ps):
 
 
 class Summary(NamedTuple):
-    """A configuration's runs: final-epoch top-1 by seed and which test images it got right by seed (None where the
-    record predates train.py's per-image results), the seeds that diverged (left out of every mean and comparison,
-    and listed), and the mean gain in top-1 over the last quarter of the epochs (near 0 where the curve is flat)."""
+    """A configuration's runs: final-epoch top-1 by seed and which test images it got right by seed (None
+    where the record predates train.py's per-image results), the seeds that diverged (left out of every mean
+    and comparison, and listed), and the mean gain in top-1 over the last quarter of the epochs (near 0 where
+    the curve is flat)."""
     top1: dict
     correct: dict
     diverged: list
@@ -200,8 +209,9 @@ class Summary(NamedTuple):
 
 
 def summarise(records):
-    """The Summary of a configuration's records. A diverged run has no final top-1: counting it at a guess (10%)
-    would put one extreme outlier into a t-test of seeds 1 point apart, so it is left out and named instead."""
+    """The Summary of a configuration's records. A diverged run has no final top-1: counting it at a guess
+    (10%) would put one extreme outlier into a t-test of seeds 1 point apart, so it is left out and named
+    instead."""
     done = [r for r in records if r['state'] == 'done']
     gains = []
     for r in done:
@@ -218,12 +228,13 @@ def summarise(records):
 
 
 def matched(a, b):
-    """A comparison of two Summaries, paired by seed number (the runs of one seed share their initialisation stream
-    and data order; a seed one side lacks drops that pair, never shifts the others): (the seeds, the per-seed
-    differences a - b in points, the per-image differences (seeds, images) where every run of those seeds kept its
-    per-image results, else None)."""
+    """A comparison of two Summaries, paired by seed number (the runs of one seed share their initialisation
+    stream and data order; a seed one side lacks drops that pair, never shifts the others): (the seeds, the
+    per-seed differences a - b in points, the per-image differences (seeds, images) where every run of those
+    seeds kept its per-image results, else None)."""
     seeds = sorted(a.top1.keys() & b.top1.keys())
     diffs = [a.top1[s] - b.top1[s] for s in seeds]
     if not seeds or any(a.correct[s] is None or b.correct[s] is None for s in seeds):
         return seeds, diffs, None
-    return seeds, diffs, torch.stack([a.correct[s].to(torch.int8) - b.correct[s].to(torch.int8) for s in seeds])
+    return seeds, diffs, torch.stack([a.correct[s].to(torch.int8) - b.correct[s].to(torch.int8)
+                                      for s in seeds])

@@ -18,8 +18,6 @@ import types
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from PIL import Image
 from torchvision import datasets
 
@@ -30,16 +28,16 @@ from paper import __main__ as cli
 from paper import ablations, figures, mosaics, recall, runs, speed, stats
 from paper import experiments as registry
 from paper.runs import ROOT
-from test_inline import CUDA, causal
 from test_models import SMALL, meta_model
-from test_train import command, metrics, printed, refused, resolved, write_fashion_mnist, write_image_folder
+from test_train import write_fashion_mnist, write_image_folder
 from conftest import qkv
 
 def tiny_experiment(name, **extra):
     """An experiment at its real 224 px (so its windows tile as in the paper) but a few channels wide."""
     e = registry.EXPERIMENTS[name]
     family = e.model.split('_')[1]
-    small = {'deit': dict(embed_dim=24, depth=2), 'pvt': dict(embed_dims=(8, 16, 40, 64), depths=(1, 1, 1, 1)),
+    small = {'deit': dict(embed_dim=24, depth=2),
+             'pvt': dict(embed_dims=(8, 16, 40, 64), depths=(1, 1, 1, 1)),
              'swin': dict(embed_dim=8, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8)),
              'cswin': dict(embed_dim=8, depths=(1, 2, 2, 1))}[family]
     return registry.create_experiment(name, num_classes=3, **small, **extra)
@@ -59,7 +57,8 @@ def test_every_experiment_builds_and_trains(name):
 
 def test_experiment_registry_matches_the_spec():
     e = registry.EXPERIMENTS
-    assert e['t4_window7_no_residual'].overrides == dict(window=7, residual='none') and e['t4_window7_no_residual'].reported == '80.3'
+    assert (e['t4_window7_no_residual'].overrides == dict(window=7, residual='none')
+            and e['t4_window7_no_residual'].reported == '80.3')
     assert e['t3_linear_relu_affine'].ours and e['t3_linear_relu_affine'].reported == '70.2'
     assert e['r_dilation3'].reported == '80.8' and e['r_nonneg'].reported == '81.7'
     assert e['t1_softmax_normalised_q'].reported == '70.6 / 69.9' and e['s_swin_t'].reported == '81.3'
@@ -67,13 +66,15 @@ def test_experiment_registry_matches_the_spec():
     assert model.ape and model.window == 7 and model.layers[0].blocks[1].shift
     assert 'InLine windows 7 (shifted on odd blocks' in registry.describe(model)
     assert models.create_model('inline_deit_t', img_size=32, embed_dim=16, depth=1, num_heads=2,
-                               layout='S').arch == dict(img_size=32, embed_dim=16, depth=1, num_heads=2, layout='S')
+                               layout='S').arch == dict(img_size=32, embed_dim=16, depth=1, num_heads=2,
+                                                        layout='S')
 
 
 def test_experiment_switches_reject_bad_input():
     with pytest.raises(ValueError, match=r"unknown experiment 't9_nothing'; choose one of t3_linear_relu, "):
         registry.create_experiment('t9_nothing')
-    with pytest.raises(ValueError, match=r"InLine window 5 does not tile stage 1 \(56x56 tokens at 224x224 px\); "
+    with pytest.raises(ValueError,
+                       match=r"InLine window 5 does not tile stage 1 \(56x56 tokens at 224x224 px\); "
                                          r"windows that tile it: \[1, 2, 4, 7, 8, 14, 28, 56\]"):
         meta_model('inline_swin_t', window=5)
     with pytest.raises(ValueError, match=r"dilation must be a whole number >= 1"):
@@ -89,16 +90,20 @@ def test_experiment_switches_reject_bad_input():
         meta_model('inline_deit_t', layout='M')
     with pytest.raises(ValueError, match=r"layout 'IIMI2': need 4 letters from I L S"):
         meta_model('inline_pvt_t', layout='IIMI2')
-    with pytest.raises(ValueError, match=r"needs a non-negative kernel .* got 'leakyrelu'; pass allow_divergent=True"):
+    with pytest.raises(ValueError,
+                       match=r"needs a non-negative kernel .* got 'leakyrelu'; pass allow_divergent=True"):
         meta_model('inline_swin_t', layout='LLLS', kernel='leakyrelu')
     assert meta_model('inline_swin_t', layout='LLLS', kernel='relu_affine')  # T3's 70.2 row: allowed
-    with pytest.raises(ValueError, match=r"unknown residual 'global'; choose one of \['local', 'plain', 'none'\]"):
+    with pytest.raises(ValueError,
+                       match=r"unknown residual 'global'; choose one of \['local', 'plain', 'none'\]"):
         meta_model('inline_swin_t', residual='global')
     with pytest.raises(ValueError, match=r"window and ape are InLine-Swin's options"):
         meta_model('inline_deit_t', window=7)
-    with pytest.raises(ValueError, match=r"normalise_q takes the letters .* of \['I'\] in this layout .* got 'S'"):
+    with pytest.raises(ValueError,
+                       match=r"normalise_q takes the letters .* of \['I'\] in this layout .* got 'S'"):
         meta_model('inline_deit_t', normalise_q='S')  # layout I: no softmax block to normalise
-    with pytest.raises(ValueError, match=r"of \['I'\] in this layout .*nor CSwin's stripe softmax\), got 'IS'"):
+    with pytest.raises(ValueError,
+                       match=r"of \['I'\] in this layout .*nor CSwin's stripe softmax\), got 'IS'"):
         meta_model('inline_cswin_t', normalise_q='IS')
     with pytest.raises(ValueError, match=r"not 'L': division cancels q's length already\), got 'L'"):
         meta_model('inline_swin_t', layout='LLLS', normalise_q='L')
@@ -115,7 +120,8 @@ MERGED = pytest.mark.skipif(not hasattr(train, 'DATASETS'), reason="train.DATASE
 @MERGED
 def test_paper_train_resolves_the_experiment_with_the_flags_given_winning(capsys):
     """python -m paper train NAME: the experiment's model and overrides become train.py's --model and
-    --model-kwargs, and the flags given (--model-kwargs, the named attention flags) win over them, each said."""
+    --model-kwargs, and the flags given (--model-kwargs, the named attention flags) win over them, each
+    said."""
     args = runs.train_args(['t4_window7_no_residual', '--residual', 'local', '--model-kwargs', 'window=14',
                             '--epochs', '1'])
     assert args.model == 'inline_swin_t' and args.epochs == 1
@@ -140,13 +146,13 @@ def test_paper_train_resolves_the_experiment_with_the_flags_given_winning(capsys
 
 @MERGED
 def test_recipe_a_new_experiment_by_name(monkeypatch):
-    """An experiment is one experiment(...) line in paper/experiments.py: create_experiment, python -m paper train
-    and the ablations find it."""
+    """An experiment is one experiment(...) line in paper/experiments.py: create_experiment, python -m paper
+    train and the ablations find it."""
     monkeypatch.setattr(registry, 'EXPERIMENTS', dict(registry.EXPERIMENTS))
     monkeypatch.setattr(runs, 'EXPERIMENTS', registry.EXPERIMENTS)
     monkeypatch.setattr(ablations, 'EXPERIMENTS', registry.EXPERIMENTS)
-    registry.experiment('r_local5', 'inline_swin_t', dict(local_size=5), 'R-res', None, "Eq. 6 over 5x5 neighbours",
-                        ours=True)
+    registry.experiment('r_local5', 'inline_swin_t', dict(local_size=5), 'R-res', None,
+                        "Eq. 6 over 5x5 neighbours", ours=True)
     assert registry.create_experiment('r_local5', img_size=64).options['local_size'] == 5
     args = runs.train_args(['r_local5'])
     assert args.model == 'inline_swin_t' and train.model_kwargs(args) == dict(local_size=5)
@@ -159,7 +165,8 @@ def test_mqar_batches_ask_for_the_values_of_earlier_keys():
     x, y = recall.mqar_batch(16, 8, 30, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (16, 30)
     keys, values, filler = x[:, 0:16:2], x[:, 1:16:2], x[:, 16:22]
-    assert (keys < recall.RECALL_VOCAB).all() and ((values >= recall.RECALL_VOCAB) & (values < 2 * recall.RECALL_VOCAB)).all()
+    assert (keys < recall.RECALL_VOCAB).all() and ((values >= recall.RECALL_VOCAB)
+                                                   & (values < 2 * recall.RECALL_VOCAB)).all()
     assert (filler >= 2 * recall.RECALL_VOCAB).all()
     assert all(len(set(row.tolist())) == 8 for row in keys)  # distinct keys in each sequence
     assert (y[:, :22] == -100).all() and (y[:, 22:] >= recall.RECALL_VOCAB).all()
@@ -169,8 +176,8 @@ def test_mqar_batches_ask_for_the_values_of_earlier_keys():
 
 
 def test_recall_sizes_put_every_query_where_inline_is_injective():
-    """Every query of the default sizes sits at token D + 1 or later (D = C / 2), where the prefix's centred keys can
-    span D dimensions (test_causal_injectivity_needs_d_plus_1_tokens)."""
+    """Every query of the default sizes sits at token D + 1 or later (D = C / 2), where the prefix's centred
+    keys can span D dimensions (test_causal_injectivity_needs_d_plus_1_tokens)."""
     for width, pairs, tokens in recall.RECALL_SIZES:
         _, y = recall.mqar_batch(2, pairs, tokens, torch.Generator().manual_seed(0))
         first_query = (y[0] != -100).nonzero().min().item() + 1  # counting tokens from 1
@@ -178,7 +185,8 @@ def test_recall_sizes_put_every_query_where_inline_is_injective():
 
 
 def test_most_frequent_guess_against_a_hand_count():
-    """Values 64, 64, 65, 66 with queries asking for each key once: the guess answers 64, right 2 times in 4."""
+    """Values 64, 64, 65, 66 with queries asking for each key once: the guess answers 64, right 2 times in
+    4."""
     x = torch.tensor([[0, 64, 1, 64, 2, 65, 3, 66, 0, 1, 2, 3]])
     y = torch.full_like(x, -100)
     y[0, 8:] = torch.tensor([64, 64, 65, 66])
@@ -186,17 +194,20 @@ def test_most_frequent_guess_against_a_hand_count():
 
 
 def test_recall_models_run_the_reference_function():
-    """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits, under either factor
-    of Eq. 5; q-norm models give q and 2q the same weights (injectivity in q's length off), the others do not."""
+    """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits, under either
+    factor of Eq. 5; q-norm models give q and 2q the same weights (injectivity in q's length off), the others
+    do not."""
     torch.manual_seed(0)
     x, _ = recall.mqar_batch(3, 4, 12, torch.Generator().manual_seed(0))
-    for name in ('InLine s/i', 'InLine 1+elu s', 'InLine s/i q-norm', 'linear 1+elu', 'floor phi=0', 'InLine s + Eq. 6'):
+    for name in ('InLine s/i', 'InLine 1+elu s', 'InLine s/i q-norm', 'linear 1+elu', 'floor phi=0',
+                 'InLine s + Eq. 6'):
         model = recall.RecallLM(name, 16, 12).double()
         cores = [m for m in model.modules() if hasattr(m, 'core')]
         assert len(cores) == 2 and all(m.causal for m in cores)
         assert all(m.scale_by_count == recall.RECALL_MODELS[name].get('scale_by_count', True) for m in cores)
         logits = model(x)
-        torch.testing.assert_close(model(x, 4), logits[:, -4:], rtol=0, atol=1e-12)  # the head at the answers only
+        # the head at the answers only
+        torch.testing.assert_close(model(x, 4), logits[:, -4:], rtol=0, atol=1e-12)
         for m in cores:
             m.core = inline.inline_core
         torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
@@ -212,16 +223,19 @@ def test_recall_models_run_the_reference_function():
 
 
 def test_recall_softmax_adds_causal_eq6_token_by_token():
-    """CausalSoftmax with residual='local' adds, at token i, sum over t of r_i[3c + t] * v_{i-2+t} (zero before the
-    start) to softmax's output, r from the prefix mean; token i's output does not move when a later token does."""
+    """CausalSoftmax with residual='local' adds, at token i, sum over t of r_i[3c + t] * v_{i-2+t} (zero
+    before the start) to softmax's output, r from the prefix mean; token i's output does not move when a later
+    token does."""
     torch.manual_seed(0)
-    plain, shifted = recall.CausalSoftmax(16, 2).double(), recall.CausalSoftmax(16, 2, residual='local').double()
+    plain, shifted = recall.CausalSoftmax(16,
+                                          2).double(), recall.CausalSoftmax(16, 2, residual='local').double()
     shifted.qkv.load_state_dict(plain.qkv.state_dict())
     shifted.proj.load_state_dict(plain.proj.state_dict())
     x = torch.randn(3, 7, 16, dtype=torch.float64)
     v = plain.qkv(x).chunk(3, -1)[2]  # (B, N, C), channel c = head*D + j
     r = inline.residual_weights(shifted.residual, x, causal=True).reshape(3, 7, 16, 3)  # (B, N, C, taps)
-    eq6 = torch.stack([sum(r[:, i, :, t] * v[:, i - 2 + t] for t in range(3) if i - 2 + t >= 0) for i in range(7)], 1)
+    eq6 = torch.stack([sum(r[:, i, :, t] * v[:, i - 2 + t] for t in range(3) if i - 2 + t >= 0)
+                       for i in range(7)], 1)
     expected = plain(x) + eq6 @ plain.proj.weight.T  # proj is linear: its bias is in plain(x) already
     torch.testing.assert_close(shifted(x), expected)
     later = x.clone()
@@ -229,20 +243,23 @@ def test_recall_softmax_adds_causal_eq6_token_by_token():
     torch.testing.assert_close(shifted(later)[:, :4], shifted(x)[:, :4])
 
 
-def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only_the_rest(tmp_path, monkeypatch,
+def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only_the_rest(tmp_path,
+                                                                                          monkeypatch,
                                                                                          capsys):
-    """Seed 0 at every learning rate, then seed 1 at the one that recalled most on the held-out sequences; a rerun
-    trains only what is missing, a run another command has claimed is left to it, and --no-train trains nothing."""
-    results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes', '8x2x6',
-                                                     '--out', str(tmp_path)]
+    """Seed 0 at every learning rate, then seed 1 at the one that recalled most on the held-out sequences; a
+    rerun trains only what is missing, a run another command has claimed is left to it, and --no-train trains
+    nothing."""
+    results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes',
+                                                     '8x2x6', '--out', str(tmp_path)]
     threads = torch.get_num_threads()
     recorded = cli.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i'])
     assert torch.get_num_threads() == threads  # --threads 1 held for the training only
     with open(results) as f:
-        assert len(f.readlines()) == 2 * (len(recall.RECALL_LRS) + 1)  # 2 models x (3 learning rates + seed 1)
+        # 2 models x (3 learning rates + seed 1)
+        assert len(f.readlines()) == 2 * (len(recall.RECALL_LRS) + 1)
     for r in recorded.values():  # the right test answers kept, 1024 sequences x 2 pairs, are the recall
-        assert 100 * runs.unpack_correct(r['correct'], 1024 * 2).double().mean().item() == pytest.approx(r['recall'],
-                                                                                                           abs=0.01)
+        right = runs.unpack_correct(r['correct'], 1024 * 2)
+        assert 100 * right.double().mean().item() == pytest.approx(r['recall'], abs=0.01)
     for name in ('softmax', 'InLine s/i'):
         best = max((r for r in recorded.values() if r['model'] == name and r['seed'] == 0),
                    key=lambda r: (r['valid'], -r['lr']))
@@ -250,8 +267,10 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
     trained = []
     real = recall.recall_run
     monkeypatch.setattr(recall, 'recall_run', lambda *run: trained.append(run) or real(*run))
-    # another command holds the first run and gives it up unfinished after 2 s: it is left, waited for, then trained
-    claimed = recall.recall_claim(str(tmp_path), recall.recall_key('linear 1+elu', 8, 2, 6, 0, recall.RECALL_LRS[0], 3))
+    # another command holds the first run and gives it up unfinished after 2 s: it is left, waited for, then
+    # trained
+    claimed = recall.recall_claim(str(tmp_path),
+                                  recall.recall_key('linear 1+elu', 8, 2, 6, 0, recall.RECALL_LRS[0], 3))
     threading.Timer(2.0, os.close, (claimed,)).start()
     cli.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i', 'linear 1+elu'])
     assert {run[0] for run in trained} == {'linear 1+elu'} and [run[4] for run in trained] == [0, 0, 0, 1]
@@ -272,39 +291,42 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
 
 def test_recall_comparisons_are_untestable_under_the_floor_or_the_guess(tmp_path, capsys):
     """Records made up for one size: a comparison whose two models clear the floor (phi = 0) and the guess by
-    RECALL_GATE gets a verdict; one whose model sits at the floor is untestable, and Holm counts only the first. The
-    models with Eq. 6 are compared among themselves, gated by the floor with Eq. 6: the same softmax numbers are
-    untestable there, where that floor sits at 58%."""
+    RECALL_GATE gets a verdict; one whose model sits at the floor is untestable, and Holm counts only the
+    first. The models with Eq. 6 are compared among themselves, gated by the floor with Eq. 6: the same
+    softmax numbers are untestable there, where that floor sits at 58%."""
     width, pairs, tokens, steps = 16, 4, 12, 7
-    scores = {'softmax': [99.0, 98.5, 99.5], 'softmax q-norm': [60.0, 58.0, 61.0], 'floor phi=0': [27.0, 26.5, 27.5],
-              'InLine s/i': [27.2, 26.8, 27.1], 'InLine s/i q-norm': [26.9, 27.3, 27.0],
-              'softmax + Eq. 6': [99.0, 98.5, 99.5], 'softmax q-norm + Eq. 6': [60.0, 58.0, 61.0],
-              'floor phi=0 + Eq. 6': [58.0, 58.0, 58.0]}
+    scores = {'softmax': [99.0, 98.5, 99.5], 'softmax q-norm': [60.0, 58.0, 61.0],
+              'floor phi=0': [27.0, 26.5, 27.5], 'InLine s/i': [27.2, 26.8, 27.1],
+              'InLine s/i q-norm': [26.9, 27.3, 27.0], 'softmax + Eq. 6': [99.0, 98.5, 99.5],
+              'softmax q-norm + Eq. 6': [60.0, 58.0, 61.0], 'floor phi=0 + Eq. 6': [58.0, 58.0, 58.0]}
     path = tmp_path / 'recall.jsonl'
     for name, values in scores.items():
         for lr in recall.RECALL_LRS:
             runs.append_record(str(path), dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=0,
                                                 steps=steps, batch=recall.RECALL_BATCH, lr=lr, cpu_s=1.0,
-                                                valid=values[0] + (lr == recall.RECALL_LRS[1]), recall=values[0]))
+                                                valid=values[0] + (lr == recall.RECALL_LRS[1]),
+                                                recall=values[0]))
         for seed, value in enumerate(values[1:], 1):
             runs.append_record(str(path), dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed,
-                                                steps=steps, batch=recall.RECALL_BATCH, lr=recall.RECALL_LRS[1],
-                                                cpu_s=1.0, valid=0.0, recall=value))
-    cli.main(['recall', '--no-train', '--results', str(path), '--steps', str(steps), '--seeds', '3', '--sizes',
+                                                steps=steps, batch=recall.RECALL_BATCH,
+                                                lr=recall.RECALL_LRS[1], cpu_s=1.0, valid=0.0, recall=value))
+    cli.main(['recall', '--no-train', '--results', str(path), '--steps', str(steps), '--seeds', '3',
+              '--sizes',
                 f'{width}x{pairs}x{tokens}', '--models', *scores, '--out', str(tmp_path)])
     out = capsys.readouterr().out
     assert '| injectivity within softmax | 16 / 4 / 12 | 59.7 | 99.0 | +39.3 ± ' in out
     assert '| reproduced | reproduced |' in out
-    assert '| injectivity within InLine | 16 / 4 / 12 | 27.1 | 27.0 | ' in out and '| untestable | untestable |' in out
-    assert re.search(r'\| injectivity within softmax \+ Eq. 6 \| 16 / 4 / 12 \| 59.7 \| 99.0 \| .* \| untestable \| untestable \|',
-                     out)  # 59.7 < 58 + RECALL_GATE
+    assert ('| injectivity within InLine | 16 / 4 / 12 | 27.1 | 27.0 | ' in out
+            and '| untestable | untestable |' in out)
+    assert re.search(r'\| injectivity within softmax \+ Eq. 6 \| 16 / 4 / 12 \| 59.7 \| 99.0 \| .* \| '
+                     r'untestable \| untestable \|', out)  # 59.7 < 58 + RECALL_GATE
 
 
 def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
-    """Made-up records with right answers kept: a gets the same answers right in every seed, b those and the same 410
-    more (20 points), so the seeds alone give ± 0.0, while the test sequences give the interval of a mean over 1024
-    sequences: t(0.975, 1023) sd / sqrt(1024) of the per-sequence differences (the two-way model with no seed or
-    residual variance)."""
+    """Made-up records with right answers kept: a gets the same answers right in every seed, b those and the
+    same 410 more (20 points), so the seeds alone give ± 0.0, while the test sequences give the interval of a
+    mean over 1024 sequences: t(0.975, 1023) sd / sqrt(1024) of the per-sequence differences (the two-way
+    model with no seed or residual variance)."""
     width, pairs, tokens, steps = 16, 2, 12, 7
     g = torch.Generator().manual_seed(0)
     a = torch.rand(1024 * pairs, generator=g) < 0.5
@@ -316,21 +338,25 @@ def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
         for seed in range(3):
             for lr in recall.RECALL_LRS if seed == 0 else recall.RECALL_LRS[:1]:
                 runs.append_record(path, dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed,
-                                               steps=steps, batch=recall.RECALL_BATCH, lr=lr, cpu_s=1.0, valid=50.0,
-                                               recall=100 * bits.double().mean().item(),
+                                               steps=steps, batch=recall.RECALL_BATCH, lr=lr, cpu_s=1.0,
+                                               valid=50.0, recall=100 * bits.double().mean().item(),
                                                correct=runs.pack_correct(bits)))
     cli.main(['recall', '--no-train', '--results', path, '--steps', str(steps), '--seeds', '3', '--sizes',
-                f'{width}x{pairs}x{tokens}', '--models', 'InLine s/i q-norm', 'InLine s/i', '--out', str(tmp_path)])
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith('| injectivity within InLine |'))
-    d = 100 * (b.view(1024, pairs).double().mean(1) - a.view(1024, pairs).double().mean(1))  # per test sequence
+                f'{width}x{pairs}x{tokens}', '--models', 'InLine s/i q-norm', 'InLine s/i', '--out',
+                str(tmp_path)])
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith('| injectivity within InLine |'))
+    # per test sequence
+    d = 100 * (b.view(1024, pairs).double().mean(1) - a.view(1024, pairs).double().mean(1))
     half = 1.962339 * d.std().item() / 1024 ** 0.5  # t(0.975, 1023)
     assert 1.0 < half < 5.0 and f'| {d.mean().item():+.1f} ± {half:.1f} |' in row
 
 
 def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys):
-    """RESULTS.md's claim tables are what `python -m paper ablations --claims --no-train` prints from results/runs.jsonl,
-    line for line: the evidence cannot drift from its records."""
-    cli.main(['ablations', '--claims', '--no-train', '--out', str(tmp_path), '--png', str(tmp_path / 'a.png')])
+    """RESULTS.md's claim tables are what `python -m paper ablations --claims --no-train` prints from
+    results/runs.jsonl, line for line: the evidence cannot drift from its records."""
+    cli.main(['ablations', '--claims', '--no-train', '--out', str(tmp_path), '--png',
+              str(tmp_path / 'a.png')])
     tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
         results = f.read().splitlines()
@@ -338,8 +364,8 @@ def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys
 
 
 def test_the_committed_records_rebuild_the_results_mosaic_tables(tmp_path, capsys):
-    """RESULTS.md's tables of the test bed where attention must select are what `python -m paper ablations --dataset
-    fashion_recall --no-train` prints from results/runs.jsonl, line for line."""
+    """RESULTS.md's tables of the test bed where attention must select are what `python -m paper ablations
+    --dataset fashion_recall --no-train` prints from results/runs.jsonl, line for line."""
     cli.main(['ablations', '--dataset', 'fashion_recall', '--no-train', '--out', str(tmp_path)])
     tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
@@ -348,8 +374,8 @@ def test_the_committed_records_rebuild_the_results_mosaic_tables(tmp_path, capsy
 
 
 def test_the_committed_recall_records_rebuild_the_results_recall_tables(tmp_path, capsys):
-    """RESULTS.md's recall tables are what `python -m paper recall --no-train` prints from results/recall.jsonl, line for
-    line."""
+    """RESULTS.md's recall tables are what `python -m paper recall --no-train` prints from
+    results/recall.jsonl, line for line."""
     cli.main(['recall', '--no-train', '--out', str(tmp_path)])
     tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
@@ -389,19 +415,21 @@ def test_paper_injectivity_finds_identical_rows_for_linear_only(tmp_path):
 def tiny_deit_checkpoint(path, layout='I', **overrides):
     """A train.py-format checkpoint of an untrained tiny DeiT: 64 px, 8 px patches, an 8x8 grid, 2 blocks."""
     torch.manual_seed(0)
-    model = models.create_model('inline_deit_t', img_size=64, patch_size=8, depth=2, embed_dim=32, num_heads=1,
-                                num_classes=10, layout=layout, **overrides)
+    model = models.create_model('inline_deit_t', img_size=64, patch_size=8, depth=2, embed_dim=32,
+                                num_heads=1, num_classes=10, layout=layout, **overrides)
     torch.save({'model': model.state_dict(), 'arch': model.arch, 'args': {'model': 'inline_deit_t'}}, path)
     return str(path)
 
 
 def test_paper_locality_of_known_patterns_equals_the_hand_count():
-    """Weights replaced by patterns whose shares are known, on a 4x4 grid + class token (N = 17): all on the token
-    itself; uniform (class token 1/17; among the 16 grid tokens own 1/16, and on average 6.25 - 1 = 5.25 of the
-    others in the 3x3, per axis 2, 3, 3, 2 neighbours); half on the class token and half on the token itself (the
-    grid renormalised: own 1); half on itself and half two columns away, outside its 3x3 (own 0.5 or 1)."""
+    """Weights replaced by patterns whose shares are known, on a 4x4 grid + class token (N = 17): all on the
+    token itself; uniform (class token 1/17; among the 16 grid tokens own 1/16, and on average 6.25 - 1 = 5.25
+    of the others in the 3x3, per axis 2, 3, 3, 2 neighbours); half on the class token and half on the token
+    itself (the grid renormalised: own 1); half on itself and half two columns away, outside its 3x3 (own 0.5
+    or 1)."""
     torch.manual_seed(0)
-    model = models.create_model('inline_deit_t', img_size=64, depth=4, embed_dim=32, num_heads=2, num_classes=10)
+    model = models.create_model('inline_deit_t', img_size=64, depth=4, embed_dim=32, num_heads=2,
+                                num_classes=10)
     N = 17
 
     def pattern(kind):
@@ -426,7 +454,8 @@ def test_paper_locality_of_known_patterns_equals_the_hand_count():
         block.attn.weights = pattern(kind)
     got = [{k: v.tolist() for k, v in figures.weight_shares(w, model.grid).items()}
            for w in figures.attention_weights(model.eval(), torch.randn(2, 3, 64, 64))]
-    expected = [dict(own=1.0, near=0.0, **{'class': 0.0}), dict(own=1 / 16, near=5.25 / 16, **{'class': 1 / 17}),
+    expected = [dict(own=1.0, near=0.0, **{'class': 0.0}),
+                dict(own=1 / 16, near=5.25 / 16, **{'class': 1 / 17}),
                 dict(own=1.0, near=0.0, **{'class': 0.5}), dict(own=0.75, near=0.0, **{'class': 0.0})]
     for layer, want in zip(got, expected):
         for key, value in want.items():
@@ -434,9 +463,9 @@ def test_paper_locality_of_known_patterns_equals_the_hand_count():
 
 
 def test_paper_eq6_share_is_measured_apart_from_the_weights():
-    """Eq. 6's share is 0 without it; with it, a fraction in (0, 1); and all of the output where Eq. 5 gives 0:
-    with q = k = 0 every InLine weight is 1/N, so Eq. 5 returns the mean of v, which is 0 for tokens centred
-    over the sequence and no v bias."""
+    """Eq. 6's share is 0 without it; with it, a fraction in (0, 1); and all of the output where Eq. 5 gives
+    0: with q = k = 0 every InLine weight is 1/N, so Eq. 5 returns the mean of v, which is 0 for tokens
+    centred over the sequence and no v bias."""
     torch.manual_seed(0)
     sizes = dict(img_size=32, patch_size=8, depth=1, embed_dim=16, num_heads=2)
     with_eq6, without = (models.create_model('inline_deit_t', residual=r, **sizes) for r in ('local', 'none'))
@@ -453,8 +482,8 @@ def test_paper_eq6_share_is_measured_apart_from_the_weights():
 
 
 def test_paper_locality_and_maps_commands(tmp_path):
-    """Untrained softmax attention (weights init std .02, so q.k ~ 0) is close to uniform: its shares are near the
-    uniform lines the command prints. A name given twice is two seeds. Both commands draw their PNG."""
+    """Untrained softmax attention (weights init std .02, so q.k ~ 0) is close to uniform: its shares are near
+    the uniform lines the command prints. A name given twice is two seeds. Both commands draw their PNG."""
     softmax = tiny_deit_checkpoint(tmp_path / 'softmax.pt', layout='S')
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
     results, uniform = cli.main(['locality', '--checkpoints', f'softmax={softmax}', f'InLine={ours}',
@@ -466,19 +495,24 @@ def test_paper_locality_and_maps_commands(tmp_path):
         assert layer['class'].tolist() == pytest.approx([1 / 65], abs=2e-3) and layer['eq6'].tolist() == [0.0]
     assert all((layer['eq6'] > 0).all() for layer in results['InLine'][0])
     assert_png(tmp_path / 'locality.png', (500, 300))
-    rows = cli.main(['maps', '--checkpoints', f'softmax={softmax}', f'InLine={ours}', '--queries', '0,0', '7,7',
+    rows = cli.main(['maps', '--checkpoints', f'softmax={softmax}', f'InLine={ours}', '--queries', '0,0',
+                     '7,7',
                        '--out', str(tmp_path)])
-    assert [label for label, _ in rows] == ['softmax, layer 1', 'softmax, layer 2', 'InLine, layer 1', 'InLine, layer 2']
+    assert [label
+            for label, _ in rows] == ['softmax, layer 1', 'softmax, layer 2', 'InLine, layer 1',
+                                      'InLine, layer 2']
     assert_png(tmp_path / 'maps.png', (400, 500))
 
 
 def test_paper_locality_keeps_its_measurements_beside_the_records(tmp_path, monkeypatch):
-    """F4 of a run's checkpoint is measured once, trained and untrained, and kept in results/locality.jsonl: with
-    the checkpoint gone the same table comes back from the file; a checkpoint that is neither here nor measured
-    is a clear error."""
+    """F4 of a run's checkpoint is measured once, trained and untrained, and kept in results/locality.jsonl:
+    with the checkpoint gone the same table comes back from the file; a checkpoint that is neither here nor
+    measured is a clear error."""
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
-    monkeypatch.setattr(figures, 'checkpoints', lambda args, seeds=1: {'InLine': [('run-0', ours), ('run-1', ours)]})
-    argv = ['locality', '--images', '4', '--out', str(tmp_path), '--results', str(tmp_path / 'r' / 'runs.jsonl')]
+    monkeypatch.setattr(figures, 'checkpoints', lambda args,
+                        seeds=1: {'InLine': [('run-0', ours), ('run-1', ours)]})
+    argv = ['locality', '--images', '4', '--out', str(tmp_path), '--results',
+            str(tmp_path / 'r' / 'runs.jsonl')]
     first, _ = cli.main(argv)
     assert sorted(first) == ['InLine', 'InLine, untrained'] and len(first['InLine']) == 2
     os.remove(ours)
@@ -490,8 +524,8 @@ def test_paper_locality_keeps_its_measurements_beside_the_records(tmp_path, monk
 
 
 def test_paper_measures_on_the_data_a_checkpoint_was_trained_on(tmp_path):
-    """A checkpoint trained on Fashion-MNIST is measured on Fashion-MNIST's test images (its stored arguments),
-    not on the synthetic task; --dataset/--data-path choose other images."""
+    """A checkpoint trained on Fashion-MNIST is measured on Fashion-MNIST's test images (its stored
+    arguments), not on the synthetic task; --dataset/--data-path choose other images."""
     os.makedirs(tmp_path / 'fm')
     data = write_fashion_mnist(str(tmp_path / 'fm'), test=6)
     path = tiny_deit_checkpoint(tmp_path / 'inline.pt')
@@ -509,32 +543,37 @@ def test_paper_measures_on_the_data_a_checkpoint_was_trained_on(tmp_path):
 def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt')
     (tmp_path / 'broken.png').write_bytes(b'not an image')
-    swin = models.create_model('inline_swin_t', img_size=64, embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
-                               num_classes=10)
-    torch.save({'model': swin.state_dict(), 'arch': swin.arch, 'args': {'model': 'inline_swin_t'}}, tmp_path / 'swin.pt')
+    swin = models.create_model('inline_swin_t', img_size=64, embed_dim=32, depths=(1, 1, 1, 1),
+                               num_heads=(1, 1, 1, 1), num_classes=10)
+    torch.save({'model': swin.state_dict(), 'arch': swin.arch, 'args': {'model': 'inline_swin_t'}},
+               tmp_path / 'swin.pt')
     torch.save({'weights': 1}, tmp_path / 'other.pt')
     for argv, message in [
-            (['maps', '--checkpoints', ours, '--image', str(tmp_path / 'broken.png')], 'cannot read image .*broken.png'),
+            (['maps', '--checkpoints', ours, '--image', str(tmp_path / 'broken.png')],
+             'cannot read image .*broken.png'),
             (['locality', '--checkpoints', str(tmp_path / 'swin.pt')], 'needs an isotropic DeiT'),
-            (['locality', '--checkpoints', str(tmp_path / 'other.pt')], 'not a checkpoint written by train.py'),
+            (['locality', '--checkpoints', str(tmp_path / 'other.pt')],
+             'not a checkpoint written by train.py'),
             (['locality', '--checkpoints', str(tmp_path / 'none.pt')], 'no checkpoint at'),
             (['maps', '--checkpoints', ours, '--queries', '8,0'], '--queries must lie on the 8x8 token grid'),
             (['ablations', '--only', 'no_such_experiment', '--dataset', 'synthetic'], 'unknown experiments'),
-            (['ablations', '--data-path', str(tmp_path / 'nothing')], 'no fashion_mnist files in .*apt-get install '
-                                                                      'dataset-fashion-mnist.*--download')]:
+            (['ablations', '--data-path', str(tmp_path / 'nothing')],
+             'no fashion_mnist files in .*apt-get install dataset-fashion-mnist.*--download')]:
         with pytest.raises(SystemExit):
             cli.main(argv + ['--out', str(tmp_path)])
         assert re.search('error: .*' + message, capsys.readouterr().err), argv
 
 
 def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, capsys):
-    """The speed command on tiny DeiTs (the real points are minutes each on a CPU): one row per point, dtype and
-    device, cached; and a softmax that builds its N x N weights explicitly is refused."""
+    """The speed command on tiny DeiTs (the real points are minutes each on a CPU): one row per point, dtype
+    and device, cached; and a softmax that builds its N x N weights explicitly is refused."""
     tiny = dict(depth=1, embed_dim=32, num_heads=1, num_classes=10)
-    monkeypatch.setattr(speed, 'SPEED', {'F5b': ('window', (32,), {}), 'F5c': ('image size', (32, 64), {64: 2.0})})
+    monkeypatch.setattr(speed, 'SPEED',
+                        {'F5b': ('window', (32,), {}), 'F5c': ('image size', (32, 64), {64: 2.0})})
     monkeypatch.setattr(speed, 'speed_models', lambda figure, point, device: [
         models.create_model('inline_deit_t', img_size=point, layout=c, **tiny).eval() for c in 'SI'])
-    monkeypatch.setattr(speed, 'speed_point', lambda *a, real=speed.speed_point, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(speed, 'speed_point', lambda *a, real=speed.speed_point,
+                        **k: calls.append(a) or real(*a, **k))
     calls = []
     rows = cli.main(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
     assert [(r['figure'], r['point'], r['dtype']) for r in rows] == [
@@ -574,8 +613,8 @@ def test_paper_speed_dense_rows_cache_and_picture(tmp_path, monkeypatch):
 def test_paper_dense_peak_rss_sees_what_a_forward_allocates():
     """The CPU peak is the rise of a fresh process's peak RSS over one forward: 64 MiB held during a forward
     shows. (In a process that has run other things, freed pages are reused and the rise can read 0.)"""
-    code = ('import torch; from paper import speed; speed.dense_forward = lambda name, size, device: lambda x: torch.ones(size[0], 2**20)'
-            '.sum(); speed.dense_peak_rss("any", 16, 1)')  # float32: 16 * 4 MiB
+    code = ('import torch; from paper import speed; speed.dense_forward = lambda name, size, device: lambda '
+            'x: torch.ones(size[0], 2**20).sum(); speed.dense_peak_rss("any", 16, 1)')  # float32: 16 * 4 MiB
     run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert 56 <= float(run.stdout.split()[-1]) <= 90, run.stdout
@@ -584,7 +623,8 @@ def test_paper_dense_peak_rss_sees_what_a_forward_allocates():
 def fake_run(path, accs, epochs):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
-        f.writelines(json.dumps({'epoch': e + 1, 'val_acc1': acc}) + '\n' for e, acc in enumerate(accs[:epochs]))
+        f.writelines(json.dumps({'epoch': e + 1, 'val_acc1': acc}) + '\n'
+                     for e, acc in enumerate(accs[:epochs]))
 
 
 class FakeTrain:
@@ -603,30 +643,34 @@ class FakeTrain:
 def fake_record(run, acc):
     """A finished run's record, as train_runs writes it."""
     return dict(run._asdict(), argv=['paper', 'train', *run.argv], state='done', cpu_min=1.0, wall_min=1.0,
-                epochs=[{'epoch': run.recipe['epochs'], 'val_acc1': acc}], machine={'cpu': 'test'}, finished='')
+                epochs=[{'epoch': run.recipe['epochs'], 'val_acc1': acc}], machine={'cpu': 'test'},
+                finished='')
 
 
 def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch, capsys):
-    """Runs with a record are read, not retrained; the others go to train.py with the experiment's miniature, its
-    data and its precision on the command line, and append their records; the tables compare seed by seed, with
-    the MDE, Holm's verdict and the φ = 0 floor's gate; --no-train rebuilds the same tables from the records
-    alone, and the learning curves are drawn."""
+    """Runs with a record are read, not retrained; the others go to train.py with the experiment's miniature,
+    its data and its precision on the command line, and append their records; the tables compare seed by seed,
+    with the MDE, Holm's verdict and the φ = 0 floor's gate; --no-train rebuilds the same tables from the
+    records alone, and the learning curves are drawn."""
     os.makedirs(tmp_path / 'fm')
     write_fashion_mnist(str(tmp_path / 'fm'))
     chosen = {n: registry.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q')}
     chosen['floor_deit'] = ablations.experiments()['floor_deit']  # --only adds the family's floor: the gate
     monkeypatch.setattr(ablations, 'experiments', lambda dataset=None: chosen)
     results = str(tmp_path / 'runs.jsonl')
-    args = ['ablations', '--only', *list(chosen)[:2], '--seeds', 'T1=3', '--epochs', '2', '--train-images', '64',
-            '--jobs', '1',
+    args = ['ablations', '--only', *list(chosen)[:2], '--seeds', 'T1=3', '--epochs', '2', '--train-images',
+            '64', '--jobs', '1',
             '--data-path', str(tmp_path / 'fm'), '--out', str(tmp_path), '--results', results]
     fake = FakeTrain()
     monkeypatch.setattr(runs.subprocess, 'Popen', fake)
-    ns = argparse.Namespace(epochs=2, train_images=64, dataset='fashion_mnist', data_path=str(tmp_path / 'fm'),
-                            device='cpu')
+    ns = argparse.Namespace(epochs=2, train_images=64, dataset='fashion_mnist',
+                            data_path=str(tmp_path / 'fm'), device='cpu')
     for seed, acc in ((0, 70.0), (1, 72.0), (2, 71.0)):  # softmax and the floor: every seed has its record
-        runs.append_record(results, fake_record(ablations.make_run('t1_softmax', chosen['t1_softmax'], seed, ns), acc))
-        runs.append_record(results, fake_record(ablations.make_run('floor_deit', chosen['floor_deit'], seed, ns), 50.0))
+        runs.append_record(results,
+                           fake_record(ablations.make_run('t1_softmax', chosen['t1_softmax'], seed, ns), acc))
+        runs.append_record(results,
+                           fake_record(ablations.make_run('floor_deit', chosen['floor_deit'], seed, ns),
+                                       50.0))
     configs, rows = cli.main(args)
     assert len(fake.launched) == 3 and all('t1_softmax_normalised_q' in a for a in fake.launched)
     argv0 = ablations.make_run('t1_softmax', chosen['t1_softmax'], 0, ns).argv
@@ -636,11 +680,12 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     assert argv0[argv0.index('--amp') + 1] == ablations.PRECISION['cpu']  # explicit, never train.py's default
     assert configs[0][3] == '71.0 ± 1.0 (3)'
     assert [c[5] for c in configs] == ['+21.0', '+11.0', '+0.0']  # over the floor's 50
-    # per-seed differences -10, -11, -9: mean -10, sd 1; half-width 4.303 / sqrt(3) = 2.48; MDE (4.303 + 1.061) /
-    # sqrt(3) = 3.10; 10 seeds bring the MDE under 1 point; one comparison, so Holm's p is its own; the fake runs
-    # keep no per-image results, so the interval is the seeds' only, and says so
-    assert rows == [['T1', 't1_softmax_normalised_q − t1_softmax', '70.6 / 69.9 vs 72.2', '-10.0 [-12.5, -7.5]',
-                     'seeds only', '3', '3.1', '10', rows[0][8], 'reproduced', 'reproduced']]
+    # per-seed differences -10, -11, -9: mean -10, sd 1; half-width 4.303 / sqrt(3) = 2.48; MDE (4.303 +
+    # 1.061) / sqrt(3) = 3.10; 10 seeds bring the MDE under 1 point; one comparison, so Holm's p is its own;
+    # the fake runs keep no per-image results, so the interval is the seeds' only, and says so
+    assert rows == [['T1', 't1_softmax_normalised_q − t1_softmax', '70.6 / 69.9 vs 72.2',
+                     '-10.0 [-12.5, -7.5]', 'seeds only', '3', '3.1', '10', rows[0][8], 'reproduced',
+                     'reproduced']]
     assert float(rows[0][8]) < 0.01
     records = runs.read_records(results)
     assert len(records) == 9
@@ -658,7 +703,8 @@ def test_paper_device_cuda_is_refused_without_a_gpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip('a GPU is here: test_paper_device_cuda_plans_the_converging_scale covers it')
     with pytest.raises(SystemExit):
-        cli.main(['ablations', '--quick', '--device', 'cuda', '--dataset', 'synthetic', '--out', str(tmp_path),
+        cli.main(['ablations', '--quick', '--device', 'cuda', '--dataset', 'synthetic', '--out',
+                  str(tmp_path),
                     '--results', str(tmp_path / 'runs.jsonl')])
     assert '--device cuda: torch sees no CUDA device' in capsys.readouterr().err
 
@@ -667,20 +713,22 @@ def test_paper_device_cuda_is_refused_without_a_gpu(tmp_path, capsys):
 def test_paper_device_cuda_plans_the_converging_scale():
     """On a GPU the same experiments get BUDGET['cuda']: every training image, epochs until flat, bf16, a
     validation every epoch; a recipe of its own, so its records never mix with the CPU's."""
-    ns = argparse.Namespace(epochs=None, train_images=None, device='cuda', dataset='fashion_mnist', data_path='x')
+    ns = argparse.Namespace(epochs=None, train_images=None, device='cuda', dataset='fashion_mnist',
+                            data_path='x')
     ablations.resolve_budget(ns)
     every = ablations.experiments()
     run = ablations.make_run('r_residual_local', every['r_residual_local'], 0, ns)
     assert (ns.train_images, ns.epochs) == (60_000, ablations.BUDGET['cuda']['epochs'])
     assert run.recipe['device'] == 'cuda' and run.recipe['val_every'] == 1 and '--amp' in run.argv
-    cpu = ablations.make_run('r_residual_local', every['r_residual_local'], 0, argparse.Namespace(**{**vars(ns), 'device': 'cpu'}))
+    cpu = ablations.make_run('r_residual_local', every['r_residual_local'], 0,
+                             argparse.Namespace(**{**vars(ns), 'device': 'cpu'}))
     assert cpu.key() != run.key()
 
 
 def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch):
-    """Two comparisons each reproduced on its own (p 0.035 and 0.046, under 5%) are both not resolved under Holm
-    (0.035 x 2 = 0.07); a configuration two tables share is one row of the first table; each comparison row
-    carries its MDE at 80% power."""
+    """Two comparisons each reproduced on its own (p 0.035 and 0.046, under 5%) are both not resolved under
+    Holm (0.035 x 2 = 0.07); a configuration two tables share is one row of the first table; each comparison
+    row carries its MDE at 80% power."""
     os.makedirs(tmp_path / 'fm')
     write_fashion_mnist(str(tmp_path / 'fm'))
     chosen = {n: registry.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q', 's_deit_t')}
@@ -689,11 +737,13 @@ def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch)
     monkeypatch.setattr(ablations, 'experiments', lambda dataset=None: chosen)
     offset = {'t1_softmax_normalised_q': (-4.0, -3.0, -2.0), 'inline_deit_t': (4.5, 3.25, 2.0)}
 
-    def acc(seed, argv):  # softmax (t1_softmax = s_deit_t) 70 at every seed; the others offset from it; the floor 60
+    # softmax (t1_softmax = s_deit_t) 70 at every seed; the others offset from it; the floor 60
+    def acc(seed, argv):
         name = argv[argv.index('train') + 1]  # python -m paper train NAME ...
         return 60.0 if "kernel='zero'" in argv else 70.0 + offset.get(name, (0.0, 0.0, 0.0))[seed]
     monkeypatch.setattr(runs.subprocess, 'Popen', FakeTrain(acc))
-    configs, rows = cli.main(['ablations', '--only', *chosen, '--seeds', '3', '--epochs', '2', '--train-images', '64',
+    configs, rows = cli.main(['ablations', '--only', *chosen, '--seeds', '3', '--epochs', '2',
+                              '--train-images', '64',
                                 '--jobs', '1', '--data-path', str(tmp_path / 'fm'), '--out', str(tmp_path),
                                 '--results', str(tmp_path / 'runs.jsonl')])
     assert [c[0] for c in configs] == ['t1_softmax = s_deit_t', 't1_softmax_normalised_q *', 'inline_deit_t',
@@ -702,24 +752,23 @@ def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch)
     assert [r[1] for r in rows] == ['t1_softmax_normalised_q − t1_softmax', 's_deit_t − inline_deit_t',
                                     'inline_deit_t − floor_deit']
     assert [float(r[8]) for r in rows[:2]] == pytest.approx([0.0352, 0.0459], abs=5e-4)
-    assert [(r[9], r[10]) for r in rows] == [('reproduced', 'not resolved')] * 2 + [('—', '—')]  # the gate: no claim
+    # the gate: no claim
+    assert [(r[9], r[10]) for r in rows] == [('reproduced', 'not resolved')] * 2 + [('—', '—')]
     # the MDE from the sd pooled over the three comparisons (sds 1, 1.25, 1.25; 2 degrees of freedom each)
     sd = math.sqrt((1 + 1.25 ** 2 + 1.25 ** 2) / 3)
     assert [r[6] for r in rows] == [f'{stats.mde(sd, 3):.1f}'] * 3
 
 
 def test_paper_sigterm_stops_the_runs_and_keeps_their_cpu_time(tmp_path):
-    """The lab stopped by SIGTERM stops the train.py it runs (here a stand-in that sleeps) and adds their CPU and
-    wall time to the run's cpu.json before it exits, so a resumed run's record counts every attempt."""
+    """The lab stopped by SIGTERM stops the train.py it runs (here a stand-in that sleeps) and adds their CPU
+    and wall time to the run's cpu.json before it exits, so a resumed run's record counts every attempt."""
     out = str(tmp_path)
-    code = ('import argparse, subprocess, sys\nfrom paper import runs\n'
-            'real = subprocess.Popen\n'
-            'subprocess.Popen = lambda argv, **kw: real([sys.executable, "-c", "import time\\nwhile True: sum(range(9999))"],'
-            ' pass_fds=kw["pass_fds"])\n'
-            f'run = runs.Run("x", "config", {{"epochs": 1}}, 0, ["--seed", "0"])\n'
-            f'open({out!r} + "/started", "w").close()\n'
-            f'runs.train_runs([run], argparse.Namespace(jobs=1, results={out!r} + "/runs.jsonl", no_train=False, '
-            f'device="cpu", out={out!r}))\n')
+    code = ('import argparse, subprocess, sys\nfrom paper import runs\nreal = '
+            'subprocess.Popen\nsubprocess.Popen = lambda argv, **kw: real([sys.executable, "-c", "import '
+            'time\\nwhile True: sum(range(9999))"], pass_fds=kw["pass_fds"])\nrun = runs.Run("x", "config", '
+            f'{{"epochs": 1}}, 0, ["--seed", "0"])\nopen({out!r} + "/started", '
+            f'"w").close()\nruns.train_runs([run], argparse.Namespace(jobs=1, results={out!r} + '
+            f'"/runs.jsonl", no_train=False, device="cpu", out={out!r}))\n')
     proc = subprocess.Popen([sys.executable, '-c', code], cwd=ROOT)
     deadline = time.time() + 60
     while not glob_one(os.path.join(out, 'runs', 'x-seed0-*', 'train.log')) and time.time() < deadline:
@@ -738,8 +787,9 @@ def glob_one(pattern):
 
 
 def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, capsys):
-    """The record store: one JSON line per run, appended; the first record of a run counts (a second is ignored);
-    a run of another recipe or seed is another record; a line that is not a record stops with its number."""
+    """The record store: one JSON line per run, appended; the first record of a run counts (a second is
+    ignored); a run of another recipe or seed is another record; a line that is not a record stops with its
+    number."""
     path = str(tmp_path / 'r' / 'runs.jsonl')
     assert runs.read_records(path) == {}
     run = runs.Run('x', 'config', {'epochs': 2}, 0, ['--seed', '0'])
@@ -758,7 +808,8 @@ def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, c
 
 def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
     """A run's lock is exclusive, and the train.py process inherits it: it holds after the parent lets go. A
-    command that finds a run locked trains the others, waits for it, and takes its record without training it."""
+    command that finds a run locked trains the others, waits for it, and takes its record without training
+    it."""
     folder = str(tmp_path / 'run')
     fd = runs.lock_run(folder)
     assert fd is not None and runs.lock_run(folder) is None
@@ -771,10 +822,13 @@ def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
     os.close(again)
 
     results = str(tmp_path / 'runs.jsonl')
-    planned = [runs.Run(f'x{i}', 'config', {'epochs': 1}, i, ['--epochs', '1', '--seed', str(i)]) for i in range(2)]
-    other = planned[0].folder(str(tmp_path))  # another command trains run 0: it holds the lock, then records it
-    code = (f'import json, time, os; from paper import runs; fd = runs.lock_run({other!r}); open({other!r} + "/held", "w").close(); '
-            f'time.sleep(2); runs.append_record({results!r}, json.loads({json.dumps(json.dumps(fake_record(planned[0], 42.0)))}))')
+    planned = [runs.Run(f'x{i}', 'config', {'epochs': 1}, i, ['--epochs', '1', '--seed', str(i)])
+               for i in range(2)]
+    # another command trains run 0: it holds the lock, then records it
+    other = planned[0].folder(str(tmp_path))
+    code = (f'import json, time, os; from paper import runs; fd = runs.lock_run({other!r}); open({other!r} + '
+            f'"/held", "w").close(); time.sleep(2); runs.append_record({results!r}, '
+            f'json.loads({json.dumps(json.dumps(fake_record(planned[0], 42.0)))}))')
     holder = subprocess.Popen([sys.executable, '-c', code], cwd=ROOT)
     while not os.path.exists(os.path.join(other, 'held')):
         time.sleep(0.05)
@@ -789,17 +843,20 @@ def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
 
 @MERGED
 def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
-    """--dataset imagefolder --data-path DIR: the same runs on an ImageFolder, with the small datasets' recipe in
-    place of the released ImageNet one (no Mixup, RandAugment, erasing or EMA; one process, no accumulation)."""
+    """--dataset imagefolder --data-path DIR: the same runs on an ImageFolder, with the small datasets' recipe
+    in place of the released ImageNet one (no Mixup, RandAugment, erasing or EMA; one process, no
+    accumulation)."""
     root = str(tmp_path / 'data')
     write_image_folder(root, {'train': 2, 'val': 1})
-    ns = argparse.Namespace(out=str(tmp_path), epochs=2, train_images=3, dataset='imagefolder', data_path=root,
-                            download=False, device='cpu')
+    ns = argparse.Namespace(out=str(tmp_path), epochs=2, train_images=3, dataset='imagefolder',
+                            data_path=root, download=False, device='cpu')
     ablations.resolve_data(ns)
-    run = train.Run(runs.train_args(ablations.make_run('inline_deit_t', ablations.experiments()['inline_deit_t'],
-                                                       0, ns).argv), world=1)
+    run = train.Run(runs.train_args(ablations.make_run('inline_deit_t',
+                                                       ablations.experiments()['inline_deit_t'], 0, ns).argv),
+                                                       world=1)
     with tempfile.TemporaryDirectory() as empty, contextlib.chdir(empty):
-        train.resolve(run)  # as train.main resolves it, in an empty folder (no runs/ of an earlier run resumed)
+        # as train.main resolves it, in an empty folder (no runs/ of an earlier run resumed)
+        train.resolve(run)
     a = run.args
     assert (a.dataset, a.train_subset, a.epochs, a.accum_steps, a.ema_decay) == ('imagefolder', 3, 2, 1, 0.0)
     assert {k: getattr(a, k) for k in train.SMALL if k not in ('epochs', 'warmup_epochs')} == {
@@ -819,7 +876,8 @@ def test_paper_refuses_a_folder_without_train(tmp_path, capsys):
 
 def test_paper_distinct_configurations_never_share_a_run():
     """Two different models never get the same train.py command line, so never the same run folder: the
-    experiments outside registry.EXPERIMENTS (the released InLine variants, F4's DeiTs) carry their overrides."""
+    experiments outside registry.EXPERIMENTS (the released InLine variants, F4's DeiTs) carry their
+    overrides."""
     every = {**ablations.experiments(), **figures.F4_EXTRA}
     ns = argparse.Namespace(epochs=1, train_images=8, dataset='synthetic', device='cpu')
     owner = {}
@@ -830,14 +888,14 @@ def test_paper_distinct_configurations_never_share_a_run():
 
 
 def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, monkeypatch):
-    """r_residual_local and t4_window56_residual build the same model: whichever subset asks for it, the run is
-    the one of the registry's first name, so --only (or --quick) and the full run never train it twice."""
+    """r_residual_local and t4_window56_residual build the same model: whichever subset asks for it, the run
+    is the one of the registry's first name, so --only (or --quick) and the full run never train it twice."""
     every = {n: registry.EXPERIMENTS[n] for n in ('t4_window56_residual', 'r_residual_local')}
     monkeypatch.setattr(ablations, 'experiments', lambda dataset=None: every)
     fake = FakeTrain()
     monkeypatch.setattr(runs.subprocess, 'Popen', fake)
-    common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--dataset', 'synthetic',
-              '--out', str(tmp_path), '--results', str(tmp_path / 'runs.jsonl')]
+    common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--dataset',
+              'synthetic', '--out', str(tmp_path), '--results', str(tmp_path / 'runs.jsonl')]
     cli.main(['ablations', '--only', 'r_residual_local', *common])
     assert len(fake.launched) == 1
     assert fake.launched[0][fake.launched[0].index('train') + 1] == 't4_window56_residual'
@@ -846,20 +904,24 @@ def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, mo
 
 
 def test_paper_every_ablation_miniature_builds_and_runs():
-    """Each experiment's miniature (its overrides and the family's sizes) is a valid model on 64 px images, so a
-    full ablation run cannot fail hours in; and the experiments that are one model share one configuration."""
+    """Each experiment's miniature (its overrides and the family's sizes) is a valid model on 64 px images, so
+    a full ablation run cannot fail hours in; and the experiments that are one model share one
+    configuration."""
     torch.manual_seed(0)
     chosen = ablations.experiments()
     for name, e in chosen.items():
         size = ablations.MINI[ablations.family(e)][0]
-        model = models.create_model(e.model, img_size=size, num_classes=10, **{**e.overrides, **ablations.mini_kwargs(e)})
+        model = models.create_model(e.model, img_size=size, num_classes=10,
+                                    **{**e.overrides, **ablations.mini_kwargs(e)})
         assert model(torch.randn(1, 3, size, size)).shape == (1, 10), name
     keys = {name: ablations.config_key(e) for name, e in chosen.items()}
-    assert keys['r_residual_local'] == keys['t10_kernel_identity'] == keys['inline_swin_t'] == keys['r_dilation1']
+    assert (keys['r_residual_local'] == keys['t10_kernel_identity'] == keys['inline_swin_t']
+            == keys['r_dilation1'])
     assert keys['t4_window56_no_residual'] == keys['r_residual_none'] == keys['t3_inline_identity']
     assert keys['t4_window28_residual'] != keys['t4_window56_residual'] != keys['t4_window56_no_residual']
     assert ablations.mini_kwargs(chosen['t4_window7_residual'])['window'] == 2  # 7/56 of the 16x16 stage 1
-    assert ablations.untestable(chosen['t4_window7_residual']) and not ablations.untestable(chosen['t4_window14_residual'])
+    assert (ablations.untestable(chosen['t4_window7_residual'])
+            and not ablations.untestable(chosen['t4_window14_residual']))
     assert keys['floor_swin'] != keys['r_residual_none_no_ape']  # phi = 0: the same shapes, another model
     assert ablations.MINI['deit'][0] // ablations.MINI['deit'][2]['patch_size'] == 8  # DeiT's 8x8 grid
 
@@ -869,7 +931,8 @@ def test_paper_matched_row_has_eq6s_parameter_count_and_runs_of_its_own():
     r_residual_local's parameters, counted here, within 0.1%; it is compared with r_residual_local against the
     paper's -2.2, and a different model from r_residual_none, so it never shares that row's runs."""
     every = ablations.experiments()
-    matched, local, none = (every[n] for n in ('r_residual_none_matched', 'r_residual_local', 'r_residual_none'))
+    matched, local, none = (every[n]
+                            for n in ('r_residual_none_matched', 'r_residual_local', 'r_residual_none'))
     counts = {}
     for name, e in (('matched', matched), ('local', local), ('none', none)):
         model = ablations.miniature(e)
@@ -904,8 +967,8 @@ def test_t_distribution_against_published_values():
     """Quantiles from the published t table (3 decimals) and CDF values in closed form: df = 1 is Cauchy's,
     1/2 + atan(t)/pi; df = 2 is 1/2 + t / (2 sqrt(2 + t^2))."""
     for p, df, table in ((0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 4, 2.776), (0.975, 10, 2.228),
-                         (0.975, 30, 2.042), (0.8, 2, 1.061), (0.8, 4, 0.941), (0.8, 9, 0.883), (0.9, 20, 1.325),
-                         (0.995, 5, 4.032), (0.95, 5, 2.015)):
+                         (0.975, 30, 2.042), (0.8, 2, 1.061), (0.8, 4, 0.941), (0.8, 9, 0.883),
+                         (0.9, 20, 1.325), (0.995, 5, 4.032), (0.95, 5, 2.015)):
         assert round(stats.t_quantile(p, df), 3) == table, (p, df)
         assert stats.t_quantile(1 - p, df) == pytest.approx(-table, abs=1e-3)
     for t in (-3.0, -0.5, 0.0, 1.0, 2.0, 7.5):
@@ -914,12 +977,14 @@ def test_t_distribution_against_published_values():
     assert stats.t_cdf(1.959964, 10 ** 6) == pytest.approx(0.975, abs=1e-5)  # the normal's, in the limit
 
 
-@pytest.mark.parametrize('diffs,paper_diff,expected', [  # per-seed differences (row minus reference), the paper's
+# per-seed differences (row minus reference), the paper's
+@pytest.mark.parametrize('diffs,paper_diff,expected', [
     ([-10, -9, -11], -1.6, 'reproduced'),  # lower here and in the paper: the interval excludes 0 on its side
     ([10, 9, 11], -1.6, 'contradicted'),
     ([-1, 1, 0.5], -1.6, 'not resolved'),  # the interval holds 0
     ([1, 1.1, 0.9], 1.0, 'reproduced'),  # mean 1.0, sd 0.1, 3 seeds: +-0.25
-    ([0.5, 2.0, 0.1], 1.0, 'not resolved'),  # the same sign on every seed, but +-2.5 at 3 seeds (t = 4.30, not 2)
+    # the same sign on every seed, but +-2.5 at 3 seeds (t = 4.30, not 2)
+    ([0.5, 2.0, 0.1], 1.0, 'not resolved'),
     ([1, 1, 1], 2.4, 'reproduced'),  # the seeds spread top-1 widely, yet each gains 1: paired
     ([-60, -58, -63], float('-inf'), 'reproduced'),  # 'does not converge' against a number
     ([0.1, -0.1, 0.0, 0.2, -0.2], 0.1, 'reproduced'),  # a paper tie: TOST, the whole interval within +-MARGIN
@@ -949,10 +1014,10 @@ def test_paper_p_values_agree_with_the_interval():
 
 
 def test_paper_interval_mde_and_seeds_for_power():
-    """The interval against the t table; the MDE at 80% power and the seeds it takes against their explicit formula,
-    (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + the test set's term), sd pooled over a table's comparisons with their
-    degrees of freedom summed; the MDE against a simulation: a true effect of that size is caught about 80% of the
-    time."""
+    """The interval against the t table; the MDE at 80% power and the seeds it takes against their explicit
+    formula, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + the test set's term), sd pooled over a table's
+    comparisons with their degrees of freedom summed; the MDE against a simulation: a true effect of that size
+    is caught about 80% of the time."""
     mean, half = stats.interval([1.0, 2.0, 3.0])  # sd 1, 3 seeds: 4.303 / sqrt(3)
     assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
     assert stats.interval([1.0])[1] == math.inf and stats.mde(1.0, 1) == math.inf
@@ -961,10 +1026,12 @@ def test_paper_interval_mde_and_seeds_for_power():
     assert df == 3 and sd == pytest.approx(math.sqrt((2 * 1 + 1 * 2) / 3))
     assert stats.pooled_sd([[1.0], []]) == (None, 0)
     assert stats.mde(1.0, 3) == pytest.approx((4.303 + 1.061) / math.sqrt(3), abs=1e-3)
-    assert stats.mde(2.0, 5, image_var=0.3) == pytest.approx((2.776 + 0.941) * math.sqrt(4 / 5 + 0.3), abs=1e-3)
+    assert stats.mde(2.0, 5,
+                     image_var=0.3) == pytest.approx((2.776 + 0.941) * math.sqrt(4 / 5 + 0.3), abs=1e-3)
     # sd 1: (t_0.975,8 + t_0.8,8) / 3 = (2.306 + 0.889) / 3 = 1.065; (2.262 + 0.883) / sqrt(10) = 0.995
     assert stats.seeds_for(1.0) == 10
-    # the test set's term does not shrink with seeds: 0.2 points² alone holds the MDE over (1.96 + 0.84) 0.447 = 1.25
+    # the test set's term does not shrink with seeds: 0.2 points² alone holds the MDE over (1.96 + 0.84) 0.447
+    # = 1.25
     assert stats.seeds_for(1.0, image_var=0.2) is None and stats.seeds_for(1.0, image_var=0.01) == 11
     g = np.random.default_rng(0)
     n, effect = 5, stats.mde(1.0, 5)
@@ -979,14 +1046,15 @@ def summary_record(seed, acc, correct=None, state='done'):
     last = {'epoch': 4, 'val_acc1': acc}
     if correct is not None:
         last.update(val_images=len(correct), val_correct=runs.pack_correct(torch.tensor(correct)))
-    return dict(seed=seed, state=state, recipe={'epochs': 4}, epochs=[{'epoch': 3, 'val_acc1': acc - 1}, last])
+    return dict(seed=seed, state=state, recipe={'epochs': 4},
+                epochs=[{'epoch': 3, 'val_acc1': acc - 1}, last])
 
 
 def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
-    """A comparison pairs runs by seed number: a seed one side lacks (no record, or diverged) drops that pair and
-    leaves the others in place, where pairing by list position would shift every later pair. A diverged run is
-    left out of every mean and t-test (never counted as a guess) and named; per-image differences come only when
-    every paired run kept them, else the interval is the seeds' only."""
+    """A comparison pairs runs by seed number: a seed one side lacks (no record, or diverged) drops that pair
+    and leaves the others in place, where pairing by list position would shift every later pair. A diverged
+    run is left out of every mean and t-test (never counted as a guess) and named; per-image differences come
+    only when every paired run kept them, else the interval is the seeds' only."""
     def right(*wrong):  # 10 test images, all right but these
         return [int(i not in wrong) for i in range(10)]
     a = stats.summarise([summary_record(0, 80.0, right(0, 1)), summary_record(1, 90.0, right(0)),
@@ -997,7 +1065,8 @@ def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
     seeds, diffs, images = stats.matched(a, b)
     assert seeds == [0, 2] and diffs == [10.0, -10.0]  # by position: 80 - 70 and 90 - 80
     assert images.tolist() == [[0, 0, 0, 1, 0, 0, 0, 0, 0, 0], [0, -1, -1, 0, 1, 0, 0, 0, 0, 0]]
-    old = stats.summarise([summary_record(0, 78.0), summary_record(2, 71.0)])  # records without per-image results
+    # records without per-image results
+    old = stats.summarise([summary_record(0, 78.0), summary_record(2, 71.0)])
     assert old.correct == {0: None, 2: None} and stats.matched(a, old)[2] is None
     every = ablations.experiments()
     chosen = {n: every[n] for n in ('t3_linear_relu', 't3_inline_relu')}
@@ -1008,13 +1077,14 @@ def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
     assert rows[0][3:6] == [f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]', 'seeds and test images',
                             '2 (seed 1 unpaired)']
     assert (sd, df, m) == (pytest.approx(math.sqrt(200)), 1, 0)
-    assert rows[0][9:] == ['untestable (no floor run)', 'untestable']  # no floor_swin among the results: no gate
+    # no floor_swin among the results: no gate
+    assert rows[0][9:] == ['untestable (no floor run)', 'untestable']
 
 
 def test_paper_record_keeps_the_final_per_image_results(tmp_path):
-    """make_record keeps what train.py's final evaluation wrote of each test image (val_images in metrics.jsonl,
-    val_correct.pt: True where top-1 is right) beside the per-epoch metrics, packed into the last epoch as
-    val_correct, and drops what a table never reads (the architecture, the speed)."""
+    """make_record keeps what train.py's final evaluation wrote of each test image (val_images in
+    metrics.jsonl, val_correct.pt: True where top-1 is right) beside the per-epoch metrics, packed into the
+    last epoch as val_correct, and drops what a table never reads (the architecture, the speed)."""
     correct = runs.pack_correct(torch.tensor([1, 0, 1]))
     with open(tmp_path / 'metrics.jsonl', 'w') as f:
         f.write(json.dumps({'epoch': 1, 'train_loss': 2.0, 'images_per_s': 9.0, 'arch': {}}) + '\n')
@@ -1037,9 +1107,12 @@ def test_paper_interval_covers_a_known_difference():
                                  dtype=torch.float64).T  # (kinds,) each: how common, P(a right), P(b right)
     truth = 100 * (share * (pa - pb)).sum().item()  # 0.2 (0.3) + 0.2 (-0.25) = 0.01
     kind = torch.multinomial(share, sims * images, replacement=True, generator=g).view(sims, 1, images)
-    both = 0.01 * torch.randn(sims, seeds, 1, generator=g, dtype=torch.float64)  # a seed's effect on both models
-    apart = 0.004 * torch.randn(sims, seeds, 1, generator=g, dtype=torch.float64)  # ... and on their difference
-    u = torch.rand(sims, seeds, images, generator=g, dtype=torch.float64)  # one draw for both: easy images agree
+    # a seed's effect on both models
+    both = 0.01 * torch.randn(sims, seeds, 1, generator=g, dtype=torch.float64)
+    # ... and on their difference
+    apart = 0.004 * torch.randn(sims, seeds, 1, generator=g, dtype=torch.float64)
+    # one draw for both: easy images agree
+    u = torch.rand(sims, seeds, images, generator=g, dtype=torch.float64)
     right_a, right_b = u < pa[kind] + both + apart / 2, u < pb[kind] + both - apart / 2
     per_image = right_a.to(torch.int8) - right_b.to(torch.int8)  # (sims, seeds, images)
     diffs = 100 * per_image.double().mean(2)  # (sims, seeds)
@@ -1053,7 +1126,8 @@ def test_paper_interval_covers_a_known_difference():
 
 
 def test_paper_holm_adjusts_against_a_worked_example():
-    """Holm: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 -> 0.02, 0.03, 0.06, 0.04, kept increasing -> 0.06."""
+    """Holm: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 -> 0.02, 0.03, 0.06, 0.04, kept increasing ->
+    0.06."""
     assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert stats.holm([0.5, 0.9]) == [1.0, 1.0] and stats.holm([]) == []
 
@@ -1071,12 +1145,13 @@ def test_paper_seeds_per_table(capsys):
 
 
 def test_paper_mosaic_bed_is_injective_and_runs_its_own_recipe(tmp_path):
-    """python -m paper ablations --dataset fashion_recall: MOSAIC_ROWS alone, each miniature with head dim 8 in every stage
-    and every InLine layer of stages 1-3 at least D + 1 tokens (injective); each run trains on task 'below' at
-    MOSAIC_BUDGET, new training mosaics a seed, the same 10,000 test mosaics every seed; 5 seeds of every row;
-    its comparisons include T1 within softmax and within InLine."""
+    """python -m paper ablations --dataset fashion_recall: MOSAIC_ROWS alone, each miniature with head dim 8
+    in every stage and every InLine layer of stages 1-3 at least D + 1 tokens (injective); each run trains on
+    task 'below' at MOSAIC_BUDGET, new training mosaics a seed, the same 10,000 test mosaics every seed; 5
+    seeds of every row; its comparisons include T1 within softmax and within InLine."""
     every = ablations.experiments('fashion_recall')
-    assert set(every) == set(ablations.MOSAIC_ROWS) and not set(ablations.MOSAIC_ONLY) & set(ablations.experiments())
+    assert (set(every) == set(ablations.MOSAIC_ROWS)
+            and not set(ablations.MOSAIC_ONLY) & set(ablations.experiments()))
     for name, e in every.items():
         model = ablations.miniature(e)
         for stage, grid in zip(model.layers, models.stage_grids(model.img_size)):
@@ -1090,8 +1165,8 @@ def test_paper_mosaic_bed_is_injective_and_runs_its_own_recipe(tmp_path):
     os.makedirs(root)
     write_fashion_mnist(root, train=40, test=20)
     ns = argparse.Namespace(out=str(tmp_path), epochs=None, train_images=None, dataset='fashion_recall',
-                            data_path=root, download=False, device='cpu', quick=False, claims=False, only=None,
-                            seeds=None)
+                            data_path=root, download=False, device='cpu', quick=False, claims=False,
+                            only=None, seeds=None)
     ablations.resolve_budget(ns)
     ablations.resolve_data(ns)
     assert (ns.epochs, ns.train_images) == (4, 20_000)
@@ -1103,14 +1178,16 @@ def test_paper_mosaic_bed_is_injective_and_runs_its_own_recipe(tmp_path):
 
 
 def test_paper_a_comparison_with_one_seed_of_per_image_results_is_not_run_yet():
-    """One seed a side, with per-image results: the row says '(1 seed)' and gets no interval (the test set's term
-    needs two seeds), rather than dividing by zero; the gate row beside it has its interval from two."""
+    """One seed a side, with per-image results: the row says '(1 seed)' and gets no interval (the test set's
+    term needs two seeds), rather than dividing by zero; the gate row beside it has its interval from two."""
     every = ablations.experiments()
     chosen = {n: every[n] for n in ('s_deit_t', 'inline_deit_t', 'floor_deit')}
     right = lambda p, seed: torch.rand(200, generator=torch.Generator().manual_seed(seed)) < p  # noqa: E731
     result = {'s_deit_t': stats.Summary({0: 80.0}, {0: right(0.8, 0)}, [], None),
-              'inline_deit_t': stats.Summary({0: 81.0, 1: 82.0}, {0: right(0.81, 1), 1: right(0.82, 2)}, [], None),
-              'floor_deit': stats.Summary({0: 40.0, 1: 41.0}, {0: right(0.4, 3), 1: right(0.41, 4)}, [], None)}
+              'inline_deit_t': stats.Summary({0: 81.0, 1: 82.0}, {0: right(0.81, 1), 1: right(0.82, 2)}, [],
+                                             None),
+              'floor_deit': stats.Summary({0: 40.0, 1: 41.0}, {0: right(0.4, 3), 1: right(0.41, 4)}, [],
+                                          None)}
     configs, rows, points, _ = ablations.table_rows(chosen, {n: [] for n in chosen}, result, every)
     one = next(r for r in rows if r[1].startswith('s_deit_t'))
     assert one[3] == '-1.0 (1 seed)' and one[6] == '∞' and points[rows.index(one)] is None
@@ -1120,8 +1197,8 @@ def test_paper_a_comparison_with_one_seed_of_per_image_results_is_not_run_yet():
 
 @MERGED
 def test_paper_mosaic_runs_draw_new_training_mosaics_a_seed_and_the_same_test_ones(tmp_path):
-    """The mosaics' runs, as `python -m paper train` reads their command lines: task below, 20,000 training and
-    10,000 test mosaics; two seeds share their test mosaics and not their training ones."""
+    """The mosaics' runs, as `python -m paper train` reads their command lines: task below, 20,000 training
+    and 10,000 test mosaics; two seeds share their test mosaics and not their training ones."""
     root = str(tmp_path / 'fm')
     os.makedirs(root)
     write_fashion_mnist(root, train=40, test=20)
@@ -1140,17 +1217,18 @@ def test_paper_mosaic_runs_draw_new_training_mosaics_a_seed_and_the_same_test_on
     assert not torch.equal(sets[0][0][3][0], sets[1][0][3][0])  # another training mosaic
 
 
-@pytest.mark.parametrize('task, pairs, query', [('recall', 2, 'other'), ('recall', 4, 'same'), ('below', None, None)])
+@pytest.mark.parametrize('task, pairs, query',
+                         [('recall', 2, 'other'), ('recall', 4, 'same'), ('below', None, None)])
 def test_mosaics_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, query):
-    """Every label of a batch of mosaics, checked against the layout: recall's keys and values distinct in class, each
-    key right above its value, the framed query of one key's class (the key's own image with query='same'), the
-    label that key's value; below's cells all filled, its framed item in row 1, the label the class right below it
-    and distinct from the two cells in the same slot of the other 2x2 blocks (what a network without attention
-    cannot tell apart). The pixels are the layout's items (at 14 px, in their cells) with the framed cell's border
-    lit; test mosaics hold test images."""
+    """Every label of a batch of mosaics, checked against the layout: recall's keys and values distinct in
+    class, each key right above its value, the framed query of one key's class (the key's own image with
+    query='same'), the label that key's value; below's cells all filled, its framed item in row 1, the label
+    the class right below it and distinct from the two cells in the same slot of the other 2x2 blocks (what a
+    network without attention cannot tell apart). The pixels are the layout's items (at 14 px, in their cells)
+    with the framed cell's border lit; test mosaics hold test images."""
     write_fashion_mnist(str(tmp_path), train=30, test=20)
-    args = argparse.Namespace(data_path=str(tmp_path), recall_task=task, recall_pairs=pairs, recall_query=query,
-                              synthetic_train=40, synthetic_val=30, seed=0, img_size=64)
+    args = argparse.Namespace(data_path=str(tmp_path), recall_task=task, recall_pairs=pairs,
+                              recall_query=query, synthetic_train=40, synthetic_val=30, seed=0, img_size=64)
     train_set, val_set = mosaics.load(args)
     assert (len(train_set), len(val_set)) == (40, 30) and train_set.classes == datasets.FashionMNIST.classes
     test_images, test_labels, _ = train.read_small('fashion_mnist', str(tmp_path), train=False)
@@ -1170,11 +1248,14 @@ def test_mosaics_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, q
         else:
             assert fr == 1 and cells[2, fc][1] == 'below' and label == cells[2, fc][0]
             assert all(source >= 0 for _, _, source in cells.values())
-            same_slot = [(r, c) for r in (0, 2) for c in (fc % 2, fc % 2 + 2)]  # row 0 of each block, fc's column
+            # row 0 of each block, fc's column
+            same_slot = [(r, c) for r in (0, 2) for c in (fc % 2, fc % 2 + 2)]
             assert len({cells[cell][0] for cell in same_slot if cell != (0, fc)}) == 3
-        assert all(test_labels[source] == c for c, _, source in cells.values() if source >= 0)  # the test split's
+        # the test split's
+        assert all(test_labels[source] == c for c, _, source in cells.values() if source >= 0)
         x, y = val_set[i]
-        pixels = (x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None])[0] * 255
+        pixels = (x * torch.tensor(train.STD)[:, None, None]
+                  + torch.tensor(train.MEAN)[:, None, None])[0] * 255
         assert y == label and x.shape == (3, 64, 64)
         for (r, c), (_, role, source) in cells.items():
             inner = pixels[16 * r + 1:16 * r + 15, 16 * c + 1:16 * c + 15]
