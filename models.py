@@ -30,7 +30,6 @@ import os
 import pickle
 import warnings
 from collections import OrderedDict
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -38,10 +37,9 @@ import torch.nn.functional as F
 from torch.nn.init import trunc_normal_
 import torch.utils.checkpoint
 from torch.utils.flop_counter import FlopCounterMode
-from torchvision.ops import FeaturePyramidNetwork, StochasticDepth
-from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
-from torchvision.ops.misc import Conv2dNormActivation
+from torchvision.ops import StochasticDepth
 
+import dense
 import inline
 from inline import InLineAttention
 
@@ -813,109 +811,7 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
             raise ImportError(f"fast=True needs kernels.py, which failed to import ({e}); "
                               f"use fast=False for the reference path") from e
         kernels.enable_fast(model)
-    return FeatureBackbone(model, out_indices) if features_only else model
-
-
-# ---------------------------------------------------------------------------------------------------
-# The paper's experiments (tables and figures; README, "The paper's experiments"), each a variant and its
-# overrides, by name, with the ImageNet-1K top-1 the paper (or its rebuttal, for the R- rows) reports
-
-class Experiment(NamedTuple):
-    model: str  # a registered variant
-    overrides: dict  # for create_model
-    table: str  # the paper's table or figure: T3, T4, T10, R-res, R-dil, R-nonneg, T1, S
-    reported: str | None  # ImageNet-1K top-1 as the paper reports it
-    ours: bool  # our construction: reported by the paper or rebuttal, but no code was released
-    what: str
-
-
-EXPERIMENTS = {}
-
-
-def experiment(name, model, overrides, table, reported, what, ours=False):
-    EXPERIMENTS[name] = Experiment(model, overrides, table, reported, ours, what)
-
-
-# T3: division (vanilla linear) against subtraction (InLine) with the same kernel, in InLine-Swin-T with
-# global InLine windows, no local residual and therefore the authors' APE (ape=None turns it on)
-T3 = {'relu': ('77.3', '79.8'), 'relu_affine': ('70.2', '80.0'), 'leakyrelu': ('does not converge', None),
-      'identity': ('does not converge', '80.2')}
-for kernel, (linear, inline_) in T3.items():
-    signed = kernel not in inline.NON_NEGATIVE_KERNELS
-    experiment(f't3_linear_{kernel}', 'inline_swin_t',
-               dict(layout='LLLS', kernel=kernel, residual='none', **({'allow_divergent': True} if signed else {})),
-               'T3', linear, f'vanilla linear attention (division), phi = {kernel}, no Eq. 6, APE',
-               ours=kernel == 'relu_affine')
-    experiment(f't3_inline_{kernel}', 'inline_swin_t', dict(kernel=kernel, residual='none'), 'T3', inline_,
-               f'InLine attention (subtraction), phi = {kernel}, no Eq. 6, APE', ours=kernel == 'relu_affine')
-# T4: InLine windows 7^2 .. 56^2 (56 covers stage 1 at 224 px: global), without and with Eq. 6
-for window, without, with_ in ((7, '80.3', '81.6'), (14, '80.4', '82.1'), (28, '80.2', '82.3'), (56, '80.2', '82.4')):
-    experiment(f't4_window{window}_no_residual', 'inline_swin_t', dict(window=window, residual='none'), 'T4', without,
-               f'InLine windows {window}x{window}, shifted on odd blocks, no Eq. 6, APE')
-    experiment(f't4_window{window}_residual', 'inline_swin_t', dict(window=window), 'T4', with_,
-               f'InLine windows {window}x{window}, shifted on odd blocks, with Eq. 6')
-for kernel, reported in (('identity', '82.4'), ('relu', '82.5'), ('leakyrelu', None), ('exp', 'about relu')):
-    experiment(f't10_kernel_{kernel}', 'inline_swin_t', dict(kernel=kernel), 'T10', reported,
-               f'InLine-Swin-T with phi = {kernel}')
-experiment('r_residual_none', 'inline_swin_t', dict(residual='none'), 'R-res', '80.2', 'no residual (APE)')
-experiment('r_residual_plain', 'inline_swin_t', dict(residual='plain'), 'R-res', '80.2',
-           'plain residual o_i += r * v_i, r per channel from the same MLP (C -> C -> C) (APE)', ours=True)
-experiment('r_residual_local', 'inline_swin_t', {}, 'R-res', '82.4', "Eq. 6's local 3x3 residual (released)")
-# R-res's pair changes two things at once: Eq. 6 and the APE (on without Eq. 6). The other two corners of the 2x2
-# separate them: Eq. 6 against none with the same position embedding, both ways (ours; the paper has no numbers)
-experiment('r_residual_none_no_ape', 'inline_swin_t', dict(residual='none', ape=False), 'R-res', None,
-           'no residual and no APE', ours=True)
-experiment('r_residual_local_ape', 'inline_swin_t', dict(ape=True), 'R-res', None, "Eq. 6 and the APE", ours=True)
-for dilation, reported in ((1, '82.4'), (2, '81.7'), (3, '80.8'), (4, '80.6')):
-    experiment(f'r_dilation{dilation}', 'inline_swin_t', dict(dilation=dilation), 'R-dil', reported,
-               f"Eq. 6's 3x3 neighbourhood dilated by {dilation}", ours=dilation > 1)
-experiment('r_nonneg', 'inline_swin_t', dict(nonneg=True), 'R-nonneg', '81.7',
-           'every InLine weight >= 0: q, k L2-normalised per head, s = 1/2', ours=True)
-# T1 and S: the softmax originals have their own head counts (DeiT-T 3, PVT 1-2-5-8) and CSwin its own depths
-experiment('t1_softmax', 'inline_deit_t', dict(layout='S', num_heads=3), 'T1', '72.2', 'DeiT-T, softmax (injective)')
-experiment('t1_softmax_normalised_q', 'inline_deit_t', dict(layout='S', num_heads=3, normalise_q='S'), 'T1',
-           '70.6 / 69.9', 'DeiT-T, softmax over L2-normalised queries times a learned per-head gain: q and a*q get '
-           'the same weights', ours=True)
-# T1 in Swin, for the test bed whose every InLine layer is injective (paper.py, the fashion_recall ablations): softmax
-# and InLine each against itself over L2-normalised queries (ours; the paper has no numbers)
-experiment('t1_swin_softmax_normalised_q', 'inline_swin_t', dict(layout='SSSS', normalise_q='S'), 'T1', None,
-           "Swin-T's windowed softmax over L2-normalised queries times a learned per-head gain", ours=True)
-experiment('t1_inline_normalised_q', 'inline_swin_t', dict(normalise_q='I'), 'T1', None,
-           'InLine-Swin-T, InLine over L2-normalised queries times a learned per-head gain (stage 4 softmax as it is)',
-           ours=True)
-for size in 'tsml':
-    experiment(f's_pvt_{size}', f'inline_pvt_{size}', dict(layout='SSSS', num_heads=(1, 2, 5, 8)), 'S', None,
-               f'PVT-{size.upper()}: softmax with spatial reduction 8-4-2-1 in the InLine-PVT skeleton')
-for size, reported in (('t', '81.3'), ('s', None), ('b', None)):
-    experiment(f's_swin_{size}', f'inline_swin_{size}', dict(layout='SSSS'), 'S', reported,
-               f"Swin-{size.upper()}: shifted-window softmax in every stage")
-for size, depths, reported in (('t', (1, 2, 21, 1), '82.7'), ('s', (2, 4, 32, 2), None), ('b', (2, 4, 32, 2), None)):
-    experiment(f's_cswin_{size}', f'inline_cswin_{size}', dict(layout='SSSS', depths=depths), 'S', reported,
-               f"CSwin-{size.upper()}: cross-shaped stripe softmax in every stage, CSwin's own depths")
-experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.2', 'DeiT-T: softmax over all tokens')
-
-
-def create_experiment(name, **overrides):
-    """Build a paper experiment by name; overrides win over the experiment's (e.g. a smaller img_size)."""
-    if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
-    e = EXPERIMENTS[name]
-    return create_model(e.model, **{**e.overrides, **overrides})
-
-
-def describe(model):
-    """One line: the attention a model was built with, every switch resolved."""
-    o = model.options
-    parts = [f"{model.family}", f"layout {model.layout}",
-             f"kernel {o['kernel'] or 'identity (I) / relu (L)'}", f"residual {o['residual']}"]
-    parts += [f"local_size {o['local_size']}"] * (o['local_size'] != 3) + [f"dilation {o['dilation']}"] * (o['dilation'] > 1)
-    parts += ['nonneg'] * o['nonneg']
-    parts += [f"normalise_q {o['normalise_q']}"] * bool(o['normalise_q']) + ['allow_divergent'] * o['allow_divergent']
-    if model.family == 'swin':
-        parts.append('InLine windows: whole stage' if model.window is None else
-                     f'InLine windows {model.window} (shifted on odd blocks, no mask)')
-        parts.append(f"APE {'on' if model.ape else 'off'}")
-    return ', '.join(parts)
+    return dense.FeatureBackbone(model, out_indices) if features_only else model
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -995,121 +891,6 @@ def load_checkpoint(model, checkpoint):
         raise RuntimeError(f"{path}: shapes that cannot be resized: {wrong}")
     model.load_state_dict(state, strict=False)  # everything is checked above; strict=False for a dropped head
     return model
-
-
-# ---------------------------------------------------------------------------------------------------
-# Dense prediction, as the paper ran it on COCO and ADE20K: timm's features_only backbone, torchvision's
-# FPN under it for MaskRCNN, FasterRCNN and RetinaNet, and the Semantic FPN head
-
-# A LayerNorm on each output stage where the family's own dense backbone has one: Swin's detection
-# backbone (norm0..norm3) and CSwin's segmentation backbone (norm1..norm4) do; PVT's (v1, the lineage
-# of InLine-PVT: whai362/PVT detection/pvt.py) returns the raw stage maps. DeiT is isotropic, one
-# stride-16 map and a class token: the paper's dense results use PVT and Swin, so it is refused rather
-# than given a feature pyramid (ViTDet's) that no InLine result was measured with.
-OUTPUT_NORMS = {'pvt': False, 'swin': True, 'cswin': True}
-
-
-def stage_channels(model):
-    if model.family == 'pvt':
-        return [getattr(model, f'patch_embed{i + 1}').proj.out_channels for i in range(4)]
-    return [model.num_features // 2 ** (3 - i) for i in range(4)]  # Swin and CSwin double C at each merge
-
-
-class FeatureInfo(list):
-    """timm's model.feature_info, the part detection code reads: one dict per output (num_chs, reduction,
-    module) and the lists channels() and reduction()."""
-
-    def channels(self):
-        return [f['num_chs'] for f in self]
-
-    def reduction(self):
-        return [f['reduction'] for f in self]
-
-
-class FeatureBackbone(nn.Module):
-    """timm's features_only model: images (B, 3, H, W) -> [(B, C_i, H / r_i, W / r_i)] for i in
-    out_indices, r_i = 4, 8, 16, 32, with the output norms of OUTPUT_NORMS (keys norms.j). Any image
-    size: H and W not multiples of 32 are zero-padded at the bottom and right first, as Swin's detection
-    backbone pads (so maps are ceil(H / r_i)); PVT's position embeddings are resized per input. The
-    classifier's head and final norm are removed; stages after the last selected one still run."""
-
-    def __init__(self, model, out_indices=(0, 1, 2, 3)):
-        super().__init__()
-        if model.family not in OUTPUT_NORMS:
-            raise ValueError(f"features_only: {type(model).__name__} is isotropic (one stride-16 map); dense prediction "
-                             f"supports the hierarchical families {', '.join(OUTPUT_NORMS)}, as the paper used them")
-        if not out_indices or list(out_indices) != sorted(set(out_indices)) or not set(out_indices) <= {0, 1, 2, 3}:
-            raise ValueError(f"out_indices must be increasing stage indices from 0-3, got {out_indices}")
-        model.reset_classifier(0)
-        if hasattr(model, 'norm'):  # the classifier's final norm, which no output goes through
-            model.norm = nn.Identity()
-        self.model, self.out_indices = model, tuple(out_indices)
-        channels = stage_channels(model)
-        blocks = {'pvt': 'model.block{}', 'swin': 'model.layers.{}', 'cswin': 'model.stage{}'}[model.family]
-        self.feature_info = FeatureInfo(dict(num_chs=channels[i], reduction=2 ** (i + 2),
-                                             module=blocks.format(i if model.family == 'swin' else i + 1))
-                                        for i in out_indices)
-        self.norms = nn.ModuleList([nn.LayerNorm(channels[i]) if OUTPUT_NORMS[model.family] else nn.Identity()
-                                    for i in out_indices])
-
-    def forward(self, x):
-        x = F.pad(x, (0, -x.shape[3] % 32, 0, -x.shape[2] % 32))  # (B, 3, H', W'), H' and W' multiples of 32
-        stages = self.model.forward_features(x, return_stages=True)  # 4 x (B, C_i, H' / r_i, W' / r_i)
-        return [norm(stages[i].permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # LayerNorm over C, channels last
-                for norm, i in zip(self.norms, self.out_indices)]
-
-
-def fpn_inputs(features):
-    return OrderedDict((str(i), f) for i, f in enumerate(features))  # torchvision names the levels '0', '1', ...
-
-
-class BackboneWithFPN(nn.Module):
-    """A FeatureBackbone under torchvision's FeaturePyramidNetwork: images -> OrderedDict of maps of
-    out_channels each, '0', '1', ... for the selected stages, then extra_blocks' ('pool' by default,
-    LastLevelMaxPool as in torchvision's Mask R-CNN). It has what torchvision's MaskRCNN, FasterRCNN and
-    RetinaNet ask of a backbone (forward to an OrderedDict, out_channels). For RetinaNet, as torchvision
-    builds it: out_indices=(1, 2, 3) and extra_blocks=LastLevelP6P7(out_channels, out_channels), five levels."""
-
-    def __init__(self, backbone, out_channels=256, extra_blocks=None):
-        super().__init__()
-        self.body = backbone
-        self.fpn = FeaturePyramidNetwork(backbone.feature_info.channels(), out_channels,
-                                         extra_blocks=LastLevelMaxPool() if extra_blocks is None else extra_blocks)
-        self.out_channels = out_channels
-
-    def forward(self, x):
-        return self.fpn(fpn_inputs(self.body(x)))
-
-
-class SemanticFPN(nn.Module):
-    """The semantic branch of Panoptic FPN (Kirillov et al., CVPR 2019), the paper's ADE20K head for PVT:
-    an FPN of fpn_channels over the stages; from each level, repeated until stride 4, a 3x3 conv to
-    `channels` + GroupNorm(32) + ReLU + 2x bilinear upsampling (one conv, no upsampling, at stride 4);
-    their sum -> dropout -> 1x1 conv -> bilinear to the image: (B, 3, H, W) -> logits (B, classes, H, W).
-    GroupNorm as in Kirillov et al.; the PVT authors' mmseg config (fpn_pvt_*) uses SyncBN there."""
-
-    def __init__(self, backbone, num_classes, fpn_channels=256, channels=128, dropout=0.1):
-        super().__init__()
-        self.backbone = backbone
-        self.fpn = FeaturePyramidNetwork(backbone.feature_info.channels(), fpn_channels)
-        self.scale_heads = nn.ModuleList()
-        self.stride = min(backbone.feature_info.reduction())  # 4 with stage 1 selected
-        for reduction in backbone.feature_info.reduction():
-            layers = []
-            for j in range(max(1, int(math.log2(reduction // self.stride)))):  # one per 2x to the finest level
-                layers.append(Conv2dNormActivation(fpn_channels if j == 0 else channels, channels, 3,
-                                                   norm_layer=lambda c: nn.GroupNorm(32, c)))
-                if reduction > self.stride:
-                    layers.append(nn.Upsample(scale_factor=2, mode='bilinear', align_corners=False))
-            self.scale_heads.append(nn.Sequential(*layers))
-        self.classifier = nn.Sequential(nn.Dropout2d(dropout), nn.Conv2d(channels, num_classes, 1))
-
-    def forward(self, x):
-        H, W = x.shape[2:]
-        levels = self.fpn(fpn_inputs(self.backbone(x))).values()  # (B, fpn_channels, H' / r, W' / r) each
-        y = sum(head(level) for head, level in zip(self.scale_heads, levels))  # (B, channels, H' / 4, W' / 4)
-        y = F.interpolate(self.classifier(y), scale_factor=self.stride, mode='bilinear')  # (B, classes, H', W')
-        return y[:, :, :H, :W]  # the padding to multiples of 32 cut off
 
 
 # ---------------------------------------------------------------------------------------------------

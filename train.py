@@ -24,20 +24,16 @@ SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uni
 """
 import argparse
 import ast
-import base64
 import contextlib
 import functools
-import gzip
 import hashlib
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shutil
 import signal
-import struct
 import sys
 import threading
 import time
@@ -46,17 +42,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
-from torchvision import datasets
+from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import v2 as T
-from torchvision.transforms.v2 import functional as F
 from tqdm import tqdm
 
 import inline
 import models
+from data import DATASETS, SMALL_DATASETS, ResumableSampler, SyntheticShapes, fail, load_data, print0
 
 # ------------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is inline_pvt_b.yaml).
@@ -85,7 +79,6 @@ PROCESSES = 8  # the total batch is the table's per-process batch x 8 processes,
 RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
                 randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
 EMA_FAMILIES = ('cswin',)  # decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
-NO_EVAL_CROP = ('inline_swin_b_384',)  # its config's TEST.CROP is False: resized straight to 384 x 384
 # The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed and none
 # of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
 SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr=1e-5, min_lr=1e-5, cooldown_epochs=0,
@@ -101,11 +94,6 @@ SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmu
 # batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left a DeiT learning in its last epoch
 SMALL = {k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')} | dict(batch_size=64, lr=6e-3, epochs=15,
                                                                                     warmup_epochs=1)
-SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10, 'cifar100': datasets.CIFAR100}
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with the mean colour
-BICUBIC = T.InterpolationMode.BICUBIC
-TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
 CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
 INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume', 'attention_impl')  # never taken from a checkpoint
 ARCH_FLAGS = ('layout', 'kernel', 'residual', 'local_size', 'dilation', 'window', 'ape', 'nonneg', 'normalise_q')
@@ -117,10 +105,8 @@ def get_args_parser():
                                 epilog='Flags without a default take the recipe\'s value (printed at start).')
     a = p.add_argument
     a('--model', choices=sorted(models.MODELS), metavar='NAME',
-      help=f'variant (README, "Models"; default: the experiment\'s or the checkpoint\'s, else inline_swin_t): '
+      help=f'variant (README, "Models"; default: the checkpoint\'s, else inline_swin_t): '
            f'{", ".join(models.MODELS)}')
-    a('--experiment', metavar='NAME', help='one of the paper\'s experiments (`python paper.py experiments` '
-      'lists them): its model and overrides, under which the flags below win')
     a('--layout', help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
     a('--kernel', help=f'phi of the I and L blocks: {", ".join(inline.KERNELS)}')
     a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
@@ -134,14 +120,8 @@ def get_args_parser():
       "S (softmax), I (InLine) or SI")
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
       help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
-    a('--dataset', choices=['synthetic', 'imagefolder', *SMALL_DATASETS, 'fashion_recall'], help='default: synthetic, '
-      'imagefolder with --data-path; the small ones read their files as distributed in --data-path (data/): IDX .gz, '
-      'CIFAR batches; fashion_recall: mosaics of Fashion-MNIST items (FashionRecall), 64 px')
-    a('--recall-task', default='recall', choices=['recall', 'below'], help="fashion_recall's task: recall (a key's value) or below (the item below "
-      "the framed one)")
-    a('--recall-pairs', type=int, help="fashion_recall's key-value pairs, 1-4 (recall only; default 2)")
-    a('--recall-query', choices=['other', 'same'], help="fashion_recall's query: another image of the key's class "
-      "(default), or the key's own (recall only)")
+    a('--dataset', choices=list(DATASETS), help='default: synthetic, imagefolder with --data-path; the small ones '
+      'read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
     a('--data-path', help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
     a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
     a('--train-subset', type=int, help='train on this many images, a fixed random subset (the same for every seed)')
@@ -153,8 +133,7 @@ def get_args_parser():
     a('--finetune', help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
     a('--grad-checkpoint', action='store_true', help='recompute each block in the backward: less memory, slower')
     a('--synthetic-train', type=int, help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
-    a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,}); '
-      f'fashion_recall: its training and test mosaics (20,000 and 10,000)')
+    a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
     a('--epochs', type=int, help='epochs of the cosine schedule (cool-down epochs come on top)')
     a('--val-every', type=int, default=1, help='validate every this many epochs, and after the last (1)')
     a('--batch-size', type=int, help='per-process batch size (images)')
@@ -183,359 +162,12 @@ def get_args_parser():
     a('--workers', type=int, help='data-loading processes per training process')
     a('--threads', type=int, help='CPU threads per process (default: this node\'s cores shared out among them)')
     a('--seed', type=int, help='the seed of every random stream (0)')
-    a('--output-dir', help='checkpoints and metrics.jsonl (default: runs/<experiment or model>[-<overrides>]-<data>)')
+    a('--output-dir', help='checkpoints, metrics.jsonl and val_correct.pt (default: runs/<model>[-<overrides>]-<data>)')
     a('--resume', help=f'checkpoint to resume from (default: OUTPUT_DIR/{CHECKPOINT} if it exists)')
     a('--eval', action='store_true', help='only evaluate --checkpoint on the validation set')
     a('--checkpoint', help='weights to evaluate: ours, or the authors\' released file')
     a('--throughput', action='store_true', help='only measure inference images/s')
     return p
-
-
-def print0(*args, **kwargs):
-    if int(os.environ.get('RANK', 0)) == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def fail(message):
-    """Stop on bad input. Every rank checks the same arguments and files and meets the same error; rank 0 says it."""
-    print0(f'error: {message}', file=sys.stderr)
-    raise SystemExit(1)
-
-
-# --------------------------------------------------------------------------------------------------- data
-class SyntheticShapes(Dataset):
-    """Ten procedurally drawn classes: five shapes at a random place, size and rotation, four stripe
-    orientations and a checkerboard, each under random colours and noise. Sample i is a pure function of
-    (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so nothing needs saving."""
-    classes = ['disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°', 'stripes 90°',
-               'stripes 135°', 'checkerboard']
-
-    def __init__(self, size, img_size, seed, train):
-        self.size, self.img_size, self.seed, self.train, self.epoch = size, img_size, seed, train, 0
-
-    def __len__(self):
-        return self.size
-
-    def __getitem__(self, index):
-        # hash() of a tuple of ints is the same in every process and every run
-        g = torch.Generator().manual_seed(hash((self.seed, self.epoch if self.train else -1, index)) % 2**62)
-        uniform = lambda: torch.rand((), generator=g).item()  # noqa: E731
-        label, S = index % len(self.classes), self.img_size
-        t = torch.linspace(-1 + 1 / S, 1 - 1 / S, S)  # pixel centres in [-1, 1]
-        y, x = torch.meshgrid(t, t, indexing='ij')  # (S, S) each
-        if label < 5:  # a shape, upright within +-15 degrees; f > 0 inside, in units of half the image side
-            r, angle = 0.45 + 0.3 * uniform(), math.radians(30 * (uniform() - 0.5))
-            x, y = x - (2 * uniform() - 1) * (1 - r), y - (2 * uniform() - 1) * (1 - r)
-            x, y = math.cos(angle) * x + math.sin(angle) * y, -math.sin(angle) * x + math.cos(angle) * y
-            d = (x ** 2 + y ** 2).sqrt()
-            if label == 0:
-                f = r - d
-            elif label == 1:
-                f = torch.minimum(r - d, d - 0.55 * r)
-            elif label == 2:
-                f = 0.8 * r - torch.maximum(x.abs(), y.abs())
-            elif label == 3:  # equilateral triangle, pointing up: inside three half-planes at distance r/2
-                f = torch.stack([r / 2 - x * math.cos(a) - y * math.sin(a)
-                                 for a in (math.pi / 2, math.pi * 7 / 6, -math.pi / 6)]).amin(0)
-            else:
-                a = 0.3 * r  # half the width of an arm, whose length is r
-                f = torch.maximum(torch.minimum(a - x.abs(), r - y.abs()), torch.minimum(a - y.abs(), r - x.abs()))
-            mask = (f * S / 2 + 0.5).clamp(0, 1)  # about one pixel of anti-aliased edge
-        else:  # a texture over the whole image: a grating (wave vector at 0/45/90/135° +- 10°) or a checkerboard
-            period, angle = 0.25 + 0.25 * uniform(), 2 * math.pi * uniform()
-            if label < 9:
-                angle = math.radians(45 * (label - 5) + 20 * (uniform() - 0.5))
-            u = (x * math.cos(angle) + y * math.sin(angle)) * 2 * math.pi / period + 2 * math.pi * uniform()
-            v = (y * math.cos(angle) - x * math.sin(angle)) * 2 * math.pi / period + 2 * math.pi * uniform()
-            mask = ((u.sin() if label < 9 else u.sin() * v.sin()) * 2 + 0.5).clamp(0, 1)
-        fg = torch.rand(3, generator=g)
-        bg = (fg + 0.3 + 0.4 * torch.rand(3, generator=g)) % 1  # every channel differs from fg by >= 0.3
-        img = bg[:, None, None] + mask * (fg - bg)[:, None, None]  # (3, S, S)
-        img = img + 0.08 * uniform() * torch.randn((3, S, S), generator=g)
-        return F.normalize((img.clamp(0, 1)), MEAN, STD), label
-
-
-def affine(img, shear=(0.0, 0.0), translate=(0.0, 0.0)):
-    """timm's shear and translation, PIL's affine map about the top-left corner: output pixel (x, y) reads input
-    (x + shear_x * y + translate_x, y + shear_y * x + translate_y). torchvision takes the shear as an angle and the
-    translation as where the content moves, hence atan and the minus."""
-    return F.affine(img, angle=0.0, translate=[-t for t in translate], scale=1.0, center=[0, 0], interpolation=BICUBIC,
-                    shear=[math.degrees(math.atan(s)) for s in shear], fill=FILL)
-
-
-def posterize(img, bits):
-    """Keep each channel's top `bits` bits; 0 bits is black, which PIL's posterize refuses to compute."""
-    return F.posterize(img, bits) if bits > 0 else img.point(lambda _: 0)
-
-
-def solarize_add(img, add):
-    """timm's SolarizeAdd: pixels below 128 brightened by `add`, saturating at 255."""
-    return img.point([min(255, i + add) if i < 128 else i for i in range(256)] * len(img.getbands()))
-
-
-# timm's RandAugment ops for 'inc1', on PIL images as timm's: (image, f = magnitude / 10, sign) -> image
-RANDAUG_OPS = {
-    'AutoContrast': lambda img, f, s: F.autocontrast(img),
-    'Equalize': lambda img, f, s: F.equalize(img),
-    'Invert': lambda img, f, s: F.invert(img),
-    'Rotate': lambda img, f, s: F.rotate(img, s * 30 * f, BICUBIC, fill=FILL),
-    'PosterizeIncreasing': lambda img, f, s: posterize(img, 4 - int(4 * f)),
-    'SolarizeIncreasing': lambda img, f, s: F.solarize(img, 256 - int(256 * f)),
-    'SolarizeAdd': lambda img, f, s: solarize_add(img, int(110 * f)),
-    'ColorIncreasing': lambda img, f, s: F.adjust_saturation(img, 1 + s * 0.9 * f),
-    'ContrastIncreasing': lambda img, f, s: F.adjust_contrast(img, 1 + s * 0.9 * f),
-    'BrightnessIncreasing': lambda img, f, s: F.adjust_brightness(img, 1 + s * 0.9 * f),
-    'SharpnessIncreasing': lambda img, f, s: F.adjust_sharpness(img, 1 + s * 0.9 * f),
-    'ShearX': lambda img, f, s: affine(img, shear=(s * 0.3 * f, 0)),
-    'ShearY': lambda img, f, s: affine(img, shear=(0, s * 0.3 * f)),
-    'TranslateXRel': lambda img, f, s: affine(img, translate=(s * 0.45 * f * img.width, 0)),
-    'TranslateYRel': lambda img, f, s: affine(img, translate=(0, s * 0.45 * f * img.height)),
-}
-
-
-class RandAugment(nn.Module):
-    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy): each of
-    num_ops operations, drawn with replacement, applied with probability 0.5 at its own magnitude."""
-    def __init__(self, num_ops, magnitude, std, prob=0.5):
-        super().__init__()
-        self.num_ops, self.magnitude, self.std, self.prob = num_ops, magnitude, std, prob
-
-    def forward(self, img):
-        names = list(RANDAUG_OPS)
-        for i in torch.randint(len(names), (self.num_ops,)).tolist():
-            if torch.rand(()) < self.prob:
-                m = min(max(self.magnitude + self.std * torch.randn(()).item(), 0.0), 10.0)
-                img = RANDAUG_OPS[names[i]](img, m / 10, 1 if torch.rand(()) < 0.5 else -1)
-        return img
-
-
-def train_transform(args):
-    """The released training augmentation; RandAugment works on PIL images, as timm's."""
-    t = [T.RandomResizedCrop(args.img_size, interpolation=BICUBIC), T.RandomHorizontalFlip()]
-    if args.randaug_n > 0:
-        t.append(RandAugment(args.randaug_n, args.randaug_m, args.randaug_mstd))
-    elif args.color_jitter > 0:
-        t.append(T.ColorJitter(args.color_jitter, args.color_jitter, args.color_jitter))
-    erase = [T.RandomErasing(args.random_erase, value='random')] if args.random_erase > 0 else []
-    return T.Compose(t + TO_TENSOR + erase)
-
-
-def eval_transform(img_size, crop=True):
-    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224), aspect not
-    kept, then the centre img x img; without crop (inline_swin_b_384's config) straight to img x img. Bicubic."""
-    side = int(img_size * 256 / 224) if crop else img_size
-    return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + TO_TENSOR)
-
-
-def load_rgb(path):
-    try:
-        with Image.open(path) as img:
-            return img.convert('RGB')
-    except Exception as e:  # name the file: one bad image among a million must be findable
-        raise RuntimeError(f'cannot decode image {path}: {e}') from None
-
-
-def read_idx(path):
-    """An IDX file (MNIST's format, gzipped or not) as a uint8 tensor: bytes 0 0 8 D, D big-endian sizes, data."""
-    with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
-        data = f.read()
-    shape = struct.unpack(f'>{data[3]}I', data[4:4 + 4 * data[3]])
-    return torch.frombuffer(bytearray(data[4 + 4 * data[3]:]), dtype=torch.uint8).reshape(shape)
-
-
-def read_small(name, root, train):
-    """(images (N, 3, H, W) uint8, grayscale as 3 equal channels; labels; class names) from the files as distributed,
-    in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled python batches."""
-    if name == 'fashion_mnist':
-        for folder, ext in [(f, e) for f in (root, os.path.join(root, 'FashionMNIST', 'raw')) for e in ('.gz', '')]:
-            split = 'train' if train else 't10k'
-            paths = [os.path.join(folder, f'{split}-{kind}-ubyte{ext}') for kind in ('images-idx3', 'labels-idx1')]
-            if all(map(os.path.exists, paths)):  # (N, 28, 28) -> (N, 3, 28, 28), a view
-                return read_idx(paths[0])[:, None].expand(-1, 3, -1, -1), read_idx(paths[1]).long(), \
-                    datasets.FashionMNIST.classes
-    else:
-        folder, files, key = (('cifar-10-batches-py', [f'data_batch_{i}' for i in range(1, 6)] if train else
-                               ['test_batch'], 'label') if name == 'cifar10' else
-                              ('cifar-100-python', ['train' if train else 'test'], 'fine_label'))
-        folder = next((f for f in (os.path.join(root, folder), root) if os.path.exists(os.path.join(f, files[0]))), '')
-        if folder:
-            batches, meta = [], 'batches.meta' if name == 'cifar10' else 'meta'
-            for file in files + [meta]:
-                with open(os.path.join(folder, file), 'rb') as f:
-                    batches.append(pickle.load(f, encoding='latin1'))
-            images = torch.cat([torch.as_tensor(b['data']).reshape(-1, 3, 32, 32) for b in batches[:-1]])
-            labels = torch.cat([torch.as_tensor(b[key + 's']) for b in batches[:-1]])
-            return images, labels, batches[-1][key + '_names']
-    fail(f'no {name} files in {root}' + (' (Debian: apt-get install dataset-fashion-mnist puts them in '
-                                         '/usr/share/datasets/fashion-mnist)' if name == 'fashion_mnist' else '') +
-         '; --download fetches them there')
-
-
-class TensorImages(Dataset):
-    """A small dataset held as one uint8 tensor (N, 3, H, W)."""
-    def __init__(self, images, labels, classes, transform):
-        self.images, self.labels, self.classes, self.transform = images, labels, list(classes), transform
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.transform(self.images[index]), int(self.labels[index])
-
-
-class FashionRecall(Dataset):
-    """Visual associative recall on Fashion-MNIST, a task where attention must select: pooling keeps which items a
-    mosaic holds but cannot bind one to the query. Mosaic i is a pure function of (seed, split, i) (layout), drawn
-    from one split's images only, so test mosaics hold test images alone.
-
-    A 64-px mosaic of 4x4 cells of 16 px, each empty or holding one item at 14 px, one cell framed (its 1-px border
-    lit). task 'recall': `pairs` (1-4, default 2) key-value pairs, each key right above its value, in cells at
-    random; key classes distinct, value classes distinct; the framed query cell holds another image of one key's
-    class (query='same': the key's own image), and the label is that key's value's class. task 'below': every cell
-    filled, the framed item in row 1 and the label the class of the item right below it, in row 2.
-    No augmentation: a flip or a crop would move the roles."""
-    classes = datasets.FashionMNIST.classes
-    PAIRS, QUERY = 2, 'other'  # recall's defaults (default_output_dir names them too)
-
-    def __init__(self, images, labels, size, seed, train, task='recall', pairs=None, query=None):
-        if task == 'below' and (pairs, query) != (None, None):
-            fail(f"fashion_recall: task 'below' fills every cell and has no query; pairs and query are recall's "
-                 f"(got pairs {pairs!r}, query {query!r})")
-        pairs, query = (pairs or self.PAIRS, query or self.QUERY) if task == 'recall' else (pairs, query)
-        if task not in ('recall', 'below') or task == 'recall' and (query not in ('other', 'same') or not 1 <= pairs <= 4):
-            fail(f"fashion_recall: task is 'recall' or 'below'; recall's query 'other' or 'same', its pairs 1 to 4 (4 "
-                 f"pairs always fit the 4x4 cells); got {task!r}, {query!r}, {pairs!r}")
-        self.size, self.seed, self.train, self.task, self.pairs, self.query = size, seed, train, task, pairs, query
-        items = F.resize(images[:, :1], [14, 14], antialias=True)  # (N, 1, 14, 14) uint8: one channel of the gray
-        self.items, self.labels = items[:, 0], labels
-        self.by_class = [torch.nonzero(labels == c).flatten() for c in range(len(self.classes))]
-        self.to_tensor = T.Compose(TO_TENSOR)
-
-    def __len__(self):
-        return self.size
-
-    def layout(self, index):
-        """(classes (4, 4): each cell's item class, -1 if empty; roles (4, 4) of 'key', 'value', 'query', 'item',
-        'framed', 'below', 'decoy' or ''; images (4, 4): the source image of each cell, -1 if empty; the label)."""
-        g = torch.Generator().manual_seed(hash((self.seed, self.train, index)) % 2**62)
-        pick = lambda n, k: torch.randperm(n, generator=g)[:k].tolist()  # noqa: E731  k distinct of range(n)
-        image = lambda c: int(self.by_class[c][torch.randint(len(self.by_class[c]), (), generator=g)])  # noqa: E731
-        classes, roles, images = [[-1] * 4 for _ in range(4)], [[''] * 4 for _ in range(4)], [[-1] * 4 for _ in range(4)]
-
-        def put(cell, c, role, source=None):
-            (r, col) = cell
-            classes[r][col], roles[r][col], images[r][col] = c, role, image(c) if source is None else source
-        if self.task == 'below':
-            # Without attention (the phi = 0 floor: patch merges, MLPs, means over the stage) a network sees the four
-            # 2x2-cell blocks that stage 4 merges as a set, each block knowing its cells' slots within it: it finds
-            # the framed item's slot, hence the label's (row 0 of a block, the framed item's column in it), but not
-            # which of the other three blocks lies below. Those three cells ('below' and two 'decoy's) hold distinct
-            # classes and the rest are drawn alike, so the floor can do no better than 1 in 3.
-            col = pick(4, 1)[0]
-            kinds = pick(10, 4)  # the framed item's, the label's and the decoys' classes, distinct
-            put((1, col), kinds[0], 'framed')
-            put((2, col), kinds[1], 'below')
-            put((0, col ^ 2), kinds[2], 'decoy')  # col ^ 2: the same column within the other half
-            put((2, col ^ 2), kinds[3], 'decoy')
-            for r, c in (divmod(i, 4) for i in range(16)):
-                if classes[r][c] < 0:
-                    put((r, c), int(torch.randint(10, (), generator=g)), 'item')
-            return classes, roles, images, kinds[1]
-        tops = [divmod(i, 4) for i in pick(12, 12)]  # key cells in rows 0-2, so the value below fits
-        keys = []
-        for top in tops:  # the first `pairs` that do not overlap: each blocks at most 3 tops, so 4 always fit
-            if len(keys) < self.pairs and all(top != k and top != (k[0] + 1, k[1]) and (top[0] + 1, top[1]) != k
-                                              for k in keys):
-                keys.append(top)
-        key_classes, value_classes = pick(10, self.pairs), pick(10, self.pairs)
-        for (r, col), kc, vc in zip(keys, key_classes, value_classes):
-            put((r, col), kc, 'key')
-            put((r + 1, col), vc, 'value')
-        asked = pick(self.pairs, 1)[0]
-        free = [divmod(i, 4) for i in pick(16, 16) if classes[i // 4][i % 4] < 0]
-        r, col = keys[asked]
-        source = images[r][col]
-        while self.query == 'other' and source == images[r][col] and len(self.by_class[key_classes[asked]]) > 1:
-            source = image(key_classes[asked])  # another image of the key's class
-        put(free[0], key_classes[asked], 'query', source)
-        return classes, roles, images, value_classes[asked]
-
-    def __getitem__(self, index):
-        classes, roles, images, label = self.layout(index)
-        mosaic = torch.zeros(64, 64, dtype=torch.uint8)
-        for r in range(4):
-            for col in range(4):
-                if images[r][col] >= 0:
-                    mosaic[16 * r + 1:16 * r + 15, 16 * col + 1:16 * col + 15] = self.items[images[r][col]]
-                if roles[r][col] in ('query', 'framed'):
-                    cell = mosaic[16 * r:16 * r + 16, 16 * col:16 * col + 16]
-                    cell[[0, -1], :], cell[:, [0, -1]] = 255, 255
-        return self.to_tensor(mosaic.expand(3, -1, -1)), label
-
-
-def load_data(args):
-    """(training set, validation set): the synthetic task; ROOT/train and ROOT/val as ImageFolders with the
-    released transforms; or a small dataset's training and test sets, --train-subset of the training images."""
-    if args.dataset == 'synthetic':
-        train_set = SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True)
-        val_set = SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False)
-        print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), {args.img_size} '
-               f'px, {len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
-        return train_set, val_set
-    found, root = [], args.data_path
-    if args.dataset == 'fashion_recall':
-        options = dict(task=args.recall_task, pairs=args.recall_pairs, query=args.recall_query)
-        # training mosaics by the run's seed; the test mosaics the same for every run (seed 0), so that the per-image
-        # results of runs of different seeds are on the same images (paper.py's intervals pair them)
-        found = [FashionRecall(*read_small('fashion_mnist', root or 'data', train)[:2], size, args.seed if train else 0,
-                               train, **options)
-                 for train, size in ((True, args.synthetic_train or 20_000), (False, args.synthetic_val or 10_000))]
-    elif args.dataset in SMALL_DATASETS:
-        root = root or 'data'
-        if args.download:  # torchvision fetches every split's files at once
-            SMALL_DATASETS[args.dataset](root, download=True)
-        # the small-image recipe: resized, then (training) randomly cropped with an eighth of padding and flipped
-        resize = [T.ToImage(), T.Resize((args.img_size, args.img_size), BICUBIC, antialias=True)]
-        augment = [T.RandomCrop(args.img_size, padding=args.img_size // 8, padding_mode='reflect'),
-                   T.RandomHorizontalFlip()]
-        found = [TensorImages(*read_small(args.dataset, root, train), T.Compose(transform + TO_TENSOR))
-                 for train, transform in ((True, resize + augment), (False, resize))]
-    else:
-        for split in ('train', 'val'):
-            if not os.path.isdir(os.path.join(root, split)):
-                fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
-        for split, transform in (('train', train_transform(args)),
-                                 ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
-            try:
-                found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
-            except FileNotFoundError as e:
-                fail(f'no images in {os.path.join(root, split)}: {e}')
-    train_set, val_set = found
-    if train_set.classes != val_set.classes:
-        fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; they must match')
-    if args.train_subset and args.train_subset < len(train_set):
-        train_set, train_set.classes = Subset(train_set, subset_indices(len(train_set), args.train_subset)), \
-            train_set.classes
-    print0(f'data: {args.dataset} in {root}, {len(train_set.classes)} classes, {len(train_set):,} training and '
-           f'{len(val_set):,} validation images, {args.img_size} px')
-    return train_set, val_set
-
-
-def subset_indices(total, size):
-    """--train-subset's images: the first `size` of one fixed random order of the `total` (the same whatever
-    --seed, and a larger subset holds every smaller one)."""
-    return torch.randperm(total, generator=torch.Generator().manual_seed(0))[:size].tolist()
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can skip the first `start` samples of an epoch (resuming after SIGTERM)."""
-    start = 0
-
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start:])
-
-    def __len__(self):
-        return super().__len__() - self.start
 
 
 # ---------------------------------------------------------------------------------------- resolving a run
@@ -550,7 +182,7 @@ class Run:
     amp_given: bool = False  # --amp on the command line: validation uses it too
     amp_why: str = ''  # why args.amp: 'given by --amp', or default_amp's reason
     arch: dict = None  # the model's create_model overrides besides RUN_KEYS (models' model.arch)
-    name: str = ''  # the experiment or model and the overrides beyond its own, short: the output folder's name
+    name: str = ''  # the model and its overrides, short: the output folder's name
     saved: dict = None  # --eval's checkpoint, or the one to resume from
     saved_path: str = None
 
@@ -577,26 +209,14 @@ def model_kwargs(args):
 
 
 def resolve_architecture(run):
-    """The model and its create_model overrides (run.arch): --experiment's, under which the flags given win; and
-    run.name, the output folder's name without the data."""
+    """The model and its create_model overrides (run.arch: --model-kwargs and the architecture flags), and run.name,
+    the output folder's name without the data."""
     args = run.args
-    if args.experiment is not None and args.experiment not in models.EXPERIMENTS:
-        fail(f'unknown experiment {args.experiment}; choose one of {", ".join(models.EXPERIMENTS)}')
-    experiment = models.EXPERIMENTS.get(args.experiment)
-    base, flags = (experiment.overrides if experiment else {}), model_kwargs(args)
-    say = print0 if (run.saved or {}).get('arch') is None else lambda _: None  # not again for a checkpoint's flags
-    won = [f'{k}={v!r} (its {base[k]!r})' for k, v in flags.items() if base.get(k, v) != v]
-    if won:
-        say(f'the flags given win over experiment {args.experiment}: {", ".join(won)}')
-    run.arch = {**base, **flags}
-    args.model = args.model or (experiment.model if experiment else 'inline_swin_t')
-    name = args.experiment or args.model
-    if experiment and args.model != experiment.model:
-        say(f'--model {args.model} wins over experiment {args.experiment}\'s {experiment.model}')
-        name += f'-{args.model}'
+    run.arch = model_kwargs(args)
+    args.model = args.model or 'inline_swin_t'
     summary = [re.sub(r'[^\w.]+', '', f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
-               for k, v in sorted(run.arch.items()) if k not in base or base[k] != v]
-    run.name = '-'.join([name] + summary)
+               for k, v in sorted(run.arch.items())]
+    run.name = '-'.join([args.model] + summary)
 
 
 def dataset(args):
@@ -605,13 +225,9 @@ def dataset(args):
 
 
 def default_output_dir(run):
-    """runs/<experiment or model>[-<overrides beyond its own>]-<data>: two ablations never resume into each other."""
+    """runs/<model>[-<its overrides>]-<data>: two ablations never resume into each other."""
     data = dataset(run.args)
     data = os.path.basename(os.path.normpath(run.args.data_path)) if data == 'imagefolder' else data
-    if data == 'fashion_recall':  # another task is another run
-        a = run.args
-        data += ('-below' if a.recall_task == 'below' else
-                 f'-recall{a.recall_pairs or FashionRecall.PAIRS}-{a.recall_query or FashionRecall.QUERY}')
     return os.path.join('runs', f'{run.name}-{data}')
 
 
@@ -665,8 +281,8 @@ def resolve(run):
     if args.img_size is None and (imagenet or args.throughput):
         with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
             args.img_size = models.create_model(args.model).img_size[0]  # (H, W); the released sizes are square
-    if args.img_size is None:  # DeiT's 16 px patches: a 4x4 token grid; fashion_recall's mosaics are 64 px
-        args.img_size = 64 if family == 'deit' or args.dataset == 'fashion_recall' else 32
+    if args.img_size is None:  # DeiT's 16 px patches: a 4x4 token grid
+        args.img_size = 64 if family == 'deit' else 32
     if args.accum_steps is None:
         wanted = recipe['batch_size'] * PROCESSES  # the released total batch
         args.accum_steps = 1 if not imagenet else max(1, round(wanted / args.batch_size / run.world))
@@ -729,9 +345,6 @@ def check_args(args):
                               ('random_erase', 0 <= args.random_erase <= 1, 'in [0, 1]')):
         if not ok:
             fail(f'--{name.replace("_", "-")} {getattr(args, name)} is out of range: it must be {allowed}')
-    if args.dataset == 'fashion_recall' and args.img_size != 64:
-        fail(f'--dataset fashion_recall makes 64 px mosaics of 4x4 cells; --img-size {args.img_size} would resample '
-             f'them: leave it unset or give 64')
 
 
 def setup(args):
@@ -789,11 +402,7 @@ def build_model(run, num_classes):
     model.set_grad_checkpointing(args.grad_checkpoint)
     print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.img_size} '
            f'px, attention {args.attention_impl}, amp {args.amp} ({run.amp_why}), device {run.device} x {run.world}')
-    if args.experiment:
-        e = models.EXPERIMENTS[args.experiment]
-        print0(f'experiment: {args.experiment} ({e.table}, reported {e.reported}{", our construction" * e.ours}): '
-               f'{e.what}')
-    print0(f'architecture: {models.describe(model)}; overrides {model.arch}')
+    print0(f'architecture: layout {model.layout}, attention {model.options}; overrides {model.arch}')
     return model.to(run.device)
 
 
@@ -930,8 +539,8 @@ def train_one_epoch(run, t, loader, epoch, stop):
 
 @torch.no_grad()
 def evaluate(run, model, loader):
-    """Loss, top-1 and top-5 over the whole validation set, and which images top-1 got right (pack_correct, in the
-    validation set's own order); each rank holds a disjoint slice, summed here."""
+    """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got right, a bool
+    tensor in the validation set's own order; each rank holds a disjoint slice, summed here."""
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=run.device)  # loss sum, top-1 hits, top-5 hits, images
     rights = []  # top-1 right or not, image by image in the loader's order
@@ -945,27 +554,23 @@ def evaluate(run, model, loader):
                                hits[:, 0].sum().double(), hits.any(1).sum().double(), totals.new_tensor(len(y))])
     correct = torch.zeros(len(loader.dataset.dataset), dtype=torch.int32, device=run.device)  # (images,)
     if rights:  # a rank of more ranks than images has none: it adds zeros
-        correct[torch.as_tensor(loader.dataset.indices, device=run.device)] = torch.cat(rights)  # val_loader's Subset
+        places = torch.as_tensor(loader.dataset.indices, device=run.device)  # val_loader's Subset
+        correct[places] = torch.cat(rights)
     if run.world > 1:
         dist.all_reduce(totals)
         dist.all_reduce(correct)
     loss, top1, top5, n = totals.tolist()
     return {'loss': loss / n, 'acc1': 100 * top1 / n, 'acc5': 100 * top5 / n, 'images': int(n),
-            'correct': pack_correct(correct.cpu())}
+            'correct': correct.cpu().bool()}
 
 
-def pack_correct(correct):
-    """Per-image right (1) or wrong (0), in a fixed image order, as base64 text, 8 images to a byte, the first in
-    the lowest bit: 10,000 images in 1,668 characters. unpack_correct reads it back."""
-    bits = nn.functional.pad(correct.to(torch.uint8), (0, -len(correct) % 8)).view(-1, 8)  # (bytes, 8)
-    return base64.b64encode(bytes((bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8).tolist())
-                            ).decode()
-
-
-def unpack_correct(text, images):
-    """pack_correct's text back to a bool tensor of `images` entries."""
-    data = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-    return ((data[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:images].bool()
+def save_correct(run, name, correct):
+    """OUTPUT_DIR/<name>.pt: evaluate's per-image results (a bool tensor, one entry per validation image in the
+    validation set's order), which the lab reads; written by rank 0 atomically, as checkpoints are."""
+    if run.rank == 0:
+        path = os.path.join(run.args.output_dir, f'{name}.pt')
+        torch.save(correct, path + '.tmp')
+        os.replace(path + '.tmp', path)
 
 
 def val_loader(run, val_set):
@@ -976,21 +581,16 @@ def val_loader(run, val_set):
 
 
 def evaluate_checkpoint(run, model, val_set):
-    """--eval: the file's weights, then its EMA weights where it has them (ours or the authors' CSwin)."""
+    """--eval: the file's weights, then its EMA weights where it has them (ours or the authors' CSwin). The per-image
+    results are printed as their SHA-256 (16 hex digits of the bool tensor's bytes): enough to tell two apart."""
     loader = val_loader(run, val_set)
     for key in ('model', *(k for k in models.EMA_KEYS if run.saved.get(k) is not None)):
         load_weights(model, run.saved, key, run.saved_path)
         result = evaluate(run, model, loader)
-        print0(f'eval {"model" if key == "model" else "ema"}: {json.dumps(readable(result))}')
+        result['correct_sha256'] = hashlib.sha256(result.pop('correct').numpy().tobytes()).hexdigest()[:16]
+        print0(f'eval {"model" if key == "model" else "ema"}: {json.dumps(result)}')
     if run.saved.get('log'):
-        print0('logged when saved: ' + json.dumps(readable(run.saved['log'][-1])))
-
-
-def readable(entry):
-    """A result or log entry with its per-image results (pack_correct: 8,336 characters for ImageNet's 50,000) as
-    their SHA-256, 16 hex digits: enough to tell two evaluations apart."""
-    return {k + ('_sha256' if k.endswith('correct') else ''): hashlib.sha256(v.encode()).hexdigest()[:16]
-            if k.endswith('correct') else v for k, v in entry.items()}
+        print0('logged when saved: ' + json.dumps(run.saved['log'][-1]))
 
 
 @torch.no_grad()
@@ -1038,10 +638,10 @@ def prepare_training(run, raw, train_set):
         resume(run, t)
     else:
         torch.manual_seed(args.seed + run.rank)  # augmentation, Mixup/CutMix and drop path differ between ranks
+    crop = f' (random crop padded by {args.img_size // 8} px, flip)' * (args.dataset in SMALL_DATASETS)
     recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)',
-              'imagefolder': f'released ImageNet-1K recipe for {args.model}',
-              'fashion_recall': 'small-image recipe without its crop and flip, which would move the roles'}.get(
-        args.dataset, f'small-image recipe for {args.dataset} (random crop padded by {args.img_size // 8} px, flip)')
+              'imagefolder': f'released ImageNet-1K recipe for {args.model}'}.get(
+        args.dataset, f'small-image recipe for {args.dataset}{crop}')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
            f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
            f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
@@ -1139,15 +739,14 @@ def fit(run, raw, train_set, val_set):
             print0(f'SIGTERM: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch + 1}, step {t.step}; '
                    'rerun to continue')
             return
-        last = epoch + 1 == epochs
-        validate = (epoch + 1) % args.val_every == 0 or last  # and always after the last epoch
-        entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0], 'images_per_s': speed,
-                 **{f'val_{k}': v for k, v in (evaluate(run, raw, val) if validate else {}).items()
-                    if k != 'correct' or last},  # per-image results from the final evaluation only (paper.py's record)
-                 'experiment': args.experiment, 'arch': json.loads(json.dumps(raw.arch))}  # as metrics.jsonl has it
-        if t.ema is not None and validate:
-            entry.update({f'ema_val_{k}': v for k, v in evaluate(run, t.ema.module, val).items()
-                          if k != 'correct' or last})
+        validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
+        entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0], 'images_per_s': speed}
+        for prefix, module in (('val', raw), ('ema_val', t.ema.module if t.ema is not None else None)):
+            if validate and module is not None:
+                result = evaluate(run, module, val)
+                save_correct(run, f'{prefix}_correct', result.pop('correct'))  # OUTPUT_DIR/val_correct.pt
+                entry.update({f'{prefix}_{k}': v for k, v in result.items()})
+        entry['arch'] = json.loads(json.dumps(raw.arch))  # as metrics.jsonl has it
         acc = entry.get('ema_val_acc1' if t.ema is not None else 'val_acc1', -1.0)  # CSwin reports its EMA (main_ema.py)
         is_best, t.best_acc = acc > t.best_acc, max(acc, t.best_acc)
         t.log.append(entry)
