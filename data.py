@@ -1,11 +1,12 @@
-"""The data train.py trains on: the synthetic task, ImageFolders (ImageNet-1K), Fashion-MNIST and CIFAR, and the
-released augmentation (timm's RandAugment, Mixup/CutMix in train.py) and evaluation transforms.
+"""The data train.py trains on: the synthetic task, ImageFolders (ImageNet-1K), Fashion-MNIST and CIFAR, and
+the released augmentation (timm's RandAugment, Mixup/CutMix in train.py) and evaluation transforms.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args) returns (training set,
 validation set) for the flags train.py resolved. The small datasets are read from their files as distributed
 (Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no download is needed where they are installed.
-print0 and fail are how every rank speaks: only rank 0 prints, and bad input stops every rank with one message.
+print0 and fail are how every rank speaks: only rank 0 prints, and bad input stops every rank with one
+message.
 """
 import gzip
 import math
@@ -23,11 +24,13 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
 
 NO_EVAL_CROP = ('inline_swin_b_384',)  # its config's TEST.CROP is False: resized straight to 384 x 384
-SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10, 'cifar100': datasets.CIFAR100}
+SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10,
+                  'cifar100': datasets.CIFAR100}
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with the mean colour
 BICUBIC = T.InterpolationMode.BICUBIC
 TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
+
 
 def print0(*args, **kwargs):
     if int(os.environ.get('RANK', 0)) == 0:
@@ -35,7 +38,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Stop on bad input. Every rank checks the same arguments and files and meets the same error; rank 0 says it."""
+    """Stop on bad input. Every rank checks the same arguments and files and meets the same error; rank 0 says
+    it."""
     print0(f'error: {message}', file=sys.stderr)
     raise SystemExit(1)
 
@@ -43,7 +47,8 @@ def fail(message):
 class SyntheticShapes(Dataset):
     """Ten procedurally drawn classes: five shapes at a random place, size and rotation, four stripe
     orientations and a checkerboard, each under random colours and noise. Sample i is a pure function of
-    (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so nothing needs saving."""
+    (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so nothing needs
+    saving."""
     classes = ['disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°', 'stripes 90°',
                'stripes 135°', 'checkerboard']
 
@@ -76,9 +81,10 @@ class SyntheticShapes(Dataset):
                                  for a in (math.pi / 2, math.pi * 7 / 6, -math.pi / 6)]).amin(0)
             else:
                 a = 0.3 * r  # half the width of an arm, whose length is r
-                f = torch.maximum(torch.minimum(a - x.abs(), r - y.abs()), torch.minimum(a - y.abs(), r - x.abs()))
+                f = torch.maximum(torch.minimum(a - x.abs(), r - y.abs()),
+                                  torch.minimum(a - y.abs(), r - x.abs()))
             mask = (f * S / 2 + 0.5).clamp(0, 1)  # about one pixel of anti-aliased edge
-        else:  # a texture over the whole image: a grating (wave vector at 0/45/90/135° +- 10°) or a checkerboard
+        else:  # a texture over the image: a grating (wave vector at 0/45/90/135° +- 10°) or a checkerboard
             period, angle = 0.25 + 0.25 * uniform(), 2 * math.pi * uniform()
             if label < 9:
                 angle = math.radians(45 * (label - 5) + 20 * (uniform() - 0.5))
@@ -93,11 +99,11 @@ class SyntheticShapes(Dataset):
 
 
 def affine(img, shear=(0.0, 0.0), translate=(0.0, 0.0)):
-    """timm's shear and translation, PIL's affine map about the top-left corner: output pixel (x, y) reads input
-    (x + shear_x * y + translate_x, y + shear_y * x + translate_y). torchvision takes the shear as an angle and the
-    translation as where the content moves, hence atan and the minus."""
-    return F.affine(img, angle=0.0, translate=[-t for t in translate], scale=1.0, center=[0, 0], interpolation=BICUBIC,
-                    shear=[math.degrees(math.atan(s)) for s in shear], fill=FILL)
+    """timm's shear and translation, PIL's affine map about the top-left corner: output pixel (x, y) reads
+    input (x + shear_x * y + translate_x, y + shear_y * x + translate_y). torchvision takes the shear as an
+    angle and the translation as where the content moves, hence atan and the minus."""
+    return F.affine(img, angle=0.0, translate=[-t for t in translate], scale=1.0, center=[0, 0],
+                    interpolation=BICUBIC, shear=[math.degrees(math.atan(s)) for s in shear], fill=FILL)
 
 
 def posterize(img, bits):
@@ -131,8 +137,8 @@ RANDAUG_OPS = {
 
 
 class RandAugment(nn.Module):
-    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy): each of
-    num_ops operations, drawn with replacement, applied with probability 0.5 at its own magnitude."""
+    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy):
+    each of num_ops operations, drawn with replacement, applied with probability 0.5 at its own magnitude."""
     def __init__(self, num_ops, magnitude, std, prob=0.5):
         super().__init__()
         self.num_ops, self.magnitude, self.std, self.prob = num_ops, magnitude, std, prob
@@ -158,8 +164,9 @@ def train_transform(args):
 
 
 def eval_transform(img_size, crop=True):
-    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224), aspect not
-    kept, then the centre img x img; without crop (inline_swin_b_384's config) straight to img x img. Bicubic."""
+    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224), aspect
+    not kept, then the centre img x img; without crop (inline_swin_b_384's config) straight to img x img.
+    Bicubic."""
     side = int(img_size * 256 / 224) if crop else img_size
     return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + TO_TENSOR)
 
@@ -173,7 +180,8 @@ def load_rgb(path):
 
 
 def read_idx(path):
-    """An IDX file (MNIST's format, gzipped or not) as a uint8 tensor: bytes 0 0 8 D, D big-endian sizes, data."""
+    """An IDX file (MNIST's format, gzipped or not) as a uint8 tensor: bytes 0 0 8 D, D big-endian sizes,
+    data."""
     with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
         data = f.read()
     shape = struct.unpack(f'>{data[3]}I', data[4:4 + 4 * data[3]])
@@ -181,12 +189,15 @@ def read_idx(path):
 
 
 def read_small(name, root, train):
-    """(images (N, 3, H, W) uint8, grayscale as 3 equal channels; labels; class names) from the files as distributed,
-    in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled python batches."""
+    """(images (N, 3, H, W) uint8, grayscale as 3 equal channels; labels; class names) from the files as
+    distributed, in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled
+    python batches."""
     if name == 'fashion_mnist':
-        for folder, ext in [(f, e) for f in (root, os.path.join(root, 'FashionMNIST', 'raw')) for e in ('.gz', '')]:
+        folders = (root, os.path.join(root, 'FashionMNIST', 'raw'))
+        for folder, ext in [(f, e) for f in folders for e in ('.gz', '')]:
             split = 'train' if train else 't10k'
-            paths = [os.path.join(folder, f'{split}-{kind}-ubyte{ext}') for kind in ('images-idx3', 'labels-idx1')]
+            paths = [os.path.join(folder, f'{split}-{kind}-ubyte{ext}')
+                     for kind in ('images-idx3', 'labels-idx1')]
             if all(map(os.path.exists, paths)):  # (N, 28, 28) -> (N, 3, 28, 28), a view
                 return read_idx(paths[0])[:, None].expand(-1, 3, -1, -1), read_idx(paths[1]).long(), \
                     datasets.FashionMNIST.classes
@@ -194,7 +205,8 @@ def read_small(name, root, train):
         folder, files, key = (('cifar-10-batches-py', [f'data_batch_{i}' for i in range(1, 6)] if train else
                                ['test_batch'], 'label') if name == 'cifar10' else
                               ('cifar-100-python', ['train' if train else 'test'], 'fine_label'))
-        folder = next((f for f in (os.path.join(root, folder), root) if os.path.exists(os.path.join(f, files[0]))), '')
+        folder = next((f for f in (os.path.join(root, folder), root)
+                       if os.path.exists(os.path.join(f, files[0]))), '')
         if folder:
             batches, meta = [], 'batches.meta' if name == 'cifar10' else 'meta'
             for file in files + [meta]:
@@ -203,9 +215,9 @@ def read_small(name, root, train):
             images = torch.cat([torch.as_tensor(b['data']).reshape(-1, 3, 32, 32) for b in batches[:-1]])
             labels = torch.cat([torch.as_tensor(b[key + 's']) for b in batches[:-1]])
             return images, labels, batches[-1][key + '_names']
-    fail(f'no {name} files in {root}' + (' (Debian: apt-get install dataset-fashion-mnist puts them in '
-                                         '/usr/share/datasets/fashion-mnist)' if name == 'fashion_mnist' else '') +
-         '; --download fetches them there')
+    debian = (' (Debian: apt-get install dataset-fashion-mnist puts them in '
+              '/usr/share/datasets/fashion-mnist)' if name == 'fashion_mnist' else '')
+    fail(f'no {name} files in {root}{debian}; --download fetches them there')
 
 
 class TensorImages(Dataset):
@@ -242,8 +254,9 @@ def load_image_folder(args):
 
 
 def load_small(args):
-    """A small dataset's training and test sets from its files (--download fetches them), resized, then (training)
-    randomly cropped with an eighth of padding and flipped: the small-image recipe's augmentation."""
+    """A small dataset's training and test sets from its files (--download fetches them), resized, then
+    (training) randomly cropped with an eighth of padding and flipped: the small-image recipe's
+    augmentation."""
     root = args.data_path or 'data'
     if args.download:  # torchvision fetches every split's files at once
         SMALL_DATASETS[args.dataset](root, download=True)
@@ -254,21 +267,24 @@ def load_small(args):
             for train, transform in ((True, resize + augment), (False, resize))]
 
 
-# --dataset NAME -> load(args) -> (training set, validation set), each with .classes. train.py's --dataset choices
-# are these keys; a dataset other than synthetic and imagefolder trains with train.py's small-image recipe (SMALL).
-# The lab adds its own (paper/).
+# --dataset NAME -> load(args) -> (training set, validation set), each with .classes. train.py's --dataset
+# choices are these keys; a dataset other than synthetic and imagefolder trains with train.py's small-image
+# recipe (SMALL). The lab adds its own (paper/).
 DATASETS = {'synthetic': load_synthetic, 'imagefolder': load_image_folder,
             **{name: load_small for name in SMALL_DATASETS}}
 
 
 def load_data(args):
-    """(training set, validation set) of --dataset, with --train-subset of the training images (not synthetic)."""
+    """(training set, validation set) of --dataset, with --train-subset of the training images (not
+    synthetic)."""
     train_set, val_set = DATASETS[args.dataset](args)
     if train_set.classes != val_set.classes:
-        fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; they must match')
+        fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; '
+             'they must match')
     if args.dataset == 'synthetic':
-        print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), {args.img_size} '
-               f'px, {len(train_set):,} fresh training images per epoch, {len(val_set):,} validation images')
+        print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), '
+               f'{args.img_size} px, {len(train_set):,} fresh training images per epoch, '
+               f'{len(val_set):,} validation images')
         return train_set, val_set
     if args.train_subset and args.train_subset < len(train_set):
         classes = train_set.classes

@@ -2,17 +2,17 @@
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. The paper puts PVT and Swin in Mask R-CNN and Semantic FPN; the authors released no
-dense-prediction code. Here the backbones follow timm's features_only convention (FeatureBackbone), torchvision's
-FPN goes under them for its MaskRCNN, FasterRCNN and RetinaNet (BackboneWithFPN), and SemanticFPN is the Semantic
-FPN head:
+dense-prediction code. Here the backbones follow timm's features_only convention (FeatureBackbone),
+torchvision's FPN goes under them for its MaskRCNN, FasterRCNN and RetinaNet (BackboneWithFPN), and
+SemanticFPN is the Semantic FPN head:
 
     backbone = models.create_model('inline_swin_t', features_only=True)    # a FeatureBackbone
     detector = MaskRCNN(dense.BackboneWithFPN(backbone), num_classes=91)   # torchvision.models.detection
     segmenter = dense.SemanticFPN(models.create_model('inline_pvt_t', features_only=True), num_classes=150)
 
-This file needs nothing of models.py: a backbone is any of its hierarchical models, which give their four stage
-maps with forward_features(x, return_stages=True); models.create_model(features_only=True) wraps one here.
-Shapes: B batch, C_i stage i's channels, r_i = 4, 8, 16, 32 its stride, (H, W) the image.
+This file needs nothing of models.py: a backbone is any of its hierarchical models, which give their four
+stage maps with forward_features(x, return_stages=True); models.create_model(features_only=True) wraps one
+here. Shapes: B batch, C_i stage i's channels, r_i = 4, 8, 16, 32 its stride, (H, W) the image.
 """
 import math
 from collections import OrderedDict
@@ -58,9 +58,11 @@ class FeatureBackbone(nn.Module):
     def __init__(self, model, out_indices=(0, 1, 2, 3)):
         super().__init__()
         if model.family not in OUTPUT_NORMS:
-            raise ValueError(f"features_only: {type(model).__name__} is isotropic (one stride-16 map); dense prediction "
-                             f"supports the hierarchical families {', '.join(OUTPUT_NORMS)}, as the paper used them")
-        if not out_indices or list(out_indices) != sorted(set(out_indices)) or not set(out_indices) <= {0, 1, 2, 3}:
+            raise ValueError(f"features_only: {type(model).__name__} is isotropic (one stride-16 map); dense "
+                             f"prediction supports the hierarchical families {', '.join(OUTPUT_NORMS)}, "
+                             f"as the paper used them")
+        increasing = list(out_indices) == sorted(set(out_indices))
+        if not out_indices or not increasing or not set(out_indices) <= {0, 1, 2, 3}:
             raise ValueError(f"out_indices must be increasing stage indices from 0-3, got {out_indices}")
         model.reset_classifier(0)
         if hasattr(model, 'norm'):  # the classifier's final norm, which no output goes through
@@ -82,7 +84,7 @@ class FeatureBackbone(nn.Module):
 
 
 def fpn_inputs(features):
-    return OrderedDict((str(i), f) for i, f in enumerate(features))  # torchvision names the levels '0', '1', ...
+    return OrderedDict((str(i), f) for i, f in enumerate(features))  # torchvision's names: '0', '1', ...
 
 
 class BackboneWithFPN(nn.Module):
@@ -90,13 +92,15 @@ class BackboneWithFPN(nn.Module):
     out_channels each, '0', '1', ... for the selected stages, then extra_blocks' ('pool' by default,
     LastLevelMaxPool as in torchvision's Mask R-CNN). It has what torchvision's MaskRCNN, FasterRCNN and
     RetinaNet ask of a backbone (forward to an OrderedDict, out_channels). For RetinaNet, as torchvision
-    builds it: out_indices=(1, 2, 3) and extra_blocks=LastLevelP6P7(out_channels, out_channels), five levels."""
+    builds it: out_indices=(1, 2, 3) and extra_blocks=LastLevelP6P7(out_channels, out_channels), five
+    levels."""
 
     def __init__(self, backbone, out_channels=256, extra_blocks=None):
         super().__init__()
         self.body = backbone
+        extra_blocks = LastLevelMaxPool() if extra_blocks is None else extra_blocks
         self.fpn = FeaturePyramidNetwork(backbone.feature_info.channels(), out_channels,
-                                         extra_blocks=LastLevelMaxPool() if extra_blocks is None else extra_blocks)
+                                         extra_blocks=extra_blocks)
         self.out_channels = out_channels
 
     def forward(self, x):
@@ -118,7 +122,7 @@ class SemanticFPN(nn.Module):
         self.stride = min(backbone.feature_info.reduction())  # 4 with stage 1 selected
         for reduction in backbone.feature_info.reduction():
             layers = []
-            for j in range(max(1, int(math.log2(reduction // self.stride)))):  # one per 2x to the finest level
+            for j in range(max(1, int(math.log2(reduction // self.stride)))):  # one per 2x to the finest
                 layers.append(Conv2dNormActivation(fpn_channels if j == 0 else channels, channels, 3,
                                                    norm_layer=lambda c: nn.GroupNorm(32, c)))
                 if reduction > self.stride:
@@ -130,7 +134,8 @@ class SemanticFPN(nn.Module):
         H, W = x.shape[2:]
         levels = self.fpn(fpn_inputs(self.backbone(x))).values()  # (B, fpn_channels, H' / r, W' / r) each
         y = sum(head(level) for head, level in zip(self.scale_heads, levels))  # (B, channels, H' / 4, W' / 4)
-        y = F.interpolate(self.classifier(y), scale_factor=self.stride, mode='bilinear')  # (B, classes, H', W')
+        y = self.classifier(y)  # (B, classes, H' / 4, W' / 4)
+        y = F.interpolate(y, scale_factor=self.stride, mode='bilinear')  # (B, classes, H', W')
         return y[:, :, :H, :W]  # the padding to multiples of 32 cut off
 
 

@@ -5,20 +5,19 @@ arXiv 2412.06590. The attention itself lives in inline.py and is imported, never
 builds the authors' four architectures around it, with module names that reproduce the released
 checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights load unchanged.
 
-    python paper.py models                # every variant: params and GMACs beside the paper's figures
-    python paper.py experiments           # every experiment of the paper by name (README, "Changing the method")
+    python -m paper models                # every variant: params and GMACs beside the paper's figures
 
     model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')       # a released checkpoint
     model = create_model('inline_swin_t', layout='LLLS', residual='none')       # Table 3's linear baseline
     model = create_model('inline_cswin_t', img_size=(224, 320), num_classes=0)  # non-square features
-    model = create_experiment('t4_window7_no_residual')                         # an ablation by its name
-    model = create_model('inline_pvt_s', features_only=True)                    # stage maps, timm's convention
+    model = create_model('inline_swin_t', window=7, residual='none')            # a Table 4 ablation
+    model = create_model('inline_pvt_s', features_only=True)                    # stage maps (dense.py)
 
 Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla linear attention
 (division normalisation, relu kernel by default), the paper's baseline; S = softmax attention (DeiT: over all
 tokens; PVT: with spatial reduction; Swin: shifted windows with relative position bias; CSwin: cross-shaped
-stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). The other switches
-are attention_options' and InLineSwin's; EXPERIMENTS names the paper's combinations of them.
+stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). The other
+switches are attention_options' and InLineSwin's; the lab (paper/) names the paper's combinations of them.
 
 Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
 (h, w) the token grid, P leading tokens off the grid (DeiT's class token), nW windows per image,
@@ -45,7 +44,7 @@ from inline import InLineAttention
 
 # The authors' figures for each variant at its released size: params and GMACs of their model definitions,
 # counted as count_macs counts, and the ImageNet-1K top-1 the paper reports for the released weights (README,
-# "Models", shows the table; `python paper.py models` prints ours beside it).
+# "Models", shows the table; `python -m paper models` prints ours beside it).
 RELEASED = {
     'inline_deit_t': (6_477_736, 1.109, 74.5), 'inline_deit_s': (16_734_760, 4.966, 80.2),
     'inline_deit_b': (23_797_096, 17.169, 82.3),
@@ -894,7 +893,7 @@ def load_checkpoint(model, checkpoint):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Cost, counted as the paper counts it (`python paper.py models` prints every variant's)
+# Cost, counted as the paper counts it (`python -m paper models` prints every variant's)
 
 def count_macs(model, img_size=None):
     """Multiply-accumulates of one image: torch.utils.flop_counter's FLOPs / 2 (matmuls and convs;

@@ -350,11 +350,11 @@ def write_cifar(root, name, per_batch=4, seed=0):
 
 
 def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
-    data = write_fashion_mnist(str(tmp_path))
+    written = write_fashion_mnist(str(tmp_path))
     images, labels, classes = data.read_small('fashion_mnist', str(tmp_path), train=True)
-    assert images.shape == (12, 3, 28, 28) and all(torch.equal(images[:, c], torch.tensor(data['train'][0],
+    assert images.shape == (12, 3, 28, 28) and all(torch.equal(images[:, c], torch.tensor(written['train'][0],
                                                                                         dtype=torch.uint8)) for c in range(3))
-    assert labels.tolist() == data['train'][1].tolist() and classes == datasets.FashionMNIST.classes
+    assert labels.tolist() == written['train'][1].tolist() and classes == datasets.FashionMNIST.classes
     # torchvision's layout, ROOT/FashionMNIST/raw, uncompressed, reads the same
     raw = tmp_path / 'tv' / 'FashionMNIST' / 'raw'
     raw.mkdir(parents=True)
@@ -362,7 +362,7 @@ def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
         if file.endswith('.gz'):
             (raw / file[:-3]).write_bytes(gzip.decompress((tmp_path / file).read_bytes()))
     assert torch.equal(data.read_small('fashion_mnist', str(tmp_path / 'tv'), train=False)[0][:, 0],
-                       torch.tensor(data['t10k'][0], dtype=torch.uint8))
+                       torch.tensor(written['t10k'][0], dtype=torch.uint8))
     # grayscale read as 3 equal channels, at the asked size; a fixed subset of training images whatever the seed
     args = train.get_args_parser().parse_args(['--dataset', 'fashion_mnist', '--data-path', str(tmp_path),
                                                '--img-size', '32', '--train-subset', '5'])
