@@ -96,18 +96,18 @@ def stage_grids(img_size):
 
 INLINE_DEFAULTS = {name: p.default for name, p in inspect.signature(inline.InLineBase.setup_inline).parameters.items()
                    if p.kind is p.KEYWORD_ONLY}  # InLineBase's options and their defaults, written there alone
-# every family's attention switches and their defaults: InLineBase's, but the kernel (None: each letter's, below),
-# and normalise_q, the letters of the blocks it acts on
+# every family's attention switches and their defaults: InLineBase's, but the kernel (None: each letter's,
+# below), and normalise_q, the letters of the blocks it acts on
 ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residual', 'local_size', 'dilation',
                                                                          'nonneg')},
                          normalise_q='', allow_divergent=INLINE_DEFAULTS['allow_divergent'])
 
 
 def attention_options(family, options, letters):
-    """The attention switches a family was given, checked and completed with the defaults:
-    kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), local_size (Eq. 6's
-    neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or 'I', of the blocks whose q
-    is L2-normalised with a learned per-head gain, inline.NormalisedQ), allow_divergent (L with a signed kernel).
+    """The attention switches a family was given, checked and completed with the defaults: kernel (phi; None:
+    identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), local_size (Eq. 6's neighbourhood
+    side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or 'I', of the blocks whose q is
+    L2-normalised with a learned per-head gain, inline.NormalisedQ), allow_divergent (L with a signed kernel).
     letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
@@ -157,10 +157,10 @@ class Mlp(nn.Sequential):
 
 class SoftmaxAttention(nn.Module):
     """Softmax attention over all tokens, DeiT's (`qkv`) and PVT's (`q`, `kv`, with spatial reduction: keys
-    and values from the map downsampled by a conv of size and stride sr_ratio, then LayerNorm; keys
-    `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours):
-    softmax over L2-normalised queries times a learned per-head gain (inline.NormalisedQ), so q and a*q (a > 0)
-    get the same weights; scale D^-1/2 as usual."""
+    and values from the map downsampled by a conv of size and stride sr_ratio, then LayerNorm; keys `sr`,
+    `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours): softmax over
+    L2-normalised queries times a learned per-head gain (inline.NormalisedQ), so q and a*q (a > 0) get the
+    same weights; scale D^-1/2 as usual."""
 
     def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False,
                  leading_tokens=0):
@@ -176,8 +176,8 @@ class SoftmaxAttention(nn.Module):
             self.norm = nn.LayerNorm(dim)
 
     def project(self, x, grid):
-        """x (B, N, C) -> q (B, H, N, D), normalised where normalise_q, k and v (B, H, N', D), N' = N / sr_ratio^2
-        with spatial reduction."""
+        """x (B, N, C) -> q (B, H, N, D), normalised where normalise_q, k and v (B, H, N', D),
+        N' = N / sr_ratio^2 with spatial reduction."""
         B, N, C = x.shape
         inline.check_grid(N, grid, self.leading_tokens)
         split = lambda t: t.reshape(B, t.shape[1], self.num_heads, -1).transpose(1, 2)  # noqa: E731
@@ -298,8 +298,8 @@ class Backbone(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     def no_weight_decay(self):
-        """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu; T1's
-        gain (inline.NormalisedQ) is a temperature, which decay would pull towards uniform weights."""
+        """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu;
+        T1's gain (inline.NormalisedQ) is a temperature, which decay would pull towards uniform weights."""
         return {name for name, _ in self.named_parameters() if name.endswith(('phi.weight', 'normalise_q.gain'))}
 
 
@@ -548,10 +548,10 @@ class SwinStage(nn.Module):
 
 
 def authors_ape(options):
-    """The authors' rule for the APE in their ablations: on exactly where Eq. 6 gives the attention no position of
-    its own, with no residual or the plain one (a neighbourhood of the token alone); without Eq. 6 nothing else
-    does (their answer in their repository's issue #6; README, "The paper's experiments"). Their final models,
-    with Eq. 6, have none."""
+    """The authors' rule for the APE in their ablations: on exactly where Eq. 6 gives the attention no
+    position of its own, with no residual or the plain one (a neighbourhood of the token alone); without Eq. 6
+    nothing else does (their answer in their repository's issue #6; README, "The paper's experiments"). Their
+    final models, with Eq. 6, have none."""
     return (inline.neighbourhood_size(options['residual'], options['local_size']) or 1) == 1
 
 
@@ -821,9 +821,9 @@ EMA_KEYS = ('model_ema', 'state_dict_ema')  # EMA weights beside 'model': train.
 
 
 def read_checkpoint(path):
-    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the file. A file
-    that also holds other Python objects (the authors' training files keep their yacs config) is refused with a
-    ValueError that gives the line keeping only its weights."""
+    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the file. A
+    file that also holds other Python objects (the authors' training files keep their yacs config) is refused
+    with a ValueError that gives the line keeping only its weights."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:

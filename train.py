@@ -19,8 +19,9 @@ Evaluate a checkpoint, ours or the authors' released file (and its EMA weights w
 Inference throughput (images/s of one process, at the model's released image size):
     python train.py --model inline_swin_t --throughput --batch-size 64
 
-Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written atomically every epoch;
-SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uninterrupted run's weights.
+Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written atomically every
+epoch; SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uninterrupted run's
+weights.
 """
 import argparse
 import ast
@@ -75,7 +76,8 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
     'inline_cswin_b_384': (32, 5e-6, 20, 0, 5e-6, 5e-7, 10, 1e-8, 0.0, 0.7),
 }
 PROCESSES = 8  # the total batch is the table's per-process batch x 8 processes, as the authors' README launches
-# shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in the released runs
+# shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in the
+# released runs
 RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
                 randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
 EMA_FAMILIES = ('cswin',)  # decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
@@ -85,13 +87,15 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
                  weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0,
                  mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
                  synthetic_train=12_800, synthetic_val=2_000)
-# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28; README, "Training and
-# evaluation"): 224 px, the one size below 448 at which they tile every stage they are smaller than, and fewer,
-# smaller steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a step see 5e-4.
+# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28; README, "Training
+# and evaluation"): 224 px, the one size below 448 at which they tile every stage they are smaller than, and
+# fewer, smaller steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a
+# step see 5e-4.
 SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3, synthetic_train=640,
                           synthetic_val=320, lr=1.6e-2)
 # Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (load_data),
-# batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left a DeiT learning in its last epoch
+# batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left a DeiT learning in its
+# last epoch
 SMALL = {k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')} | dict(batch_size=64, lr=6e-3, epochs=15,
                                                                                     warmup_epochs=1)
 CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
@@ -173,7 +177,8 @@ def get_args_parser():
 # ---------------------------------------------------------------------------------------- resolving a run
 @dataclass
 class Run:
-    """What every part of a run shares: the resolved flags, where it runs, and the checkpoint it starts from."""
+    """What every part of a run shares: the resolved flags, where it runs, and the checkpoint it starts
+    from."""
     args: argparse.Namespace
     rank: int = 0
     world: int = 1
@@ -209,8 +214,8 @@ def model_kwargs(args):
 
 
 def resolve_architecture(run):
-    """The model and its create_model overrides (run.arch: --model-kwargs and the architecture flags), and run.name,
-    the output folder's name without the data."""
+    """The model and its create_model overrides (run.arch: --model-kwargs and the architecture flags), and
+    run.name, the output folder's name without the data."""
     args = run.args
     run.arch = model_kwargs(args)
     args.model = args.model or 'inline_swin_t'
@@ -232,9 +237,10 @@ def default_output_dir(run):
 
 
 def open_checkpoint(run):
-    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval), --resume FILE, else
-    OUTPUT_DIR/checkpoint.pt where it exists. Its saved arguments fill the flags left unset, and another model or
-    architecture than the flags ask for is refused; the authors' files save neither, and are taken as the flags say."""
+    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval), --resume FILE,
+    else OUTPUT_DIR/checkpoint.pt where it exists. Its saved arguments fill the flags left unset, and another
+    model or architecture than the flags ask for is refused; the authors' files save neither, and are taken as
+    the flags say."""
     args = run.args
     path = args.checkpoint or args.resume
     if path is None:  # where this command's flags put its output folder
@@ -265,8 +271,8 @@ def open_checkpoint(run):
 
 
 def resolve(run):
-    """Fill every flag left unset, from the checkpoint the run starts from, then from the recipe: VARIANTS on an
-    ImageFolder (ImageNet), SMALL on a small dataset, else SYNTHETIC; set the total batch."""
+    """Fill every flag left unset, from the checkpoint the run starts from, then from the recipe: VARIANTS on
+    an ImageFolder (ImageNet), SMALL on a small dataset, else SYNTHETIC; set the total batch."""
     open_checkpoint(run)  # which resolves the architecture
     args = run.args
     args.dataset = dataset(args)
@@ -303,7 +309,8 @@ def resolve(run):
 
 
 def default_amp(device):
-    """(--amp's default, the fact it rests on): bf16 where it is faster than fp32, else fp16 on CUDA, else fp32."""
+    """(--amp's default, the fact it rests on): bf16 where it is faster than fp32, else fp16 on CUDA, else
+    fp32."""
     if device.type == 'cuda':  # emulated bf16 (before Ampere) is slower: fp16 there, with the loss scaler
         bf16, gpu = torch.cuda.is_bf16_supported(including_emulation=False), torch.cuda.get_device_name(device)
         return ('bf16', f'{gpu} computes bf16') if bf16 else ('fp16', f'{gpu} has no bf16 (fp16, with the loss scaler)')
@@ -318,8 +325,9 @@ def default_amp(device):
 
 @functools.cache
 def bf16_speedup(rounds=7):
-    """fp32 time / bf16 time of a transformer MLP's training step (LayerNorm, 128 -> 512 -> 128, 2048 tokens): median of
-    interleaved rounds, one thread, process CPU time (two threads on a shared machine scattered it). ~0.5 s, once."""
+    """fp32 time / bf16 time of a transformer MLP's training step (LayerNorm, 128 -> 512 -> 128, 2048 tokens):
+    median of interleaved rounds, one thread, process CPU time (two threads on a shared machine scattered it).
+    ~0.5 s, once."""
     with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
         mlp = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
         x = torch.randn(2048, 128)
@@ -376,7 +384,8 @@ def setup(args):
 
 # ---------------------------------------------------------------------------------- model and optimizer
 def build_model(run, num_classes):
-    """The variant at the run's image size and drop path, with the fast core unless --attention-impl reference."""
+    """The variant at the run's image size and drop path, with the fast core unless --attention-impl
+    reference."""
     args = run.args
     if run.saved and run.saved.get('num_classes', num_classes) != num_classes:
         fail(f'{run.saved_path} has {run.saved["num_classes"]} classes; the data has {num_classes}')
@@ -408,8 +417,8 @@ def build_model(run, num_classes):
 
 def build_optimizer(model, args, total_batch, steps_per_epoch):
     """(AdamW, its per-step schedule): no weight decay on 1-D parameters (biases, norms) and the model's
-    no_weight_decay() names; a cosine to --min-lr whose start a linear warm-up replaces, then --cooldown-epochs at
-    --min-lr, as timm's CosineLRScheduler ran in the released trainer."""
+    no_weight_decay() names; a cosine to --min-lr whose start a linear warm-up replaces, then
+    --cooldown-epochs at --min-lr, as timm's CosineLRScheduler ran in the released trainer."""
     skip = model.no_weight_decay()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -459,7 +468,8 @@ def read_checkpoint(path):
 
 
 def load_weights(model, saved, key, path):
-    """saved[key] (the whole of saved for a bare state dict) into model, with models.load_checkpoint's checks."""
+    """saved[key] (the whole of saved for a bare state dict) into model, with models.load_checkpoint's
+    checks."""
     try:
         models.load_checkpoint(model, saved.get(key, saved))
     except RuntimeError as e:
@@ -539,8 +549,8 @@ def train_one_epoch(run, t, loader, epoch, stop):
 
 @torch.no_grad()
 def evaluate(run, model, loader):
-    """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got right, a bool
-    tensor in the validation set's own order; each rank holds a disjoint slice, summed here."""
+    """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got right, a
+    bool tensor in the validation set's own order; each rank holds a disjoint slice, summed here."""
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=run.device)  # loss sum, top-1 hits, top-5 hits, images
     rights = []  # top-1 right or not, image by image in the loader's order
@@ -565,8 +575,8 @@ def evaluate(run, model, loader):
 
 
 def save_correct(run, name, correct):
-    """OUTPUT_DIR/<name>.pt: evaluate's per-image results (a bool tensor, one entry per validation image in the
-    validation set's order), which the lab reads; written by rank 0 atomically, as checkpoints are."""
+    """OUTPUT_DIR/<name>.pt: evaluate's per-image results (a bool tensor, one entry per validation image in
+    the validation set's order), which the lab reads; written by rank 0 atomically, as checkpoints are."""
     if run.rank == 0:
         path = os.path.join(run.args.output_dir, f'{name}.pt')
         torch.save(correct, path + '.tmp')
@@ -574,15 +584,17 @@ def save_correct(run, name, correct):
 
 
 def val_loader(run, val_set):
-    """Every validation image exactly once across ranks: rank r takes images r, r + world, ... (no padding)."""
+    """Every validation image exactly once across ranks: rank r takes images r, r + world, ... (no
+    padding)."""
     subset = Subset(val_set, range(run.rank, len(val_set), run.world))
     return DataLoader(subset, run.args.batch_size, num_workers=run.args.workers,
                       pin_memory=run.device.type == 'cuda', generator=torch.Generator())
 
 
 def evaluate_checkpoint(run, model, val_set):
-    """--eval: the file's weights, then its EMA weights where it has them (ours or the authors' CSwin). The per-image
-    results are printed as their SHA-256 (16 hex digits of the bool tensor's bytes): enough to tell two apart."""
+    """--eval: the file's weights, then its EMA weights where it has them (ours or the authors' CSwin). The
+    per-image results are printed as their SHA-256 (16 hex digits of the bool tensor's bytes): enough to tell
+    two apart."""
     loader = val_loader(run, val_set)
     for key in ('model', *(k for k in models.EMA_KEYS if run.saved.get(k) is not None)):
         load_weights(model, run.saved, key, run.saved_path)
@@ -612,8 +624,8 @@ def measure_throughput(run, model, warmup=10, timed=30):
 
 
 def prepare_training(run, raw, train_set):
-    """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from the checkpoint
-    to resume; the recipe and the schedule they run, printed."""
+    """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from the
+    checkpoint to resume; the recipe and the schedule they run, printed."""
     args, num_classes = run.args, len(train_set.classes)
     sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
@@ -653,7 +665,8 @@ def prepare_training(run, raw, train_set):
 
 
 def resume(run, t):
-    """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, EMA, log and random streams."""
+    """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, EMA, log and random
+    streams."""
     saved, path, args = run.saved, run.saved_path, run.args
     try:
         t.raw.load_state_dict(saved['model'])
@@ -696,7 +709,8 @@ def publish(run, t, is_best):
 
 
 def save_checkpoint(run, t, is_best=False):
-    """Everything a rerun needs to continue exactly, with every rank's random generators, written atomically."""
+    """Everything a rerun needs to continue exactly, with every rank's random generators, written
+    atomically."""
     state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
              'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     states = [state] * run.world
