@@ -4,18 +4,24 @@ InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Li
 arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README, "Training and
 evaluation"); without it, a small recipe for a built-in synthetic task.
 
-The main job: no dataset, no download; >= 90% validation accuracy in minutes on a 2-core CPU (README, "Quick start"):
+The main job: no dataset, no download; >= 90% validation accuracy in minutes on a 2-core CPU
+(README, "Quick start"):
     torchrun --standalone --nproc_per_node=2 train.py --model inline_swin_t
-Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or --download), CIFAR too:
-    python train.py --model inline_deit_t --dataset fashion_mnist --data-path DIR --img-size 64 --train-subset 5000
+Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or --download),
+CIFAR too:
+    python train.py --model inline_deit_t --dataset fashion_mnist --data-path DIR --img-size 64 \
+        --train-subset 5000
 
-ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs (total batch =
-the variant's per-process batch x 8; fewer processes reach it by gradient accumulation, printed at start):
+ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs (total
+batch = the variant's per-process batch x 8; fewer processes reach it by gradient accumulation, printed at
+start):
     torchrun --standalone --nproc_per_node=8 train.py --model inline_swin_t --data-path DIR
     # the 384 px variants fine-tune from the 224 px weights (from their EMA where the file has one: CSwin)
-    torchrun --standalone --nproc_per_node=8 train.py --model inline_cswin_b_384 --data-path DIR --finetune FILE
+    torchrun --standalone --nproc_per_node=8 train.py --model inline_cswin_b_384 --data-path DIR \
+        --finetune FILE
 Evaluate a checkpoint, ours or the authors' released file (and its EMA weights where it has them):
-    torchrun --standalone --nproc_per_node=8 train.py --model inline_swin_t --data-path DIR --eval --checkpoint FILE
+    torchrun --standalone --nproc_per_node=8 train.py --model inline_swin_t --data-path DIR \
+        --eval --checkpoint FILE
 Inference throughput (images/s of one process, at the model's released image size):
     python train.py --model inline_swin_t --throughput --batch-size 64
 
@@ -53,10 +59,11 @@ from checkpoints import CHECKPOINT, load_weights, read_checkpoint, resume, save_
 from data import DATASETS, SMALL_DATASETS, ResumableSampler, SyntheticShapes, fail, load_data, print0
 
 # ------------------------------------------------------------------------------------------------- recipe
-# The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is inline_pvt_b.yaml).
+# The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is
+# inline_pvt_b.yaml).
 # Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer). clip 0: none.
-COLUMNS = ('batch_size', 'lr', 'epochs', 'warmup_epochs', 'warmup_lr', 'min_lr', 'cooldown_epochs', 'weight_decay',
-           'clip_grad', 'drop_path')
+COLUMNS = ('batch_size', 'lr', 'epochs', 'warmup_epochs', 'warmup_lr', 'min_lr', 'cooldown_epochs',
+           'weight_decay', 'clip_grad', 'drop_path')
 VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
     'inline_deit_t':      (512, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
     'inline_deit_s':      (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
@@ -74,7 +81,8 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
     'inline_cswin_b':     (64, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.1, 0.0, 0.5),
     'inline_cswin_b_384': (32, 5e-6, 20, 0, 5e-6, 5e-7, 10, 1e-8, 0.0, 0.7),
 }
-PROCESSES = 8  # the total batch is the table's per-process batch x 8 processes, as the authors' README launches
+# the total batch is the table's per-process batch x 8 processes, as the authors' README launches
+PROCESSES = 8
 # shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in the
 # released runs
 RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
@@ -82,24 +90,27 @@ RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.
 EMA_FAMILIES = ('cswin',)  # decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
 # The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed and none
 # of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
-SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr=1e-5, min_lr=1e-5, cooldown_epochs=0,
-                 weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0,
-                 mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
-                 synthetic_train=12_800, synthetic_val=2_000)
+SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr=1e-5, min_lr=1e-5,
+                 cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1,
+                 mixup=0.0, cutmix=0.0, mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0,
+                 color_jitter=0.0, random_erase=0.0, synthetic_train=12_800, synthetic_val=2_000)
 # The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28; README, "Training
 # and evaluation"): 224 px, the one size below 448 at which they tile every stage they are smaller than, and
 # fewer, smaller steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a
 # step see 5e-4.
-SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3, synthetic_train=640,
-                          synthetic_val=320, lr=1.6e-2)
+SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3,
+                          synthetic_train=640, synthetic_val=320, lr=1.6e-2)
 # Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (load_data),
 # batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left a DeiT learning in its
 # last epoch
-SMALL = {k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')} | dict(batch_size=64, lr=6e-3, epochs=15,
-                                                                                    warmup_epochs=1)
-INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume', 'attention_impl')  # never taken from a checkpoint
-ARCH_FLAGS = ('layout', 'kernel', 'residual', 'local_size', 'dilation', 'window', 'ape', 'nonneg', 'normalise_q')
-RUN_KEYS = {'img_size': 'img-size', 'num_classes': 'data-path', 'drop_path_rate': 'drop-path'}  # and their flags
+SMALL = ({k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')}
+         | dict(batch_size=64, lr=6e-3, epochs=15, warmup_epochs=1))
+# never taken from a checkpoint
+INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume', 'attention_impl')
+ARCH_FLAGS = ('layout', 'kernel', 'residual', 'local_size', 'dilation', 'window', 'ape', 'nonneg',
+              'normalise_q')
+# the create_model arguments train.py sets itself, and their flags
+RUN_KEYS = {'img_size': 'img-size', 'num_classes': 'data-path', 'drop_path_rate': 'drop-path'}
 
 
 def get_args_parser():
@@ -109,7 +120,8 @@ def get_args_parser():
     a('--model', choices=sorted(models.MODELS), metavar='NAME',
       help=f'variant (README, "Models"; default: the checkpoint\'s, else inline_swin_t): '
            f'{", ".join(models.MODELS)}')
-    a('--layout', help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
+    a('--layout',
+      help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
     a('--kernel', help=f'phi of the I and L blocks: {", ".join(inline.KERNELS)}')
     a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
     a('--local-size', type=int, help='side k of Eq. 6\'s k x k neighbourhood (odd; released: 3)')
@@ -118,34 +130,47 @@ def get_args_parser():
     a('--ape', action=argparse.BooleanOptionalAction,
       help='Swin: the authors\' absolute position embedding in InLine attention (default: on without Eq. 6)')
     a('--nonneg', action=argparse.BooleanOptionalAction, help='InLine weights forced >= 0 (R-nonneg)')
-    a('--normalise-q', metavar='LETTERS', help="T1: the blocks whose q is L2-normalised with a learned per-head gain, "
+    a('--normalise-q', metavar='LETTERS',
+      help="T1: the blocks whose q is L2-normalised with a learned per-head gain, "
       "S (softmax), I (InLine) or SI")
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
-      help='more create_model overrides, values as Python literals, else strings: depths=(1,1,2,1) embed_dim=48')
-    a('--dataset', choices=list(DATASETS), help='default: synthetic, imagefolder with --data-path; the small ones '
+      help='more create_model overrides, values as Python literals, else strings: '
+           'depths=(1,1,2,1) embed_dim=48')
+    a('--dataset', choices=list(DATASETS),
+      help='default: synthetic, imagefolder with --data-path; the small ones '
       'read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
-    a('--data-path', help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
+    a('--data-path',
+      help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
     a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
-    a('--train-subset', type=int, help='train on this many images, a fixed random subset (the same for every seed)')
-    a('--img-size', type=int, help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
+    a('--train-subset', type=int,
+      help='train on this many images, a fixed random subset (the same for every seed)')
+    a('--img-size', type=int,
+      help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
       'DeiT 64, Swin with InLine windows smaller than the stage 224)')
-    a('--attention-impl', choices=['fast', 'reference'], help='the InLine core: kernels.py (fast; the default) or '
+    a('--attention-impl', choices=['fast', 'reference'],
+      help='the InLine core: kernels.py (fast; the default) or '
       'inline.py (reference; the default for vanilla linear attention, layout L, which has no fast path)')
     a('--drop-path', type=float, help='stochastic depth rate')
-    a('--finetune', help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
-    a('--grad-checkpoint', action='store_true', help='recompute each block in the backward: less memory, slower')
-    a('--synthetic-train', type=int, help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
+    a('--finetune',
+      help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
+    a('--grad-checkpoint', action='store_true',
+      help='recompute each block in the backward: less memory, slower')
+    a('--synthetic-train', type=int,
+      help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
     a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
     a('--epochs', type=int, help='epochs of the cosine schedule (cool-down epochs come on top)')
     a('--val-every', type=int, default=1, help='validate every this many epochs, and after the last (1)')
     a('--batch-size', type=int, help='per-process batch size (images)')
-    a('--accum-steps', type=int, help='gradient accumulation steps (default: enough for the recipe\'s total batch)')
+    a('--accum-steps', type=int,
+      help='gradient accumulation steps (default: enough for the recipe\'s total batch)')
     a('--lr', type=float, help='peak learning rate per 512 images of total batch')
     a('--warmup-lr', type=float, help='learning rate at the start of warm-up, per 512 images')
-    a('--min-lr', type=float, help='learning rate at the end of the cosine and in the cool-down, per 512 images')
+    a('--min-lr', type=float,
+      help='learning rate at the end of the cosine and in the cool-down, per 512 images')
     a('--warmup-epochs', type=float, help='linear warm-up (epochs)')
     a('--cooldown-epochs', type=int, help='epochs at --min-lr after the cosine')
-    a('--weight-decay', type=float, help='AdamW weight decay (none on 1-D parameters and the model\'s exemptions)')
+    a('--weight-decay', type=float,
+      help='AdamW weight decay (none on 1-D parameters and the model\'s exemptions)')
     a('--clip-grad', type=float, help='gradient norm clipping (0: off)')
     a('--label-smoothing', type=float)
     a('--mixup', type=float, help='Mixup alpha (0: off)')
@@ -154,17 +179,23 @@ def get_args_parser():
     a('--randaug-n', type=int, help='RandAugment operations per image (0: off)')
     a('--randaug-m', type=int, help='RandAugment magnitude, 0..10')
     a('--randaug-mstd', type=float, help='std of each operation\'s RandAugment magnitude')
-    a('--color-jitter', type=float, help='colour jitter strength (used only when RandAugment is off, as in timm)')
+    a('--color-jitter', type=float,
+      help='colour jitter strength (used only when RandAugment is off, as in timm)')
     a('--random-erase', type=float, help='random erasing probability (random per-pixel values)')
-    a('--ema-decay', type=float, help='EMA decay per optimizer step, 0: off (CSwin: 0.9996^(total batch/4096))')
-    a('--amp', choices=['bf16', 'fp16', 'fp32'], help='autocast dtype (default, for training: the faster one here, '
-      'default_amp: bf16 on a GPU with bf16 or a CPU with AMX, fp16 on other GPUs, on a CPU with AVX-512 BF16 alone '
+    a('--ema-decay', type=float,
+      help='EMA decay per optimizer step, 0: off (CSwin: 0.9996^(total batch/4096))')
+    a('--amp', choices=['bf16', 'fp16', 'fp32'],
+      help='autocast dtype (default, for training: the faster one here, '
+      'default_amp: bf16 on a GPU with bf16 or a CPU with AMX, fp16 on other GPUs, '
+      'on a CPU with AVX-512 BF16 alone '
       'bf16 if a probe finds it faster, else fp32; validation in fp32, as released, unless --amp is given)')
     a('--compile', action='store_true', help='torch.compile the model for training')
     a('--workers', type=int, help='data-loading processes per training process')
-    a('--threads', type=int, help='CPU threads per process (default: this node\'s cores shared out among them)')
+    a('--threads', type=int,
+      help='CPU threads per process (default: this node\'s cores shared out among them)')
     a('--seed', type=int, help='the seed of every random stream (0)')
-    a('--output-dir', help='checkpoints, metrics.jsonl and val_correct.pt (default: runs/<model>[-<overrides>]-<data>)')
+    a('--output-dir',
+      help='checkpoints, metrics.jsonl and val_correct.pt (default: runs/<model>[-<overrides>]-<data>)')
     a('--resume', help=f'checkpoint to resume from (default: OUTPUT_DIR/{CHECKPOINT} if it exists)')
     a('--eval', action='store_true', help='only evaluate --checkpoint on the validation set')
     a('--checkpoint', help='weights to evaluate: ours, or the authors\' released file')
@@ -192,7 +223,8 @@ class Run:
     def autocast(self, training):
         """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was given."""
         dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(self.args.amp)  # None: fp32
-        return torch.autocast(self.device.type, dtype, enabled=dtype is not None and (training or self.amp_given))
+        enabled = dtype is not None and (training or self.amp_given)
+        return torch.autocast(self.device.type, dtype, enabled=enabled)
 
 
 def model_kwargs(args):
@@ -250,7 +282,8 @@ def open_checkpoint(run):
     run.saved, run.saved_path = read_checkpoint(path), path
     saved_args, saved_arch = run.saved.get('args'), run.saved.get('arch')
     if args.eval and args.data_path is None and (saved_args is None or saved_args['data_path'] is not None):
-        fail(f'--eval of {path} needs --data-path DIR: only checkpoints of our synthetic runs evaluate without data')
+        fail(f'--eval of {path} needs --data-path DIR: '
+             'only checkpoints of our synthetic runs evaluate without data')
     if saved_args and args.model not in (None, saved_args['model']):
         fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
     mine = INVOCATION + ('data_path',) * args.eval  # an eval's data is its own
@@ -259,13 +292,14 @@ def open_checkpoint(run):
             setattr(args, key, value)
     resolve_architecture(run)
     # the saved model.arch, less what train.py sets for the run (image size, classes, drop path)
-    saved_arch = {k: v for k, v in saved_arch.items() if k not in RUN_KEYS} if saved_arch is not None else run.arch
+    saved_arch = run.arch if saved_arch is None else {
+        k: v for k, v in saved_arch.items() if k not in RUN_KEYS}
     differ = sorted(k for k in {**saved_arch, **run.arch} if saved_arch.get(k) != run.arch.get(k))
     if differ:
         fail(f'{path} holds a model built with {saved_arch}; this run asks for ' +
              ', '.join(f'{k}={run.arch[k]!r}' if run.arch.get(k) is not None else f'no {k}' for k in differ) +
-             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue or evaluate the '
-             'model as it was built, or give another --output-dir')
+             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue or '
+             'evaluate the model as it was built, or give another --output-dir')
 
 
 def resolve(run):
@@ -274,9 +308,12 @@ def resolve(run):
     open_checkpoint(run)  # which resolves the architecture
     args = run.args
     args.dataset = dataset(args)
-    synthetic, imagenet = args.dataset == 'synthetic', args.dataset == 'imagefolder'  # small datasets: neither
+    # neither for the small datasets
+    synthetic, imagenet = args.dataset == 'synthetic', args.dataset == 'imagefolder'
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
-    recipe = {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))} if imagenet else SYNTHETIC if synthetic else SMALL
+    recipe = SYNTHETIC if synthetic else SMALL
+    if imagenet:
+        recipe = {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))}
     if synthetic and args.img_size is None and not args.throughput and (run.arch.get('window') or 56) < 56:
         recipe = SYNTHETIC_WINDOWED
     for key, value in {**recipe, 'seed': 0}.items():
@@ -284,7 +321,8 @@ def resolve(run):
             setattr(args, key, value)
     if args.img_size is None and (imagenet or args.throughput):
         with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
-            args.img_size = models.create_model(args.model).img_size[0]  # (H, W); the released sizes are square
+            # (H, W); the released sizes are square
+            args.img_size = models.create_model(args.model).img_size[0]
     if args.img_size is None:  # DeiT's 16 px patches: a 4x4 token grid
         args.img_size = 64 if family == 'deit' else 32
     if args.accum_steps is None:
@@ -293,7 +331,8 @@ def resolve(run):
     run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
         args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet else 0.0
-    if args.attention_impl is None:  # kernels.enable_fast refuses a model with linear attention: it has no fast path
+    # kernels.enable_fast refuses a model with linear attention: it has no fast path
+    if args.attention_impl is None:
         args.attention_impl = 'reference' if 'L' in str(run.arch.get('layout', '')) else 'fast'
     run.amp_given = args.amp is not None
     amp = [(args.amp, 'given by --amp') if run.amp_given else default_amp(run.device)]
@@ -301,7 +340,8 @@ def resolve(run):
         dist.broadcast_object_list(amp)
     args.amp, run.amp_why = amp[0]
     if args.workers is None:
-        args.workers = 0 if not imagenet else min(8, cpu_count() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)))
+        local = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+        args.workers = 0 if not imagenet else min(8, cpu_count() // local)
     args.output_dir = args.output_dir or default_output_dir(run)
     check_args(args)
 
@@ -310,14 +350,18 @@ def default_amp(device):
     """(--amp's default, the fact it rests on): bf16 where it is faster than fp32, else fp16 on CUDA, else
     fp32."""
     if device.type == 'cuda':  # emulated bf16 (before Ampere) is slower: fp16 there, with the loss scaler
-        bf16, gpu = torch.cuda.is_bf16_supported(including_emulation=False), torch.cuda.get_device_name(device)
-        return ('bf16', f'{gpu} computes bf16') if bf16 else ('fp16', f'{gpu} has no bf16 (fp16, with the loss scaler)')
+        gpu = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return 'bf16', f'{gpu} computes bf16'
+        return 'fp16', f'{gpu} has no bf16 (fp16, with the loss scaler)'
     if getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)():  # private functions, so guarded
         return 'bf16', 'this CPU has AMX, where bf16 is faster than fp32'
     if not getattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)():
         return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
-    x = bf16_speedup()  # AVX-512 BF16 alone decides nothing: bf16 trained 2x faster on one such CPU, slower on another
-    why = f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, 1.25x needed'
+    # AVX-512 BF16 alone decides nothing: bf16 trained 2x faster on one such CPU, slower on another
+    x = bf16_speedup()
+    why = (f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, '
+           '1.25x needed')
     return ('bf16' if x >= 1.25 else 'fp32'), why  # 1.25: a whole training step gains less than the probe
 
 
@@ -341,10 +385,12 @@ def bf16_speedup(rounds=7):
 
 
 def check_args(args):
-    for name, ok, allowed in (('batch_size', args.batch_size >= 1, '>= 1'), ('lr', 0 < args.lr <= 1, 'in (0, 1]'),
+    for name, ok, allowed in (('batch_size', args.batch_size >= 1, '>= 1'),
+                              ('lr', 0 < args.lr <= 1, 'in (0, 1]'),
                               ('min_lr', 0 <= args.min_lr <= args.lr, 'in [0, --lr]'),
                               ('warmup_lr', 0 <= args.warmup_lr <= args.lr, 'in [0, --lr]'),
-                              ('epochs', args.epochs >= 1, '>= 1'), ('accum_steps', args.accum_steps >= 1, '>= 1'),
+                              ('epochs', args.epochs >= 1, '>= 1'),
+                              ('accum_steps', args.accum_steps >= 1, '>= 1'),
                               ('weight_decay', args.weight_decay >= 0, '>= 0'),
                               ('label_smoothing', 0 <= args.label_smoothing < 1, 'in [0, 1)'),
                               ('ema_decay', 0 <= args.ema_decay < 1, 'in [0, 1)'),
@@ -361,8 +407,8 @@ def setup(args):
     local, gpus = int(os.environ.get('LOCAL_WORLD_SIZE', 1)), torch.cuda.device_count()
     if torch.cuda.is_available() and local > gpus:  # checked before any process touches a GPU
         if local_rank == 0:  # one message per node: the node's count is what is wrong
-            print(f'error: torchrun started {local} processes on this node, which has {gpus} GPU(s); launch at most '
-                  f'{gpus} with --nproc-per-node={gpus}', file=sys.stderr, flush=True)
+            print(f'error: torchrun started {local} processes on this node, which has {gpus} GPU(s); '
+                  f'launch at most {gpus} with --nproc-per-node={gpus}', file=sys.stderr, flush=True)
         raise SystemExit(1)
     if torch.cuda.is_available():
         run.device = torch.device('cuda', local_rank)
@@ -374,7 +420,8 @@ def setup(args):
         dist.init_process_group('nccl' if run.device.type == 'cuda' else 'gloo')
     if args.eval != bool(args.checkpoint):  # each needs the other
         fail('--eval needs --checkpoint FILE' if args.eval else
-             '--checkpoint is for --eval; continue training with --resume, start from weights with --finetune')
+             '--checkpoint is for --eval; continue training with --resume, '
+             'start from weights with --finetune')
     resolve(run)
     print0(f'args: {json.dumps(vars(args))}')
     return run
@@ -401,14 +448,16 @@ def build_model(run, num_classes):
             fail(f'the fast attention path is unavailable ({e}); pass --attention-impl reference')
         except ValueError as e:
             fail(str(e))
-    if args.finetune:  # the authors' 384 px fine-tunes start from the 224 px weights, the EMA where there is one
+    # the authors' 384 px fine-tunes start from the 224 px weights, the EMA where there is one
+    if args.finetune:
         saved = read_checkpoint(args.finetune)
         key = next((k for k in models.EMA_KEYS if saved.get(k) is not None), 'model')
         load_weights(model, saved, key, args.finetune)
         print0(f'initial weights: {args.finetune} ({key})')
     model.set_grad_checkpointing(args.grad_checkpoint)
-    print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.img_size} '
-           f'px, attention {args.attention_impl}, amp {args.amp} ({run.amp_why}), device {run.device} x {run.world}')
+    print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, '
+           f'{args.img_size} px, attention {args.attention_impl}, amp {args.amp} ({run.amp_why}), '
+           f'device {run.device} x {run.world}')
     print0(f'architecture: layout {model.layout}, attention {model.options}; overrides {model.arch}')
     return model.to(run.device)
 
@@ -421,7 +470,8 @@ def build_optimizer(model, args, total_batch, steps_per_epoch):
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (no_decay if param.ndim <= 1 or name in skip or name.split('.')[-1] in skip else decay).append(param)
+            exempt = param.ndim <= 1 or name in skip or name.split('.')[-1] in skip
+            (no_decay if exempt else decay).append(param)
     groups = [{'params': decay, 'weight_decay': args.weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
     # the rates are given per 512 images and scale linearly with the total batch, as the released trainer's
     peak, warmup_lr, min_lr = (lr * total_batch / 512 for lr in (args.lr, args.warmup_lr, args.min_lr))
@@ -465,8 +515,9 @@ def train_one_epoch(run, t, loader, epoch, stop):
     """One pass over the loader; returns (mean loss, images/s, optimizer steps done, stopped by SIGTERM)."""
     args, device = run.args, run.device
     t.model.train()
-    bar = tqdm(total=t.steps_per_epoch - t.step, desc=f'epoch {epoch + 1}/{args.epochs + args.cooldown_epochs}',
-               leave=False, disable=run.rank != 0, mininterval=1.0, dynamic_ncols=True)
+    desc = f'epoch {epoch + 1}/{args.epochs + args.cooldown_epochs}'
+    bar = tqdm(total=t.steps_per_epoch - t.step, desc=desc, leave=False, disable=run.rank != 0,
+               mininterval=1.0, dynamic_ncols=True)
     losses, step, micro_loss, speed, stopped, start = [], 0, 0.0, 0.0, False, time.perf_counter()
     for i, (x, y) in enumerate(loader):
         if step == t.steps_per_epoch - t.step:  # the last incomplete accumulation group is dropped
@@ -488,10 +539,12 @@ def train_one_epoch(run, t, loader, epoch, stop):
             dist.all_reduce(flags)
         if flags[1] > 0:
             latest = os.path.join(args.output_dir, CHECKPOINT)
-            kept = f'the last good checkpoint, {latest}, is untouched' if os.path.exists(latest) else 'nothing saved'
+            kept = 'nothing saved'
+            if os.path.exists(latest):
+                kept = f'the last good checkpoint, {latest}, is untouched'
             bar.close()
-            fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step {t.step + step + 1}; stopped, '
-                 f'{kept}. Try a lower --lr, --clip-grad, or --amp fp32.')
+            fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step {t.step + step + 1}; '
+                 f'stopped, {kept}. Try a lower --lr, --clip-grad, or --amp fp32.')
         if args.clip_grad > 0:
             t.scaler.unscale_(t.optimizer)
             nn.utils.clip_grad_norm_(t.raw.parameters(), args.clip_grad)
@@ -504,8 +557,8 @@ def train_one_epoch(run, t, loader, epoch, stop):
         losses.append(flags[0].item() / run.world)
         step, micro_loss = step + 1, 0.0
         speed = step * run.total_batch / (time.perf_counter() - start)
-        bar.set_postfix(loss=f'{losses[-1]:.3f}', lr=f'{t.scheduler.get_last_lr()[0]:.2e}', img_s=f'{speed:.0f}',
-                        refresh=False)
+        bar.set_postfix(loss=f'{losses[-1]:.3f}', lr=f'{t.scheduler.get_last_lr()[0]:.2e}',
+                        img_s=f'{speed:.0f}', refresh=False)
         bar.update()
         if stopped := flags[2].item() > 0:
             break
@@ -518,16 +571,19 @@ def evaluate(run, model, loader):
     """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got right, a
     bool tensor in the validation set's own order; each rank holds a disjoint slice, summed here."""
     model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=run.device)  # loss sum, top-1 hits, top-5 hits, images
+    # loss sum, top-1 hits, top-5 hits, images
+    totals = torch.zeros(4, dtype=torch.float64, device=run.device)
     rights = []  # top-1 right or not, image by image in the loader's order
     for x, y in loader:
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         with run.autocast(training=False):
             logits = model(x).float()
-        hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]  # (B, 5): the top 5 against y
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices  # (B, 5)
+        hits = top5 == y[:, None]  # (B, 5): the top 5 against y
         rights.append(hits[:, 0].int())
         totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction='sum').double(),
-                               hits[:, 0].sum().double(), hits.any(1).sum().double(), totals.new_tensor(len(y))])
+                               hits[:, 0].sum().double(), hits.any(1).sum().double(),
+                               totals.new_tensor(len(y))])
     correct = torch.zeros(len(loader.dataset.dataset), dtype=torch.int32, device=run.device)  # (images,)
     if rights:  # a rank of more ranks than images has none: it adds zeros
         places = torch.as_tensor(loader.dataset.indices, device=run.device)  # val_loader's Subset
@@ -577,7 +633,8 @@ def measure_throughput(run, model, warmup=10, timed=30):
             model(x)
     sync()
     speed = timed * args.batch_size / (time.perf_counter() - start)
-    print0(f'throughput: {speed:.1f} images/s (one process, batch {args.batch_size}, {args.img_size} px, {args.amp})')
+    print0(f'throughput: {speed:.1f} images/s '
+           f'(one process, batch {args.batch_size}, {args.img_size} px, {args.amp})')
 
 
 def prepare_training(run, raw, train_set):
@@ -589,34 +646,41 @@ def prepare_training(run, raw, train_set):
                         pin_memory=run.device.type == 'cuda', generator=torch.Generator())
     steps_per_epoch = len(loader) // args.accum_steps
     if steps_per_epoch == 0:
-        fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} accumulation steps exceeds '
-             f'the {len(train_set):,} training images')
+        fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} accumulation '
+             f'steps exceeds the {len(train_set):,} training images')
     optimizer, scheduler = build_optimizer(raw, args, run.total_batch, steps_per_epoch)
     model = torch.compile(raw) if args.compile else raw
     if run.world > 1:
         model = DDP(model, device_ids=[run.device.index] if run.device.type == 'cuda' else None)
     scaler = torch.amp.GradScaler(run.device.type, enabled=args.amp == 'fp16')
-    ema = AveragedModel(raw, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay)) if args.ema_decay > 0 else None
+    ema = None
+    if args.ema_decay > 0:
+        ema = AveragedModel(raw, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay))
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     mixup = T.MixUp(alpha=args.mixup, num_classes=num_classes) if args.mixup > 0 else None
     cutmix = T.CutMix(alpha=args.cutmix, num_classes=num_classes) if args.cutmix > 0 else None
-    mix = (T.RandomChoice([mixup, cutmix], p=[1 - args.mixup_switch_prob, args.mixup_switch_prob])  # one per batch
-           if mixup and cutmix else mixup or cutmix)  # soft targets, which the criterion takes as they are
+    # one of the two per batch; soft targets, which the criterion takes as they are
+    mix = (T.RandomChoice([mixup, cutmix], p=[1 - args.mixup_switch_prob, args.mixup_switch_prob])
+           if mixup and cutmix else mixup or cutmix)
     t = Training(model, raw, optimizer, scheduler, scaler, ema, mix, criterion, steps_per_epoch)
     if run.saved is not None:
         resume(run, t)
     else:
-        torch.manual_seed(args.seed + run.rank)  # augmentation, Mixup/CutMix and drop path differ between ranks
+        # augmentation, Mixup/CutMix and drop path differ between ranks
+        torch.manual_seed(args.seed + run.rank)
     crop = f' (random crop padded by {args.img_size // 8} px, flip)' * (args.dataset in SMALL_DATASETS)
-    recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; --data-path gives the released recipe)',
+    recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; '
+                           '--data-path gives the released recipe)',
               'imagefolder': f'released ImageNet-1K recipe for {args.model}'}.get(
         args.dataset, f'small-image recipe for {args.dataset}{crop}')
-    print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, randaug {args.randaug_n}x{args.randaug_m}, '
+    print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, '
+           f'randaug {args.randaug_n}x{args.randaug_m}, '
            f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
            f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
-    print0(f'schedule: {args.epochs + args.cooldown_epochs} epochs ({args.epochs} cosine with {args.warmup_epochs} '
-           f'of warm-up, then {args.cooldown_epochs} cool-down) x {steps_per_epoch} steps of {run.total_batch} images '
-           f'({args.batch_size} per process x {run.world} processes x {args.accum_steps} accumulation steps); '
+    print0(f'schedule: {args.epochs + args.cooldown_epochs} epochs ({args.epochs} cosine '
+           f'with {args.warmup_epochs} of warm-up, then {args.cooldown_epochs} cool-down) '
+           f'x {steps_per_epoch} steps of {run.total_batch} images ({args.batch_size} per process '
+           f'x {run.world} processes x {args.accum_steps} accumulation steps); '
            f'peak lr {scheduler.base_lrs[0]:.3g}, weight decay {args.weight_decay}')
     return t, sampler, loader
 
@@ -640,24 +704,28 @@ def fit(run, raw, train_set, val_set):
         if stopped:
             t.step += steps
             save_checkpoint(run, t)
-            print0(f'SIGTERM: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch + 1}, step {t.step}; '
-                   'rerun to continue')
+            print0(f'SIGTERM: saved {os.path.join(args.output_dir, CHECKPOINT)} '
+                   f'at epoch {epoch + 1}, step {t.step}; rerun to continue')
             return
         validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
-        entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0], 'images_per_s': speed}
+        entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0],
+                 'images_per_s': speed}
         for prefix, module in (('val', raw), ('ema_val', t.ema.module if t.ema is not None else None)):
             if validate and module is not None:
                 result = evaluate(run, module, val)
                 save_correct(run, f'{prefix}_correct', result.pop('correct'))  # OUTPUT_DIR/val_correct.pt
                 entry.update({f'{prefix}_{k}': v for k, v in result.items()})
         entry['arch'] = json.loads(json.dumps(raw.arch))  # as metrics.jsonl has it
-        acc = entry.get('ema_val_acc1' if t.ema is not None else 'val_acc1', -1.0)  # CSwin reports its EMA (main_ema.py)
+        # CSwin reports its EMA (main_ema.py)
+        acc = entry.get('ema_val_acc1' if t.ema is not None else 'val_acc1', -1.0)
         is_best, t.best_acc = acc > t.best_acc, max(acc, t.best_acc)
         t.log.append(entry)
         t.epoch, t.step = epoch + 1, 0
         save_checkpoint(run, t, is_best)
-        print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}' + (f'  val loss {entry["val_loss"]:.4f}  acc@1 '
-               f'{entry["val_acc1"]:.2f}  acc@5 {entry["val_acc5"]:.2f}' if validate else '') +
+        print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}' +
+               (f'  val loss {entry["val_loss"]:.4f}  acc@1 {entry["val_acc1"]:.2f}  '
+                f'acc@5 {entry["val_acc5"]:.2f}' if validate else '') +
+
                (f'  ema acc@1 {entry["ema_val_acc1"]:.2f}' if t.ema and validate else '') +
                f'  lr {entry["lr"]:.2e}  {speed:.0f} img/s  {time.perf_counter() - start:.0f} s')
     print0(f'done: best acc@1 {t.best_acc:.2f}; checkpoints and metrics.jsonl in {args.output_dir}')
