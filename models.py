@@ -25,9 +25,6 @@ Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C
 """
 import inspect
 import math
-import os
-import pickle
-import warnings
 from collections import OrderedDict
 
 import torch
@@ -40,6 +37,7 @@ from torchvision.ops import StochasticDepth
 
 import dense
 import inline
+from checkpoints import load_checkpoint, resize_grid
 from inline import InLineAttention
 
 # The authors' figures for each variant at its released size: params and GMACs of their model definitions,
@@ -233,13 +231,6 @@ class PatchEmbed(nn.Module):
 
 def to_map(x, grid):
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *grid)  # (B, N, C) -> (B, C, h, w)
-
-
-def resize_grid(tokens, old_grid, new_grid, mode):
-    """Resample tokens laid out on a grid, (1, h*w, C) -> (1, h'*w', C): position embeddings."""
-    x = to_map(tokens, old_grid)  # (1, C, h, w)
-    x = F.interpolate(x, size=new_grid, mode=mode, align_corners=False)  # (1, C, h', w')
-    return x.flatten(2).transpose(1, 2)  # (1, h'*w', C)
 
 
 class Backbone(nn.Module):
@@ -811,85 +802,6 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
                               f"use fast=False for the reference path") from e
         kernels.enable_fast(model)
     return dense.FeatureBackbone(model, out_indices) if features_only else model
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints: the released format {'model': state_dict}, and train.py's, which uses the same key
-
-REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')  # released buffers our models compute instead
-EMA_KEYS = ('model_ema', 'state_dict_ema')  # EMA weights beside 'model': train.py's; the authors' CSwin files
-
-
-def read_checkpoint(path):
-    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the file. A
-    file that also holds other Python objects (the authors' training files keep their yacs config) is refused
-    with a ValueError that gives the line keeping only its weights."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as e:
-        stripped = os.path.splitext(path)[0] + '.weights.pth'
-        keep = ', '.join(map(repr, ('model',) + EMA_KEYS))
-        raise ValueError(
-            f"{path} holds Python objects besides weights (such as the authors' yacs config), which "
-            f"torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\nIf you trust "
-            f"the file, keep only its weights once:\npython -c \"import torch; c = torch.load({path!r}, "
-            f"map_location='cpu', weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
-            f"{stripped!r})\"\nand pass {stripped} instead.") from None
-
-
-def resize_parameter(model, name, value, shape):
-    """Fit a checkpoint's position embedding or relative position table to a model built for another
-    image size (bicubic, as the released 384 px fine-tuning did); anything else is returned as is.
-    The checkpoint's grid is read as square (the released ones all are), else as the model's aspect."""
-    if name.endswith('relative_position_bias_table'):  # ((2w - 1)^2, H) -> ((2w' - 1)^2, H)
-        old, new = math.isqrt(value.shape[0]), math.isqrt(shape[0])
-        table = value.T.reshape(1, -1, old, old)  # (1, H, 2w - 1, 2w - 1)
-        table = F.interpolate(table, size=(new, new), mode='bicubic', align_corners=False)
-        return table.reshape(-1, new * new).T  # ((2w' - 1)^2, H)
-    if name.startswith('pos_embed') and value.shape[-1] == shape[-1]:
-        P = 1 if name == 'pos_embed' else 0  # DeiT's class token has a position embedding off the grid
-        new_grid = model.grid if name == 'pos_embed' else model.grids[int(name[len('pos_embed'):]) - 1]
-        n = value.shape[1] - P
-        h = math.isqrt(n) if math.isqrt(n) ** 2 == n else round(math.sqrt(n * new_grid[0] / new_grid[1]))
-        if h == 0 or n % h:
-            raise RuntimeError(f"cannot tell the grid of the checkpoint's {n} {name} vectors: neither square nor "
-                               f"of the model's aspect ratio; build the model at the checkpoint's image size")
-        grid = resize_grid(value[:, P:], (h, n // h), new_grid, 'bicubic')  # (1, h'*w', C)
-        return torch.cat([value[:, :P], grid], dim=1)  # (1, P + h'*w', C)
-    return value
-
-
-def load_checkpoint(model, checkpoint):
-    """Load released or project weights into model: strict on parameters, ignoring the buffers we rebuild;
-    a different num_classes drops the head (with a warning); a different image size resizes.
-
-    checkpoint: a file's path (its 'model' entry, or the whole file if it is a bare state dict), or a state
-    dict already in memory (e.g. the EMA weights train.py read from its own file)."""
-    if isinstance(checkpoint, (str, os.PathLike)):
-        path = checkpoint
-        checkpoint = read_checkpoint(path)
-        state = checkpoint.get('model', checkpoint)
-    else:
-        path, state = 'the state dict', checkpoint
-    own = model.state_dict()
-    state = {k: v for k, v in state.items() if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
-    head = [k for k in state if k.startswith('head.')]
-    if any(k not in own or own[k].shape != state[k].shape for k in head):
-        warnings.warn(f"{path}: the checkpoint's head ({tuple(state['head.weight'].shape)}) does not fit "
-                      f"num_classes={model.num_classes}; keeping the model's new head")
-        state = {k: v for k, v in state.items() if k not in head}
-        own = {k: v for k, v in own.items() if not k.startswith('head.')}
-    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-    if missing or unexpected:
-        raise RuntimeError(f"{path} does not fit {type(model).__name__}: missing {missing}, unexpected {unexpected}")
-    state = {k: v if v.shape == own[k].shape else resize_parameter(model, k, v, own[k].shape) for k, v in state.items()}
-    wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
-    if wrong:
-        raise RuntimeError(f"{path}: shapes that cannot be resized: {wrong}")
-    model.load_state_dict(state, strict=False)  # everything is checked above; strict=False for a dropped head
-    return model
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 import inline
 import models
-from checkpoints import CHECKPOINT, load_weights, read_checkpoint, resume, save_checkpoint, save_correct
+from checkpoints import CHECKPOINT, EMA_KEYS, load_weights, read_checkpoint, resume, save_checkpoint, save_correct
 from data import DATASETS, SMALL_DATASETS, ResumableSampler, SyntheticShapes, fail, load_data, print0
 
 # ------------------------------------------------------------------------------------------------- recipe
@@ -451,7 +451,7 @@ def build_model(run, num_classes):
     # the authors' 384 px fine-tunes start from the 224 px weights, the EMA where there is one
     if args.finetune:
         saved = read_checkpoint(args.finetune)
-        key = next((k for k in models.EMA_KEYS if saved.get(k) is not None), 'model')
+        key = next((k for k in EMA_KEYS if saved.get(k) is not None), 'model')
         load_weights(model, saved, key, args.finetune)
         print0(f'initial weights: {args.finetune} ({key})')
     model.set_grad_checkpointing(args.grad_checkpoint)
@@ -609,7 +609,7 @@ def evaluate_checkpoint(run, model, val_set):
     per-image results are printed as their SHA-256 (16 hex digits of the bool tensor's bytes): enough to tell
     two apart."""
     loader = val_loader(run, val_set)
-    for key in ('model', *(k for k in models.EMA_KEYS if run.saved.get(k) is not None)):
+    for key in ('model', *(k for k in EMA_KEYS if run.saved.get(k) is not None)):
         load_weights(model, run.saved, key, run.saved_path)
         result = evaluate(run, model, loader)
         result['correct_sha256'] = hashlib.sha256(result.pop('correct').numpy().tobytes()).hexdigest()[:16]
