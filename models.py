@@ -80,7 +80,8 @@ def parse_layout(layout, depths, letters):
     else:
         valid = valid and not k
     if not valid:
-        raise ValueError(f"layout {layout!r}: need {len(depths)} letters from {' '.join(letters)}, one per stage; "
+        raise ValueError(f"layout {layout!r}: need {len(depths)} letters from {' '.join(letters)}, "
+                         f"one per stage; "
                          f"M at most once, with its count of leading I blocks (at most the stage's depth) "
                          f"written after the letters, e.g. 'IIMS2'")
     return [['I'] * int(k) + ['S'] * (depth - int(k)) if c == 'M' else [c] * depth
@@ -92,8 +93,10 @@ def stage_grids(img_size):
     return [(img_size[0] // 2 ** (i + 2), img_size[1] // 2 ** (i + 2)) for i in range(4)]
 
 
-INLINE_DEFAULTS = {name: p.default for name, p in inspect.signature(inline.InLineBase.setup_inline).parameters.items()
-                   if p.kind is p.KEYWORD_ONLY}  # InLineBase's options and their defaults, written there alone
+# InLineBase's options and their defaults, written there alone
+INLINE_DEFAULTS = {name: p.default
+                   for name, p in inspect.signature(inline.InLineBase.setup_inline).parameters.items()
+                   if p.kind is p.KEYWORD_ONLY}
 # every family's attention switches and their defaults: InLineBase's, but the kernel (None: each letter's,
 # below), and normalise_q, the letters of the blocks it acts on
 ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residual', 'local_size', 'dilation',
@@ -102,24 +105,26 @@ ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residu
 
 
 def attention_options(family, options, letters):
-    """The attention switches a family was given, checked and completed with the defaults: kernel (phi; None:
-    identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), local_size (Eq. 6's neighbourhood
-    side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or 'I', of the blocks whose q is
-    L2-normalised with a learned per-head gain, inline.NormalisedQ), allow_divergent (L with a signed kernel).
+    """The attention switches a family was given, checked and completed with the defaults:
+    kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), local_size
+    (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or 'I', of the
+    blocks whose q is L2-normalised with a learned per-head gain, inline.NormalisedQ), allow_divergent (L with
+    a signed kernel).
     letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
         raise ValueError(f"{family}: window and ape are InLine-Swin's options (the authors' window ablation)")
     if unknown:
-        raise ValueError(f"{family}: unknown argument(s) {unknown}; allowed are its sizes (the arguments of its "
-                         f"class) and the attention options {list(ATTENTION_OPTIONS)}")
+        raise ValueError(f"{family}: unknown argument(s) {unknown}; allowed are its sizes "
+                         f"(the arguments of its class) and the attention options {list(ATTENTION_OPTIONS)}")
     normalise = options.get('normalise_q', '')
     allowed = {'I', 'S'} if family != 'InLine-CSwin' else {'I'}
-    if not isinstance(normalise, str) or not set(normalise) <= allowed & set(letters) or len(set(normalise)) < len(
-            normalise):
+    if (not isinstance(normalise, str) or not set(normalise) <= allowed & set(letters)
+            or len(set(normalise)) < len(normalise)):
         stripes = ", nor CSwin's stripe softmax" if family == 'InLine-CSwin' else ''
-        raise ValueError(f"{family}: normalise_q takes the letters of the blocks whose q it normalises, each once, of "
-                         f"{sorted(allowed & set(letters))} in this layout ('S' softmax, 'I' InLine; not 'L': "
+        raise ValueError(f"{family}: normalise_q takes the letters of the blocks whose q it normalises, "
+                         f"each once, of {sorted(allowed & set(letters))} in this layout "
+                         f"('S' softmax, 'I' InLine; not 'L': "
                          f"division cancels q's length already{stripes}), got {normalise!r}")
     return {**ATTENTION_OPTIONS, **options}
 
@@ -128,7 +133,8 @@ def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
     """I: InLine attention (identity kernel unless given); L: vanilla linear attention (relu unless given);
     S: softmax attention over all tokens (DeiT), with PVT's spatial reduction sr_ratio."""
     if letter == 'S':
-        return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q='S' in options['normalise_q'], **kwargs)
+        return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q='S' in options['normalise_q'],
+                                **kwargs)
     return InLineAttention(dim, num_heads, **inline_options(letter, options), **kwargs)
 
 
@@ -142,7 +148,8 @@ def inline_options(letter, options):
 
 def drop_path_rates(rate, depths):
     """Stochastic depth rising linearly from 0 to `rate` over all blocks, split per stage."""
-    rates = [rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]  # torch.linspace, in plain floats
+    # torch.linspace, in plain floats
+    rates = [rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
     return [rates[sum(depths[:i]):sum(depths[:i + 1])] for i in range(len(depths))]
 
 
@@ -167,7 +174,8 @@ class SoftmaxAttention(nn.Module):
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         self.num_heads, self.sr_ratio = num_heads, sr_ratio
         self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
-        self.leading_tokens = leading_tokens  # tokens before the grid (DeiT's class token), as InLineAttention's
+        # tokens before the grid (DeiT's class token), as InLineAttention's
+        self.leading_tokens = leading_tokens
         inline.add_projections(self, dim, qkv_bias, separate_q)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, sr_ratio, stride=sr_ratio)
@@ -291,7 +299,8 @@ class Backbone(nn.Module):
     def no_weight_decay(self):
         """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu;
         T1's gain (inline.NormalisedQ) is a temperature, which decay would pull towards uniform weights."""
-        return {name for name, _ in self.named_parameters() if name.endswith(('phi.weight', 'normalise_q.gain'))}
+        return {name for name, _ in self.named_parameters()
+                if name.endswith(('phi.weight', 'normalise_q.gain'))}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -303,8 +312,10 @@ class InLineDeiT(Backbone):
     def __init__(self, img_size=224, embed_dim=192, depth=12, num_heads=6, mlp_ratio=4., patch_size=16,
                  num_classes=1000, drop_path_rate=0.1, layout='I', **attention):
         super().__init__()
-        (letters,), (rates,) = self.setup(img_size, patch_size, layout, [depth], 'ILS', drop_path_rate, attention)
-        self.patch_size, self.grid = patch_size, (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
+        (letters,), (rates,) = self.setup(img_size, patch_size, layout, [depth], 'ILS', drop_path_rate,
+                                          attention)
+        self.patch_size = patch_size
+        self.grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.num_features = embed_dim
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], embed_dim))
@@ -324,10 +335,12 @@ class InLineDeiT(Backbone):
         if tuple(x.shape[2:]) != self.img_size:
             check_image_size(x.shape[2:], self.patch_size, self.name)
             raise ValueError(f"InLine-DeiT built for {self.img_size[0]}x{self.img_size[1]} images got "
-                             f"{x.shape[2]}x{x.shape[3]}: its position embedding fixes the size; build it with "
-                             f"img_size=({x.shape[2]}, {x.shape[3]}) (checkpoints are resized on load)")
+                             f"{x.shape[2]}x{x.shape[3]}: its position embedding fixes the size; "
+                             f"build it with img_size=({x.shape[2]}, {x.shape[3]}) "
+                             f"(checkpoints are resized on load)")
         x, grid = self.patch_embed(x)  # (B, h*w, C)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed  # (B, 1 + h*w, C)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + h*w, C)
+        x = x + self.pos_embed
         for block in self.blocks:
             x = self.run_block(block, x, grid)
         return self.norm(x)
@@ -345,9 +358,9 @@ class InLineDeiT(Backbone):
 class InLinePVT(Backbone):
     family = 'pvt'
 
-    def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2), num_heads=(2, 4, 10, 16),
-                 mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1), num_classes=1000, drop_path_rate=0.1, layout='IIII',
-                 **attention):
+    def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2),
+                 num_heads=(2, 4, 10, 16), mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1), num_classes=1000,
+                 drop_path_rate=0.1, layout='IIII', **attention):
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILS', drop_path_rate, attention)
         self.num_features, self.grids = embed_dims[-1], stage_grids(self.img_size)
@@ -358,7 +371,8 @@ class InLinePVT(Backbone):
             setattr(self, f'patch_embed{i + 1}', PatchEmbed(in_chans, dim, patch, norm_eps=1e-5))
             setattr(self, f'block{i + 1}', nn.ModuleList([
                 Block(dim, mlp_ratios[i], dp, 1e-6,
-                      make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i], separate_q=True))
+                      make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i],
+                                     separate_q=True))
                 for c, dp in zip(layout[i], rates[i])]))
         self.init_weights()
         for i in range(4):
@@ -429,7 +443,8 @@ def masked_softmax_attention(q, k, v, scale, bias=None, mask=None):
     nW = mask.shape[0]
     add = mask[:, None].to(q.dtype) + (0 if bias is None else bias)  # (nW, 1 or H, N, N), one per window
     q, k, v = (t.unflatten(0, (-1, nW)) for t in (q, k, v))  # (B, nW, H, N, D)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=scale).flatten(0, 1)  # (B*nW, H, N, D)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=scale)  # (B, nW, H, N, D)
+    return o.flatten(0, 1)  # (B*nW, H, N, D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -463,7 +478,8 @@ class WindowAttention(nn.Module):
         q = q if self.normalise_q is None else self.normalise_q(q)
         index = relative_position_index(*window, self.window, x.device)  # (N, N)
         bias = self.relative_position_bias_table[index].permute(2, 0, 1)  # (H, N, N)
-        o = masked_softmax_attention(q, k, v, inline.attention_scale(q.shape[-1]), bias, mask)  # (B*nW, H, N, D)
+        scale = inline.attention_scale(q.shape[-1])
+        o = masked_softmax_attention(q, k, v, scale, bias, mask)  # (B*nW, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B_, N, C))  # (B*nW, N, C)
 
 
@@ -471,10 +487,11 @@ class SwinBlock(nn.Module):
     """Pre-norm block: x + DropPath(attention(LN(x))), then x + DropPath(MLP(LN(x))); x (B, h*w, C).
 
     letter: 'S' Swin's softmax in windows with a relative position bias; 'I' InLine; 'L' vanilla linear.
-    window: the window side in tokens; for I/L, None is the whole map (every released model). Smaller I/L windows
-        are the authors' window ablation (Table 4; their `models/inline_swin.py`): rolled as Swin's softmax blocks
-        are, but with NO mask, so tokens wrapped across the border attend to each other; every window is its own
-        InLine attention, with its own means, Eq. 6 weights and zero padding at the window's edges.
+    window: the window side in tokens; for I/L, None is the whole map (every released model). Smaller I/L
+        windows are the authors' window ablation (Table 4; their `models/inline_swin.py`): rolled as Swin's
+        softmax blocks are, but with NO mask, so tokens wrapped across the border attend to each other; every
+        window is its own InLine attention, with its own means, Eq. 6 weights and zero padding at the
+        window's edges.
     shift: roll the map by window/2 first (odd blocks), along each axis the window does not cover.
     options: the attention options (attention_options) of an I or L block; ape_tokens: the authors' position
         embedding inside the attention, one per window size (shared by the stage's windows), or None.
@@ -485,7 +502,8 @@ class SwinBlock(nn.Module):
         self.letter, self.window, self.shift = letter, window, shift
         self.norm1 = nn.LayerNorm(dim)
         self.attn = (WindowAttention(dim, num_heads, window, 'S' in options['normalise_q']) if letter == 'S'
-                     else InLineAttention(dim, num_heads, ape_tokens=ape_tokens, **inline_options(letter, options)))
+                     else InLineAttention(dim, num_heads, ape_tokens=ape_tokens,
+                                          **inline_options(letter, options)))
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.drop_path = StochasticDepth(drop_path, 'row')
@@ -493,15 +511,18 @@ class SwinBlock(nn.Module):
     def forward(self, x, grid):
         B, N, C = x.shape
         h, w = grid
-        wh, ww = (h, w) if self.window is None else (min(self.window, h), min(self.window, w))  # never beyond the map
+        # never beyond the map
+        wh, ww = (h, w) if self.window is None else (min(self.window, h), min(self.window, w))
         # Swin's cyclic shift of odd blocks: half a window along each axis that the window does not cover
         sh, sw = (self.window // 2 if self.shift and side < size else 0 for side, size in ((wh, h), (ww, w)))
         y = self.norm1(x).view(B, h, w, C)  # (B, h, w, C)
         if self.letter == 'S':  # a map that does not tile is zero-padded after the norm, as Swin does for
-            y = F.pad(y, (0, 0, 0, -w % ww, 0, -h % wh))  # detection; the padding is masked out. (B, Hp, Wp, C)
+            # detection; the padding is masked out
+            y = F.pad(y, (0, 0, 0, -w % ww, 0, -h % wh))  # (B, Hp, Wp, C)
         elif h % wh or w % ww:
-            raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows, and padding "
-                             f"would change Eq. 5's means; use window=None (the whole stage) or an image size that tiles")
+            raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows, "
+                             f"and padding would change Eq. 5's means; use window=None (the whole stage) "
+                             f"or an image size that tiles")
         Hp, Wp = y.shape[1:3]
         y = to_windows(torch.roll(y, (-sh, -sw), dims=(1, 2)), wh, ww)  # rolled, in windows: (B*nW, wh*ww, C)
         if self.letter == 'S':  # softmax with the relative position bias, masked across the roll's seams
@@ -525,7 +546,8 @@ class PatchMerging(nn.Module):
         B, N, C = x.shape
         x = x.view(B, *grid, C)  # (B, h, w, C)
         # Swin's order: (even row, even col), (odd, even), (even, odd), (odd, odd); the weights depend on it
-        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)  # (B, h/2, w/2, 4C)
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]],
+                      dim=-1)  # (B, h/2, w/2, 4C)
         return self.reduction(self.norm(x.view(B, -1, 4 * C)))  # (B, h*w/4, 2C)
 
 
@@ -562,14 +584,15 @@ class InLineSwin(Backbone):
     """
     family = 'swin'
 
-    def __init__(self, img_size=224, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), layout='IIIS',
-                 window=None, softmax_window=7, mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, ape=None,
-                 **attention):
+    def __init__(self, img_size=224, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24),
+                 layout='IIIS', window=None, softmax_window=7, mlp_ratio=4., num_classes=1000,
+                 drop_path_rate=0.2, ape=None, **attention):
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSM', drop_path_rate, attention)
         self.ape = authors_ape(self.options) if ape is None else ape
         if window is not None and not (isinstance(window, int) and window >= 1):
-            raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), got {window!r}")
+            raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), "
+                             f"got {window!r}")
         self.window, self.num_features = window, embed_dim * 8
         self.patch_embed = PatchEmbed(3, embed_dim, 4, norm_eps=1e-5)
         self.layers = nn.ModuleList()
@@ -578,10 +601,11 @@ class InLineSwin(Backbone):
             inline_stage = any(c in 'IL' for c in letters)
             if inline_stage and window is not None and any(side % min(window, side) for side in grid):
                 fits = [n for n in range(1, max(grid) + 1) if all(side % min(n, side) == 0 for side in grid)]
-                raise ValueError(f"InLine-Swin: InLine window {window} does not tile stage {i + 1} ({grid[0]}x"
-                                 f"{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); windows that tile "
-                                 f"it: {fits}, or None (the whole stage)")
-            window_tokens = math.prod(grid if window is None else (min(window, side) for side in grid))  # APE's N
+                raise ValueError(f"InLine-Swin: InLine window {window} does not tile stage {i + 1} "
+                                 f"({grid[0]}x{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); "
+                                 f"windows that tile it: {fits}, or None (the whole stage)")
+            # APE's N
+            window_tokens = math.prod(grid if window is None else (min(window, side) for side in grid))
             blocks = [SwinBlock(dim, num_heads[i], c, softmax_window if c == 'S' else window, j % 2 == 1,
                                 mlp_ratio, rates[i][j], self.options, window_tokens if self.ape else None)
                       for j, c in enumerate(letters)]
@@ -635,7 +659,8 @@ class StripeAttention(inline.InLineBase):
         """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of the
         block input, read only by Eq. 6's weights. Returns (B, h*w, C)."""
         B, h, w, C = q.shape
-        wh, ww = (h, w) if self.axis is None else (h, min(self.stripe, w)) if self.axis == 0 else (min(self.stripe, h), w)
+        wh, ww = (h, w) if self.axis is None else (
+            (h, min(self.stripe, w)) if self.axis == 0 else (min(self.stripe, h), w))
         # Stripes that do not tile the map are padded with zeros and the padding masked out (the
         # released sizes need none); the LePE conv sees zeros there, as at any window border.
         q, k, v = (F.pad(t, (0, 0, 0, -w % ww, 0, -h % wh)) for t in (q, k, v))  # (B, Hp, Wp, C)
@@ -682,8 +707,8 @@ class CSwinBlock(nn.Module):
         B, N, C = x.shape
         q, k, v = (t.view(B, *grid, C) for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))  # 3 x (B, h, w, C)
         n = len(self.attns)  # each branch gets its share of the channels of q, k, v and the block input x
-        o = torch.cat([attn(*parts) for attn, *parts in zip(self.attns, q.chunk(n, -1), k.chunk(n, -1),
-                                                             v.chunk(n, -1), x.chunk(n, -1))], dim=-1)  # (B, N, C)
+        parts = zip(self.attns, q.chunk(n, -1), k.chunk(n, -1), v.chunk(n, -1), x.chunk(n, -1))
+        o = torch.cat([attn(*p) for attn, *p in parts], dim=-1)  # (B, N, C)
         x = x + self.drop_path(self.proj(o))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
@@ -711,8 +736,10 @@ class InLineCSwin(Backbone):
     over the whole map, as in the released code; I stages always attend over the whole map."""
     family = 'cswin'
 
-    def __init__(self, img_size=224, embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16), layout='IISS',
-                 stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, **attention):
+    def __init__(self, img_size=224, embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16),
+                 layout='IISS', stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000, drop_path_rate=0.2,
+                 **attention):
+
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSM', drop_path_rate, attention)
         self.num_features = embed_dim * 8
@@ -748,7 +775,8 @@ class InLineCSwin(Backbone):
 # ---------------------------------------------------------------------------------------------------
 # Registry: each variant is only its sizes; keyword overrides win
 
-SWIN_B = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2', drop_path_rate=0.5)
+SWIN_B = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2',
+              drop_path_rate=0.5)
 CSWIN_B = dict(embed_dim=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5)
 MODELS = {  # name: (its family's class, its sizes), the rest the class's defaults (the released -T or -S)
     'inline_deit_t': (InLineDeiT, dict(img_size=224, embed_dim=192, num_heads=6)),
@@ -765,11 +793,14 @@ MODELS = {  # name: (its family's class, its sizes), the rest the class's defaul
     'inline_cswin_t': (InLineCSwin, dict(depths=(2, 4, 18, 1), drop_path_rate=0.2)),
     'inline_cswin_s': (InLineCSwin, dict(depths=(3, 6, 29, 2), drop_path_rate=0.4)),
     'inline_cswin_b': (InLineCSwin, CSWIN_B),
-    'inline_cswin_b_384': (InLineCSwin, dict(CSWIN_B, img_size=384, stripes=(1, 2, 12, 12), drop_path_rate=0.7)),
+    'inline_cswin_b_384': (InLineCSwin, dict(CSWIN_B, img_size=384, stripes=(1, 2, 12, 12),
+                                             drop_path_rate=0.7)),
 }
 
 
-def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_indices=(0, 1, 2, 3), **overrides):
+def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_indices=(0, 1, 2, 3),
+                 **overrides):
+
     """Build a registered variant.
 
     name: one of MODELS (inline_<family>_<size>).

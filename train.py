@@ -55,7 +55,8 @@ from tqdm import tqdm
 
 import inline
 import models
-from checkpoints import CHECKPOINT, EMA_KEYS, load_weights, read_checkpoint, resume, save_checkpoint, save_correct
+from checkpoints import (CHECKPOINT, EMA_KEYS, load_weights, read_checkpoint, resume, save_checkpoint,
+                         save_correct)
 from data import DATASETS, SMALL_DATASETS, ResumableSampler, SyntheticShapes, fail, load_data, print0
 
 # ------------------------------------------------------------------------------------------------- recipe
