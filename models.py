@@ -5,20 +5,19 @@ arXiv 2412.06590. The attention itself lives in inline.py and is imported, never
 builds the authors' four architectures around it, with module names that reproduce the released
 checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights load unchanged.
 
-    python paper.py models                # every variant: params and GMACs beside the paper's figures
-    python paper.py experiments           # every experiment of the paper by name (README, "Changing the method")
+    python -m paper models                # every variant: params and GMACs beside the paper's figures
 
     model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')       # a released checkpoint
     model = create_model('inline_swin_t', layout='LLLS', residual='none')       # Table 3's linear baseline
     model = create_model('inline_cswin_t', img_size=(224, 320), num_classes=0)  # non-square features
-    model = create_experiment('t4_window7_no_residual')                         # an ablation by its name
-    model = create_model('inline_pvt_s', features_only=True)                    # stage maps, timm's convention
+    model = create_model('inline_swin_t', window=7, residual='none')            # a Table 4 ablation
+    model = create_model('inline_pvt_s', features_only=True)                    # stage maps (dense.py)
 
 Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla linear attention
 (division normalisation, relu kernel by default), the paper's baseline; S = softmax attention (DeiT: over all
 tokens; PVT: with spatial reduction; Swin: shifted windows with relative position bias; CSwin: cross-shaped
-stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). The other switches
-are attention_options' and InLineSwin's; EXPERIMENTS names the paper's combinations of them.
+stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). The other
+switches are attention_options' and InLineSwin's; the lab (paper/) names the paper's combinations of them.
 
 Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
 (h, w) the token grid, P leading tokens off the grid (DeiT's class token), nW windows per image,
@@ -26,11 +25,7 @@ Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C
 """
 import inspect
 import math
-import os
-import pickle
-import warnings
 from collections import OrderedDict
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -38,16 +33,16 @@ import torch.nn.functional as F
 from torch.nn.init import trunc_normal_
 import torch.utils.checkpoint
 from torch.utils.flop_counter import FlopCounterMode
-from torchvision.ops import FeaturePyramidNetwork, StochasticDepth
-from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
-from torchvision.ops.misc import Conv2dNormActivation
+from torchvision.ops import StochasticDepth
 
+import dense
 import inline
+from checkpoints import load_checkpoint, resize_grid
 from inline import InLineAttention
 
 # The authors' figures for each variant at its released size: params and GMACs of their model definitions,
 # counted as count_macs counts, and the ImageNet-1K top-1 the paper reports for the released weights (README,
-# "Models", shows the table; `python paper.py models` prints ours beside it).
+# "Models", shows the table; `python -m paper models` prints ours beside it).
 RELEASED = {
     'inline_deit_t': (6_477_736, 1.109, 74.5), 'inline_deit_s': (16_734_760, 4.966, 80.2),
     'inline_deit_b': (23_797_096, 17.169, 82.3),
@@ -85,7 +80,8 @@ def parse_layout(layout, depths, letters):
     else:
         valid = valid and not k
     if not valid:
-        raise ValueError(f"layout {layout!r}: need {len(depths)} letters from {' '.join(letters)}, one per stage; "
+        raise ValueError(f"layout {layout!r}: need {len(depths)} letters from {' '.join(letters)}, "
+                         f"one per stage; "
                          f"M at most once, with its count of leading I blocks (at most the stage's depth) "
                          f"written after the letters, e.g. 'IIMS2'")
     return [['I'] * int(k) + ['S'] * (depth - int(k)) if c == 'M' else [c] * depth
@@ -97,10 +93,12 @@ def stage_grids(img_size):
     return [(img_size[0] // 2 ** (i + 2), img_size[1] // 2 ** (i + 2)) for i in range(4)]
 
 
-INLINE_DEFAULTS = {name: p.default for name, p in inspect.signature(inline.InLineBase.setup_inline).parameters.items()
-                   if p.kind is p.KEYWORD_ONLY}  # InLineBase's options and their defaults, written there alone
-# every family's attention switches and their defaults: InLineBase's, but the kernel (None: each letter's, below),
-# and normalise_q, the letters of the blocks it acts on
+# InLineBase's options and their defaults, written there alone
+INLINE_DEFAULTS = {name: p.default
+                   for name, p in inspect.signature(inline.InLineBase.setup_inline).parameters.items()
+                   if p.kind is p.KEYWORD_ONLY}
+# every family's attention switches and their defaults: InLineBase's, but the kernel (None: each letter's,
+# below), and normalise_q, the letters of the blocks it acts on
 ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residual', 'local_size', 'dilation',
                                                                          'nonneg')},
                          normalise_q='', allow_divergent=INLINE_DEFAULTS['allow_divergent'])
@@ -108,23 +106,25 @@ ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residu
 
 def attention_options(family, options, letters):
     """The attention switches a family was given, checked and completed with the defaults:
-    kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), local_size (Eq. 6's
-    neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or 'I', of the blocks whose q
-    is L2-normalised with a learned per-head gain, inline.NormalisedQ), allow_divergent (L with a signed kernel).
+    kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), local_size
+    (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or 'I', of the
+    blocks whose q is L2-normalised with a learned per-head gain, inline.NormalisedQ), allow_divergent (L with
+    a signed kernel).
     letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
         raise ValueError(f"{family}: window and ape are InLine-Swin's options (the authors' window ablation)")
     if unknown:
-        raise ValueError(f"{family}: unknown argument(s) {unknown}; allowed are its sizes (the arguments of its "
-                         f"class) and the attention options {list(ATTENTION_OPTIONS)}")
+        raise ValueError(f"{family}: unknown argument(s) {unknown}; allowed are its sizes "
+                         f"(the arguments of its class) and the attention options {list(ATTENTION_OPTIONS)}")
     normalise = options.get('normalise_q', '')
     allowed = {'I', 'S'} if family != 'InLine-CSwin' else {'I'}
-    if not isinstance(normalise, str) or not set(normalise) <= allowed & set(letters) or len(set(normalise)) < len(
-            normalise):
+    if (not isinstance(normalise, str) or not set(normalise) <= allowed & set(letters)
+            or len(set(normalise)) < len(normalise)):
         stripes = ", nor CSwin's stripe softmax" if family == 'InLine-CSwin' else ''
-        raise ValueError(f"{family}: normalise_q takes the letters of the blocks whose q it normalises, each once, of "
-                         f"{sorted(allowed & set(letters))} in this layout ('S' softmax, 'I' InLine; not 'L': "
+        raise ValueError(f"{family}: normalise_q takes the letters of the blocks whose q it normalises, "
+                         f"each once, of {sorted(allowed & set(letters))} in this layout "
+                         f"('S' softmax, 'I' InLine; not 'L': "
                          f"division cancels q's length already{stripes}), got {normalise!r}")
     return {**ATTENTION_OPTIONS, **options}
 
@@ -133,7 +133,8 @@ def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
     """I: InLine attention (identity kernel unless given); L: vanilla linear attention (relu unless given);
     S: softmax attention over all tokens (DeiT), with PVT's spatial reduction sr_ratio."""
     if letter == 'S':
-        return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q='S' in options['normalise_q'], **kwargs)
+        return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q='S' in options['normalise_q'],
+                                **kwargs)
     return InLineAttention(dim, num_heads, **inline_options(letter, options), **kwargs)
 
 
@@ -147,7 +148,8 @@ def inline_options(letter, options):
 
 def drop_path_rates(rate, depths):
     """Stochastic depth rising linearly from 0 to `rate` over all blocks, split per stage."""
-    rates = [rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]  # torch.linspace, in plain floats
+    # torch.linspace, in plain floats
+    rates = [rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
     return [rates[sum(depths[:i]):sum(depths[:i + 1])] for i in range(len(depths))]
 
 
@@ -160,10 +162,10 @@ class Mlp(nn.Sequential):
 
 class SoftmaxAttention(nn.Module):
     """Softmax attention over all tokens, DeiT's (`qkv`) and PVT's (`q`, `kv`, with spatial reduction: keys
-    and values from the map downsampled by a conv of size and stride sr_ratio, then LayerNorm; keys
-    `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours):
-    softmax over L2-normalised queries times a learned per-head gain (inline.NormalisedQ), so q and a*q (a > 0)
-    get the same weights; scale D^-1/2 as usual."""
+    and values from the map downsampled by a conv of size and stride sr_ratio, then LayerNorm; keys `sr`,
+    `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours): softmax over
+    L2-normalised queries times a learned per-head gain (inline.NormalisedQ), so q and a*q (a > 0) get the
+    same weights; scale D^-1/2 as usual."""
 
     def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False,
                  leading_tokens=0):
@@ -172,15 +174,16 @@ class SoftmaxAttention(nn.Module):
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         self.num_heads, self.sr_ratio = num_heads, sr_ratio
         self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
-        self.leading_tokens = leading_tokens  # tokens before the grid (DeiT's class token), as InLineAttention's
+        # tokens before the grid (DeiT's class token), as InLineAttention's
+        self.leading_tokens = leading_tokens
         inline.add_projections(self, dim, qkv_bias, separate_q)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, sr_ratio, stride=sr_ratio)
             self.norm = nn.LayerNorm(dim)
 
     def project(self, x, grid):
-        """x (B, N, C) -> q (B, H, N, D), normalised where normalise_q, k and v (B, H, N', D), N' = N / sr_ratio^2
-        with spatial reduction."""
+        """x (B, N, C) -> q (B, H, N, D), normalised where normalise_q, k and v (B, H, N', D),
+        N' = N / sr_ratio^2 with spatial reduction."""
         B, N, C = x.shape
         inline.check_grid(N, grid, self.leading_tokens)
         split = lambda t: t.reshape(B, t.shape[1], self.num_heads, -1).transpose(1, 2)  # noqa: E731
@@ -236,13 +239,6 @@ class PatchEmbed(nn.Module):
 
 def to_map(x, grid):
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *grid)  # (B, N, C) -> (B, C, h, w)
-
-
-def resize_grid(tokens, old_grid, new_grid, mode):
-    """Resample tokens laid out on a grid, (1, h*w, C) -> (1, h'*w', C): position embeddings."""
-    x = to_map(tokens, old_grid)  # (1, C, h, w)
-    x = F.interpolate(x, size=new_grid, mode=mode, align_corners=False)  # (1, C, h', w')
-    return x.flatten(2).transpose(1, 2)  # (1, h'*w', C)
 
 
 class Backbone(nn.Module):
@@ -301,9 +297,10 @@ class Backbone(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     def no_weight_decay(self):
-        """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu; T1's
-        gain (inline.NormalisedQ) is a temperature, which decay would pull towards uniform weights."""
-        return {name for name, _ in self.named_parameters() if name.endswith(('phi.weight', 'normalise_q.gain'))}
+        """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu;
+        T1's gain (inline.NormalisedQ) is a temperature, which decay would pull towards uniform weights."""
+        return {name for name, _ in self.named_parameters()
+                if name.endswith(('phi.weight', 'normalise_q.gain'))}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -315,8 +312,10 @@ class InLineDeiT(Backbone):
     def __init__(self, img_size=224, embed_dim=192, depth=12, num_heads=6, mlp_ratio=4., patch_size=16,
                  num_classes=1000, drop_path_rate=0.1, layout='I', **attention):
         super().__init__()
-        (letters,), (rates,) = self.setup(img_size, patch_size, layout, [depth], 'ILS', drop_path_rate, attention)
-        self.patch_size, self.grid = patch_size, (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
+        (letters,), (rates,) = self.setup(img_size, patch_size, layout, [depth], 'ILS', drop_path_rate,
+                                          attention)
+        self.patch_size = patch_size
+        self.grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.num_features = embed_dim
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], embed_dim))
@@ -336,10 +335,12 @@ class InLineDeiT(Backbone):
         if tuple(x.shape[2:]) != self.img_size:
             check_image_size(x.shape[2:], self.patch_size, self.name)
             raise ValueError(f"InLine-DeiT built for {self.img_size[0]}x{self.img_size[1]} images got "
-                             f"{x.shape[2]}x{x.shape[3]}: its position embedding fixes the size; build it with "
-                             f"img_size=({x.shape[2]}, {x.shape[3]}) (checkpoints are resized on load)")
+                             f"{x.shape[2]}x{x.shape[3]}: its position embedding fixes the size; "
+                             f"build it with img_size=({x.shape[2]}, {x.shape[3]}) "
+                             f"(checkpoints are resized on load)")
         x, grid = self.patch_embed(x)  # (B, h*w, C)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed  # (B, 1 + h*w, C)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + h*w, C)
+        x = x + self.pos_embed
         for block in self.blocks:
             x = self.run_block(block, x, grid)
         return self.norm(x)
@@ -357,9 +358,9 @@ class InLineDeiT(Backbone):
 class InLinePVT(Backbone):
     family = 'pvt'
 
-    def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2), num_heads=(2, 4, 10, 16),
-                 mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1), num_classes=1000, drop_path_rate=0.1, layout='IIII',
-                 **attention):
+    def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2),
+                 num_heads=(2, 4, 10, 16), mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1), num_classes=1000,
+                 drop_path_rate=0.1, layout='IIII', **attention):
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILS', drop_path_rate, attention)
         self.num_features, self.grids = embed_dims[-1], stage_grids(self.img_size)
@@ -370,7 +371,8 @@ class InLinePVT(Backbone):
             setattr(self, f'patch_embed{i + 1}', PatchEmbed(in_chans, dim, patch, norm_eps=1e-5))
             setattr(self, f'block{i + 1}', nn.ModuleList([
                 Block(dim, mlp_ratios[i], dp, 1e-6,
-                      make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i], separate_q=True))
+                      make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i],
+                                     separate_q=True))
                 for c, dp in zip(layout[i], rates[i])]))
         self.init_weights()
         for i in range(4):
@@ -441,7 +443,8 @@ def masked_softmax_attention(q, k, v, scale, bias=None, mask=None):
     nW = mask.shape[0]
     add = mask[:, None].to(q.dtype) + (0 if bias is None else bias)  # (nW, 1 or H, N, N), one per window
     q, k, v = (t.unflatten(0, (-1, nW)) for t in (q, k, v))  # (B, nW, H, N, D)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=scale).flatten(0, 1)  # (B*nW, H, N, D)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=scale)  # (B, nW, H, N, D)
+    return o.flatten(0, 1)  # (B*nW, H, N, D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -475,7 +478,8 @@ class WindowAttention(nn.Module):
         q = q if self.normalise_q is None else self.normalise_q(q)
         index = relative_position_index(*window, self.window, x.device)  # (N, N)
         bias = self.relative_position_bias_table[index].permute(2, 0, 1)  # (H, N, N)
-        o = masked_softmax_attention(q, k, v, inline.attention_scale(q.shape[-1]), bias, mask)  # (B*nW, H, N, D)
+        scale = inline.attention_scale(q.shape[-1])
+        o = masked_softmax_attention(q, k, v, scale, bias, mask)  # (B*nW, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B_, N, C))  # (B*nW, N, C)
 
 
@@ -483,10 +487,11 @@ class SwinBlock(nn.Module):
     """Pre-norm block: x + DropPath(attention(LN(x))), then x + DropPath(MLP(LN(x))); x (B, h*w, C).
 
     letter: 'S' Swin's softmax in windows with a relative position bias; 'I' InLine; 'L' vanilla linear.
-    window: the window side in tokens; for I/L, None is the whole map (every released model). Smaller I/L windows
-        are the authors' window ablation (Table 4; their `models/inline_swin.py`): rolled as Swin's softmax blocks
-        are, but with NO mask, so tokens wrapped across the border attend to each other; every window is its own
-        InLine attention, with its own means, Eq. 6 weights and zero padding at the window's edges.
+    window: the window side in tokens; for I/L, None is the whole map (every released model). Smaller I/L
+        windows are the authors' window ablation (Table 4; their `models/inline_swin.py`): rolled as Swin's
+        softmax blocks are, but with NO mask, so tokens wrapped across the border attend to each other; every
+        window is its own InLine attention, with its own means, Eq. 6 weights and zero padding at the
+        window's edges.
     shift: roll the map by window/2 first (odd blocks), along each axis the window does not cover.
     options: the attention options (attention_options) of an I or L block; ape_tokens: the authors' position
         embedding inside the attention, one per window size (shared by the stage's windows), or None.
@@ -497,7 +502,8 @@ class SwinBlock(nn.Module):
         self.letter, self.window, self.shift = letter, window, shift
         self.norm1 = nn.LayerNorm(dim)
         self.attn = (WindowAttention(dim, num_heads, window, 'S' in options['normalise_q']) if letter == 'S'
-                     else InLineAttention(dim, num_heads, ape_tokens=ape_tokens, **inline_options(letter, options)))
+                     else InLineAttention(dim, num_heads, ape_tokens=ape_tokens,
+                                          **inline_options(letter, options)))
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.drop_path = StochasticDepth(drop_path, 'row')
@@ -505,15 +511,18 @@ class SwinBlock(nn.Module):
     def forward(self, x, grid):
         B, N, C = x.shape
         h, w = grid
-        wh, ww = (h, w) if self.window is None else (min(self.window, h), min(self.window, w))  # never beyond the map
+        # never beyond the map
+        wh, ww = (h, w) if self.window is None else (min(self.window, h), min(self.window, w))
         # Swin's cyclic shift of odd blocks: half a window along each axis that the window does not cover
         sh, sw = (self.window // 2 if self.shift and side < size else 0 for side, size in ((wh, h), (ww, w)))
         y = self.norm1(x).view(B, h, w, C)  # (B, h, w, C)
         if self.letter == 'S':  # a map that does not tile is zero-padded after the norm, as Swin does for
-            y = F.pad(y, (0, 0, 0, -w % ww, 0, -h % wh))  # detection; the padding is masked out. (B, Hp, Wp, C)
+            # detection; the padding is masked out
+            y = F.pad(y, (0, 0, 0, -w % ww, 0, -h % wh))  # (B, Hp, Wp, C)
         elif h % wh or w % ww:
-            raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows, and padding "
-                             f"would change Eq. 5's means; use window=None (the whole stage) or an image size that tiles")
+            raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows, "
+                             f"and padding would change Eq. 5's means; use window=None (the whole stage) "
+                             f"or an image size that tiles")
         Hp, Wp = y.shape[1:3]
         y = to_windows(torch.roll(y, (-sh, -sw), dims=(1, 2)), wh, ww)  # rolled, in windows: (B*nW, wh*ww, C)
         if self.letter == 'S':  # softmax with the relative position bias, masked across the roll's seams
@@ -537,7 +546,8 @@ class PatchMerging(nn.Module):
         B, N, C = x.shape
         x = x.view(B, *grid, C)  # (B, h, w, C)
         # Swin's order: (even row, even col), (odd, even), (even, odd), (odd, odd); the weights depend on it
-        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)  # (B, h/2, w/2, 4C)
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]],
+                      dim=-1)  # (B, h/2, w/2, 4C)
         return self.reduction(self.norm(x.view(B, -1, 4 * C)))  # (B, h*w/4, 2C)
 
 
@@ -551,10 +561,10 @@ class SwinStage(nn.Module):
 
 
 def authors_ape(options):
-    """The authors' rule for the APE in their ablations: on exactly where Eq. 6 gives the attention no position of
-    its own, with no residual or the plain one (a neighbourhood of the token alone); without Eq. 6 nothing else
-    does (their answer in their repository's issue #6; README, "The paper's experiments"). Their final models,
-    with Eq. 6, have none."""
+    """The authors' rule for the APE in their ablations: on exactly where Eq. 6 gives the attention no
+    position of its own, with no residual or the plain one (a neighbourhood of the token alone); without Eq. 6
+    nothing else does (their answer in their repository's issue #6; README, "The paper's experiments"). Their
+    final models, with Eq. 6, have none."""
     return (inline.neighbourhood_size(options['residual'], options['local_size']) or 1) == 1
 
 
@@ -574,14 +584,15 @@ class InLineSwin(Backbone):
     """
     family = 'swin'
 
-    def __init__(self, img_size=224, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), layout='IIIS',
-                 window=None, softmax_window=7, mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, ape=None,
-                 **attention):
+    def __init__(self, img_size=224, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24),
+                 layout='IIIS', window=None, softmax_window=7, mlp_ratio=4., num_classes=1000,
+                 drop_path_rate=0.2, ape=None, **attention):
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSM', drop_path_rate, attention)
         self.ape = authors_ape(self.options) if ape is None else ape
         if window is not None and not (isinstance(window, int) and window >= 1):
-            raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), got {window!r}")
+            raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), "
+                             f"got {window!r}")
         self.window, self.num_features = window, embed_dim * 8
         self.patch_embed = PatchEmbed(3, embed_dim, 4, norm_eps=1e-5)
         self.layers = nn.ModuleList()
@@ -590,10 +601,11 @@ class InLineSwin(Backbone):
             inline_stage = any(c in 'IL' for c in letters)
             if inline_stage and window is not None and any(side % min(window, side) for side in grid):
                 fits = [n for n in range(1, max(grid) + 1) if all(side % min(n, side) == 0 for side in grid)]
-                raise ValueError(f"InLine-Swin: InLine window {window} does not tile stage {i + 1} ({grid[0]}x"
-                                 f"{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); windows that tile "
-                                 f"it: {fits}, or None (the whole stage)")
-            window_tokens = math.prod(grid if window is None else (min(window, side) for side in grid))  # APE's N
+                raise ValueError(f"InLine-Swin: InLine window {window} does not tile stage {i + 1} "
+                                 f"({grid[0]}x{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); "
+                                 f"windows that tile it: {fits}, or None (the whole stage)")
+            # APE's N
+            window_tokens = math.prod(grid if window is None else (min(window, side) for side in grid))
             blocks = [SwinBlock(dim, num_heads[i], c, softmax_window if c == 'S' else window, j % 2 == 1,
                                 mlp_ratio, rates[i][j], self.options, window_tokens if self.ape else None)
                       for j, c in enumerate(letters)]
@@ -647,7 +659,8 @@ class StripeAttention(inline.InLineBase):
         """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of the
         block input, read only by Eq. 6's weights. Returns (B, h*w, C)."""
         B, h, w, C = q.shape
-        wh, ww = (h, w) if self.axis is None else (h, min(self.stripe, w)) if self.axis == 0 else (min(self.stripe, h), w)
+        wh, ww = (h, w) if self.axis is None else (
+            (h, min(self.stripe, w)) if self.axis == 0 else (min(self.stripe, h), w))
         # Stripes that do not tile the map are padded with zeros and the padding masked out (the
         # released sizes need none); the LePE conv sees zeros there, as at any window border.
         q, k, v = (F.pad(t, (0, 0, 0, -w % ww, 0, -h % wh)) for t in (q, k, v))  # (B, Hp, Wp, C)
@@ -694,8 +707,8 @@ class CSwinBlock(nn.Module):
         B, N, C = x.shape
         q, k, v = (t.view(B, *grid, C) for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))  # 3 x (B, h, w, C)
         n = len(self.attns)  # each branch gets its share of the channels of q, k, v and the block input x
-        o = torch.cat([attn(*parts) for attn, *parts in zip(self.attns, q.chunk(n, -1), k.chunk(n, -1),
-                                                             v.chunk(n, -1), x.chunk(n, -1))], dim=-1)  # (B, N, C)
+        parts = zip(self.attns, q.chunk(n, -1), k.chunk(n, -1), v.chunk(n, -1), x.chunk(n, -1))
+        o = torch.cat([attn(*p) for attn, *p in parts], dim=-1)  # (B, N, C)
         x = x + self.drop_path(self.proj(o))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
@@ -723,8 +736,10 @@ class InLineCSwin(Backbone):
     over the whole map, as in the released code; I stages always attend over the whole map."""
     family = 'cswin'
 
-    def __init__(self, img_size=224, embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16), layout='IISS',
-                 stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000, drop_path_rate=0.2, **attention):
+    def __init__(self, img_size=224, embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16),
+                 layout='IISS', stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000, drop_path_rate=0.2,
+                 **attention):
+
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSM', drop_path_rate, attention)
         self.num_features = embed_dim * 8
@@ -760,7 +775,8 @@ class InLineCSwin(Backbone):
 # ---------------------------------------------------------------------------------------------------
 # Registry: each variant is only its sizes; keyword overrides win
 
-SWIN_B = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2', drop_path_rate=0.5)
+SWIN_B = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2',
+              drop_path_rate=0.5)
 CSWIN_B = dict(embed_dim=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5)
 MODELS = {  # name: (its family's class, its sizes), the rest the class's defaults (the released -T or -S)
     'inline_deit_t': (InLineDeiT, dict(img_size=224, embed_dim=192, num_heads=6)),
@@ -777,11 +793,14 @@ MODELS = {  # name: (its family's class, its sizes), the rest the class's defaul
     'inline_cswin_t': (InLineCSwin, dict(depths=(2, 4, 18, 1), drop_path_rate=0.2)),
     'inline_cswin_s': (InLineCSwin, dict(depths=(3, 6, 29, 2), drop_path_rate=0.4)),
     'inline_cswin_b': (InLineCSwin, CSWIN_B),
-    'inline_cswin_b_384': (InLineCSwin, dict(CSWIN_B, img_size=384, stripes=(1, 2, 12, 12), drop_path_rate=0.7)),
+    'inline_cswin_b_384': (InLineCSwin, dict(CSWIN_B, img_size=384, stripes=(1, 2, 12, 12),
+                                             drop_path_rate=0.7)),
 }
 
 
-def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_indices=(0, 1, 2, 3), **overrides):
+def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_indices=(0, 1, 2, 3),
+                 **overrides):
+
     """Build a registered variant.
 
     name: one of MODELS (inline_<family>_<size>).
@@ -813,307 +832,11 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
             raise ImportError(f"fast=True needs kernels.py, which failed to import ({e}); "
                               f"use fast=False for the reference path") from e
         kernels.enable_fast(model)
-    return FeatureBackbone(model, out_indices) if features_only else model
+    return dense.FeatureBackbone(model, out_indices) if features_only else model
 
 
 # ---------------------------------------------------------------------------------------------------
-# The paper's experiments (tables and figures; README, "The paper's experiments"), each a variant and its
-# overrides, by name, with the ImageNet-1K top-1 the paper (or its rebuttal, for the R- rows) reports
-
-class Experiment(NamedTuple):
-    model: str  # a registered variant
-    overrides: dict  # for create_model
-    table: str  # the paper's table or figure: T3, T4, T10, R-res, R-dil, R-nonneg, T1, S
-    reported: str | None  # ImageNet-1K top-1 as the paper reports it
-    ours: bool  # our construction: reported by the paper or rebuttal, but no code was released
-    what: str
-
-
-EXPERIMENTS = {}
-
-
-def experiment(name, model, overrides, table, reported, what, ours=False):
-    EXPERIMENTS[name] = Experiment(model, overrides, table, reported, ours, what)
-
-
-# T3: division (vanilla linear) against subtraction (InLine) with the same kernel, in InLine-Swin-T with
-# global InLine windows, no local residual and therefore the authors' APE (ape=None turns it on)
-T3 = {'relu': ('77.3', '79.8'), 'relu_affine': ('70.2', '80.0'), 'leakyrelu': ('does not converge', None),
-      'identity': ('does not converge', '80.2')}
-for kernel, (linear, inline_) in T3.items():
-    signed = kernel not in inline.NON_NEGATIVE_KERNELS
-    experiment(f't3_linear_{kernel}', 'inline_swin_t',
-               dict(layout='LLLS', kernel=kernel, residual='none', **({'allow_divergent': True} if signed else {})),
-               'T3', linear, f'vanilla linear attention (division), phi = {kernel}, no Eq. 6, APE',
-               ours=kernel == 'relu_affine')
-    experiment(f't3_inline_{kernel}', 'inline_swin_t', dict(kernel=kernel, residual='none'), 'T3', inline_,
-               f'InLine attention (subtraction), phi = {kernel}, no Eq. 6, APE', ours=kernel == 'relu_affine')
-# T4: InLine windows 7^2 .. 56^2 (56 covers stage 1 at 224 px: global), without and with Eq. 6
-for window, without, with_ in ((7, '80.3', '81.6'), (14, '80.4', '82.1'), (28, '80.2', '82.3'), (56, '80.2', '82.4')):
-    experiment(f't4_window{window}_no_residual', 'inline_swin_t', dict(window=window, residual='none'), 'T4', without,
-               f'InLine windows {window}x{window}, shifted on odd blocks, no Eq. 6, APE')
-    experiment(f't4_window{window}_residual', 'inline_swin_t', dict(window=window), 'T4', with_,
-               f'InLine windows {window}x{window}, shifted on odd blocks, with Eq. 6')
-for kernel, reported in (('identity', '82.4'), ('relu', '82.5'), ('leakyrelu', None), ('exp', 'about relu')):
-    experiment(f't10_kernel_{kernel}', 'inline_swin_t', dict(kernel=kernel), 'T10', reported,
-               f'InLine-Swin-T with phi = {kernel}')
-experiment('r_residual_none', 'inline_swin_t', dict(residual='none'), 'R-res', '80.2', 'no residual (APE)')
-experiment('r_residual_plain', 'inline_swin_t', dict(residual='plain'), 'R-res', '80.2',
-           'plain residual o_i += r * v_i, r per channel from the same MLP (C -> C -> C) (APE)', ours=True)
-experiment('r_residual_local', 'inline_swin_t', {}, 'R-res', '82.4', "Eq. 6's local 3x3 residual (released)")
-# R-res's pair changes two things at once: Eq. 6 and the APE (on without Eq. 6). The other two corners of the 2x2
-# separate them: Eq. 6 against none with the same position embedding, both ways (ours; the paper has no numbers)
-experiment('r_residual_none_no_ape', 'inline_swin_t', dict(residual='none', ape=False), 'R-res', None,
-           'no residual and no APE', ours=True)
-experiment('r_residual_local_ape', 'inline_swin_t', dict(ape=True), 'R-res', None, "Eq. 6 and the APE", ours=True)
-for dilation, reported in ((1, '82.4'), (2, '81.7'), (3, '80.8'), (4, '80.6')):
-    experiment(f'r_dilation{dilation}', 'inline_swin_t', dict(dilation=dilation), 'R-dil', reported,
-               f"Eq. 6's 3x3 neighbourhood dilated by {dilation}", ours=dilation > 1)
-experiment('r_nonneg', 'inline_swin_t', dict(nonneg=True), 'R-nonneg', '81.7',
-           'every InLine weight >= 0: q, k L2-normalised per head, s = 1/2', ours=True)
-# T1 and S: the softmax originals have their own head counts (DeiT-T 3, PVT 1-2-5-8) and CSwin its own depths
-experiment('t1_softmax', 'inline_deit_t', dict(layout='S', num_heads=3), 'T1', '72.2', 'DeiT-T, softmax (injective)')
-experiment('t1_softmax_normalised_q', 'inline_deit_t', dict(layout='S', num_heads=3, normalise_q='S'), 'T1',
-           '70.6 / 69.9', 'DeiT-T, softmax over L2-normalised queries times a learned per-head gain: q and a*q get '
-           'the same weights', ours=True)
-# T1 in Swin, for the test bed whose every InLine layer is injective (paper.py, the fashion_recall ablations): softmax
-# and InLine each against itself over L2-normalised queries (ours; the paper has no numbers)
-experiment('t1_swin_softmax_normalised_q', 'inline_swin_t', dict(layout='SSSS', normalise_q='S'), 'T1', None,
-           "Swin-T's windowed softmax over L2-normalised queries times a learned per-head gain", ours=True)
-experiment('t1_inline_normalised_q', 'inline_swin_t', dict(normalise_q='I'), 'T1', None,
-           'InLine-Swin-T, InLine over L2-normalised queries times a learned per-head gain (stage 4 softmax as it is)',
-           ours=True)
-for size in 'tsml':
-    experiment(f's_pvt_{size}', f'inline_pvt_{size}', dict(layout='SSSS', num_heads=(1, 2, 5, 8)), 'S', None,
-               f'PVT-{size.upper()}: softmax with spatial reduction 8-4-2-1 in the InLine-PVT skeleton')
-for size, reported in (('t', '81.3'), ('s', None), ('b', None)):
-    experiment(f's_swin_{size}', f'inline_swin_{size}', dict(layout='SSSS'), 'S', reported,
-               f"Swin-{size.upper()}: shifted-window softmax in every stage")
-for size, depths, reported in (('t', (1, 2, 21, 1), '82.7'), ('s', (2, 4, 32, 2), None), ('b', (2, 4, 32, 2), None)):
-    experiment(f's_cswin_{size}', f'inline_cswin_{size}', dict(layout='SSSS', depths=depths), 'S', reported,
-               f"CSwin-{size.upper()}: cross-shaped stripe softmax in every stage, CSwin's own depths")
-experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.2', 'DeiT-T: softmax over all tokens')
-
-
-def create_experiment(name, **overrides):
-    """Build a paper experiment by name; overrides win over the experiment's (e.g. a smaller img_size)."""
-    if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
-    e = EXPERIMENTS[name]
-    return create_model(e.model, **{**e.overrides, **overrides})
-
-
-def describe(model):
-    """One line: the attention a model was built with, every switch resolved."""
-    o = model.options
-    parts = [f"{model.family}", f"layout {model.layout}",
-             f"kernel {o['kernel'] or 'identity (I) / relu (L)'}", f"residual {o['residual']}"]
-    parts += [f"local_size {o['local_size']}"] * (o['local_size'] != 3) + [f"dilation {o['dilation']}"] * (o['dilation'] > 1)
-    parts += ['nonneg'] * o['nonneg']
-    parts += [f"normalise_q {o['normalise_q']}"] * bool(o['normalise_q']) + ['allow_divergent'] * o['allow_divergent']
-    if model.family == 'swin':
-        parts.append('InLine windows: whole stage' if model.window is None else
-                     f'InLine windows {model.window} (shifted on odd blocks, no mask)')
-        parts.append(f"APE {'on' if model.ape else 'off'}")
-    return ', '.join(parts)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints: the released format {'model': state_dict}, and train.py's, which uses the same key
-
-REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')  # released buffers our models compute instead
-EMA_KEYS = ('model_ema', 'state_dict_ema')  # EMA weights beside 'model': train.py's; the authors' CSwin files
-
-
-def read_checkpoint(path):
-    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the file. A file
-    that also holds other Python objects (the authors' training files keep their yacs config) is refused with a
-    ValueError that gives the line keeping only its weights."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as e:
-        stripped = os.path.splitext(path)[0] + '.weights.pth'
-        keep = ', '.join(map(repr, ('model',) + EMA_KEYS))
-        raise ValueError(
-            f"{path} holds Python objects besides weights (such as the authors' yacs config), which "
-            f"torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\nIf you trust "
-            f"the file, keep only its weights once:\npython -c \"import torch; c = torch.load({path!r}, "
-            f"map_location='cpu', weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
-            f"{stripped!r})\"\nand pass {stripped} instead.") from None
-
-
-def resize_parameter(model, name, value, shape):
-    """Fit a checkpoint's position embedding or relative position table to a model built for another
-    image size (bicubic, as the released 384 px fine-tuning did); anything else is returned as is.
-    The checkpoint's grid is read as square (the released ones all are), else as the model's aspect."""
-    if name.endswith('relative_position_bias_table'):  # ((2w - 1)^2, H) -> ((2w' - 1)^2, H)
-        old, new = math.isqrt(value.shape[0]), math.isqrt(shape[0])
-        table = value.T.reshape(1, -1, old, old)  # (1, H, 2w - 1, 2w - 1)
-        table = F.interpolate(table, size=(new, new), mode='bicubic', align_corners=False)
-        return table.reshape(-1, new * new).T  # ((2w' - 1)^2, H)
-    if name.startswith('pos_embed') and value.shape[-1] == shape[-1]:
-        P = 1 if name == 'pos_embed' else 0  # DeiT's class token has a position embedding off the grid
-        new_grid = model.grid if name == 'pos_embed' else model.grids[int(name[len('pos_embed'):]) - 1]
-        n = value.shape[1] - P
-        h = math.isqrt(n) if math.isqrt(n) ** 2 == n else round(math.sqrt(n * new_grid[0] / new_grid[1]))
-        if h == 0 or n % h:
-            raise RuntimeError(f"cannot tell the grid of the checkpoint's {n} {name} vectors: neither square nor "
-                               f"of the model's aspect ratio; build the model at the checkpoint's image size")
-        grid = resize_grid(value[:, P:], (h, n // h), new_grid, 'bicubic')  # (1, h'*w', C)
-        return torch.cat([value[:, :P], grid], dim=1)  # (1, P + h'*w', C)
-    return value
-
-
-def load_checkpoint(model, checkpoint):
-    """Load released or project weights into model: strict on parameters, ignoring the buffers we rebuild;
-    a different num_classes drops the head (with a warning); a different image size resizes.
-
-    checkpoint: a file's path (its 'model' entry, or the whole file if it is a bare state dict), or a state
-    dict already in memory (e.g. the EMA weights train.py read from its own file)."""
-    if isinstance(checkpoint, (str, os.PathLike)):
-        path = checkpoint
-        checkpoint = read_checkpoint(path)
-        state = checkpoint.get('model', checkpoint)
-    else:
-        path, state = 'the state dict', checkpoint
-    own = model.state_dict()
-    state = {k: v for k, v in state.items() if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
-    head = [k for k in state if k.startswith('head.')]
-    if any(k not in own or own[k].shape != state[k].shape for k in head):
-        warnings.warn(f"{path}: the checkpoint's head ({tuple(state['head.weight'].shape)}) does not fit "
-                      f"num_classes={model.num_classes}; keeping the model's new head")
-        state = {k: v for k, v in state.items() if k not in head}
-        own = {k: v for k, v in own.items() if not k.startswith('head.')}
-    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-    if missing or unexpected:
-        raise RuntimeError(f"{path} does not fit {type(model).__name__}: missing {missing}, unexpected {unexpected}")
-    state = {k: v if v.shape == own[k].shape else resize_parameter(model, k, v, own[k].shape) for k, v in state.items()}
-    wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
-    if wrong:
-        raise RuntimeError(f"{path}: shapes that cannot be resized: {wrong}")
-    model.load_state_dict(state, strict=False)  # everything is checked above; strict=False for a dropped head
-    return model
-
-
-# ---------------------------------------------------------------------------------------------------
-# Dense prediction, as the paper ran it on COCO and ADE20K: timm's features_only backbone, torchvision's
-# FPN under it for MaskRCNN, FasterRCNN and RetinaNet, and the Semantic FPN head
-
-# A LayerNorm on each output stage where the family's own dense backbone has one: Swin's detection
-# backbone (norm0..norm3) and CSwin's segmentation backbone (norm1..norm4) do; PVT's (v1, the lineage
-# of InLine-PVT: whai362/PVT detection/pvt.py) returns the raw stage maps. DeiT is isotropic, one
-# stride-16 map and a class token: the paper's dense results use PVT and Swin, so it is refused rather
-# than given a feature pyramid (ViTDet's) that no InLine result was measured with.
-OUTPUT_NORMS = {'pvt': False, 'swin': True, 'cswin': True}
-
-
-def stage_channels(model):
-    if model.family == 'pvt':
-        return [getattr(model, f'patch_embed{i + 1}').proj.out_channels for i in range(4)]
-    return [model.num_features // 2 ** (3 - i) for i in range(4)]  # Swin and CSwin double C at each merge
-
-
-class FeatureInfo(list):
-    """timm's model.feature_info, the part detection code reads: one dict per output (num_chs, reduction,
-    module) and the lists channels() and reduction()."""
-
-    def channels(self):
-        return [f['num_chs'] for f in self]
-
-    def reduction(self):
-        return [f['reduction'] for f in self]
-
-
-class FeatureBackbone(nn.Module):
-    """timm's features_only model: images (B, 3, H, W) -> [(B, C_i, H / r_i, W / r_i)] for i in
-    out_indices, r_i = 4, 8, 16, 32, with the output norms of OUTPUT_NORMS (keys norms.j). Any image
-    size: H and W not multiples of 32 are zero-padded at the bottom and right first, as Swin's detection
-    backbone pads (so maps are ceil(H / r_i)); PVT's position embeddings are resized per input. The
-    classifier's head and final norm are removed; stages after the last selected one still run."""
-
-    def __init__(self, model, out_indices=(0, 1, 2, 3)):
-        super().__init__()
-        if model.family not in OUTPUT_NORMS:
-            raise ValueError(f"features_only: {type(model).__name__} is isotropic (one stride-16 map); dense prediction "
-                             f"supports the hierarchical families {', '.join(OUTPUT_NORMS)}, as the paper used them")
-        if not out_indices or list(out_indices) != sorted(set(out_indices)) or not set(out_indices) <= {0, 1, 2, 3}:
-            raise ValueError(f"out_indices must be increasing stage indices from 0-3, got {out_indices}")
-        model.reset_classifier(0)
-        if hasattr(model, 'norm'):  # the classifier's final norm, which no output goes through
-            model.norm = nn.Identity()
-        self.model, self.out_indices = model, tuple(out_indices)
-        channels = stage_channels(model)
-        blocks = {'pvt': 'model.block{}', 'swin': 'model.layers.{}', 'cswin': 'model.stage{}'}[model.family]
-        self.feature_info = FeatureInfo(dict(num_chs=channels[i], reduction=2 ** (i + 2),
-                                             module=blocks.format(i if model.family == 'swin' else i + 1))
-                                        for i in out_indices)
-        self.norms = nn.ModuleList([nn.LayerNorm(channels[i]) if OUTPUT_NORMS[model.family] else nn.Identity()
-                                    for i in out_indices])
-
-    def forward(self, x):
-        x = F.pad(x, (0, -x.shape[3] % 32, 0, -x.shape[2] % 32))  # (B, 3, H', W'), H' and W' multiples of 32
-        stages = self.model.forward_features(x, return_stages=True)  # 4 x (B, C_i, H' / r_i, W' / r_i)
-        return [norm(stages[i].permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # LayerNorm over C, channels last
-                for norm, i in zip(self.norms, self.out_indices)]
-
-
-def fpn_inputs(features):
-    return OrderedDict((str(i), f) for i, f in enumerate(features))  # torchvision names the levels '0', '1', ...
-
-
-class BackboneWithFPN(nn.Module):
-    """A FeatureBackbone under torchvision's FeaturePyramidNetwork: images -> OrderedDict of maps of
-    out_channels each, '0', '1', ... for the selected stages, then extra_blocks' ('pool' by default,
-    LastLevelMaxPool as in torchvision's Mask R-CNN). It has what torchvision's MaskRCNN, FasterRCNN and
-    RetinaNet ask of a backbone (forward to an OrderedDict, out_channels). For RetinaNet, as torchvision
-    builds it: out_indices=(1, 2, 3) and extra_blocks=LastLevelP6P7(out_channels, out_channels), five levels."""
-
-    def __init__(self, backbone, out_channels=256, extra_blocks=None):
-        super().__init__()
-        self.body = backbone
-        self.fpn = FeaturePyramidNetwork(backbone.feature_info.channels(), out_channels,
-                                         extra_blocks=LastLevelMaxPool() if extra_blocks is None else extra_blocks)
-        self.out_channels = out_channels
-
-    def forward(self, x):
-        return self.fpn(fpn_inputs(self.body(x)))
-
-
-class SemanticFPN(nn.Module):
-    """The semantic branch of Panoptic FPN (Kirillov et al., CVPR 2019), the paper's ADE20K head for PVT:
-    an FPN of fpn_channels over the stages; from each level, repeated until stride 4, a 3x3 conv to
-    `channels` + GroupNorm(32) + ReLU + 2x bilinear upsampling (one conv, no upsampling, at stride 4);
-    their sum -> dropout -> 1x1 conv -> bilinear to the image: (B, 3, H, W) -> logits (B, classes, H, W).
-    GroupNorm as in Kirillov et al.; the PVT authors' mmseg config (fpn_pvt_*) uses SyncBN there."""
-
-    def __init__(self, backbone, num_classes, fpn_channels=256, channels=128, dropout=0.1):
-        super().__init__()
-        self.backbone = backbone
-        self.fpn = FeaturePyramidNetwork(backbone.feature_info.channels(), fpn_channels)
-        self.scale_heads = nn.ModuleList()
-        self.stride = min(backbone.feature_info.reduction())  # 4 with stage 1 selected
-        for reduction in backbone.feature_info.reduction():
-            layers = []
-            for j in range(max(1, int(math.log2(reduction // self.stride)))):  # one per 2x to the finest level
-                layers.append(Conv2dNormActivation(fpn_channels if j == 0 else channels, channels, 3,
-                                                   norm_layer=lambda c: nn.GroupNorm(32, c)))
-                if reduction > self.stride:
-                    layers.append(nn.Upsample(scale_factor=2, mode='bilinear', align_corners=False))
-            self.scale_heads.append(nn.Sequential(*layers))
-        self.classifier = nn.Sequential(nn.Dropout2d(dropout), nn.Conv2d(channels, num_classes, 1))
-
-    def forward(self, x):
-        H, W = x.shape[2:]
-        levels = self.fpn(fpn_inputs(self.backbone(x))).values()  # (B, fpn_channels, H' / r, W' / r) each
-        y = sum(head(level) for head, level in zip(self.scale_heads, levels))  # (B, channels, H' / 4, W' / 4)
-        y = F.interpolate(self.classifier(y), scale_factor=self.stride, mode='bilinear')  # (B, classes, H', W')
-        return y[:, :, :H, :W]  # the padding to multiples of 32 cut off
-
-
-# ---------------------------------------------------------------------------------------------------
-# Cost, counted as the paper counts it (`python paper.py models` prints every variant's)
+# Cost, counted as the paper counts it (`python -m paper models` prints every variant's)
 
 def count_macs(model, img_size=None):
     """Multiply-accumulates of one image: torch.utils.flop_counter's FLOPs / 2 (matmuls and convs;

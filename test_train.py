@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 from torchvision import datasets
 
+import data
 import inline
 import models
-import paper
 import train
 from test_models import SMALL, TINY, perturb
 
@@ -83,8 +83,10 @@ def test_two_processes_train_and_write_checkpoints(two_process_run):
     log = metrics(output_dir)
     assert [e['epoch'] for e in log] == [1, 2]
     assert all(e['val_images'] == 21 for e in log)  # every image once: 11 + 10, no padding
-    assert 'val_correct' not in log[0]  # per-image results: the final evaluation's only, each image once
-    assert train.unpack_correct(log[-1]['val_correct'], 21).sum().item() == round(log[-1]['val_acc1'] * 21 / 100)
+    assert not any('val_correct' in e for e in log)  # per-image results: a file of their own, each image once
+    correct = torch.load(os.path.join(output_dir, 'val_correct.pt'), weights_only=True)  # the last validation's
+    assert correct.dtype == torch.bool and correct.shape == (21,)
+    assert correct.sum().item() == round(log[-1]['val_acc1'] * 21 / 100)
     ckpt = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
     assert ckpt['epoch'] == 2 and ckpt['step'] == 0 and len(ckpt['rng']) == 2
     assert ckpt['args']['model'] == 'inline_deit_t' and ckpt['log'] == log
@@ -100,14 +102,16 @@ def test_eval_reproduces_the_logged_accuracy(two_process_run):
     evaluated, logged = printed(result.stdout, 'eval model: '), metrics(output_dir)[-1]
     assert evaluated['images'] == 21
     assert evaluated['acc1'] == logged['val_acc1'] and evaluated['acc5'] == logged['val_acc5']
-    assert evaluated['correct_sha256'] == hashlib.sha256(logged['val_correct'].encode()).hexdigest()[:16]
+    correct = torch.load(os.path.join(output_dir, 'val_correct.pt'), weights_only=True)
+    assert evaluated['correct_sha256'] == hashlib.sha256(correct.numpy().tobytes()).hexdigest()[:16]
     assert evaluated['loss'] == pytest.approx(logged['val_loss'], rel=1e-6)
 
 
-def test_evaluate_keeps_each_images_result_at_its_place_in_the_validation_set():
+def test_evaluate_keeps_each_images_result_at_its_place_in_the_validation_set(tmp_path):
     """train.evaluate's per-image results sit at each image's index in the validation set whatever slice a rank
-    holds (here rank 1 of 2: images 1, 3, 5, ...; the other rank's places stay 0 until all_reduce adds them) and
-    count the top-1 it reports; unpack_correct reads pack_correct back."""
+    holds (here rank 1 of 2: images 1, 3, 5, ...; the other rank's places stay False until all_reduce adds them)
+    and count the top-1 it reports; save_correct writes them as they are, a bool tensor, to OUTPUT_DIR/val_correct.pt
+    (rank 0 only)."""
     torch.manual_seed(0)
     x, y = torch.randn(11, 4), torch.randint(0, 3, (11,))
     model = nn.Linear(4, 3)
@@ -118,8 +122,13 @@ def test_evaluate_keeps_each_images_result_at_its_place_in_the_validation_set():
     right = model(x).argmax(1) == y
     expected = torch.zeros(11, dtype=torch.bool)
     expected[1::2] = right[1::2]
-    assert torch.equal(train.unpack_correct(result['correct'], 11), expected) and result['images'] == 5
+    assert torch.equal(result['correct'], expected) and result['images'] == 5
     assert result['acc1'] == pytest.approx(100 * right[1::2].double().mean().item())
+    for rank in (1, 0):
+        run.rank, run.args = rank, types.SimpleNamespace(output_dir=str(tmp_path))
+        train.save_correct(run, 'val_correct', result['correct'])
+        assert os.listdir(tmp_path) == (['val_correct.pt'] if rank == 0 else [])  # no .tmp left
+    assert torch.equal(torch.load(tmp_path / 'val_correct.pt', weights_only=True), expected)
 
 
 def test_evaluate_on_a_rank_with_no_images(monkeypatch):
@@ -134,14 +143,14 @@ def test_evaluate_on_a_rank_with_no_images(monkeypatch):
     parts = [train.evaluate(runs[r], model, train.val_loader(runs[r], data)) for r in (0, 1)]
     others = torch.tensor([float(sum(p['images'] * p['loss'] for p in parts)),
                            float(sum(round(p['acc1'] * p['images'] / 100) for p in parts)), 0.0, 2.0])
-    correct = train.unpack_correct(parts[0]['correct'], 2) | train.unpack_correct(parts[1]['correct'], 2)
+    correct = parts[0]['correct'] | parts[1]['correct']
 
     def add_others(t):  # what the other two ranks contribute
         t += others.to(t.dtype) if t.dtype == torch.float64 else correct.to(t.dtype)
     monkeypatch.setattr(train.dist, 'all_reduce', add_others)
     result = train.evaluate(runs[2], model, train.val_loader(runs[2], data))
     assert result['images'] == 2
-    assert torch.equal(train.unpack_correct(result['correct'], 2), model(x).argmax(1) == y)
+    assert torch.equal(result['correct'], model(x).argmax(1) == y)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(two_process_run, tmp_path):
@@ -267,7 +276,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_pa
     assert all(torch.equal(expected[k], got[k]) for k in expected), 'resumed weights differ'
     val = lambda log: [{k: v for k, v in e.items() if 'val_' in k} for e in log]  # noqa: E731
     assert val(metrics(interrupted)) == val(metrics(reference))
-    assert sorted(os.listdir(interrupted)) == ['best.pt', 'checkpoint.pt', 'metrics.jsonl']  # no .tmp left
+    correct = [torch.load(os.path.join(d, 'val_correct.pt'), weights_only=True) for d in (interrupted, reference)]
+    assert torch.equal(*correct)
+    assert sorted(os.listdir(interrupted)) == ['best.pt', 'checkpoint.pt', 'metrics.jsonl', 'val_correct.pt']  # no .tmp
 
 
 # ------------------------------------------------------------------------------------------ real images
@@ -339,99 +350,48 @@ def write_cifar(root, name, per_batch=4, seed=0):
 
 
 def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
-    data = write_fashion_mnist(str(tmp_path))
-    images, labels, classes = train.read_small('fashion_mnist', str(tmp_path), train=True)
-    assert images.shape == (12, 3, 28, 28) and all(torch.equal(images[:, c], torch.tensor(data['train'][0],
+    written = write_fashion_mnist(str(tmp_path))
+    images, labels, classes = data.read_small('fashion_mnist', str(tmp_path), train=True)
+    assert images.shape == (12, 3, 28, 28) and all(torch.equal(images[:, c], torch.tensor(written['train'][0],
                                                                                         dtype=torch.uint8)) for c in range(3))
-    assert labels.tolist() == data['train'][1].tolist() and classes == datasets.FashionMNIST.classes
+    assert labels.tolist() == written['train'][1].tolist() and classes == datasets.FashionMNIST.classes
     # torchvision's layout, ROOT/FashionMNIST/raw, uncompressed, reads the same
     raw = tmp_path / 'tv' / 'FashionMNIST' / 'raw'
     raw.mkdir(parents=True)
     for file in os.listdir(tmp_path):
         if file.endswith('.gz'):
             (raw / file[:-3]).write_bytes(gzip.decompress((tmp_path / file).read_bytes()))
-    assert torch.equal(train.read_small('fashion_mnist', str(tmp_path / 'tv'), train=False)[0][:, 0],
-                       torch.tensor(data['t10k'][0], dtype=torch.uint8))
+    assert torch.equal(data.read_small('fashion_mnist', str(tmp_path / 'tv'), train=False)[0][:, 0],
+                       torch.tensor(written['t10k'][0], dtype=torch.uint8))
     # grayscale read as 3 equal channels, at the asked size; a fixed subset of training images whatever the seed
     args = train.get_args_parser().parse_args(['--dataset', 'fashion_mnist', '--data-path', str(tmp_path),
                                                '--img-size', '32', '--train-subset', '5'])
     args.model = 'inline_deit_t'
-    train_set, val_set = train.load_data(args)
+    train_set, val_set = data.load_data(args)
     x, y = val_set[1]
-    pixels = x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None]
+    pixels = x * torch.tensor(data.STD)[:, None, None] + torch.tensor(data.MEAN)[:, None, None]
     assert x.shape == (3, 32, 32) and y == 1 and torch.allclose(pixels[0], pixels[1], atol=1e-6)
     assert len(train_set) == 5 and train_set.classes == val_set.classes == datasets.FashionMNIST.classes
     args.seed = 7
-    assert train.load_data(args)[0].indices == train_set.indices
-
-
-@pytest.mark.parametrize('task, pairs, query', [('recall', 2, 'other'), ('recall', 4, 'same'), ('below', None, None)])
-def test_fashion_recall_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, query):
-    """Every label of a batch of mosaics, checked against the layout: recall's keys and values distinct in class, each
-    key right above its value, the framed query of one key's class (the key's own image with query='same'), the
-    label that key's value; below's cells all filled, its framed item in row 1, the label the class right below it
-    and distinct from the two cells in the same slot of the other 2x2 blocks (what a network without attention
-    cannot tell apart). The pixels are the layout's items (at 14 px, in their cells) with the framed cell's border
-    lit; test mosaics hold test images."""
-    write_fashion_mnist(str(tmp_path), train=30, test=20)
-    recall = ['--recall-pairs', str(pairs), '--recall-query', query] if task == 'recall' else []
-    args = train.get_args_parser().parse_args(['--dataset', 'fashion_recall', '--data-path', str(tmp_path),
-                                               '--recall-task', task, *recall, '--synthetic-train', '40',
-                                               '--synthetic-val', '30'])
-    args.seed = 0
-    train_set, val_set = train.load_data(args)
-    assert (len(train_set), len(val_set)) == (40, 30) and train_set.classes == datasets.FashionMNIST.classes
-    test_images, test_labels, _ = train.read_small('fashion_mnist', str(tmp_path), train=False)
-    for i in range(30):
-        classes, roles, images, label = val_set.layout(i)
-        cells = {(r, c): (classes[r][c], roles[r][c], images[r][c]) for r in range(4) for c in range(4)}
-        framed = [cell for cell, (_, role, _) in cells.items() if role in ('query', 'framed')]
-        assert len(framed) == 1
-        (fr, fc), = framed
-        if task == 'recall':
-            keys = [cell for cell, (_, role, _) in cells.items() if role == 'key']
-            assert len(keys) == pairs and all(cells[r + 1, c][1] == 'value' for r, c in keys)
-            assert len({cells[k][0] for k in keys}) == pairs == len({cells[r + 1, c][0] for r, c in keys})
-            (kr, kc), = [k for k in keys if cells[k][0] == cells[fr, fc][0]]
-            assert label == cells[kr + 1, kc][0]
-            assert (cells[fr, fc][2] == cells[kr, kc][2]) == (query == 'same') or query == 'other'
-        else:
-            assert fr == 1 and cells[2, fc][1] == 'below' and label == cells[2, fc][0]
-            assert all(source >= 0 for _, _, source in cells.values())
-            same_slot = [(r, c) for r in (0, 2) for c in (fc % 2, fc % 2 + 2)]  # row 0 of each block, fc's column
-            assert len({cells[cell][0] for cell in same_slot if cell != (0, fc)}) == 3
-        assert all(test_labels[source] == c for c, _, source in cells.values() if source >= 0)  # the test split's
-        x, y = val_set[i]
-        pixels = (x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None])[0] * 255
-        assert y == label and x.shape == (3, 64, 64)
-        for (r, c), (_, role, source) in cells.items():
-            inner = pixels[16 * r + 1:16 * r + 15, 16 * c + 1:16 * c + 15]
-            expected = val_set.items[source].float() if source >= 0 else torch.zeros(14, 14)
-            torch.testing.assert_close(inner, expected, rtol=0, atol=1e-3)
-            border = pixels[16 * r:16 * r + 16, 16 * c:16 * c + 16].clone()
-            border[1:-1, 1:-1] = 255 if role in ('query', 'framed') else 0
-            assert (border == 255).all() if role in ('query', 'framed') else (border.abs() < 1e-3).all()
-    if task == 'below':  # pairs and a query are recall's
-        with pytest.raises(SystemExit):
-            train.FashionRecall(test_images, test_labels, 1, 0, False, task='below', pairs=3)
+    assert data.load_data(args)[0].indices == train_set.indices
 
 
 @pytest.mark.parametrize('name', ['cifar10', 'cifar100'])
 def test_cifar_reads_its_python_batches(tmp_path, name):
     written = write_cifar(str(tmp_path), name)
-    images, labels, classes = train.read_small(name, str(tmp_path), train=True)
+    images, labels, classes = data.read_small(name, str(tmp_path), train=True)
     files = [f'data_batch_{i}' for i in range(1, 6)] if name == 'cifar10' else ['train']
     expected = np.concatenate([written[f][0] for f in files]).reshape(-1, 3, 32, 32)  # channel-major rows
     assert torch.equal(images, torch.from_numpy(expected)) and images.shape == (4 * len(files), 3, 32, 32)
     assert labels.tolist() == sum((list(written[f][1]) for f in files), [])
     assert len(classes) == (10 if name == 'cifar10' else 100)
-    test_images = train.read_small(name, str(tmp_path), train=False)[0]
+    test_images = data.read_small(name, str(tmp_path), train=False)[0]
     assert test_images.shape == (4, 3, 32, 32)
 
 
 def test_a_missing_small_dataset_says_how_to_get_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        train.read_small('fashion_mnist', str(tmp_path), train=True)
+        data.read_small('fashion_mnist', str(tmp_path), train=True)
     err = capsys.readouterr().err
     assert 'apt-get install dataset-fashion-mnist' in err and '--download' in err
 
@@ -551,7 +511,7 @@ def test_the_loop_smooths_labels_and_averages_weights_as_its_flags_say():
     run = resolved(SYNTHETIC_ARGS + ['--label-smoothing', '0.2', '--ema-decay', '0.9'])
     torch.manual_seed(0)
     raw = models.create_model('inline_deit_t', img_size=32, num_classes=10)
-    t, _, _ = train.prepare_training(run, raw, train.SyntheticShapes(48, 32, 0, True))
+    t, _, _ = train.prepare_training(run, raw, data.SyntheticShapes(48, 32, 0, True))
     logits, y = torch.randn(8, 10), torch.randint(0, 10, (8,))
     torch.testing.assert_close(t.criterion(logits, y), F.cross_entropy(logits, y, label_smoothing=0.2))
     assert not torch.allclose(t.criterion(logits, y), F.cross_entropy(logits, y))
@@ -682,10 +642,10 @@ def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
     img = Image.fromarray(torch.randint(0, 256, (size + 17, size + 40, 3), generator=g, dtype=torch.uint8).numpy())
     square = torch.from_numpy(np.array(img.resize((side, side), Image.BICUBIC))).permute(2, 0, 1) / 255
     top = (side - size) // 2
-    expected = (square[:, top:top + size, top:top + size] - torch.tensor(train.MEAN)[:, None, None]) / \
-        torch.tensor(train.STD)[:, None, None]
-    torch.testing.assert_close(train.eval_transform(size, crop)(img), expected)
-    assert train.NO_EVAL_CROP == ('inline_swin_b_384',)  # inline_cswin_b_384 crops
+    expected = (square[:, top:top + size, top:top + size] - torch.tensor(data.MEAN)[:, None, None]) / \
+        torch.tensor(data.STD)[:, None, None]
+    torch.testing.assert_close(data.eval_transform(size, crop)(img), expected)
+    assert data.NO_EVAL_CROP == ('inline_swin_b_384',)  # inline_cswin_b_384 crops
 
 
 # timm's rand-m9-mstd0.5-inc1 at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations, as timm calls them,
@@ -723,7 +683,7 @@ RANDAUG_FORMULAS = {
 def test_randaugment_op_is_its_formula(name, sign):
     g = torch.Generator().manual_seed(0)  # values short of 0 and 255 and enough pixels for Equalize: every op acts
     img = Image.fromarray(torch.randint(30, 220, (40, 50, 3), generator=g, dtype=torch.uint8).numpy())
-    got = np.asarray(train.RANDAUG_OPS[name](img, 0.9, sign)).astype(int)
+    got = np.asarray(data.RANDAUG_OPS[name](img, 0.9, sign)).astype(int)
     expected = np.asarray(RANDAUG_FORMULAS[name](img, sign)).astype(int)
     assert got.shape == expected.shape and (got != np.asarray(img)).any()
     assert (got == expected).all(), f'{(got != expected).sum()} of {got.size} values differ'
@@ -731,18 +691,18 @@ def test_randaugment_op_is_its_formula(name, sign):
 
 def test_randaugment_posterize_at_magnitude_10_is_black():
     img = Image.new('RGB', (5, 4), (200, 100, 50))
-    assert not np.asarray(train.RANDAUG_OPS['PosterizeIncreasing'](img, 1.0, 1)).any()
+    assert not np.asarray(data.RANDAUG_OPS['PosterizeIncreasing'](img, 1.0, 1)).any()
 
 
 def test_randaugment_policy(monkeypatch):
     """Two ops per image, uniformly with replacement from timm's fifteen, each applied with probability 0.5 at
     its own magnitude N(9, 0.5) clipped to [0, 10], in either direction."""
-    assert list(train.RANDAUG_OPS) == list(RANDAUG_FORMULAS)
+    assert list(data.RANDAUG_OPS) == list(RANDAUG_FORMULAS)
     calls = []
-    monkeypatch.setattr(train, 'RANDAUG_OPS', {name: lambda img, f, s, name=name: calls.append((name, f, s)) or img
+    monkeypatch.setattr(data, 'RANDAUG_OPS', {name: lambda img, f, s, name=name: calls.append((name, f, s)) or img
                                                for name in RANDAUG_FORMULAS})
     torch.manual_seed(0)
-    augment, images = train.RandAugment(2, 9, 0.5), 6000
+    augment, images = data.RandAugment(2, 9, 0.5), 6000
     for _ in range(images):
         augment(None)
     n = len(calls)  # binomial(2 x 6000, 0.5): mean 6000, std 55
@@ -790,7 +750,7 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
     error = refused(args, capsys)  # not one of our synthetic runs
     assert '--eval of' in error and 'needs --data-path' in error
     result = run_train(args + ['--data-path', root])
-    val = datasets.ImageFolder(os.path.join(root, 'val'), train.eval_transform(32))
+    val = datasets.ImageFolder(os.path.join(root, 'val'), data.eval_transform(32))
     x, y = torch.stack([img for img, _ in val]), torch.tensor([label for _, label in val])
     for prefix, module in (('eval model: ', model), ('eval ema: ', ema)):
         with torch.no_grad():
@@ -799,48 +759,50 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ the paper's ablations
-# t4_window7_no_residual in miniature: windows of 7 tokens tile 224 px stages (56-28-14-7), one block per stage
-ABLATION = ['--experiment', 't4_window7_no_residual', '--model-kwargs', 'depths=(1,1,1,1)', 'embed_dim=16',
-            'num_heads=(1,1,2,2)', '--attention-impl', 'reference', '--synthetic-train', '16', '--synthetic-val', '8',
-            '--threads', '1']
+# Table 4's InLine windows of 7 without Eq. 6 in miniature, as the lab passes an experiment to train.py (its model and
+# overrides as flags): windows of 7 tokens tile 224 px stages (56-28-14-7), one block per stage
+ABLATION = ['--model', 'inline_swin_t', '--window', '7', '--residual', 'none', '--model-kwargs', 'depths=(1,1,1,1)',
+            'embed_dim=16', 'num_heads=(1,1,2,2)', '--attention-impl', 'reference', '--synthetic-train', '16',
+            '--synthetic-val', '8', '--threads', '1']
 
 
 def test_every_starting_checkpoint_goes_through_one_function(tmp_path, capsys):
     """--resume FILE, --eval --checkpoint FILE and a rerun finding OUTPUT_DIR/checkpoint.pt are read alike: the
     saved flags fill those left unset, and an architecture other than the flags given ask for is refused."""
     out = str(tmp_path / 'run')
-    saved = resolved(['--experiment', 't4_window7_residual', '--lr', '0.01', '--output-dir', out])
+    saved = resolved(['--model', 'inline_swin_t', '--window', '7', '--lr', '0.01', '--output-dir', out])
     os.makedirs(out)
     path = os.path.join(out, 'checkpoint.pt')
     torch.save({'args': vars(saved.args), 'arch': dict(saved.arch, img_size=224, num_classes=10)}, path)
     for argv in (['--resume', path], ['--output-dir', out], ['--eval', '--checkpoint', path]):
         run = resolved(argv)
         assert run.saved_path == path and run.arch == saved.arch == dict(window=7)
-        assert (run.args.experiment, run.args.lr, run.args.img_size) == ('t4_window7_residual', 0.01, 224)
+        assert (run.args.model, run.args.lr, run.args.img_size) == ('inline_swin_t', 0.01, 224)
         assert 'this run asks for window=14. They differ in window' in refused(argv + ['--window', '14'], capsys)
         assert 'is a checkpoint of inline_swin_t, not of --model inline_pvt_t' in refused(
             argv + ['--model', 'inline_pvt_t'], capsys)
 
 
-def test_architecture_flags_and_experiments_resolve():
-    run = resolved(['--experiment', 't4_window7_no_residual', '--window', '14', '--kernel', 'relu', '--no-ape',
-                    '--model-kwargs', 'embed_dim=48', 'depths=(1,1,2,1)', 'layout=IIIS'])
-    assert run.args.model == 'inline_swin_t'
+def test_architecture_flags_and_model_kwargs_resolve():
+    run = resolved(['--residual', 'none', '--window', '14', '--kernel', 'relu', '--no-ape',
+                    '--model-kwargs', 'window=7', 'embed_dim=48', 'depths=(1,1,2,1)', 'layout=IIIS'])
+    assert run.args.model == 'inline_swin_t'  # the default model
     assert run.arch == dict(window=14, residual='none', kernel='relu', ape=False, embed_dim=48, depths=(1, 1, 2, 1),
-                            layout='IIIS')  # the experiment's residual, the flags' window over its 7
+                            layout='IIIS')  # the named flag's window wins over --model-kwargs' 7
     assert run.args.output_dir == os.path.join(
-        'runs', 't4_window7_no_residual-apeFalse-depths1.1.2.1-embed_dim48-kernelrelu-layoutIIIS-window14-synthetic')
+        'runs', 'inline_swin_t-apeFalse-depths1.1.2.1-embed_dim48-kernelrelu-layoutIIIS-residualnone-window14-synthetic')
     # the synthetic task: Swin's InLine windows smaller than its stages at 224 px, where they tile them
-    assert (resolved(['--experiment', 't4_window7_residual']).args.img_size, run.args.batch_size) == (224, 8)
-    assert resolved(['--experiment', 't4_window56_residual']).args.img_size == 32
-    assert resolved(['--experiment', 's_swin_t', '--data-path', 'imagenet']).args.drop_path == 0.2  # Swin-T's row
+    assert (resolved(['--window', '7']).args.img_size, run.args.batch_size) == (224, 8)
+    assert resolved(['--window', '56']).args.img_size == 32
+    softmax = resolved(['--model', 'inline_swin_t', '--layout', 'SSSS', '--data-path', 'imagenet'])
+    assert softmax.args.drop_path == 0.2  # Swin-T's row
 
 
 @pytest.mark.parametrize('argv,message', [
-    (['--experiment', 'nope'], 'unknown experiment nope; choose one of t3_linear_relu'),
+    (['--model', 'nope'], "argument --model: invalid choice: 'nope'"),
     (['--model-kwargs', 'depths'], '--model-kwargs takes KEY=VALUE pairs'),
     (['--model-kwargs', 'img_size=64'], '--model-kwargs img_size: train.py sets it; use --img-size')],
-    ids=['unknown-experiment', 'model-kwargs-without-value', 'model-kwargs-img-size'])
+    ids=['unknown-model', 'model-kwargs-without-value', 'model-kwargs-img-size'])
 def test_bad_architecture_flags_are_refused(argv, message, capsys):
     assert message in refused(argv, capsys)
 
@@ -854,12 +816,12 @@ def test_an_architecture_the_model_refuses_is_a_clear_error(capsys):
 
 def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_path, capsys):
     run_train(ABLATION + ['--epochs', '1'], cwd=tmp_path)
-    output_dir = tmp_path / 'runs' / 't4_window7_no_residual-depths1.1.1.1-embed_dim16-num_heads1.1.2.2-synthetic'
+    output_dir = tmp_path / 'runs' / 'inline_swin_t-depths1.1.1.1-embed_dim16-num_heads1.1.2.2-residualnone-window7-synthetic'
     path = str(output_dir / 'checkpoint.pt')
     arch = dict(window=7, residual='none', depths=(1, 1, 1, 1), embed_dim=16, num_heads=(1, 1, 2, 2))
     assert arch.items() <= load_checkpoint_file(path)['arch'].items()
     result = run_train(['--resume', path, '--epochs', '2', '--threads', '1'], cwd=tmp_path)  # no architecture flags
-    assert 'resumed from' in result.stdout and 'InLine windows 7' in result.stdout
+    assert 'resumed from' in result.stdout and "'window': 7" in result.stdout
     log = metrics(str(output_dir))
     assert [e['epoch'] for e in log] == [1, 2] and all(e['arch']['window'] == 7 for e in log)
     result = run_train(['--eval', '--checkpoint', path, '--attention-impl', 'reference', '--threads', '1'])

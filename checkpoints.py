@@ -1,0 +1,232 @@
+"""Checkpoint files: the released format, read as weights only and fitted to a model; train.py's, written
+atomically and resumed exactly.
+
+InLine attention: Han et al., NeurIPS 2024, arXiv 2412.06590. models.create_model(checkpoint=...) loads
+through load_checkpoint. For train.py, its run (a train.Run) and training state (a train.Training) come in as
+arguments; OUTPUT_DIR holds checkpoint.pt (the latest, which a rerun of the same command resumes), best.pt (a
+link to the best epoch's), metrics.jsonl (the checkpoint's log) and val_correct.pt (the last validation's
+per-image results, which the lab reads).
+"""
+import contextlib
+import json
+import math
+import os
+import pickle
+import random
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from data import fail, print0
+
+# ---------------------------------------------------------------------------------------------------
+# The released format {'model': state_dict}, and train.py's, which uses the same key
+
+REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')  # released buffers our models compute instead
+EMA_KEYS = ('model_ema', 'state_dict_ema')  # EMA weights beside 'model': train.py's; the authors' CSwin files
+
+
+def read_file(path):
+    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the file. A
+    file that also holds other Python objects (the authors' training files keep their yacs config) is refused
+    with a ValueError that gives the line keeping only its weights."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e:
+        stripped = os.path.splitext(path)[0] + '.weights.pth'
+        keep = ', '.join(map(repr, ('model',) + EMA_KEYS))
+        raise ValueError(
+            f"{path} holds Python objects besides weights (such as the authors' yacs config), which "
+            f"torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\n"
+            f"If you trust the file, keep only its weights once:\n"
+            f"python -c \"import torch; c = torch.load({path!r}, "
+            f"map_location='cpu', weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
+            f"{stripped!r})\"\nand pass {stripped} instead.") from None
+
+
+def resize_parameter(model, name, value, shape):
+    """Fit a checkpoint's position embedding or relative position table to a model built for another
+    image size (bicubic, as the released 384 px fine-tuning did); anything else is returned as is.
+    The checkpoint's grid is read as square (the released ones all are), else as the model's aspect."""
+    if name.endswith('relative_position_bias_table'):  # ((2w - 1)^2, H) -> ((2w' - 1)^2, H)
+        old, new = math.isqrt(value.shape[0]), math.isqrt(shape[0])
+        table = value.T.reshape(1, -1, old, old)  # (1, H, 2w - 1, 2w - 1)
+        table = F.interpolate(table, size=(new, new), mode='bicubic', align_corners=False)
+        return table.reshape(-1, new * new).T  # ((2w' - 1)^2, H)
+    if name.startswith('pos_embed') and value.shape[-1] == shape[-1]:
+        P = 1 if name == 'pos_embed' else 0  # DeiT's class token has a position embedding off the grid
+        new_grid = model.grid if name == 'pos_embed' else model.grids[int(name[len('pos_embed'):]) - 1]
+        n = value.shape[1] - P
+        h = math.isqrt(n) if math.isqrt(n) ** 2 == n else round(math.sqrt(n * new_grid[0] / new_grid[1]))
+        if h == 0 or n % h:
+            raise RuntimeError(f"cannot tell the grid of the checkpoint's {n} {name} vectors: "
+                               f"neither square nor of the model's aspect ratio; "
+                               f"build the model at the checkpoint's image size")
+
+        grid = resize_grid(value[:, P:], (h, n // h), new_grid, 'bicubic')  # (1, h'*w', C)
+        return torch.cat([value[:, :P], grid], dim=1)  # (1, P + h'*w', C)
+    return value
+
+
+def load_checkpoint(model, checkpoint):
+    """Load released or project weights into model: strict on parameters, ignoring the buffers we rebuild;
+    a different num_classes drops the head (with a warning); a different image size resizes.
+
+    checkpoint: a file's path (its 'model' entry, or the whole file if it is a bare state dict), or a state
+    dict already in memory (e.g. the EMA weights train.py read from its own file)."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = checkpoint
+        checkpoint = read_file(path)
+        state = checkpoint.get('model', checkpoint)
+    else:
+        path, state = 'the state dict', checkpoint
+    own = model.state_dict()
+    state = {k: v for k, v in state.items() if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
+    head = [k for k in state if k.startswith('head.')]
+    if any(k not in own or own[k].shape != state[k].shape for k in head):
+        warnings.warn(f"{path}: the checkpoint's head ({tuple(state['head.weight'].shape)}) does not fit "
+                      f"num_classes={model.num_classes}; keeping the model's new head")
+        state = {k: v for k, v in state.items() if k not in head}
+        own = {k: v for k, v in own.items() if not k.startswith('head.')}
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if missing or unexpected:
+        raise RuntimeError(f"{path} does not fit {type(model).__name__}: "
+                           f"missing {missing}, unexpected {unexpected}")
+    state = {k: v if v.shape == own[k].shape else resize_parameter(model, k, v, own[k].shape)
+             for k, v in state.items()}
+    wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}"
+             for k, v in state.items() if v.shape != own[k].shape]
+    if wrong:
+        raise RuntimeError(f"{path}: shapes that cannot be resized: {wrong}")
+    model.load_state_dict(state, strict=False)  # everything is checked above; strict=False for a dropped head
+    return model
+
+
+def resize_grid(tokens, old_grid, new_grid, mode):
+    """Resample tokens laid out on a grid, (1, h*w, C) -> (1, h'*w', C): position embeddings."""
+    x = tokens.transpose(1, 2).reshape(1, tokens.shape[2], *old_grid)  # (1, C, h, w)
+    x = F.interpolate(x, size=new_grid, mode=mode, align_corners=False)  # (1, C, h', w')
+    return x.flatten(2).transpose(1, 2)  # (1, h'*w', C)
+
+
+# ---------------------------------------------------------------------------------------------------
+# train.py's files
+
+CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
+
+
+def read_checkpoint(path):
+    """read_file (weights only, never code from the file), its refusals said once, by rank 0."""
+    try:
+        return read_file(path)
+    # no file; Python objects besides weights, with the line to strip them
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    except Exception as e:
+        fail(f'cannot read checkpoint {path}: {e}')
+
+
+def load_weights(model, saved, key, path):
+    """saved[key] (the whole of saved for a bare state dict) into model, with load_checkpoint's
+    checks."""
+    try:
+        load_checkpoint(model, saved.get(key, saved))
+    except RuntimeError as e:
+        fail(f'cannot load {path} ({key}): {e}')
+
+
+def link_atomic(src, dst):
+    """dst becomes the same file as src (a hard link, or a copy where links are unsupported), atomically."""
+    if os.path.exists(dst) and os.path.samefile(src, dst):  # renaming a link onto itself would leave dst.tmp
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(dst + '.tmp')
+    try:
+        os.link(src, dst + '.tmp')
+    except OSError:
+        shutil.copyfile(src, dst + '.tmp')
+    os.replace(dst + '.tmp', dst)
+
+
+def save_checkpoint(run, t, is_best=False):
+    """Everything a rerun needs to continue exactly, with every rank's random generators, written
+    atomically."""
+    state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
+             'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    states = [state] * run.world
+    if run.world > 1:
+        dist.all_gather_object(states, state)
+    if run.rank == 0:
+        path = os.path.join(run.args.output_dir, CHECKPOINT)
+        with open(path + '.tmp', 'wb') as f:
+            torch.save({'model': t.raw.state_dict(), 'optimizer': t.optimizer.state_dict(),
+                        'scheduler': t.scheduler.state_dict(), 'scaler': t.scaler.state_dict(),
+                        'model_ema': t.ema.module.state_dict() if t.ema else None,
+                        'ema_updates': int(t.ema.n_averaged) if t.ema else 0,
+                        'epoch': t.epoch, 'step': t.step,
+                        'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
+                        'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        # flushed to disk, then renamed: a crash leaves the old file or the new
+        os.replace(path + '.tmp', path)
+
+    publish(run, t, is_best)
+
+
+def publish(run, t, is_best):
+    """best.pt and metrics.jsonl follow checkpoint.pt (redone on resume, in case a kill came in between)."""
+    if run.rank != 0:
+        return
+    out = run.args.output_dir
+    if is_best:
+        link_atomic(os.path.join(out, CHECKPOINT), os.path.join(out, 'best.pt'))
+    metrics = os.path.join(out, 'metrics.jsonl')  # rewritten whole: always the checkpoint's log
+    with open(metrics + '.tmp', 'w') as f:
+        f.writelines(json.dumps(e) + '\n' for e in t.log)
+    os.replace(metrics + '.tmp', metrics)
+
+
+def resume(run, t):
+    """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, EMA, log and random
+    streams."""
+    saved, path, args = run.saved, run.saved_path, run.args
+    try:
+        t.raw.load_state_dict(saved['model'])
+        t.optimizer.load_state_dict(saved['optimizer'])
+    except (RuntimeError, ValueError, KeyError) as e:
+        fail(f'cannot resume from {path}: {e}')
+    t.scheduler.load_state_dict(saved['scheduler'])
+    t.scaler.load_state_dict(saved['scaler'])
+    if t.ema is not None and saved.get('model_ema') is not None:
+        t.ema.module.load_state_dict(saved['model_ema'])
+        t.ema.n_averaged.fill_(saved['ema_updates'])
+    t.epoch, t.step, t.best_acc, t.log = saved['epoch'], saved['step'], saved['best_acc1'], saved['log']
+    if len(saved['rng']) == run.world:  # this rank's random streams, as save_checkpoint gathered them
+        state = saved['rng'][run.rank]
+        torch.set_rng_state(state['torch'])
+        random.setstate(state['python'])
+        if state['cuda']:
+            torch.cuda.set_rng_state_all(state['cuda'])
+    else:
+        print0(f'warning: saved with {len(saved["rng"])} processes, now {run.world}; random streams differ')
+    changed = sorted(k for k, v in saved['args'].items()
+                     if vars(args).get(k) != v and k not in ('resume', 'workers', 'threads', 'output_dir'))
+    print0(f'resumed from {path}: epoch {t.epoch + 1}, step {t.step}' +
+           (f' (changed since saved: {", ".join(changed)})' if changed else ''))
+    if path == os.path.join(args.output_dir, CHECKPOINT):
+        publish(run, t, saved.get('is_best', False))
+
+
+def save_correct(run, name, correct):
+    """OUTPUT_DIR/<name>.pt: evaluate's per-image results (a bool tensor, one entry per validation image in
+    the validation set's order), which the lab reads; written by rank 0 atomically, as checkpoints are."""
+    if run.rank == 0:
+        path = os.path.join(run.args.output_dir, f'{name}.pt')
+        torch.save(correct, path + '.tmp')
+        os.replace(path + '.tmp', path)
