@@ -13,6 +13,7 @@ import statistics
 
 import torch
 
+import data
 import models
 import train
 from paper.charts import charts, print_table
@@ -235,7 +236,7 @@ def resolve_data(args, need=True):
     if source in train.SMALL_DATASETS:
         if args.download:  # torchvision fetches every split's files at once
             train.SMALL_DATASETS[source](args.data_path, download=True)
-        train.read_small(source, args.data_path, train=False)  # missing: says how to get them
+        data.read_small(source, args.data_path, train=False)  # missing: says how to get them
     elif args.dataset == 'imagefolder':
         for split in ('train', 'val'):
             if not os.path.isdir(os.path.join(args.data_path, split)):

@@ -17,6 +17,7 @@ from PIL import Image
 from torchvision.transforms import functional as TF
 from tqdm import tqdm
 
+import data
 import inline
 import models
 import train
@@ -365,7 +366,7 @@ def read_image(path, size):
     except Exception as e:
         train.fail(f'cannot read image {path}: {e}')
     x = TF.to_tensor(img.resize((size, size), Image.BICUBIC))  # (3, size, size) in [0, 1]
-    return TF.normalize(x, train.MEAN, train.STD)
+    return TF.normalize(x, data.MEAN, data.STD)
 
 
 def cmd_maps(args):
@@ -386,7 +387,7 @@ def cmd_maps(args):
     queries = [tuple(int(v) for v in q.split(',')) for q in args.queries]
     if any(not (0 <= y < grid[0] and 0 <= x_ < grid[1]) for y, x_ in queries):
         train.fail(f'--queries must lie on the {grid[0]}x{grid[1]} token grid (row,col from 0)')
-    image = (x * torch.tensor(train.STD)[:, None, None] + torch.tensor(train.MEAN)[:, None, None]).clamp(0, 1)
+    image = (x * torch.tensor(data.STD)[:, None, None] + torch.tensor(data.MEAN)[:, None, None]).clamp(0, 1)
     P = 1  # DeiT's class token, before the grid
     rows, table = [], []
     for name, (model, _) in loaded.items():

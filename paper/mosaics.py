@@ -18,8 +18,9 @@ from torchvision import datasets
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
 
+import data
 import train
-from train import TO_TENSOR, fail  # FashionRecall's argument `train` is the split
+from data import TO_TENSOR, fail  # FashionRecall's argument `train` is the split
 from paper.charts import font, save_png
 
 NAME = 'fashion_recall'
@@ -145,7 +146,7 @@ def load(args):
         train.fail(f'--dataset fashion_recall makes 64 px mosaics of 4x4 cells; --img-size {args.img_size} '
                    'would resample them: leave it unset or give 64')
     options = dict(task=args.recall_task, pairs=args.recall_pairs, query=args.recall_query)
-    found = [FashionRecall(*train.read_small('fashion_mnist', args.data_path or 'data', split)[:2], size,
+    found = [FashionRecall(*data.read_small('fashion_mnist', args.data_path or 'data', split)[:2], size,
                            args.seed if split else 0, split, **options)
              for split, size in ((True, args.synthetic_train or TRAIN_MOSAICS),
                                  (False, args.synthetic_val or TEST_MOSAICS))]
@@ -164,7 +165,7 @@ def register():
 def cmd_mosaics(args):
     """Samples of train.py's --dataset fashion_recall, test split, each task a row, every mosaic under its
     label."""
-    images, labels, classes = train.read_small('fashion_mnist', args.data_path, train=False)
+    images, labels, classes = data.read_small('fashion_mnist', args.data_path, train=False)
     rows = [(f'recall, {p} pairs', FashionRecall(images, labels, 8, 0, False, task='recall', pairs=p))
             for p in (2, 4)] + [('below, 16 items', FashionRecall(images, labels, 8, 0, False, task='below'))]
     scale, pad, text = 3, 12, 30  # each 64 px mosaic drawn 192 px wide, its label under it
@@ -176,7 +177,7 @@ def cmd_mosaics(args):
         for i in range(8):
             x, label = mosaics[i]
             # (64, 64), the gray channel
-            pixels = (x[0] * train.STD[0] + train.MEAN[0]).clamp(0, 1).mul(255).byte()
+            pixels = (x[0] * data.STD[0] + data.MEAN[0]).clamp(0, 1).mul(255).byte()
             tile = Image.fromarray(pixels.numpy(), 'L').resize((64 * scale,) * 2, Image.NEAREST)
             img.paste(tile, (150 + i * (64 * scale + pad), y))
             draw.text((150 + i * (64 * scale + pad), y + 64 * scale + 6), classes[label], fill='black',

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 from torchvision import datasets
 
+import data
 import inline
 import models
 import train
@@ -113,11 +114,7 @@ def test_experiment_switches_reject_bad_input():
         meta_model('inline_deit_t', depht=3)
 
 
-MERGED = pytest.mark.skipif(not hasattr(train, 'DATASETS'), reason="train.DATASETS (issue 42: train.py's "
-                            "--experiment and the mosaics move to the lab) is not in this train.py yet")
 
-
-@MERGED
 def test_paper_train_resolves_the_experiment_with_the_flags_given_winning(capsys):
     """python -m paper train NAME: the experiment's model and overrides become train.py's --model and
     --model-kwargs, and the flags given (--model-kwargs, the named attention flags) win over them, each
@@ -144,7 +141,6 @@ def test_paper_train_resolves_the_experiment_with_the_flags_given_winning(capsys
     assert 'unknown experiment or model t9_nothing' in capsys.readouterr().err
 
 
-@MERGED
 def test_recipe_a_new_experiment_by_name(monkeypatch):
     """An experiment is one experiment(...) line in paper/experiments.py: create_experiment, python -m paper
     train and the ablations find it."""
@@ -841,7 +837,6 @@ def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
     assert done[planned[0].key()]['epochs'][-1]['val_acc1'] == 42.0 and planned[1].key() in done
 
 
-@MERGED
 def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
     """--dataset imagefolder --data-path DIR: the same runs on an ImageFolder, with the small datasets' recipe
     in place of the released ImageNet one (no Mixup, RandAugment, erasing or EMA; one process, no
@@ -1195,7 +1190,6 @@ def test_paper_a_comparison_with_one_seed_of_per_image_results_is_not_run_yet():
     assert gate[3].startswith('+41.0 [') and gate[4] == 'seeds and test images'
 
 
-@MERGED
 def test_paper_mosaic_runs_draw_new_training_mosaics_a_seed_and_the_same_test_ones(tmp_path):
     """The mosaics' runs, as `python -m paper train` reads their command lines: task below, 20,000 training
     and 10,000 test mosaics; two seeds share their test mosaics and not their training ones."""
@@ -1231,7 +1225,7 @@ def test_mosaics_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, q
                               recall_query=query, synthetic_train=40, synthetic_val=30, seed=0, img_size=64)
     train_set, val_set = mosaics.load(args)
     assert (len(train_set), len(val_set)) == (40, 30) and train_set.classes == datasets.FashionMNIST.classes
-    test_images, test_labels, _ = train.read_small('fashion_mnist', str(tmp_path), train=False)
+    test_images, test_labels, _ = data.read_small('fashion_mnist', str(tmp_path), train=False)
     for i in range(30):
         classes, roles, images, label = val_set.layout(i)
         cells = {(r, c): (classes[r][c], roles[r][c], images[r][c]) for r in range(4) for c in range(4)}
@@ -1254,8 +1248,8 @@ def test_mosaics_labels_follow_from_each_mosaics_layout(tmp_path, task, pairs, q
         # the test split's
         assert all(test_labels[source] == c for c, _, source in cells.values() if source >= 0)
         x, y = val_set[i]
-        pixels = (x * torch.tensor(train.STD)[:, None, None]
-                  + torch.tensor(train.MEAN)[:, None, None])[0] * 255
+        pixels = (x * torch.tensor(data.STD)[:, None, None]
+                  + torch.tensor(data.MEAN)[:, None, None])[0] * 255
         assert y == label and x.shape == (3, 64, 64)
         for (r, c), (_, role, source) in cells.items():
             inner = pixels[16 * r + 1:16 * r + 15, 16 * c + 1:16 * c + 15]
