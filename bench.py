@@ -1,6 +1,6 @@
-"""Benchmarks of the InLine attention cores (arXiv 2412.06590): the fast core (kernels.py) against the reference
-(inline.py), softmax SDPA and the matmul floor; the causal core (sequence.py) against causal SDPA; and the
-reference's short demonstration. RESULTS.md shows each table under the command that printed it.
+"""Benchmarks of the InLine attention cores (arXiv 2412.06590): the fast core (kernels.py) against the
+reference (inline.py), softmax SDPA and the matmul floor; the causal core (sequence.py) against causal SDPA;
+and the reference's short demonstration. RESULTS.md shows each table under the command that printed it.
 
     python bench.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python bench.py --bench --json          # the same, one JSON object per case
@@ -44,8 +44,8 @@ def _sync(device):
 
 
 def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
-    """{name: [ms per round]}: every round calls each fn once; as many rounds as the slowest fn's budget allows.
-    warm_up=False: a first call longer than the budget is its own timing (softmax at 65k tokens)."""
+    """{name: [ms per round]}: every round calls each fn once; as many rounds as the slowest fn's budget
+    allows. warm_up=False: a first call longer than the budget is its own timing (softmax at 65k tokens)."""
     first = {}
     for name, fn in fns.items():
         for _ in range(2):
@@ -131,9 +131,10 @@ CAUSAL_TOKENS = (1024, 2048, 4096, 8192, 16384)  # python bench.py --causal-benc
 
 
 def bench_causal(N, dtype, device, B=1, H=4, D=64):
-    """One row of --causal-bench: the fast causal core, Eq. 5 alone and with Eq. 6 over 3 tokens, against causal
-    softmax (F.scaled_dot_product_attention(is_causal=True)), forward and forward + backward, in one interleaved run.
-    (The reference's (B, H, N, D, D) prefix sums need 1 GB per tensor at 16k tokens: it is left out.)"""
+    """One row of --causal-bench: the fast causal core, Eq. 5 alone and with Eq. 6 over 3 tokens, against
+    causal softmax (F.scaled_dot_product_attention(is_causal=True)), forward and forward + backward, in one
+    interleaved run. (The reference's (B, H, N, D, D) prefix sums need 1 GB per tensor at 16k tokens: it is
+    left out.)"""
     gen = torch.Generator(device).manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
     r = 0.1 * torch.randn(B, N, 3 * H * D, generator=gen, device=device, dtype=dtype)
@@ -156,8 +157,9 @@ def bench_causal(N, dtype, device, B=1, H=4, D=64):
 
 
 def bench_compile(device, dtype=torch.float32):
-    """What the fast core's first use in a process costs: its first forward and backward on a small case, which
-    compile the two graphs, or load them where the inductor cache (TORCHINDUCTOR_CACHE_DIR) already holds them."""
+    """What the fast core's first use in a process costs: its first forward and backward on a small case,
+    which compile the two graphs, or load them where the inductor cache (TORCHINDUCTOR_CACHE_DIR) already
+    holds them."""
     q, k, v, do = (torch.randn(2, 3, 64, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(4))
     r = torch.randn(2, 9 * 96, device=device, dtype=dtype, requires_grad=True)
     start = time.perf_counter()
@@ -167,9 +169,9 @@ def bench_compile(device, dtype=torch.float32):
 
 
 def bench_choices(device):
-    """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too (the forward
-    graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to it, against one through
-    compile_and_call's switches, marks and lock (one head of 49 tokens)."""
+    """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too (the
+    forward graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to it, against one
+    through compile_and_call's switches, marks and lock (one head of 49 tokens)."""
     def inputs(B, H, side):  # core_forward's arguments as InLineCore passes them
         gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
         return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
@@ -203,10 +205,11 @@ PER_CALL = {  # python bench.py --per-call: (batch, heads, tokens before the gri
 
 
 def bench_per_call(device, dtypes):
-    """What one call of the fast core costs beside its work, forward only, in one interleaved run per case: the whole
-    call without and with a gradient asked (the autograd Function), the two GEMMs of Eq. 5 alone (K^T V and Q Cov,
-    eager: the work no implementation avoids) and softmax SDPA on the same q, k, v. Call minus GEMMs is what the
-    call adds: the fused passes over q, k, v (means, centring, Eq. 6) and the cost of calling a compiled graph."""
+    """What one call of the fast core costs beside its work, forward only, in one interleaved run per case:
+    the whole call without and with a gradient asked (the autograd Function), the two GEMMs of Eq. 5 alone
+    (K^T V and Q Cov, eager: the work no implementation avoids) and softmax SDPA on the same q, k, v. Call
+    minus GEMMs is what the call adds: the fused passes over q, k, v (means, centring, Eq. 6) and the cost of
+    calling a compiled graph."""
     print(f"{'case':44s} {'dtype':>8s} | {'call us':>8s} {'w/ grad':>8s} | {'GEMMs':>7s} {'call - GEMMs':>12s} | "
           f"{'SDPA us':>8s}")
     for name, (B, H, P, side, D) in PER_CALL.items():

@@ -1,15 +1,14 @@
 """InLine attention, the readable reference: one equation of the paper at a time.
 
-Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. Linear attention normalises by division (w_ij = q_i.k_j / sum_t q_i.k_t), which maps
-q and 2q to the same weights: it is not injective. InLine normalises by subtraction instead (Eq. 5),
-which is injective (given D + 1 tokens or more: inline_weights) and still linear in N, and adds a local attention
-residual over each token's 3x3 neighbourhood (Eq. 6), because linear attention alone attends too little to nearby
-tokens.
+Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590.
+Linear attention normalises by division (w_ij = q_i.k_j / sum_t q_i.k_t), which maps q and 2q to the same
+weights: it is not injective. InLine normalises by subtraction instead (Eq. 5), which is injective (given
+D + 1 tokens or more: inline_weights) and still linear in N, and adds a local attention residual over each
+token's 3x3 neighbourhood (Eq. 6), because linear attention alone attends too little to nearby tokens.
 
-Read top to bottom: phi, the two baselines, Eq. 5 (explicit weights, then the linear form), Eq. 6, the core, the
-modules, and last the paper's ablation switches. Causal InLine, on 1-D sequences, is sequence.py; kernels.py holds
-the fast path and is tested against this file, which favours clarity over speed.
+Read top to bottom: phi, the two baselines, Eq. 5 (explicit weights, then the linear form), Eq. 6, the core,
+the modules, and last the paper's ablation switches. Causal InLine, on 1-D sequences, is sequence.py;
+kernels.py holds the fast path and is tested against this file, which favours clarity over speed.
 
     python bench.py --demo  # a short demonstration: injectivity, and the two forms of Eq. 5 agree
 
@@ -51,9 +50,9 @@ def get_kernel(name, head_dim=None):
 
 
 def check_grid(N, grid, leading_tokens=None):
-    """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w. leading_tokens is what the module
-    declares (DeiT's class token: 1; Swin's windows, PVT and CSwin: 0), and any other N is an error; None (the
-    cores, whose module has checked): any P >= 0. grid must be a pair of positive whole numbers."""
+    """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w. leading_tokens is what the
+    module declares (DeiT's class token: 1; Swin's windows, PVT and CSwin: 0), and any other N is an error;
+    None (the cores, whose module has checked): any P >= 0. grid must be a pair of positive whole numbers."""
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2
             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in grid)):
         raise ValueError(f"grid must be a pair (h, w) of positive whole numbers, the token grid; got {grid!r}")
@@ -97,23 +96,25 @@ def linear_attention_weights(q, k, eps=1e-6):
 
 
 # ---------------------------------------------------------------------------------------------------
-# InLine attention, Eq. 5: w_ij = s (q_i.k_j - q_i.k_mean) + 1/N, with s/N in place of s in the released models
+# InLine attention, Eq. 5: w_ij = s (q_i.k_j - q_i.k_mean) + 1/N, with s/N in place of s in the released
+# models
 
 def eq5_gain(s, n, scale_by_count=True):
-    """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens, decided here for every form. scale_by_count: s/n,
-    the released models' (they fold s/N into phi(Q); on a prefix it becomes s/i), which the authors' logits need;
-    else s, the paper's printed Eq. 5. n: the token count, or the counts (N, 1) of a causal form's rows."""
+    """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens, decided here for every form. scale_by_count:
+    s/n, the released models' (they fold s/N into phi(Q); on a prefix it becomes s/i), which the authors'
+    logits need; else s, the paper's printed Eq. 5. n: the token count, or the counts (N, 1) of a causal
+    form's rows."""
     return s / n if scale_by_count else s
 
 
 def inline_weights(q, k, scale=None, scale_by_count=True):
     """The explicit N x N weights of Eq. 5. Every row sums to exactly 1; weights may be negative.
 
-    scale_by_count (eq5_gain): w_ij = (s/N)(q_i.k_j - q_i.k_mean) + 1/N, the released models' factor, kept here
-    in the open so the output equals theirs; False: s (q_i.k_j - q_i.k_mean) + 1/N, Eq. 5 as the paper prints it.
-    Injective in q_i where the centred keys k_j - k_mean span all D dimensions, so at least D + 1 tokens: then
-    q_i -> row i is an affine map of full rank. With fewer, a change of q_i orthogonal to every k_j - k_mean leaves
-    row i as it was (README, "InLine on sequences"). The same under either factor.
+    scale_by_count (eq5_gain): w_ij = (s/N)(q_i.k_j - q_i.k_mean) + 1/N, the released models' factor, kept
+    here in the open so the output equals theirs; False: s (q_i.k_j - q_i.k_mean) + 1/N, Eq. 5 as the paper
+    prints it. Injective in q_i where the centred keys k_j - k_mean span all D dimensions, so at least D + 1
+    tokens: then q_i -> row i is an affine map of full rank. With fewer, a change of q_i orthogonal to every
+    k_j - k_mean leaves row i as it was (README, "InLine on sequences"). The same under either factor.
     """
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
@@ -155,9 +156,9 @@ LOCAL_SIZE = 3  # the side k of Eq. 6's k x k neighbourhood in the paper: every 
 
 def neighbourhood_size(residual, local_size=LOCAL_SIZE):
     """Eq. 6's neighbourhood side k, decided here for every piece that depends on it: the T = k^2 neighbour
-    weights per channel (residual_mlp), the reference (local_residual), the fast path's neighbour table and the
-    tests. 'local': local_size, odd and >= 1 (3 is the paper's); 'plain': 1, the token itself (o_i += r * v_i);
-    'none': None, no Eq. 6."""
+    weights per channel (residual_mlp), the reference (local_residual), the fast path's neighbour table and
+    the tests. 'local': local_size, odd and >= 1 (3 is the paper's); 'plain': 1, the token itself
+    (o_i += r * v_i); 'none': None, no Eq. 6."""
     if residual not in RESIDUALS:
         raise ValueError(f"unknown residual {residual!r}; choose one of {list(RESIDUALS)}")
     if not (isinstance(local_size, int) and local_size >= 1 and local_size % 2 == 1):
@@ -169,10 +170,10 @@ def neighbourhood_size(residual, local_size=LOCAL_SIZE):
 def residual_mlp(dim, num_heads, taps=9):
     """Holds the parameters that predict the T neighbour weights of every channel from the token mean of the
     input: W1 (C -> C) and W2 (C -> T*C), each block-diagonal with one block per head, GELU between
-    (residual_weights computes with them). Kept as the released model's two 1x1 grouped convolutions, one group per
-    head, so the keys (residual.0.*, residual.2.*) and shapes ((C, D, 1), (T*C, D, 1)) are the released
-    checkpoints'. Output channel T*c + t is the weight of neighbour t (row-major over the k x k neighbourhood,
-    T = k^2) for channel c = head*D + j.
+    (residual_weights computes with them). Kept as the released model's two 1x1 grouped convolutions, one
+    group per head, so the keys (residual.0.*, residual.2.*) and shapes ((C, D, 1), (T*C, D, 1)) are the
+    released checkpoints'. Output channel T*c + t is the weight of neighbour t (row-major over the k x k
+    neighbourhood, T = k^2) for channel c = head*D + j.
     """
     return nn.Sequential(
         nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
@@ -185,9 +186,10 @@ def residual_weights(mlp, x):
     """Eq. 6's weights r = W2 GELU(W1 m + b1) + b2 from m, the token mean of x (B, N, C); returns (B, T*C).
     (sequence.py's causal form takes m_i, the mean of x_1..x_i, at every token i: prefix_residual_weights.)
 
-    W1 and W2 are block-diagonal, one D x D (and T*D x D) block per head, so each head's slice of m is multiplied
-    by its own block: H small matmuls in one batch, what the released 1x1 grouped convolutions compute on a
-    sequence of length 1 (mlp holds their weights; a convolution would treat the (B, C) vector as a 1-token image).
+    W1 and W2 are block-diagonal, one D x D (and T*D x D) block per head, so each head's slice of m is
+    multiplied by its own block: H small matmuls in one batch, what the released 1x1 grouped convolutions
+    compute on a sequence of length 1 (mlp holds their weights; a convolution would treat the (B, C) vector as
+    a 1-token image).
     """
     return mean_residual_weights(mlp, x.mean(dim=1, keepdim=True))[:, 0]  # (B, T*C)
 
@@ -197,9 +199,9 @@ def mean_residual_weights(mlp, m):
     conv1, act, conv2 = mlp
     H, device = conv1.groups, m.device.type
     B, M, C = m.shape
-    # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 on every call would
-    # cost more than the matmuls (and a CPU's bf16 path for small matmuls is slower than its fp32). r comes out in
-    # the autocast dtype, as from autocast's matmuls.
+    # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 on every call
+    # would cost more than the matmuls (and a CPU's bf16 path for small matmuls is slower than its fp32). r
+    # comes out in the autocast dtype, as from autocast's matmuls.
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on 'meta'
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         m = m.to(conv1.weight.dtype).reshape(B * M, H, C // H).transpose(0, 1)  # (H, B*M, D): each head's slice
@@ -212,16 +214,16 @@ def mean_residual_weights(mlp, m):
 
 
 def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
-    """Eq. 6 on the last h*w of the N tokens of v (B, H, N, D): for each, the sum over its k x k neighbours t of
-    r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P = N - h*w leading tokens
-    (DeiT's class token), which are not on the grid. (On a 1-D sequence: sequence.sequence_residual.)
+    """Eq. 6 on the last h*w of the N tokens of v (B, H, N, D): for each, the sum over its k x k neighbours t
+    of r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P = N - h*w leading
+    tokens (DeiT's class token), which are not on the grid. (On a 1-D sequence: sequence.sequence_residual.)
 
-    r (B, T*C) per sample and channel, T = size^2, as residual_weights predicts it; or (B, N, T*C), per token too
-    (a change of the method: README, "Changing the method"; the leading tokens' rows are not read). Neighbour
-    t = size*dy + dx sits at offset (dilation*(dy - size//2), dilation*(dx - size//2)), row-major as Eq. 6 counts
-    (dilation > 1 is the paper's R-dil ablation; size 1 is the plain residual o_i += r * v_i). A sum over a
-    neighbourhood with one weight per channel is a depthwise convolution; other weights for every sample make it
-    one convolution with B*C groups, each (sample, channel) plane its own group.
+    r (B, T*C) per sample and channel, T = size^2, as residual_weights predicts it; or (B, N, T*C), per token
+    too (a change of the method: README, "Changing the method"; the leading tokens' rows are not read).
+    Neighbour t = size*dy + dx sits at offset (dilation*(dy - size//2), dilation*(dx - size//2)), row-major as
+    Eq. 6 counts (dilation > 1 is the paper's R-dil ablation; size 1 is the plain residual o_i += r * v_i). A
+    sum over a neighbourhood with one weight per channel is a depthwise convolution; other weights for every
+    sample make it one convolution with B*C groups, each (sample, channel) plane its own group.
     """
     B, H, N, D = v.shape
     P, (h, w) = check_grid(N, grid), grid
@@ -259,7 +261,8 @@ def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, scale
 def reference_path(module, q, k, v, x, grid, scale):
     """What module.attend runs after phi, with or without a gradient: Eq. 6's weights from x (B, N, C), then
     module.core, Eq. 5 + Eq. 6 (or linear attention's division, then the same Eq. 6). Returns o (B, H, N, D).
-    kernels.fast_path takes the same arguments and returns the same result; enable_fast puts it in module.path."""
+    kernels.fast_path takes the same arguments and returns the same result; enable_fast puts it in
+    module.path."""
     r = residual_weights(module.residual, x) if module.residual is not None else None  # (B, T*C)
     if module.attention == 'linear':  # the baseline: division instead of Eq. 5, then the same Eq. 6
         o = linear_attention(q, k, v)  # (B, H, N, D)
@@ -272,9 +275,9 @@ def reference_path(module, q, k, v, x, grid, scale):
 # The modules the four backbones share
 
 class InLineBase(nn.Module):
-    """What every InLine (or vanilla linear) attention does between its projections: phi, Eq. 6's weights, Eq. 5
-    (or the division of linear attention), Eq. 6. InLineAttention adds the projections; CSwin's stripe branch
-    (models.py) shares one qkv per block and so uses this alone.
+    """What every InLine (or vanilla linear) attention does between its projections: phi, Eq. 6's weights,
+    Eq. 5 (or the division of linear attention), Eq. 6. InLineAttention adds the projections; CSwin's stripe
+    branch (models.py) shares one qkv per block and so uses this alone.
 
     kernel: the kernel function phi, one of KERNELS.
     residual: 'local' (Eq. 6), 'plain' (o_i += r * v_i) or 'none'; local_size: Eq. 6's neighbourhood side k
@@ -284,8 +287,8 @@ class InLineBase(nn.Module):
         with identity or leakyrelu).
     leading_tokens: P, the tokens before the (h, w) grid, which take part in Eq. 5 but get no Eq. 6 (DeiT's
         class token: 1); every call must bring exactly P + h*w tokens.
-    scale_by_count: Eq. 5's factor s/N (True, the released models'), or s, the paper's printed Eq. 5 (eq5_gain).
-    nonneg, normalise_q: the ablations R-nonneg and T1 (ours), at the end of this file.
+    scale_by_count: Eq. 5's factor s/N (True, the released models'), or s, the paper's printed Eq. 5
+    (eq5_gain). nonneg, normalise_q: the ablations R-nonneg and T1 (ours), at the end of this file.
     """
     token_dims = 2  # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel (k on sequence.py's sequences)
 
@@ -316,17 +319,18 @@ class InLineBase(nn.Module):
         self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
         self.scale = attention_scale(dim // num_heads)  # Eq. 5's s, which prepare returns
         self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None
-        # The core, Eq. 5 + Eq. 6: this reference, or its compiled twin kernels.inline_core_fast (same arguments,
-        # same result), which kernels.enable_fast(model) puts here once it has run this module both ways and found
-        # the same output and gradients
+        # The core, Eq. 5 + Eq. 6: this reference, or its compiled twin kernels.inline_core_fast (same
+        # arguments, same result), which kernels.enable_fast(model) puts here once it has run this module both
+        # ways and found the same output and gradients
         self.core = inline_core
-        # attend's one path after phi: Eq. 6's weights, then the core. enable_fast may put kernels.fast_path here,
-        # which computes the same and, with no gradient asked, runs both in one compiled graph
+        # attend's one path after phi: Eq. 6's weights, then the core. enable_fast may put kernels.fast_path
+        # here, which computes the same and, with no gradient asked, runs both in one compiled graph
         self.path = reference_path
 
     def prepare(self, q, k):
-        """q, k (B, H, N, D) -> phi(q), phi(k) and the scale s: self.scale, a number or a tensor that broadcasts
-        against (B, H, N, 1), such as a learnable per-head temperature (1, H, 1, 1) (attention_scale)."""
+        """q, k (B, H, N, D) -> phi(q), phi(k) and the scale s: self.scale, a number or a tensor that
+        broadcasts against (B, H, N, 1), such as a learnable per-head temperature (1, H, 1, 1)
+        (attention_scale)."""
         q, k = self.phi(q), self.phi(k)
         if self.normalise_q is not None:  # T1: q and a*q give the same weights
             q = self.normalise_q(q)
@@ -447,9 +451,10 @@ KERNELS['zero'] = torch.zeros_like  # phi = 0: Eq. 5 gives every weight 1/N, att
 
 
 class NormalisedQ(nn.Module):
-    """q (B, H, N, D) -> q / |q| times a learned gain per head (init sqrt(D), where |q| is about sqrt(D) for unit
-    entries): the T1 ablation (ours). q and a*q (a > 0) then give the same weights, so softmax and InLine lose their
-    injectivity in q's length, while the gain still lets each head learn how sharp its weights are."""
+    """q (B, H, N, D) -> q / |q| times a learned gain per head (init sqrt(D), where |q| is about sqrt(D) for
+    unit entries): the T1 ablation (ours). q and a*q (a > 0) then give the same weights, so softmax and InLine
+    lose their injectivity in q's length, while the gain still lets each head learn how sharp its weights
+    are."""
 
     def __init__(self, num_heads, head_dim):
         super().__init__()

@@ -1,26 +1,26 @@
 """The fast InLine attention core: Eq. 5 + Eq. 6 as two compiled graphs with a closed-form backward.
 
-Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. `inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1,
-scale_by_count=True)` takes the same arguments, layout and result as inline.inline_core, the reference it replaces;
-`enable_fast(model)` swaps it into a model (models.create_model(name, fast=True) calls it) once it has run each of
-the model's attention configurations on both paths and found the output and every gradient equal
-(check_against_reference), so a change made in the reference that the fast core does not follow is refused when the
-model is built. test_inline.py proves the two equal.
+Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590.
+`inline_core_fast(q, k, v, r, grid, scale=None, size=3, dilation=1, scale_by_count=True)` takes the same
+arguments, layout and result as inline.inline_core, the reference it replaces; `enable_fast(model)` swaps it
+into a model (models.create_model(name, fast=True) calls it) once it has run each of the model's attention
+configurations on both paths and found the output and every gradient equal (check_against_reference), so a
+change made in the reference that the fast core does not follow is refused when the model is built.
+test_inline.py proves the two equal.
 
     (the benchmarks, with their command lines: bench.py; causal InLine's fast core: sequence.py)
 
 What it does, and why (RESULTS.md has the measurements, each under its command):
 - One torch.compile'd graph for the forward and one for the backward, called from a
-  torch.autograd.Function whose backward is written in closed form (the means' gradients vanish, so
-  there is no centring term to differentiate). Saved for backward: q, the centred k and v that the
-  forward writes anyway (in place of k and v, so no more memory), r, v_mean, the D x D covariance and the
-  (T, N) neighbour table (T = k^2 neighbours of Eq. 6's k x k neighbourhood). B, H and N are symbolic: one
-  graph per dtype, head dim and T serves every batch, head count, token grid and dilation; D is a
-  constant, so the channel loops vectorise without remainder loops.
-  Inside a torch.compile'd model the closed forms, forward and backward, are traced into the model's graph (run):
-  inductor fuses them with the layers around them, no call pays the core's entry, and the model's graph does not
-  break at each attention (RESULTS.md, "Whole models against softmax", has what it gains).
+  torch.autograd.Function whose backward is written in closed form (the means' gradients vanish, so there is
+  no centring term to differentiate). Saved for backward: q, the centred k and v that the forward writes
+  anyway (in place of k and v, so no more memory), r, v_mean, the D x D covariance and the (T, N) neighbour
+  table (T = k^2 neighbours of Eq. 6's k x k neighbourhood). B, H and N are symbolic: one graph per dtype,
+  head dim and T serves every batch, head count, token grid and dilation; D is a constant, so the channel
+  loops vectorise without remainder loops. Inside a torch.compile'd model the closed forms, forward and
+  backward, are traced into the model's graph (run): inductor fuses them with the layers around them, no call
+  pays the core's entry, and the model's graph does not break at each attention (RESULTS.md, "Whole models
+  against softmax", has what it gains).
 - Eq. 5 in centred-covariance form, as inline.py: k and v centred in fp32 before the GEMM, so no sum over
   tokens sees the means. Means and every other sum accumulate in fp32; bf16 GEMMs accumulate in fp32 and
   round once. In fp16 one operand of each sum over tokens is pre-scaled by N^-1/2 (sum_scale), so the
@@ -31,12 +31,13 @@ What it does, and why (RESULTS.md has the measurements, each under its command):
   shift and the T sums for dr likewise. The released B*C-group convolution needs V transposed to
   channel planes and back; a zero-padded shift would need masked loads, where every gather reads in bounds.
 - With no gradient asked (evaluation), fast_path (a module's path after phi) runs instead: Eq. 6's weight
-  predictor and the core's forward in one graph (infer_forward), which takes q, k, v as the projection leaves them.
-  With DeiT's 197 tokens the predictor's small ops, the copies and a second call cost more than the core's work.
+  predictor and the core's forward in one graph (infer_forward), which takes q, k, v as the projection leaves
+  them. With DeiT's 197 tokens the predictor's small ops, the copies and a second call cost more than the
+  core's work.
 - Compiling: a failed compile or cache load is retried in a private cache folder; only if that fails too does
-  the core run its closed form eagerly, after one warning that names any broken cache file. compile_lock is held
-  while a graph compiles or loads: nothing here; a program running many processes on one machine may put a lock
-  there (the lab's: paper/compile_lock.py).
+  the core run its closed form eagerly, after one warning that names any broken cache file. compile_lock is
+  held while a graph compiles or loads: nothing here; a program running many processes on one machine may put
+  a lock there (the lab's: paper/compile_lock.py).
 
 Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid,
 P = N - h*w leading tokens off the grid (DeiT's class token).
@@ -84,8 +85,8 @@ _cached_neighbourhood = functools.lru_cache(maxsize=32)(neighbourhood)
 
 
 def neighbour_table(cached, *args):
-    """A neighbour table from its per-shape cache; inside a torch.compile'd model built in the graph instead (a constant
-    there), since dynamo would trace past the cache with a warning."""
+    """A neighbour table from its per-shape cache; inside a torch.compile'd model built in the graph instead
+    (a constant there), since dynamo would trace past the cache with a warning."""
     return cached.__wrapped__(*args) if torch.compiler.is_compiling() else cached(*args)
 
 
@@ -120,9 +121,9 @@ def token_major(x):
 
 
 def core_forward(q, k, v, taps, index, masks, scale, scale_by_count):
-    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D) as
-    rounded to the input dtype (the GEMM's operands, computed anyway), v_mean (B, H, 1, D) and g N Cov (B, H, D, D),
-    g Eq. 5's factor s/N (scale_by_count) or s (inline.eq5_gain)."""
+    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D)
+    as rounded to the input dtype (the GEMM's operands, computed anyway), v_mean (B, H, 1, D) and g N Cov
+    (B, H, D, D), g Eq. 5's factor s/N (scale_by_count) or s (inline.eq5_gain)."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     k_mean = wide(k).mean(2, keepdim=True)  # (B, H, 1, D)
@@ -142,7 +143,8 @@ def core_forward(q, k, v, taps, index, masks, scale, scale_by_count):
 
 
 def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale_by_count):
-    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, D), given do = dLoss/do stored token-major."""
+    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, D), given do = dLoss/do stored
+    token-major."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
@@ -165,20 +167,22 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
 
 # ---------------------------------------------------------------------------------------------------
 # Inference: Eq. 6's weights and the core in one graph (fast_path). Where the tokens are few (DeiT's 197), the
-# predictor's eight small ops, the copies of the module's strided q, k, v and the second call cost more than the core.
+# predictor's eight small ops, the copies of the module's strided q, k, v and the second call cost more than
+# the core.
 
 def infer_forward(q, k, v, x, w1, b1, w2, b2, index, masks, scale, scale_by_count, dtype):
-    """inline.residual_weights then core_forward's o (B, H, N, D), token-major, in dtype: what InLineBase.attend
-    computes after prepare, with no gradient. q, k, v (B, H, N, D) as the module's projection leaves them (strided,
-    any float dtype); x (B, 1, N, C) the tokens Eq. 6's weights are predicted from; w1, b1, w2, b2 the predictor's
-    two 1x1 grouped convolutions' weights and biases ((C, D, 1), (C,), (T*C, D, 1), (T*C,)), or None for no Eq. 6.
-    residual_weights' matmuls, with W2's output channels reordered from T*c + t to neighbour-major (t, c), so the
-    taps come out (B, H, T, D) with D contiguous: Eq. 6's pass then reads each neighbour's weights as a vector,
-    where a transposed view of r is read one channel at a time (5x slower for DeiT-T's sizes). Same numbers."""
+    """inline.residual_weights then core_forward's o (B, H, N, D), token-major, in dtype: what
+    InLineBase.attend computes after prepare, with no gradient. q, k, v (B, H, N, D) as the module's
+    projection leaves them (strided, any float dtype); x (B, 1, N, C) the tokens Eq. 6's weights are predicted
+    from; w1, b1, w2, b2 the predictor's two 1x1 grouped convolutions' weights and biases ((C, D, 1), (C,),
+    (T*C, D, 1), (T*C,)), or None for no Eq. 6. residual_weights' matmuls, with W2's output channels reordered
+    from T*c + t to neighbour-major (t, c), so the taps come out (B, H, T, D) with D contiguous: Eq. 6's pass
+    then reads each neighbour's weights as a vector, where a transposed view of r is read one channel at a
+    time (5x slower for DeiT-T's sizes). Same numbers."""
     B, H, N, D = q.shape
-    # One contiguous copy each, fused with the cast: Eq. 6's gathers and the GEMMs then read a head's tokens in a row.
-    # At DeiT-T's 197 tokens the copies cost nothing measurable; at 4,097 reading the projection's layout instead
-    # cost about 5% of the model (RESULTS.md, "Whole models against softmax")
+    # One contiguous copy each, fused with the cast: Eq. 6's gathers and the GEMMs then read a head's tokens
+    # in a row. At DeiT-T's 197 tokens the copies cost nothing measurable; at 4,097 reading the projection's
+    # layout instead cost about 5% of the model (RESULTS.md, "Whole models against softmax")
     q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous()
     taps = None
     if w1 is not None:
@@ -225,16 +229,16 @@ def symbolic_sizes(args, N):
 
 
 def signature(f, args):
-    """A key for what dynamo's guards on f's graph check: the device, inference flag, grad mode, head dim D and
-    B, H, N as 0, 1 or more (dynamo specialises 0 and 1) of args[0], whose sizes fix every other
-    tensor's but the neighbour count T; each tensor's dtype and the index's T (its only 2-D tensor); the
-    other arguments (scale, or None where Eq. 6 is off, and scale_by_count, which changes the graph); for a graph
-    over chunks of f.chunk tokens (sequence.py's causal core) also its chunk count N / f.chunk as 1 or more. Some guards no key can
-    foresee: a torch-function mode in force (enable_fast's check steps outside them), or a size bound that inductor's
-    choices put on a graph (N <= 4096 on the CPU: 1024 px DeiT has 4097 tokens). Failing under a known key, such a
-    guard would make dynamo recompile without our switches, and past its recompile limit of 8 run the closed form
-    eagerly, unwarned; run calls a known key's graph under the stance fail_on_recompile instead, and compiles another
-    graph with the switches."""
+    """A key for what dynamo's guards on f's graph check: the device, inference flag, grad mode, head dim D
+    and B, H, N as 0, 1 or more (dynamo specialises 0 and 1) of args[0], whose sizes fix every other tensor's
+    but the neighbour count T; each tensor's dtype and the index's T (its only 2-D tensor); the other
+    arguments (scale, or None where Eq. 6 is off, and scale_by_count, which changes the graph); for a graph
+    over chunks of f.chunk tokens (sequence.py's causal core) also its chunk count N / f.chunk as 1 or more.
+    Some guards no key can foresee: a torch-function mode in force (enable_fast's check steps outside them),
+    or a size bound that inductor's choices put on a graph (N <= 4096 on the CPU: 1024 px DeiT has 4097
+    tokens). Failing under a known key, such a guard would make dynamo recompile without our switches, and
+    past its recompile limit of 8 run the closed form eagerly, unwarned; run calls a known key's graph under
+    the stance fail_on_recompile instead, and compiles another graph with the switches."""
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // f.chunk, 2),) if hasattr(f, 'chunk') else ()
     heads = (x.shape[1],) if f is infer_forward else ()  # its weights' shapes (C, D, 1) fix H
@@ -250,8 +254,8 @@ COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, ImportError, OSError)
 
 def compile_lock(key):
     """The context held while the graph of signature key compiles or loads from the inductor cache: none. The
-    lab's parallel runs put a lock per graph here (paper/compile_lock.py), so that one process compiles while the
-    others wait and then load the graph."""
+    lab's parallel runs put a lock per graph here (paper/compile_lock.py), so that one process compiles while
+    the others wait and then load the graph."""
     return contextlib.nullcontext()
 
 
@@ -268,9 +272,9 @@ def broken_file(error):
 
 
 def compile_and_call(f, args, key):
-    """f(*args) through its compiled graph: from the inductor cache, under compile_lock; if that fails, compiled
-    once more in a private folder of this process. A cache file left broken (a .so cut short by a process
-    that died while writing it) otherwise fails every later load of that graph on this machine."""
+    """f(*args) through its compiled graph: from the inductor cache, under compile_lock; if that fails,
+    compiled once more in a private folder of this process. A cache file left broken (a .so cut short by a
+    process that died while writing it) otherwise fails every later load of that graph on this machine."""
     symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
     try:
         with compile_lock(key), compile_options():
@@ -321,8 +325,8 @@ def run(f, *args):
 
 
 def forward_graph(q, k, v, taps, table, scale, scale_by_count):
-    """core_forward on the core's inputs: o (B, H, N, D), stored token-major, and what the backward keeps. taps
-    (B, H, T, D) Eq. 6's weights, neighbour before channel, and table their (index, masks), or None."""
+    """core_forward on the core's inputs: o (B, H, N, D), stored token-major, and what the backward keeps.
+    taps (B, H, T, D) Eq. 6's weights, neighbour before channel, and table their (index, masks), or None."""
     # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
     # need these copies of a model's strided q, k, v views anyway.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -369,8 +373,9 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
 
 
 def apply_core(q, k, v, r, table, scale, scale_by_count):
-    """inline_core_fast after its checks, for any neighbour table (index, masks) of Eq. 6 (sequence.py's 1-D one
-    too): r (B, T*C) becomes taps (B, H, T, D); the autograd Function only where a gradient is asked."""
+    """inline_core_fast after its checks, for any neighbour table (index, masks) of Eq. 6
+    (sequence.py's 1-D one too): r (B, T*C) becomes taps (B, H, T, D); the autograd Function only where a
+    gradient is asked."""
     B, H, N, D = q.shape
     q, scale = fold_scale(q, scale)
     device = q.device.type
@@ -386,19 +391,19 @@ def apply_core(q, k, v, r, table, scale, scale_by_count):
 
 
 def fold_scale(q, scale):
-    """q and Eq. 5's s as the compiled graphs take them: s a number (None: D^-1/2), or a tensor that broadcasts
-    against (B, H, N, 1), a learnable temperature say, which joins q outside the graphs, s q^T Cov = (s q)^T Cov
-    over each prefix too, so that autograd takes its gradient."""
+    """q and Eq. 5's s as the compiled graphs take them: s a number (None: D^-1/2), or a tensor that
+    broadcasts against (B, H, N, 1), a learnable temperature say, which joins q outside the graphs, s q^T
+    Cov = (s q)^T Cov over each prefix too, so that autograd takes its gradient."""
     if isinstance(scale, torch.Tensor):
         return q * scale, 1.0
     return q, inline.attention_scale(q.shape[-1]) if scale is None else scale
 
 
 def fast_path(module, q, k, v, x, grid, scale):
-    """inline.reference_path's arguments and result, for a module whose core is inline_core_fast: with a gradient
-    asked, that path; with none (evaluation), Eq. 6's weights (inline.residual_weights) and the core in one
-    compiled graph (infer_forward). enable_fast puts it in module.path once check_against_reference has found the
-    module's output on both equal to the reference's."""
+    """inline.reference_path's arguments and result, for a module whose core is inline_core_fast: with a
+    gradient asked, that path; with none (evaluation), Eq. 6's weights (inline.residual_weights) and the core
+    in one compiled graph (infer_forward). enable_fast puts it in module.path once check_against_reference has
+    found the module's output on both equal to the reference's."""
     if torch.is_grad_enabled():
         return inline.reference_path(module, q, k, v, x, grid, scale)
     N = q.shape[2]
@@ -412,7 +417,8 @@ def fast_path(module, q, k, v, x, grid, scale):
         weights = [conv1.weight, conv1.bias, conv2.weight, conv2.bias]
         index, masks = neighbour_table(_cached_neighbourhood, N, tuple(grid), q.device, module.local_size,
                                        module.dilation)
-    # The graph casts to dtype itself; entered only where needed, since a graph called inside the context costs more
+    # The graph casts to dtype itself; entered only where needed, since a graph called inside the context
+    # costs more
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         return run(infer_forward, q, k, v, x[:, None], *weights, index, masks, scale, module.scale_by_count, dtype)
 
@@ -422,24 +428,24 @@ FAST_PATHS = {inline_core_fast: fast_path}  # a fast core -> the path enable_fas
 
 
 def unsupported(module):
-    """What of an InLine module's options (inline.InLineBase) the fast core does not cover, or None. It covers every
-    option of InLine attention (kernel, residual, local_size, dilation, nonneg, APE: they change its inputs or its
-    neighbour table), but not vanilla linear attention, which divides where Eq. 5 subtracts."""
+    """What of an InLine module's options (inline.InLineBase) the fast core does not cover, or None. It covers
+    every option of InLine attention (kernel, residual, local_size, dilation, nonneg, APE: they change its
+    inputs or its neighbour table), but not vanilla linear attention, which divides where Eq. 5 subtracts."""
     return "attention='linear' (layout letter L, vanilla linear attention)" if module.attention == 'linear' else None
 
 
 def configuration(module):
-    """What decides an InLine module's computation besides its weights: its class, its plain attributes (options,
-    head count and dim, leading tokens, and any a change in code adds) and its parameters' names. Modules alike in
-    these run the same code, so one check serves them all."""
+    """What decides an InLine module's computation besides its weights: its class, its plain attributes
+    (options, head count and dim, leading tokens, and any a change in code adds) and its parameters' names.
+    Modules alike in these run the same code, so one check serves them all."""
     plain = (bool, int, float, str, tuple, type(None))
     attributes = sorted((k, v) for k, v in vars(module).items() if isinstance(v, plain) and k != 'training')
     return type(module), tuple(attributes), tuple(name for name, _ in module.named_parameters())
 
 
 def check_inputs(module, device, generator):
-    """A small random call of module.attend: q, k, v (2, H, N, D) and x (2, N, C) in fp32, and its grid, of the
-    shape module.check_shape() gives (inline.InLineBase: a 6x7 grid after the module's leading tokens)."""
+    """A small random call of module.attend: q, k, v (2, H, N, D) and x (2, N, C) in fp32, and its grid, of
+    the shape module.check_shape() gives (inline.InLineBase: a 6x7 grid after the module's leading tokens)."""
     H, D = module.num_heads, module.head_dim
     N, grid = module.check_shape()
     q, k, v = (torch.randn(2, H, N, D, generator=generator, device='cpu').to(device) for _ in range(3))
@@ -458,9 +464,10 @@ def attend_and_differentiate(module, inputs, do):
 
 
 def difference(exact, reference, fast):
-    """Why fast is not the reference's number, or None. exact: the reference in float64; reference: in fp32. The
-    fast core may err by twice the fp32 reference's own error, plus 1e-5 of the quantity's largest value (summation
-    order; a wrong formula or a lost gradient is off by far more). None (no gradient reaches it) counts as 0."""
+    """Why fast is not the reference's number, or None. exact: the reference in float64; reference: in fp32.
+    The fast core may err by twice the fp32 reference's own error, plus 1e-5 of the quantity's largest value
+    (summation order; a wrong formula or a lost gradient is off by far more). None (no gradient reaches it)
+    counts as 0."""
     if exact is None and fast is None:
         return None
     size = (exact if exact is not None else fast).abs().max().item()
@@ -477,8 +484,9 @@ def difference(exact, reference, fast):
 
 @contextlib.contextmanager
 def outside_function_modes():
-    """Run without the torch-function modes in force, such as the `with torch.device('meta')` a model may be built
-    under: a graph compiled under a mode is guarded on it, and every later call without it would compile again."""
+    """Run without the torch-function modes in force, such as the `with torch.device('meta')` a model may be
+    built under: a graph compiled under a mode is guarded on it, and every later call without it would compile
+    again."""
     modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
     try:
         yield
@@ -488,11 +496,12 @@ def outside_function_modes():
 
 
 def check_against_reference(path, module, core, device, fast_path=None):
-    """Raise ValueError unless core, put in module's place of its reference core (module.core), gives module.attend
-    the output and the gradients of q, k, v, x and every parameter of the reference path (on check_inputs, against
-    the reference in float64, with difference's tolerance), and fast_path (None: module.path), put in module.path,
-    the same output with no gradient too where it is not the module's own path. Copies of the module run it, so the
-    model and the global random state are untouched; a module on the meta device is checked with random weights."""
+    """Raise ValueError unless core, put in module's place of its reference core (module.core), gives
+    module.attend the output and the gradients of q, k, v, x and every parameter of the reference path (on
+    check_inputs, against the reference in float64, with difference's tolerance), and fast_path
+    (None: module.path), put in module.path, the same output with no gradient too where it is not the module's
+    own path. Copies of the module run it, so the model and the global random state are untouched; a module on
+    the meta device is checked with random weights."""
     with outside_function_modes():
         generator = torch.Generator().manual_seed(0)
         reference = copy.deepcopy(module)
@@ -533,15 +542,15 @@ def check_against_reference(path, module, core, device, fast_path=None):
 
 
 def enable_fast(model, core=None, device=None, log=print):
-    """Set `.core` to its fast twin (FAST_CORES; or to core, where given) on every InLine module of model whose core
-    is a reference, and `.path` to the path beside it (FAST_PATHS: fast_path, which runs Eq. 6's weights and the
-    core in one graph when no gradient is asked); returns how many. First every module is checked, so a model is
-    fast throughout or refused when it is built, never half fast: an option the fast core lacks (unsupported) is
-    refused by name; then one module of each configuration is run on both paths (check_against_reference), so a
-    change made in code that the fast core does not follow (a scale without its gradient, Eq. 6 weights of another
-    shape) is refused too, naming the module and the quantity that differs. device: where the check runs (default:
-    the model's; the meta device's on the CPU); log: how each configuration's check reports its cost (None:
-    silent)."""
+    """Set `.core` to its fast twin (FAST_CORES; or to core, where given) on every InLine module of model
+    whose core is a reference, and `.path` to the path beside it (FAST_PATHS: fast_path, which runs Eq. 6's
+    weights and the core in one graph when no gradient is asked); returns how many. First every module is
+    checked, so a model is fast throughout or refused when it is built, never half fast: an option the fast
+    core lacks (unsupported) is refused by name; then one module of each configuration is run on both paths
+    (check_against_reference), so a change made in code that the fast core does not follow (a scale without
+    its gradient, Eq. 6 weights of another shape) is refused too, naming the module and the quantity that
+    differs. device: where the check runs (default: the model's; the meta device's on the CPU); log: how each
+    configuration's check reports its cost (None: silent)."""
     modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]  # each setup_inline gave one
     lacking = sorted({unsupported(m) for _, m in modules} - {None})
     if lacking:

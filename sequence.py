@@ -1,16 +1,18 @@
-"""Causal InLine: InLine attention on 1-D sequences, over each prefix (causal) or both ways, and its fast core.
+"""Causal InLine: InLine attention on 1-D sequences, over each prefix (causal) or both ways, and its fast
+core.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590,
-carried to sequences (README, "InLine on sequences"): Eq. 5 over each prefix 1..i, w_ij = g_i (q_i.k_j -
-q_i.k_mean_i) + 1/i for j <= i, 0 for j > i, in three forms (prefix sums, chunks for training, a recurrent step for
-generation), and Eq. 6 over token i and the k - 1 before it, its weights from the mean of x_1..x_i, so that no
-output sees a later token. SequenceAttention(dim, num_heads) is the module, called on (B, N, C) with no grid
-(causal=False: Eq. 5 over all N tokens and Eq. 6 over the k tokens centred on each); DecoderBlock the README's
-decoder block. inline.py holds the equations on a grid; this file imports it and kernels.py, never the reverse.
+carried to sequences (README, "InLine on sequences"): Eq. 5 over each prefix 1..i, w_ij = g_i
+(q_i.k_j - q_i.k_mean_i) + 1/i for j <= i, 0 for j > i, in three forms (prefix sums, chunks for training, a
+recurrent step for generation), and Eq. 6 over token i and the k - 1 before it, its weights from the mean of
+x_1..x_i, so that no output sees a later token. SequenceAttention(dim, num_heads) is the module, called on
+(B, N, C) with no grid (causal=False: Eq. 5 over all N tokens and Eq. 6 over the k tokens centred on each);
+DecoderBlock the README's decoder block. inline.py holds the equations on a grid; this file imports it and
+kernels.py, never the reverse.
 
-Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D; i a token's count in its prefix, g_i
-Eq. 5's factor s/i (scale_by_count, the released models' s/N on each prefix) or s (Eq. 5 as printed); T = k
-neighbour weights per channel.
+Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D; i a token's count in its prefix,
+g_i Eq. 5's factor s/i (scale_by_count, the released models' s/N on each prefix) or s (Eq. 5 as printed);
+T = k neighbour weights per channel.
 """
 import functools
 
@@ -26,8 +28,8 @@ from kernels import neighbours, wide
 # The baseline and Eq. 5 over each prefix: q, k, v (B, H, N, D) through phi -> (B, H, N, D)
 
 def causal_linear_attention(q, k, v, eps=1e-6):
-    """inline.linear_attention over each prefix: q_i^T sum_{j<=i} k_j v_j^T / (q_i . sum_{j<=i} k_j), in chunks
-    (causal_products)."""
+    """inline.linear_attention over each prefix: q_i^T sum_{j<=i} k_j v_j^T / (q_i . sum_{j<=i} k_j), in
+    chunks (causal_products)."""
     return causal_products(q, k, v)[0] / ((q * k.cumsum(2)).sum(-1, keepdim=True) + eps)  # (B, H, N, D)
 
 
@@ -38,9 +40,9 @@ def causal_linear_attention_weights(q, k, eps=1e-6):
 
 
 def causal_inline_weights(q, k, scale=None, scale_by_count=True):
-    """The explicit weights of Eq. 5 over each prefix, w_ij = g_i (q_i.k_j - q_i.k_mean_i) + 1/i for j <= i, 0 for
-    j > i, with k_mean_i the mean of k_1..k_i and g_i = s/i or s (inline.eq5_gain); rows still sum to 1. Injective
-    in q_i from token D + 1 on, as inline.inline_weights says."""
+    """The explicit weights of Eq. 5 over each prefix, w_ij = g_i (q_i.k_j - q_i.k_mean_i) + 1/i for j <= i, 0
+    for j > i, with k_mean_i the mean of k_1..k_i and g_i = s/i or s (inline.eq5_gain); rows still sum to 1.
+    Injective in q_i from token D + 1 on, as inline.inline_weights says."""
     N = q.shape[2]
     s = inline.attention_scale(q.shape[-1]) if scale is None else scale
     n = torch.arange(1, N + 1, dtype=q.dtype, device=q.device)[:, None]  # (N, 1): the count i of row i
@@ -51,14 +53,14 @@ def causal_inline_weights(q, k, scale=None, scale_by_count=True):
 
 
 def causal_inline_attention(q, k, v, scale=None, scale_by_count=True):
-    """inline.inline_attention over each prefix, o_i = g_i i q_i^T Cov_i + v_mean_i, from prefix sums of k v^T, k
-    and v: O(N D^2) with (B, H, N, D, D) prefix sums (inline_chunked does without them)."""
+    """inline.inline_attention over each prefix, o_i = g_i i q_i^T Cov_i + v_mean_i, from prefix sums of k
+    v^T, k and v: O(N D^2) with (B, H, N, D, D) prefix sums (inline_chunked does without them)."""
     N = q.shape[2]
     s = inline.attention_scale(q.shape[-1]) if scale is None else scale
-    # Cov_i = (1/i) sum_{j<=i} k_j v_j^T - k_mean_i v_mean_i^T: the uncentred form, since centring on a mean that
-    # moves with i would revisit every earlier token. Its subtraction cancels the leading digits the means
-    # share: with means m times the spread, about 2 log2(m) bits are lost, most of bf16's 8 but few of fp32's
-    # 24. So the sums accumulate and subtract in fp32 (or wider) and the output is rounded once.
+    # Cov_i = (1/i) sum_{j<=i} k_j v_j^T - k_mean_i v_mean_i^T: the uncentred form, since centring on a mean
+    # that moves with i would revisit every earlier token. Its subtraction cancels the leading digits the
+    # means share: with means m times the spread, about 2 log2(m) bits are lost, most of bf16's 8 but few of
+    # fp32's 24. So the sums accumulate and subtract in fp32 (or wider) and the output is rounded once.
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     n = torch.arange(1, N + 1, dtype=acc, device=q.device)[:, None]  # (N, 1): the count i
@@ -70,9 +72,10 @@ def causal_inline_attention(q, k, v, scale=None, scale_by_count=True):
 
 
 def causal_products(q, k, v, kv=None, chunk=64):
-    """sum_{j<=i} (q_i.k_j) v_j for every token i, (B, H, N, D), in chunks of L tokens: the masked L x L products
-    within a chunk, a running D x D sum of k v^T across chunks, which starts from kv (B, H, D, D), the sum over the
-    tokens before these (None: none). Returns them and the running sum after the last token. O(N L D + N D^2)."""
+    """sum_{j<=i} (q_i.k_j) v_j for every token i, (B, H, N, D), in chunks of L tokens: the masked L x L
+    products within a chunk, a running D x D sum of k v^T across chunks, which starts from kv (B, H, D, D),
+    the sum over the tokens before these (None: none). Returns them and the running sum after the last token.
+    O(N L D + N D^2)."""
     B, H, N, D = q.shape
     L = min(chunk, N)
     qc, kc, vc = (F.pad(t, (0, 0, 0, -N % L)).reshape(B, H, -1, L, D) for t in (q, k, v))  # (B, H, N/L, L, D)
@@ -87,8 +90,9 @@ def causal_products(q, k, v, kv=None, chunk=64):
 
 def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=True):
     """Causal Eq. 5 in chunks, for training: causal_inline_attention's output without its (B, H, N, D, D)
-    prefix sums. state: inline_step's, the tokens before these (None: none), so a sequence goes on where a call
-    stopped. Returns o (B, H, N, D) and the state after the last token. Sums in fp32, as in causal_inline_attention."""
+    prefix sums. state: inline_step's, the tokens before these (None: none), so a sequence goes on where a
+    call stopped. Returns o (B, H, N, D) and the state after the last token. Sums in fp32, as in
+    causal_inline_attention."""
     B, H, N, D = q.shape
     s = inline.attention_scale(D) if scale is None else scale
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
@@ -106,10 +110,10 @@ def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=Tru
 
 
 def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
-    """One token of causal Eq. 5, for generation: q_t, k_t, v_t (B, H, D) -> o_t (B, H, D) and the state after it,
-    (sum k v^T (B, H, D, D), sum k (B, H, D), sum v (B, H, D), count): one size however long the sequence, and
-    inline_chunked's; None starts a sequence. Sums in fp32, as in causal_inline_attention. Eq. 6 as well: a module's
-    step (SequenceAttention.step) adds sequence_residual_step."""
+    """One token of causal Eq. 5, for generation: q_t, k_t, v_t (B, H, D) -> o_t (B, H, D) and the state after
+    it, (sum k v^T (B, H, D, D), sum k (B, H, D), sum v (B, H, D), count): one size however long the sequence,
+    and inline_chunked's; None starts a sequence. Sums in fp32, as in causal_inline_attention. Eq. 6 as well:
+    a module's step (SequenceAttention.step) adds sequence_residual_step."""
     s = inline.attention_scale(q_t.shape[-1]) if scale is None else scale
     dtype, acc = q_t.dtype, torch.promote_types(q_t.dtype, torch.float32)
     kv, k_sum, v_sum, count = state if state is not None else (0, 0, 0, 0)
@@ -128,18 +132,19 @@ def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
 # Eq. 6 on a sequence: T = k taps per channel, the last k tokens (causal) or the k centred on each
 
 def prefix_residual_weights(mlp, x):
-    """inline.residual_weights at each token i from the mean m_i of x_1..x_i (B, N, C), so that no weight looks
-    ahead: (B, N, T*C). The sums in fp32."""
+    """inline.residual_weights at each token i from the mean m_i of x_1..x_i (B, N, C), so that no weight
+    looks ahead: (B, N, T*C). The sums in fp32."""
     n = torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]  # (N, 1)
     m = (x.to(torch.promote_types(x.dtype, torch.float32)).cumsum(1) / n).to(x.dtype)  # (B, N, C)
     return inline.mean_residual_weights(mlp, m)  # (B, N, T*C)
 
 
 def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
-    """Eq. 6 on a 1-D sequence v (B, H, N, D), T = k = size taps per channel: o_i += sum_t r[.., T*c + t] *
-    v_{i + dilation*(t - (k-1))} causal (tokens i, i-1, .., i-k+1; zero before the start), else
-    v_{i + dilation*(t - k//2)} (k tokens centred on i; zero outside). r (B, T*C) per sample, or causal
-    (B, N, T*C) per token, predicted from the prefix mean (prefix_residual_weights). A depthwise 1-D convolution."""
+    """Eq. 6 on a 1-D sequence v (B, H, N, D), T = k = size taps per channel: o_i += sum_t
+    r[.., T*c + t] * v_{i + dilation*(t - (k-1))} causal (tokens i, i-1, .., i-k+1; zero before the start),
+    else v_{i + dilation*(t - k//2)} (k tokens centred on i; zero outside). r (B, T*C) per sample, or causal
+    (B, N, T*C) per token, predicted from the prefix mean (prefix_residual_weights). A depthwise 1-D
+    convolution."""
     B, H, N, D = v.shape
     if r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
         raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
@@ -154,8 +159,9 @@ def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
 
 def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilation=1):
     """One token of causal Eq. 6, for generation: v_t (B, H, D) and its weights r_t (B, T*C), T = size, ->
-    sum_t r_t[.., T*c + t] v_{i + dilation*(t - (k-1))} (B, H, D), and recent after it: the last dilation*(k-1)
-    values (B, H, dilation*(k-1), D), all Eq. 6 reaches back to (None: none yet, zero before the start)."""
+    sum_t r_t[.., T*c + t] v_{i + dilation*(t - (k-1))} (B, H, D), and recent after it: the last
+    dilation*(k-1) values (B, H, dilation*(k-1), D), all Eq. 6 reaches back to (None: none yet, zero before
+    the start)."""
     B, H, D = v_t.shape
     reach = dilation * (size - 1)
     recent = v_t.new_zeros(B, H, reach, D) if recent is None else recent  # zero before the start, as sequence_residual
@@ -167,9 +173,9 @@ def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilati
 
 def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
                   scale_by_count=True):
-    """inline.inline_core on a 1-D sequence (grid None): Eq. 5, then Eq. 6 over T = size taps; causal: Eq. 5 over
-    each prefix, Eq. 6 over the last k tokens, r (B, N, T*C); else r (B, T*C). sequence_core_fast takes the same
-    arguments and returns the same result, faster."""
+    """inline.inline_core on a 1-D sequence (grid None): Eq. 5, then Eq. 6 over T = size taps; causal: Eq. 5
+    over each prefix, Eq. 6 over the last k tokens, r (B, N, T*C); else r (B, T*C). sequence_core_fast takes
+    the same arguments and returns the same result, faster."""
     if grid is not None:
         raise ValueError("attention over a 1-D sequence has no grid: grid must be None")
     attention = causal_inline_attention if causal else inline.inline_attention
@@ -178,8 +184,8 @@ def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dil
 
 
 def sequence_path(module, q, k, v, x, grid, scale):
-    """inline.reference_path on a sequence: Eq. 6's weights (from each prefix's mean if causal), then module.core
-    (or linear attention, then the same Eq. 6)."""
+    """inline.reference_path on a sequence: Eq. 6's weights (from each prefix's mean if causal), then
+    module.core (or linear attention, then the same Eq. 6)."""
     r = None
     if module.residual is not None:  # (B, N, T*C) causal, else (B, T*C)
         r = prefix_residual_weights(module.residual, x) if module.causal else inline.residual_weights(
@@ -195,10 +201,11 @@ def sequence_path(module, q, k, v, x, grid, scale):
 # The module
 
 class SequenceAttention(inline.InLineAttention):
-    """inline.InLineAttention on a 1-D sequence: x (B, N, C) -> (B, N, C), called with no grid. causal: Eq. 5 over
-    each prefix, Eq. 6 over the last k tokens with weights from the prefix mean: no output sees a later token;
-    causal=False: both ways, Eq. 6 over the k tokens centred on each. The other options are InLineAttention's
-    (leading_tokens must be 0: a sequence has no grid to lead). step runs it token by token for generation."""
+    """inline.InLineAttention on a 1-D sequence: x (B, N, C) -> (B, N, C), called with no grid. causal: Eq. 5
+    over each prefix, Eq. 6 over the last k tokens with weights from the prefix mean: no output sees a later
+    token; causal=False: both ways, Eq. 6 over the k tokens centred on each. The other options are
+    InLineAttention's (leading_tokens must be 0: a sequence has no grid to lead). step runs it token by token
+    for generation."""
     token_dims = 1  # Eq. 6's neighbourhood is k tokens: T = k weights per channel
 
     def __init__(self, dim, num_heads, *, causal=True, **options):
@@ -228,10 +235,10 @@ class SequenceAttention(inline.InLineAttention):
         return causal_inline_weights(q, k, scale, self.scale_by_count)
 
     def step_attend(self, q_t, k_t, v_t, x_t, state=None):
-        """One token of attend on a causal module, for generation: q_t, k_t, v_t (B, H, D) before phi, x_t (B, C) the
-        token Eq. 6's weights are predicted from. Returns o_t (B, H, D) and the state after it: inline_step's, the
-        running sum of x (B, C) for Eq. 6's prefix mean and the last dilation*(k-1) values (sequence_residual_step);
-        one size however long the sequence. None starts a sequence."""
+        """One token of attend on a causal module, for generation: q_t, k_t, v_t (B, H, D) before phi, x_t
+        (B, C) the token Eq. 6's weights are predicted from. Returns o_t (B, H, D) and the state after it:
+        inline_step's, the running sum of x (B, C) for Eq. 6's prefix mean and the last dilation*(k-1) values
+        (sequence_residual_step); one size however long the sequence. None starts a sequence."""
         if not self.causal or self.attention != 'inline':
             raise ValueError("a step is causal InLine's: build the module with causal=True and attention='inline'")
         eq5, x_sum, recent = state if state is not None else (None, 0, None)
@@ -247,8 +254,8 @@ class SequenceAttention(inline.InLineAttention):
 
 
     def step(self, x_t, state=None):
-        """One token through a causal module, for generation: x_t (B, C) -> (B, C) and the state after it (step_attend),
-        equal to forward's output at that token given the same tokens before it."""
+        """One token through a causal module, for generation: x_t (B, C) -> (B, C) and the state after it
+        (step_attend), equal to forward's output at that token given the same tokens before it."""
         if self.ape is not None:
             raise ValueError("a step has no position embedding (ape): it is made for a fixed number of tokens")
         x, q, k, v = self.project(x_t.unsqueeze(1), None)  # (B, H, 1, D)
@@ -258,8 +265,8 @@ class SequenceAttention(inline.InLineAttention):
 
 
 class DecoderBlock(nn.Module):
-    """The README's decoder block, pre-norm: x + attn(norm1(x)), then x + mlp(norm2(x)), on (B, N, C); token i sees
-    tokens 1..i. kernels.enable_fast(block) swaps in the fast causal core."""
+    """The README's decoder block, pre-norm: x + attn(norm1(x)), then x + mlp(norm2(x)), on (B, N, C); token i
+    sees tokens 1..i. kernels.enable_fast(block) swaps in the fast causal core."""
 
     def __init__(self, dim, heads, mlp_ratio=4, **options):
         super().__init__()
@@ -273,8 +280,8 @@ class DecoderBlock(nn.Module):
 
 
 def sequence_neighbourhood(N, device, size=inline.LOCAL_SIZE, dilation=1, causal=False, flip=False):
-    """neighbourhood's index and masks on a 1-D sequence, tap t at offset dilation * (t - (size - 1)) causal (the
-    token and the size - 1 before it), else dilation * (t - size // 2), as sequence_residual counts them;
+    """neighbourhood's index and masks on a 1-D sequence, tap t at offset dilation * (t - (size - 1)) causal
+    (the token and the size - 1 before it), else dilation * (t - size // 2), as sequence_residual counts them;
     flip: the opposite offsets, the transposed shift of Eq. 6's backward."""
     with torch.inference_mode(False):
         n = torch.arange(N, device=device)
@@ -289,18 +296,18 @@ _cached_sequence_neighbourhood = functools.lru_cache(maxsize=32)(sequence_neighb
 
 
 # ---------------------------------------------------------------------------------------------------
-# The fast causal core, sequence_core(..., causal=True)'s twin: Eq. 5 over each prefix in chunks (inline_chunked),
-# Eq. 6 over the last k tokens with one weight per token. kernels.py's design: two graphs, the backward in closed
-# form, through kernels.run (its compile switches, cache retry and warning).
+# The fast causal core, sequence_core(..., causal=True)'s twin: Eq. 5 over each prefix in chunks
+# (inline_chunked), Eq. 6 over the last k tokens with one weight per token. kernels.py's design: two graphs,
+# the backward in closed form, through kernels.run (its compile switches, cache retry and warning).
 
 CHUNK = 64  # tokens per chunk: the CHUNK x CHUNK products cost N CHUNK D per head, the running D x D sums N D^2 / CHUNK
 
 
 def scan_dtype(dtype, scale_by_count=True):
-    """The dtype of the scans' GEMM operands: the input's, but fp32 for fp16, whose 5-bit exponent cannot hold the
-    1/i factors of long sequences nor the uncentred sums' cancellation (and whose GEMMs CPUs run slowly), and fp32
-    under the printed factor s (not scale_by_count): without s/i the uncentred sums' bf16 rounding reaches the output
-    i times larger, several times the reference's own error by 131 tokens
+    """The dtype of the scans' GEMM operands: the input's, but fp32 for fp16, whose 5-bit exponent cannot hold
+    the 1/i factors of long sequences nor the uncentred sums' cancellation (and whose GEMMs CPUs run slowly),
+    and fp32 under the printed factor s (not scale_by_count): without s/i the uncentred sums' bf16 rounding
+    reaches the output i times larger, several times the reference's own error by 131 tokens
     (test_fast_causal_core_low_precision_within_twice_the_references)."""
     return torch.float32 if dtype == torch.float16 or not scale_by_count else dtype
 
@@ -313,7 +320,8 @@ def causal_scan(q, k, v, reverse=False):
     qc, kc, vc = (t.reshape(B, H, N // CHUNK, CHUNK, D) for t in (q, k, v))  # (B, H, N/L, L, D)
     chunk_kv = wide(kc.transpose(-2, -1) @ vc)  # (B, H, N/L, D, D)
     total = chunk_kv.cumsum(2)  # (B, H, N/L, D, D)
-    # the later (earlier) chunks' sums; the earlier ones shifted, not subtracted, so no bit depends on a later token
+    # the later (earlier) chunks' sums; the earlier ones shifted, not subtracted, so no bit depends on a later
+    # token
     other = total[:, :, -1:] - total if reverse else F.pad(total[:, :, :-1], (0, 0, 0, 0, 1, 0))
     scores = qc @ kc.transpose(-2, -1)  # (B, H, N/L, L, L)
     scores = scores.triu() if reverse else scores.tril()
@@ -325,9 +333,9 @@ def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
     scan_dtype, and v's first token (B, H, 1, D). taps (B, H, T, N, D): Eq. 6's weights, one per token."""
     N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype, scale_by_count)
     n = torch.arange(1, N + 1, device=q.device, dtype=torch.float32)[:, None]  # (N, 1): the count i
-    # Cov_i and o_i do not change when a constant is taken from every k (or v); taking the first token's, which
-    # every output may see, makes the uncentred sums of k v^T as small as the spread, not the means (causal_inline_attention
-    # says what the means would cost), and keeps the GEMMs' operands small in bf16.
+    # Cov_i and o_i do not change when a constant is taken from every k (or v); taking the first token's,
+    # which every output may see, makes the uncentred sums of k v^T as small as the spread, not the means
+    # (causal_inline_attention says what the means would cost), and keeps the GEMMs' operands small in bf16.
     v_first = wide(v[:, :, :1])  # (B, H, 1, D)
     k_s, v_s = (wide(k) - wide(k[:, :, :1])).to(mm), (wide(v) - v_first).to(mm)  # (B, H, N, D)
     k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D): prefix means, shifted
@@ -341,10 +349,10 @@ def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
 
 
 def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t, scale, scale_by_count):
-    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, N, D), given do = dLoss/do. With a_i Eq. 5's
-    factor (s/i, or s where not scale_by_count) and c_i = a_i i (s, or s i),
-    o_i = a_i sum_{j<=i} (q_i.k_j) v_j - c_i (q_i.k_mean_i) v_mean_i + v_mean_i: the sum's gradients are three more
-    scans, the means' a reverse prefix sum."""
+    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, N, D), given do = dLoss/do. With a_i
+    Eq. 5's factor (s/i, or s where not scale_by_count) and c_i = a_i i (s, or s i), o_i = a_i sum_{j<=i}
+    (q_i.k_j) v_j - c_i (q_i.k_mean_i) v_mean_i + v_mean_i: the sum's gradients are three more scans, the
+    means' a reverse prefix sum."""
     N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype, scale_by_count)
     n = torch.arange(1, N + 1, device=q.device, dtype=torch.float32)[:, None]  # (N, 1)
     k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D), recomputed
@@ -400,8 +408,8 @@ class CausalCore(torch.autograd.Function):
 
 def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
                        scale_by_count=True):
-    """sequence_core's arguments, layout and result: causal, the causal core (CausalCore); else kernels.py's core
-    with the 1-D neighbour table. scale, autocast and a compiled model as kernels.inline_core_fast."""
+    """sequence_core's arguments, layout and result: causal, the causal core (CausalCore); else kernels.py's
+    core with the 1-D neighbour table. scale, autocast and a compiled model as kernels.inline_core_fast."""
     B, H, N, D = q.shape
     if grid is not None:
         raise ValueError("attention over a 1-D sequence has no grid: grid must be None")
