@@ -4,11 +4,12 @@ and the reference's short demonstration. RESULTS.md shows each table under the c
 
     python bench.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python bench.py --bench --json          # the same, one JSON object per case
-    python bench.py --choices --threads 1   # two design choices of kernels.py, timed: D constant, the per-call switches
+    python bench.py --choices --threads 1   # two design choices of kernels.py, timed: D constant,
+                                            # and the per-call switches
     python bench.py --compile               # what the first use in a process costs (compiling, or the cache)
     python bench.py --per-call              # one call's cost beside its work: 197 tokens, 7x7 windows, 56x56
     python bench.py --causal-bench          # the causal core against causal softmax SDPA, 1k to 16k tokens
-    python bench.py --demo                  # injectivity, and the two forms of Eq. 5 agree (was python inline.py)
+    python bench.py --demo                  # injectivity, and the two forms of Eq. 5 agree
     (a whole-model training step, reference against fast core: python -m paper speed --model-step)
 
 Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of per-round
@@ -32,7 +33,8 @@ from inline import linear_attention_weights
 from kernels import compile_options, core_forward, inline_core_fast, neighbourhood, run, signature
 from kernels import symbolic_sizes
 
-CASES = {  # name: (batch, heads, grid side, head dim); the InLine stages of InLine-Swin-T, then stage 1 larger
+# name: (batch, heads, grid side, head dim); the InLine stages of InLine-Swin-T, then stage 1 larger
+CASES = {
     'swin_t_stage1': (8, 3, 56, 32), 'swin_t_stage2': (8, 6, 28, 32), 'swin_t_stage3': (8, 12, 14, 32),
     'stage1_448px': (2, 3, 112, 32), 'stage1_896px': (1, 3, 224, 32), 'stage1_1024px': (1, 3, 256, 32),
 }
@@ -78,7 +80,8 @@ def peak_mb(fn, device):
         torch.cuda.reset_peak_memory_stats()
         fn(), torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
         fn()
     running = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
@@ -111,15 +114,17 @@ def bench_case(name, dtype, device):
         k_.mT @ v_, q_ @ C, do @ C.mT, q_.mT @ do, v_ @ C.mT, k_ @ C
 
     ms = time_interleaved({
-        'reference_fwd_ms': lambda: fwd(inline.inline_core), 'fast_fwd_ms': lambda: fwd(inline_core_fast),
-        'reference_fwdbwd_ms': lambda: fwdbwd(inline.inline_core), 'fast_fwdbwd_ms': lambda: fwdbwd(inline_core_fast),
+        'reference_fwd_ms': lambda: fwd(inline.inline_core),
+        'fast_fwd_ms': lambda: fwd(inline_core_fast),
+        'reference_fwdbwd_ms': lambda: fwdbwd(inline.inline_core),
+        'fast_fwdbwd_ms': lambda: fwdbwd(inline_core_fast),
         'floor_fwdbwd_ms': floor}, device)
-    ms.update(time_interleaved({'sdpa_fwd_ms': lambda: fwd(sdpa), 'sdpa_fwdbwd_ms': lambda: fwdbwd(sdpa)}, device,
-                                warm_up=False))
+    ms.update(time_interleaved({'sdpa_fwd_ms': lambda: fwd(sdpa), 'sdpa_fwdbwd_ms': lambda: fwdbwd(sdpa)},
+                               device, warm_up=False))
     row = dict(case=name, tokens=N, dtype=str(dtype).replace('torch.', ''))
     row.update({key: round(statistics.median(ms[key]), 3) for key in (
-        'reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms', 'sdpa_fwd_ms', 'sdpa_fwdbwd_ms',
-        'floor_fwdbwd_ms')})
+        'reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms', 'sdpa_fwd_ms',
+        'sdpa_fwdbwd_ms', 'floor_fwdbwd_ms')})
     row.update(fwd_speedup=round(paired_ratio(ms, 'reference_fwd_ms', 'fast_fwd_ms'), 2),
                fwdbwd_speedup=round(paired_ratio(ms, 'reference_fwdbwd_ms', 'fast_fwdbwd_ms'), 2),
                fwdbwd_over_floor=round(paired_ratio(ms, 'fast_fwdbwd_ms', 'floor_fwdbwd_ms'), 2))
@@ -127,7 +132,8 @@ def bench_case(name, dtype, device):
     return row
 
 
-CAUSAL_TOKENS = (1024, 2048, 4096, 8192, 16384)  # python bench.py --causal-bench: B = 1, H = 4, D = 64 (GPT-2's)
+# python bench.py --causal-bench: B = 1, H = 4, D = 64 (GPT-2's)
+CAUSAL_TOKENS = (1024, 2048, 4096, 8192, 16384)
 
 
 def bench_causal(N, dtype, device, B=1, H=4, D=64):
@@ -160,7 +166,8 @@ def bench_compile(device, dtype=torch.float32):
     """What the fast core's first use in a process costs: its first forward and backward on a small case,
     which compile the two graphs, or load them where the inductor cache (TORCHINDUCTOR_CACHE_DIR) already
     holds them."""
-    q, k, v, do = (torch.randn(2, 3, 64, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(4))
+    q, k, v, do = (torch.randn(2, 3, 64, 32, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(4))
     r = torch.randn(2, 9 * 96, device=device, dtype=dtype, requires_grad=True)
     start = time.perf_counter()
     torch.autograd.grad(inline_core_fast(q, k, v, r, (8, 8)), (q, k, v, r), do.detach()), _sync(device)
@@ -175,7 +182,8 @@ def bench_choices(device):
     def inputs(B, H, side):  # core_forward's arguments as InLineCore passes them
         gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
         return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
-                0.1 * torch.randn(B, H, 9, D, generator=gen, device=device), *neighbourhood(N, (side, side), device),
+                0.1 * torch.randn(B, H, 9, D, generator=gen, device=device),
+                *neighbourhood(N, (side, side), device),
                 inline.attention_scale(D), True]
     B, H, side, _ = CASES['swin_t_stage1']
     constant, symbolic, small = inputs(B, H, side), inputs(B, H, side), inputs(1, 1, 7)
@@ -189,17 +197,21 @@ def bench_choices(device):
         run(core_forward, *small)
 
     with compile_options():
-        ms = time_interleaved({'d_constant': lambda: graphs[0](*constant), 'd_symbolic': lambda: graphs[1](*symbolic),
-                               'straight': lambda: run(core_forward, *small), 'switches': through_switches}, device)
-    print(f"forward graph, swin_t_stage1 fp32: D constant {statistics.median(ms['d_constant']):.1f} ms, D symbolic "
-          f"{statistics.median(ms['d_symbolic']):.1f} ms: {paired_ratio(ms, 'd_symbolic', 'd_constant'):.2f}x")
+        ms = time_interleaved({'d_constant': lambda: graphs[0](*constant),
+                               'd_symbolic': lambda: graphs[1](*symbolic),
+                               'straight': lambda: run(core_forward, *small),
+                               'switches': through_switches}, device)
+    print(f"forward graph, swin_t_stage1 fp32: D constant {statistics.median(ms['d_constant']):.1f} ms, "
+          f"D symbolic {statistics.median(ms['d_symbolic']):.1f} ms: "
+          f"{paired_ratio(ms, 'd_symbolic', 'd_constant'):.2f}x")
     extra = statistics.median(s - c for s, c in zip(ms['switches'], ms['straight']))
-    print(f"a call whose signature has a graph: straight {statistics.median(ms['straight']):.3f} ms, through the "
-          f"switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
+    print(f"a call whose signature has a graph: straight {statistics.median(ms['straight']):.3f} ms, "
+          f"through the switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
 
 
 PER_CALL = {  # python bench.py --per-call: (batch, heads, tokens before the grid, grid side, head dim)
-    'InLine-DeiT-T, 224 px (197 tokens)': (1, 6, 1, 14, 32), 'InLine-Swin-T windows of 7x7 (49 tokens)': (64, 3, 0, 7, 32),
+    'InLine-DeiT-T, 224 px (197 tokens)': (1, 6, 1, 14, 32),
+    'InLine-Swin-T windows of 7x7 (49 tokens)': (64, 3, 0, 7, 32),
     'InLine-Swin-T stage 1 (56x56 tokens)': (1, 3, 0, 56, 32),
 }
 
@@ -210,8 +222,8 @@ def bench_per_call(device, dtypes):
     (K^T V and Q Cov, eager: the work no implementation avoids) and softmax SDPA on the same q, k, v. Call
     minus GEMMs is what the call adds: the fused passes over q, k, v (means, centring, Eq. 6) and the cost of
     calling a compiled graph."""
-    print(f"{'case':44s} {'dtype':>8s} | {'call us':>8s} {'w/ grad':>8s} | {'GEMMs':>7s} {'call - GEMMs':>12s} | "
-          f"{'SDPA us':>8s}")
+    print(f"{'case':44s} {'dtype':>8s} | {'call us':>8s} {'w/ grad':>8s} | {'GEMMs':>7s} "
+          f"{'call - GEMMs':>12s} | {'SDPA us':>8s}")
     for name, (B, H, P, side, D) in PER_CALL.items():
         for dtype in dtypes:
             N, gen = P + side * side, torch.Generator(device).manual_seed(0)
@@ -225,10 +237,11 @@ def bench_per_call(device, dtypes):
                     inline_core_fast(q, k, v, r, (side, side))
 
             fns = {'call': call, 'grad': lambda: inline_core_fast(*grads, (side, side)),
-                   'gemms': lambda: (k.mT @ v, q @ cov), 'sdpa': lambda: F.scaled_dot_product_attention(q, k, v)}
+                   'gemms': lambda: (k.mT @ v, q @ cov),
+                   'sdpa': lambda: F.scaled_dot_product_attention(q, k, v)}
             us = {n: 1e3 * statistics.median(t) for n, t in time_interleaved(fns, device, 2.0, 200).items()}
-            print(f"{name:44s} {str(dtype)[6:]:>8s} | {us['call']:8.0f} {us['grad']:8.0f} | {us['gemms']:7.0f} "
-                  f"{us['call'] - us['gemms']:12.0f} | {us['sdpa']:8.0f}", flush=True)
+            print(f"{name:44s} {str(dtype)[6:]:>8s} | {us['call']:8.0f} {us['grad']:8.0f} | "
+                  f"{us['gemms']:7.0f} {us['call'] - us['gemms']:12.0f} | {us['sdpa']:8.0f}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,17 +282,19 @@ def main():
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
     parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
     parser.add_argument('--compile', action='store_true', help="time the first use: compiling the two graphs")
-    parser.add_argument('--per-call', action='store_true', help="what one call costs beside its work, at 197 tokens, "
-                        "49-token windows and 56x56 tokens (see bench_per_call)")
+    parser.add_argument('--per-call', action='store_true', help="what one call costs beside its work, "
+                        "at 197 tokens, 49-token windows and 56x56 tokens (see bench_per_call)")
     parser.add_argument('--causal-bench', action='store_true',
                         help="time the causal core against causal softmax SDPA at --tokens")
     parser.add_argument('--tokens', default=','.join(map(str, CAUSAL_TOKENS)),
                         help="comma-separated sequence lengths of --causal-bench")
     parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
-    parser.add_argument('--cases', default=','.join(CASES), help="comma-separated subset of " + ', '.join(CASES))
+    parser.add_argument('--cases', default=','.join(CASES),
+                        help="comma-separated subset of " + ', '.join(CASES))
     parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    parser.add_argument('--demo', action='store_true', help="the reference's demonstration (injectivity, Eq. 5's forms)")
+    parser.add_argument('--demo', action='store_true',
+                        help="the reference's demonstration (injectivity, Eq. 5's forms)")
     parser.add_argument('--threads', type=int, default=None, help="CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -290,7 +305,8 @@ def main():
     header = (f"{'case':15s} {'tokens':>6s} {'dtype':>8s} | {'reference ms':>15s} | {'fast ms':>15s} | "
               f"{'speed-up':>11s} | {'softmax SDPA ms':>17s} | {'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
               f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
-              f"{'fwd':>5s} {'f+b':>5s} | {'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | {'MB':>6s}")
+              f"{'fwd':>5s} {'f+b':>5s} | {'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | "
+              f"{'MB':>6s}")
     if args.demo:
         _demo()
     if args.compile:
@@ -312,9 +328,10 @@ def main():
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue
-                print(f"{N:6d} {row['dtype']:>8s} | {row['sdpa_fwd_ms']:7.1f} {row['sdpa_fwdbwd_ms']:7.1f} | " + ' | '.join(
-                      f"{row[f'{n}_fwd_ms']:7.1f} {row[f'{n}_fwdbwd_ms']:7.1f} | {row[f'{n}_fwd_speedup']:4.1f}x "
-                      f"{row[f'{n}_fwdbwd_speedup']:4.1f}x" for n in ('eq5', 'eq56')), flush=True)
+                print(f"{N:6d} {row['dtype']:>8s} | {row['sdpa_fwd_ms']:7.1f} {row['sdpa_fwdbwd_ms']:7.1f} | "
+                      + ' | '.join(f"{row[f'{n}_fwd_ms']:7.1f} {row[f'{n}_fwdbwd_ms']:7.1f} | "
+                                   f"{row[f'{n}_fwd_speedup']:4.1f}x {row[f'{n}_fwdbwd_speedup']:4.1f}x"
+                                   for n in ('eq5', 'eq56')), flush=True)
     if args.bench:
         if not args.json:
             print(header, flush=True)
@@ -324,11 +341,12 @@ def main():
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue
-                ref_f, ref_fb, f, fb = (row[k] for k in ('reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms'))
-                print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | {ref_f:7.1f} {ref_fb:7.1f} | {f:7.1f} {fb:7.1f} | "
-                      f"{row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | {row['sdpa_fwd_ms']:8.1f} "
-                      f"{row['sdpa_fwdbwd_ms']:8.1f} | {row['floor_fwdbwd_ms']:7.1f} {row['fwdbwd_over_floor']:5.2f}x | "
-                      f"{row['fast_peak_mb']:6.1f}", flush=True)
+                ref_f, ref_fb, f, fb = (row[k] for k in ('reference_fwd_ms', 'reference_fwdbwd_ms',
+                                                         'fast_fwd_ms', 'fast_fwdbwd_ms'))
+                print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | {ref_f:7.1f} {ref_fb:7.1f} | "
+                      f"{f:7.1f} {fb:7.1f} | {row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | "
+                      f"{row['sdpa_fwd_ms']:8.1f} {row['sdpa_fwdbwd_ms']:8.1f} | {row['floor_fwdbwd_ms']:7.1f} "
+                      f"{row['fwdbwd_over_floor']:5.2f}x | {row['fast_peak_mb']:6.1f}", flush=True)
 
 if __name__ == '__main__':
     main()

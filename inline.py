@@ -24,7 +24,8 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------------
 # Kernel functions phi, applied to queries and keys (the paper's Table 5 ablates them)
 
-KERNELS = {  # name -> phi; a new one is one line here (and in NON_NEGATIVE_KERNELS if it is >= 0), tests included
+# name -> phi; a new one is one line here (and in NON_NEGATIVE_KERNELS if it is >= 0), tests included
+KERNELS = {
     'identity': nn.Identity(),  # stateless, so one instance serves every layer
     'relu': F.relu,
     'leakyrelu': F.leaky_relu,  # negative slope 0.01, PyTorch's default
@@ -55,7 +56,8 @@ def check_grid(N, grid, leading_tokens=None):
     None (the cores, whose module has checked): any P >= 0. grid must be a pair of positive whole numbers."""
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2
             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in grid)):
-        raise ValueError(f"grid must be a pair (h, w) of positive whole numbers, the token grid; got {grid!r}")
+        raise ValueError(f"grid must be a pair (h, w) of positive whole numbers, the token grid; "
+                         f"got {grid!r}")
     h, w = grid
     if leading_tokens is None:
         if N < h * w:
@@ -119,7 +121,8 @@ def inline_weights(q, k, scale=None, scale_by_count=True):
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    return eq5_gain(s, N, scale_by_count) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N  # Eq. 5, (B, H, N, N)
+    # Eq. 5, (B, H, N, N)
+    return eq5_gain(s, N, scale_by_count) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N
 
 
 def inline_attention_quadratic(q, k, v, scale=None, scale_by_count=True):
@@ -162,8 +165,8 @@ def neighbourhood_size(residual, local_size=LOCAL_SIZE):
     if residual not in RESIDUALS:
         raise ValueError(f"unknown residual {residual!r}; choose one of {list(RESIDUALS)}")
     if not (isinstance(local_size, int) and local_size >= 1 and local_size % 2 == 1):
-        raise ValueError(f"local_size (the side of Eq. 6's neighbourhood) must be an odd whole number >= 1, so "
-                         f"that the neighbourhood is centred on its token; got {local_size!r}")
+        raise ValueError(f"local_size (the side of Eq. 6's neighbourhood) must be an odd whole number "
+                         f">= 1, so that the neighbourhood is centred on its token; got {local_size!r}")
     return {'local': local_size, 'plain': 1, 'none': None}[residual]
 
 
@@ -204,11 +207,13 @@ def mean_residual_weights(mlp, m):
     # comes out in the autocast dtype, as from autocast's matmuls.
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on 'meta'
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        m = m.to(conv1.weight.dtype).reshape(B * M, H, C // H).transpose(0, 1)  # (H, B*M, D): each head's slice
+        # (H, B*M, D): each head's slice
+        m = m.to(conv1.weight.dtype).reshape(B * M, H, C // H).transpose(0, 1)
         w1 = conv1.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, D): W1's blocks
         w2 = conv2.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, T*D): W2's blocks
         hidden = act(torch.baddbmm(conv1.bias.reshape(H, 1, -1), m, w1))  # (H, B*M, D)
-        r = torch.baddbmm(conv2.bias.reshape(H, 1, -1), hidden, w2)  # (H, B*M, T*D): head g's channels T*c + t
+        # (H, B*M, T*D): head g's channels T*c + t
+        r = torch.baddbmm(conv2.bias.reshape(H, 1, -1), hidden, w2)
     r = r.transpose(0, 1).reshape(B, M, -1)  # (B, M, T*C)
     return r.to(torch.get_autocast_dtype(device)) if autocast else r
 
@@ -231,13 +236,16 @@ def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
     if r.shape not in ((B, T * H * D), (B, N, T * H * D)):
         raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {T}C) = "
                          f"{(B, T * H * D)}, or per token too, (B, N, {T}C); got {tuple(r.shape)}")
-    if r.dim() == 3:  # per token: each token's k x k neighbours unfolded beside it, channel c's at rows T*c + t
+    # per token: each token's k x k neighbours unfolded beside it, channel c's at rows T*c + t
+    if r.dim() == 3:
         planes = v[:, :, P:].transpose(-2, -1).reshape(B, H * D, h, w)  # (B, C, h, w)
         cols = F.unfold(planes, size, dilation=dilation, padding=dilation * (size // 2))  # (B, T*C, h*w)
         out = (cols * r[:, P:].transpose(1, 2)).unflatten(1, (H * D, -1)).sum(2)  # Eq. 6, (B, C, h*w)
         return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), 0 for the P
-    planes = v[:, :, P:].transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w), plane b*C + head*D + j
-    taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k): the neighbour weights of each sample and channel
+    # (1, B*C, h, w), plane b*C + head*D + j
+    planes = v[:, :, P:].transpose(-2, -1).reshape(1, B * H * D, h, w)
+    # (B*C, 1, k, k): the neighbour weights of each sample and channel
+    taps = r.reshape(B * H * D, 1, size, size)
     out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation, groups=B * H * D)  # Eq. 6
     return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), zero for the P
 
@@ -290,7 +298,8 @@ class InLineBase(nn.Module):
     scale_by_count: Eq. 5's factor s/N (True, the released models'), or s, the paper's printed Eq. 5
     (eq5_gain). nonneg, normalise_q: the ablations R-nonneg and T1 (ours), at the end of this file.
     """
-    token_dims = 2  # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel (k on sequence.py's sequences)
+    # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel (k on sequence.py's sequences)
+    token_dims = 2
 
     def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', local_size=LOCAL_SIZE,
                      dilation=1, nonneg=False, normalise_q=False, attention='inline', allow_divergent=False,
@@ -301,16 +310,17 @@ class InLineBase(nn.Module):
             raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
         size = neighbourhood_size(residual, local_size)
         if not (isinstance(dilation, int) and dilation >= 1) or (dilation > 1 and (size or 1) == 1):
-            raise ValueError(f"dilation must be a whole number >= 1, and > 1 only where Eq. 6 has neighbours "
-                             f"(residual='local', local_size > 1), got {dilation!r} with residual={residual!r}")
+            raise ValueError(f"dilation must be a whole number >= 1, and > 1 only where Eq. 6 has "
+                             f"neighbours (residual='local', local_size > 1), got {dilation!r} with "
+                             f"residual={residual!r}")
         if attention == 'linear' and kernel not in NON_NEGATIVE_KERNELS and not allow_divergent:
             raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative kernel "
-                             f"{NON_NEGATIVE_KERNELS}, got {kernel!r}; pass allow_divergent=True to run it anyway "
-                             f"(the paper's Table 3 reports that it does not converge)")
+                             f"{NON_NEGATIVE_KERNELS}, got {kernel!r}; pass allow_divergent=True to run it "
+                             f"anyway (the paper's Table 3 reports that it does not converge)")
         check_ablations(attention, nonneg, normalise_q, scale_by_count)
         if not (isinstance(leading_tokens, int) and leading_tokens >= 0):
-            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be a whole "
-                             f"number >= 0; got {leading_tokens!r}")
+            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be a "
+                             f"whole number >= 0; got {leading_tokens!r}")
         self.num_heads, self.head_dim, self.leading_tokens = num_heads, dim // num_heads, leading_tokens
         self.kernel, self.attention, self.nonneg = kernel, attention, nonneg
         self.scale_by_count = bool(scale_by_count)
@@ -406,8 +416,8 @@ class InLineAttention(InLineBase):
         self.check_tokens(N, grid)
         if self.ape is not None:
             if self.ape.shape[1] != N:
-                raise ValueError(f"this attention's position embedding (ape) covers {self.ape.shape[1]} tokens, "
-                                 f"got {N}: build the model for this input size")
+                raise ValueError(f"this attention's position embedding (ape) covers {self.ape.shape[1]} "
+                                 f"tokens, got {N}: build the model for this input size")
             x = x + self.ape
         if hasattr(self, 'qkv'):
             q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, N, C)
@@ -447,7 +457,8 @@ class ReLUAffine(nn.Module):
 
 
 KERNELS['relu_affine'] = None  # learnable: ReLUAffine above, one per attention layer (get_kernel builds it)
-KERNELS['zero'] = torch.zeros_like  # phi = 0: Eq. 5 gives every weight 1/N, attention that cannot select (the floor)
+# phi = 0: Eq. 5 gives every weight 1/N, attention that cannot select (the floor)
+KERNELS['zero'] = torch.zeros_like
 
 
 class NormalisedQ(nn.Module):
@@ -473,11 +484,12 @@ def nonneg_qk(q, k):
 def check_ablations(attention, nonneg, normalise_q, scale_by_count):
     """Refuse the ablation switches where they mean nothing (InLineBase.setup_inline calls this)."""
     if nonneg and attention != 'inline':
-        raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear attention, "
-                         "whose weights are already non-negative")
+        raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear "
+                         "attention, whose weights are already non-negative")
     if normalise_q and (attention != 'inline' or nonneg):
-        raise ValueError("normalise_q is an option of InLine attention without nonneg: linear attention divides "
-                         "by phi(q).sum(phi(k)), so q's length cancels already, and nonneg normalises q itself")
+        raise ValueError("normalise_q is an option of InLine attention without nonneg: linear attention "
+                         "divides by phi(q).sum(phi(k)), so q's length cancels already, and nonneg "
+                         "normalises q itself")
     if nonneg and not scale_by_count:
-        raise ValueError("nonneg keeps every weight >= 0 with s = 1/2 and the factor s/N; scale_by_count=False "
-                         "drops the 1/N, so it needs scale_by_count=True")
+        raise ValueError("nonneg keeps every weight >= 0 with s = 1/2 and the factor s/N; "
+                         "scale_by_count=False drops the 1/N, so it needs scale_by_count=True")

@@ -34,21 +34,17 @@ What it does, and why (RESULTS.md has the measurements, each under its command):
   predictor and the core's forward in one graph (infer_forward), which takes q, k, v as the projection leaves
   them. With DeiT's 197 tokens the predictor's small ops, the copies and a second call cost more than the
   core's work.
-- Compiling: a failed compile or cache load is retried in a private cache folder; only if that fails too does
-  the core run its closed form eagerly, after one warning that names any broken cache file. compile_lock is
-  held while a graph compiles or loads: nothing here; a program running many processes on one machine may put
-  a lock there (the lab's: paper/compile_lock.py).
+- Compiling: if a graph cannot compile or load, the core runs its closed form eagerly, after one warning that
+  names any broken cache file. compile_lock is held while a graph compiles or loads: nothing here; a program
+  running many processes on one machine may put a lock there (the lab's: paper/compile_lock.py).
 
 Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid,
 P = N - h*w leading tokens off the grid (DeiT's class token).
 """
-import atexit
 import contextlib
 import copy
 import functools
 import re
-import shutil
-import tempfile
 import time
 import warnings
 
@@ -149,7 +145,8 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
     c = sum_scale(dtype, N)
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
     q_s = (wide(q) * c).to(dtype) if c != 1.0 else q
-    g = (wide(q_s.transpose(-2, -1) @ do) * (inline.eq5_gain(scale, N, scale_by_count) / c)).to(dtype)  # (B, H, D, D)
+    # (B, H, D, D)
+    g = (wide(q_s.transpose(-2, -1) @ do) * (inline.eq5_gain(scale, N, scale_by_count) / c)).to(dtype)
     # Cov = (1/N) (k - k_mean)^T (v - v_mean); the means' own gradients vanish because the centred
     # columns sum to zero, so dk = (v - v_mean) g^T and dv = (k - k_mean) g + mean_i do_i.
     dk = v_c @ g.transpose(-2, -1)  # (B, H, N, D)
@@ -161,7 +158,8 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
             dv = dv + wide(taps[:, :, t, None]) * masks[-1 - t] * wide(do_t)
         v = wide(v_c) + v_mean  # (B, H, N, D), never stored
         dtaps = torch.stack([(wide(do) * masks[t] * v_t).sum(2)
-                           for t, v_t in enumerate(neighbours(v, index))], dim=2).to(taps.dtype)  # (B, H, T, D)
+                             for t, v_t in enumerate(neighbours(v, index))], dim=2)
+        dtaps = dtaps.to(taps.dtype)  # (B, H, T, D)
     return dq, dk, dv.to(dtype), dtaps
 
 
@@ -187,17 +185,21 @@ def infer_forward(q, k, v, x, w1, b1, w2, b2, index, masks, scale, scale_by_coun
     taps = None
     if w1 is not None:
         T = w2.shape[0] // (H * D)
-        m = x.mean(dim=2).to(w1.dtype).reshape(B, H, D).transpose(0, 1)  # (H, B, D): each head's slice of the mean
-        hidden = F.gelu(torch.baddbmm(b1.reshape(H, 1, D), m, w1.reshape(H, D, D).transpose(1, 2)))  # (H, B, D)
-        w2 = w2.reshape(H, D, T, D).transpose(1, 2).reshape(H, T * D, D)  # rows (t, j), was (j, t): (H, T*D, D)
+        # (H, B, D): each head's slice of the mean
+        m = x.mean(dim=2).to(w1.dtype).reshape(B, H, D).transpose(0, 1)
+        # (H, B, D)
+        hidden = F.gelu(torch.baddbmm(b1.reshape(H, 1, D), m, w1.reshape(H, D, D).transpose(1, 2)))
+        # rows (t, j), was (j, t): (H, T*D, D)
+        w2 = w2.reshape(H, D, T, D).transpose(1, 2).reshape(H, T * D, D)
         b2 = b2.reshape(H, 1, D, T).transpose(2, 3).reshape(H, 1, T * D)
-        r = torch.baddbmm(b2, hidden, w2.transpose(1, 2))  # (H, B, T*D): head g's neighbour t, channel j at t*D + j
+        # (H, B, T*D): head g's neighbour t, channel j at t*D + j
+        r = torch.baddbmm(b2, hidden, w2.transpose(1, 2))
         taps = r.reshape(H, B, T, D).transpose(0, 1).to(dtype)  # (B, H, T, D)
     return core_forward(q, k, v, taps, index, masks, scale, scale_by_count)[0]
 
 
-COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward, infer_forward)}  # sequence.py adds
-# its causal core's two
+# sequence.py adds its causal core's two
+COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward, infer_forward)}
 _compile_error = []  # filled once if the compiler cannot run here
 
 
@@ -272,29 +274,10 @@ def broken_file(error):
 
 
 def compile_and_call(f, args, key):
-    """f(*args) through its compiled graph: from the inductor cache, under compile_lock; if that fails,
-    compiled once more in a private folder of this process. A cache file left broken (a .so cut short by a
-    process that died while writing it) otherwise fails every later load of that graph on this machine."""
+    """f(*args) through its compiled graph, compiled or loaded from the inductor cache under compile_lock."""
     symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
-    try:
-        with compile_lock(key), compile_options():
-            return COMPILED[f.__name__](*args)
-    except COMPILE_ERRORS as e:
-        error = e
-    private = tempfile.mkdtemp(prefix='inline-inductor-')
-    atexit.register(shutil.rmtree, private, ignore_errors=True)
-    try:
-        from torch._inductor.utils import fresh_inductor_cache  # sets TORCHINDUCTOR_CACHE_DIR while it lasts
-        with fresh_inductor_cache(dir=private, delete=False), compile_options():
-            out = COMPILED[f.__name__](*args)
-    except COMPILE_ERRORS as e:
-        e.cache_error = error
-        raise
-    path = broken_file(error)
-    warnings.warn(f"kernels.py: loading the compiled InLine core from the inductor cache failed ({describe(error)}); "
-                  f"it compiled again in a private folder" + (f". Delete {path}: it is broken, and until it is gone "
-                  f"every process compiles this graph again" if path else ""), stacklevel=4)
-    return out
+    with compile_lock(key), compile_options():
+        return COMPILED[f.__name__](*args)
 
 
 def run(f, *args):
@@ -305,9 +288,11 @@ def run(f, *args):
     if not _compile_error:
         key = signature(f, args)
         try:
-            if key in _compiled_signatures:  # the switches and marks act only when dynamo compiles: skipping them
-                try:  # saves time on every call. A guard failing here would recompile without them, so it may not
-                    with torch.compiler.set_stance('fail_on_recompile'):  # (signature's docstring):
+            # The switches and marks act only when dynamo compiles: skipping them saves time on every call.
+            # A guard failing here would recompile without them, so it may not (signature's docstring):
+            if key in _compiled_signatures:
+                try:
+                    with torch.compiler.set_stance('fail_on_recompile'):
                         return COMPILED[f.__name__](*args)
                 except RuntimeError as e:
                     if 'Detected recompile' not in str(e):
@@ -315,12 +300,12 @@ def run(f, *args):
             out = compile_and_call(f, args, key)  # a new graph, or another for a key whose guard failed
             _compiled_signatures.add(key)
             return out
-        except COMPILE_ERRORS as e:  # e.g. no working C++ compiler: the private folder failed too
+        except COMPILE_ERRORS as e:  # e.g. no working C++ compiler, or a cache file left broken
             _compile_error.append(e)
-            path = broken_file(getattr(e, 'cache_error', e))
-            warnings.warn(f"kernels.py: torch.compile failed ({describe(e)}); the fast InLine core now runs its "
-                          f"closed form eagerly, correct but much slower" + (f". {path} in the inductor cache may "
-                          f"be broken: delete it and rerun" if path else ""), stacklevel=3)
+            path = broken_file(e)
+            warnings.warn(f"kernels.py: torch.compile failed ({describe(e)}); the fast InLine core now runs "
+                          f"its closed form eagerly, correct but much slower" + (f". {path} in the inductor "
+                          f"cache may be broken: delete it and rerun" if path else ""), stacklevel=3)
     return f(*args)
 
 
@@ -346,9 +331,10 @@ class InLineCore(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k_c, v_c, taps, index, masks, v_mean, cov = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False):  # do as o was stored: a copy only if it comes otherwise
-            dq, dk, dv, dtaps = run(core_backward, token_major(do), q, k_c, v_c, taps, index, masks, v_mean, cov,
-                                    ctx.scale, ctx.scale_by_count)
+        # do as o was stored: a copy only if it comes otherwise
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv, dtaps = run(core_backward, token_major(do), q, k_c, v_c, taps, index, masks,
+                                    v_mean, cov, ctx.scale, ctx.scale_by_count)
         return dq, dk, dv, dtaps, None, None, None
 
 
@@ -363,9 +349,9 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     B, H, N, D = q.shape
     inline.check_grid(N, grid)
     if r is not None and r.shape != (B, size * size * H * D):
-        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C) = "
-                         f"{(B, size * size * H * D)}, got {tuple(r.shape)}; the fast core has no other Eq. 6 "
-                         f"weights on a grid (inline.local_residual also takes them per token)")
+        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C) "
+                         f"= {(B, size * size * H * D)}, got {tuple(r.shape)}; the fast core has no other "
+                         f"Eq. 6 weights on a grid (inline.local_residual also takes them per token)")
     table = None
     if r is not None:  # built once per shape; traced into a compiled model's graph, a constant there
         table = neighbour_table(_cached_neighbourhood, N, tuple(grid), q.device, size, dilation)
@@ -420,18 +406,23 @@ def fast_path(module, q, k, v, x, grid, scale):
     # The graph casts to dtype itself; entered only where needed, since a graph called inside the context
     # costs more
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        return run(infer_forward, q, k, v, x[:, None], *weights, index, masks, scale, module.scale_by_count, dtype)
+        return run(infer_forward, q, k, v, x[:, None], *weights, index, masks, scale,
+                   module.scale_by_count, dtype)
 
 
-FAST_CORES = {inline.inline_core: inline_core_fast}  # reference core -> its fast twin (sequence.py adds its own)
-FAST_PATHS = {inline_core_fast: fast_path}  # a fast core -> the path enable_fast puts beside it (default: the same)
+# reference core -> its fast twin (sequence.py adds its own)
+FAST_CORES = {inline.inline_core: inline_core_fast}
+# a fast core -> the path enable_fast puts beside it (default: the same)
+FAST_PATHS = {inline_core_fast: fast_path}
 
 
 def unsupported(module):
     """What of an InLine module's options (inline.InLineBase) the fast core does not cover, or None. It covers
     every option of InLine attention (kernel, residual, local_size, dilation, nonneg, APE: they change its
     inputs or its neighbour table), but not vanilla linear attention, which divides where Eq. 5 subtracts."""
-    return "attention='linear' (layout letter L, vanilla linear attention)" if module.attention == 'linear' else None
+    if module.attention == 'linear':
+        return "attention='linear' (layout letter L, vanilla linear attention)"
+    return None
 
 
 def configuration(module):
@@ -477,8 +468,8 @@ def difference(exact, reference, fast):
     error, own = (fast.double() - exact).abs().max().item(), (reference.double() - exact).abs().max().item()
     bound = 2 * own + 1e-5 * size
     if not error <= bound:  # also NaN
-        return (f"max |fast - float64 reference| {error:.1e}, beyond {bound:.1e} (twice the fp32 reference's own "
-                f"error {own:.1e}, plus 1e-5 of its largest value {size:.1e})")
+        return (f"max |fast - float64 reference| {error:.1e}, beyond {bound:.1e} (twice the fp32 "
+                f"reference's own error {own:.1e}, plus 1e-5 of its largest value {size:.1e})")
     return None
 
 
@@ -527,18 +518,22 @@ def check_against_reference(path, module, core, device, fast_path=None):
                 if fast.path is not reference.path:  # another path with no gradient: its output too
                     with torch.no_grad():
                         theirs['output with no gradient'] = fast.attend(*inputs)
-                    exact['output with no gradient'], ours['output with no gradient'] = exact['output'], ours['output']
+                    exact['output with no gradient'] = exact['output']
+                    ours['output with no gradient'] = ours['output']
             except Exception as e:  # whatever the fast core cannot take: refused here, not at the first step
                 theirs = f"the fast core raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         why = theirs if isinstance(theirs, str) else next(
-            (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))), None)
+            (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))),
+            None)
         if why:
             name = why.split(':')[0].replace('gradient of ', '')
-            if name in dict(module.named_parameters()) and path:  # name the parameter by its path in the model
+            # name the parameter by its path in the model
+            if name in dict(module.named_parameters()) and path:
                 why = why.replace(f'gradient of {name}', f'gradient of {path}.{name}', 1)
-            raise ValueError(f"the fast InLine core does not compute what {where} computes on the reference path: "
-                             f"{why}. Build the model with fast=False (train.py: --attention-impl reference), or make "
-                             f"the change in a form the fast core follows (README, \"Changing the method\")")
+            raise ValueError(f"the fast InLine core does not compute what {where} computes on the reference "
+                             f"path: {why}. Build the model with fast=False (train.py: --attention-impl "
+                             f"reference), or make the change in a form the fast core follows (README, "
+                             f"\"Changing the method\")")
 
 
 def enable_fast(model, core=None, device=None, log=print):
@@ -551,11 +546,12 @@ def enable_fast(model, core=None, device=None, log=print):
     its gradient, Eq. 6 weights of another shape) is refused too, naming the module and the quantity that
     differs. device: where the check runs (default: the model's; the meta device's on the CPU); log: how each
     configuration's check reports its cost (None: silent)."""
-    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]  # each setup_inline gave one
+    # each setup_inline gave one
+    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]
     lacking = sorted({unsupported(m) for _, m in modules} - {None})
     if lacking:
-        raise ValueError(f"the fast InLine core has no {', '.join(lacking)}: build this model with fast=False "
-                         f"(train.py: --attention-impl reference)")
+        raise ValueError(f"the fast InLine core has no {', '.join(lacking)}: build this model with "
+                         f"fast=False (train.py: --attention-impl reference)")
     swapped = [(path, m) for path, m in modules if m.core in FAST_CORES]
     if device is None:
         device = next((p.device for p in model.parameters() if not p.is_meta), torch.device('cpu'))

@@ -79,8 +79,10 @@ def causal_products(q, k, v, kv=None, chunk=64):
     B, H, N, D = q.shape
     L = min(chunk, N)
     qc, kc, vc = (F.pad(t, (0, 0, 0, -N % L)).reshape(B, H, -1, L, D) for t in (q, k, v))  # (B, H, N/L, L, D)
-    chunk_kv = kc.transpose(-2, -1) @ vc  # (B, H, N/L, D, D): each chunk's sum of k v^T (zero padding adds none)
-    before = F.pad(chunk_kv.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, N/L, D, D): the earlier chunks' sums
+    # (B, H, N/L, D, D): each chunk's sum of k v^T (zero padding adds none)
+    chunk_kv = kc.transpose(-2, -1) @ vc
+    # (B, H, N/L, D, D): the earlier chunks' sums
+    before = F.pad(chunk_kv.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
     before = before if kv is None else before + kv.unsqueeze(2)  # and the tokens' before these
     scores = (qc @ kc.transpose(-2, -1)).tril()  # (B, H, N/L, L, L): q_i.k_j within the chunk, j <= i
     out = (qc @ before + scores @ vc).reshape(B, H, -1, D)[:, :, :N]  # (B, H, N, D)
@@ -101,7 +103,8 @@ def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=Tru
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     n = count + torch.arange(1, N + 1, dtype=acc, device=q.device)[:, None]  # (N, 1): the count i
     qkv, kv = causal_products(q, k, v, kv, chunk)  # (B, H, N, D): q_i^T sum_{j<=i} k_j v_j^T
-    k_sums, v_sums = k_sum.unsqueeze(2) + k.cumsum(2), v_sum.unsqueeze(2) + v.cumsum(2)  # (B, H, N, D): through i
+    # (B, H, N, D): through i
+    k_sums, v_sums = k_sum.unsqueeze(2) + k.cumsum(2), v_sum.unsqueeze(2) + v.cumsum(2)
     # g_i i q_i^T Cov_i + v_mean_i, with i Cov_i = sum_{j<=i} k_j v_j^T - i k_mean_i v_mean_i^T
     g = inline.eq5_gain(s, n, scale_by_count)  # (N, 1): s/i or s
     o = g * (qkv - (q * k_sums).sum(-1, keepdim=True) * v_sums / n) + v_sums / n  # Eq. 5 over the prefix
@@ -148,10 +151,13 @@ def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
     B, H, N, D = v.shape
     if r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
         raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
-                         f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of {tuple(v.shape)}")
+                         f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
+                         f"{tuple(v.shape)}")
     left = dilation * (size - 1 if causal else size // 2)  # how far back the first tap reaches
-    planes = F.pad(v.transpose(-2, -1).reshape(B, H * D, N), (left, dilation * (size - 1) - left))  # (B, C, N + pad)
-    windows = planes.unfold(-1, dilation * (size - 1) + 1, 1)[..., ::dilation]  # (B, C, N, T): v_{i + d t - left}
+    # (B, C, N + pad)
+    planes = F.pad(v.transpose(-2, -1).reshape(B, H * D, N), (left, dilation * (size - 1) - left))
+    # (B, C, N, T): v_{i + d t - left}
+    windows = planes.unfold(-1, dilation * (size - 1) + 1, 1)[..., ::dilation]
     taps = r.reshape(B, -1, H * D, size).transpose(1, 2)  # (B, C, N or 1, T)
     return (windows * taps).sum(-1).reshape(B, H, D, N).transpose(-2, -1)  # Eq. 6, (B, H, N, D)
 
@@ -164,7 +170,8 @@ def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilati
     the start)."""
     B, H, D = v_t.shape
     reach = dilation * (size - 1)
-    recent = v_t.new_zeros(B, H, reach, D) if recent is None else recent  # zero before the start, as sequence_residual
+    # zero before the start, as sequence_residual
+    recent = v_t.new_zeros(B, H, reach, D) if recent is None else recent
     window = torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, ::dilation]  # (B, H, T, D): v_{i - d(k-1)} .. v_i
     taps = r_t.reshape(B, H, D, size).permute(0, 1, 3, 2)  # (B, H, T, D): channel c = head*D + j, tap t
     return (window * taps).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]  # Eq. 6, (B, H, D)
@@ -192,7 +199,9 @@ def sequence_path(module, q, k, v, x, grid, scale):
             module.residual, x)
     if module.attention == 'linear':
         o = (causal_linear_attention if module.causal else inline.linear_attention)(q, k, v)  # (B, H, N, D)
-        return o if r is None else o + sequence_residual(v, r, module.local_size, module.dilation, module.causal)
+        if r is None:
+            return o
+        return o + sequence_residual(v, r, module.local_size, module.dilation, module.causal)
     return module.core(q, k, v, r, None, scale, module.local_size, module.dilation, module.causal,
                        module.scale_by_count)  # Eq. 5 + Eq. 6
 
@@ -211,16 +220,16 @@ class SequenceAttention(inline.InLineAttention):
     def __init__(self, dim, num_heads, *, causal=True, **options):
         leading = options.get('leading_tokens', 0)
         if not (isinstance(leading, int) and leading == 0):
-            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be 0 on a 1-D "
-                             f"sequence; got {leading!r}")
+            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be 0 "
+                             f"on a 1-D sequence; got {leading!r}")
         super().__init__(dim, num_heads, **options)
         self.causal = bool(causal)
         self.core, self.path = sequence_core, sequence_path
 
     def check_tokens(self, N, grid):
         if grid is not None:
-            raise ValueError("this attention was built for a 1-D sequence (sequence.SequenceAttention): call it "
-                             "with no grid")
+            raise ValueError("this attention was built for a 1-D sequence (sequence.SequenceAttention): "
+                             "call it with no grid")
 
     def check_shape(self):
         """kernels.enable_fast's check: a sequence of 130 tokens, three chunks of the fast causal core."""
@@ -240,14 +249,18 @@ class SequenceAttention(inline.InLineAttention):
         inline_step's, the running sum of x (B, C) for Eq. 6's prefix mean and the last dilation*(k-1) values
         (sequence_residual_step); one size however long the sequence. None starts a sequence."""
         if not self.causal or self.attention != 'inline':
-            raise ValueError("a step is causal InLine's: build the module with causal=True and attention='inline'")
+            raise ValueError("a step is causal InLine's: build the module with causal=True and "
+                             "attention='inline'")
         eq5, x_sum, recent = state if state is not None else (None, 0, None)
         q, k, scale = self.prepare(q_t.unsqueeze(2), k_t.unsqueeze(2))  # phi, on (B, H, 1, D)
-        o_t, eq5 = inline_step(q[:, :, 0], k[:, :, 0], v_t, eq5, scale, self.scale_by_count)  # Eq. 5, (B, H, D)
+        # Eq. 5, (B, H, D)
+        o_t, eq5 = inline_step(q[:, :, 0], k[:, :, 0], v_t, eq5, scale, self.scale_by_count)
         if self.residual is None:
             return o_t, (eq5, x_sum, recent)
-        x_sum = x_sum + x_t.to(torch.promote_types(x_t.dtype, torch.float32))  # (B, C), fp32 as prefix_residual_weights
-        r_t = self.residual((x_sum / eq5[3]).to(x_t.dtype).unsqueeze(-1)).squeeze(-1)  # (B, T*C) from the prefix mean
+        # (B, C), fp32 as prefix_residual_weights
+        x_sum = x_sum + x_t.to(torch.promote_types(x_t.dtype, torch.float32))
+        # (B, T*C) from the prefix mean
+        r_t = self.residual((x_sum / eq5[3]).to(x_t.dtype).unsqueeze(-1)).squeeze(-1)
         local, recent = sequence_residual_step(v_t, r_t, recent, self.local_size, self.dilation)  # Eq. 6
         return o_t + local, (eq5, x_sum, recent)
 
@@ -257,7 +270,8 @@ class SequenceAttention(inline.InLineAttention):
         """One token through a causal module, for generation: x_t (B, C) -> (B, C) and the state after it
         (step_attend), equal to forward's output at that token given the same tokens before it."""
         if self.ape is not None:
-            raise ValueError("a step has no position embedding (ape): it is made for a fixed number of tokens")
+            raise ValueError("a step has no position embedding (ape): it is made for a fixed number of "
+                             "tokens")
         x, q, k, v = self.project(x_t.unsqueeze(1), None)  # (B, H, 1, D)
         o_t, state = self.step_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], x[:, 0], state)  # (B, H, D)
         return self.proj(o_t.reshape(x_t.shape)), state  # (B, C)
@@ -285,7 +299,8 @@ def sequence_neighbourhood(N, device, size=inline.LOCAL_SIZE, dilation=1, causal
     flip: the opposite offsets, the transposed shift of Eq. 6's backward."""
     with torch.inference_mode(False):
         n = torch.arange(N, device=device)
-        offsets = [(-1 if flip else 1) * dilation * (t - (size - 1 if causal else size // 2)) for t in range(size)]
+        offsets = [(-1 if flip else 1) * dilation * (t - (size - 1 if causal else size // 2))
+                   for t in range(size)]
         index = torch.stack([(n + o).clamp(0, N - 1) for o in offsets])  # (T, N)
         masks = torch.stack([(n + o >= 0) & (n + o < N) for o in offsets])  # (T, N)
         return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
@@ -300,7 +315,8 @@ _cached_sequence_neighbourhood = functools.lru_cache(maxsize=32)(sequence_neighb
 # (inline_chunked), Eq. 6 over the last k tokens with one weight per token. kernels.py's design: two graphs,
 # the backward in closed form, through kernels.run (its compile switches, cache retry and warning).
 
-CHUNK = 64  # tokens per chunk: the CHUNK x CHUNK products cost N CHUNK D per head, the running D x D sums N D^2 / CHUNK
+# tokens per chunk: the CHUNK x CHUNK products cost N CHUNK D per head, the running D x D sums N D^2 / CHUNK
+CHUNK = 64
 
 
 def scan_dtype(dtype, scale_by_count=True):
@@ -362,12 +378,15 @@ def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks
     qa = (q_w * a).to(mm)  # (B, H, N, D): a_i q_i
     gv = (g * v_mean).sum(-1, keepdim=True)  # (B, H, N, 1)
     dq = a * causal_scan(do, v_s, k_s) - c * gv * k_mean
-    later = lambda x: x.flip(2).cumsum(2).flip(2)  # noqa: E731  sum over i >= j: how a prefix mean reaches token j
+    # sum over i >= j: how a prefix mean reaches token j
+    later = lambda x: x.flip(2).cumsum(2).flip(2)  # noqa: E731
     dk = causal_scan(v_s, do, qa, reverse=True) + later(-c * gv * q_w / n)
-    dv = causal_scan(k_s, qa, do, reverse=True) + later((1 - c * (q_w * k_mean).sum(-1, keepdim=True)) * g / n)
+    dv = causal_scan(k_s, qa, do, reverse=True) + later(
+        (1 - c * (q_w * k_mean).sum(-1, keepdim=True)) * g / n)
     dtaps = None
     if taps is not None:
-        for t in range(taps.shape[2]):  # Eq. 6 transposed: token j feeds token j - offset_t with weight taps_t
+        # Eq. 6 transposed: token j feeds token j - offset_t with weight taps_t
+        for t in range(taps.shape[2]):
             dv = dv + (wide(taps[:, :, t]) * g)[:, :, index_t[t]] * masks_t[t]
         v = wide(v_s) + v_first  # (B, H, N, D), never stored
         dtaps = torch.stack([g * masks[t] * v_t for t, v_t in enumerate(neighbours(v, index))], dim=2)
@@ -384,9 +403,11 @@ class CausalCore(torch.autograd.Function):
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
         taps = index = masks = index_t = masks_t = None
         if r is not None:
-            index, masks = kernels.neighbour_table(_cached_sequence_neighbourhood, M, q.device, size, dilation, True)
-            index_t, masks_t = kernels.neighbour_table(_cached_sequence_neighbourhood, M, q.device, size, dilation, True, True)
-            taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)  # (B, M, H, D, T): r's channel T*c + t
+            table = functools.partial(kernels.neighbour_table, _cached_sequence_neighbourhood, M, q.device)
+            index, masks = table(size, dilation, True)
+            index_t, masks_t = table(size, dilation, True, True)
+            # (B, M, H, D, T): r's channel T*c + t
+            taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)
             taps = taps.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
         o, k_s, v_s, v_first = kernels.run(causal_forward, q, k, v, taps, index, masks, scale, scale_by_count)
         ctx.save_for_backward(q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t)
@@ -399,9 +420,11 @@ class CausalCore(torch.autograd.Function):
         B, H, M, D = q.shape
         N = do.shape[2]
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv, dtaps = kernels.run(causal_backward, F.pad(do, (0, 0, 0, M - N)).contiguous(), q, k_s, v_s, v_first,
-                                    taps, index, masks, index_t, masks_t, ctx.scale, ctx.scale_by_count)
-        dr = dtaps.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dtaps is not None else None  # (B, N, T*C)
+            do = F.pad(do, (0, 0, 0, M - N)).contiguous()  # (B, H, M, D)
+            dq, dk, dv, dtaps = kernels.run(causal_backward, do, q, k_s, v_s, v_first, taps, index, masks,
+                                            index_t, masks_t, ctx.scale, ctx.scale_by_count)
+        # (B, N, T*C)
+        dr = dtaps.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dtaps is not None else None
         return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None, None
 
 
@@ -415,10 +438,11 @@ def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE
         raise ValueError("attention over a 1-D sequence has no grid: grid must be None")
     if r is not None and r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
         raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
-                         f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of {tuple(v.shape)}")
+                         f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
+                         f"{tuple(v.shape)}")
     if not causal:
-        table = None if r is None else kernels.neighbour_table(_cached_sequence_neighbourhood, N, q.device, size,
-                                                               dilation)
+        table = None if r is None else kernels.neighbour_table(_cached_sequence_neighbourhood, N, q.device,
+                                                               size, dilation)
         return kernels.apply_core(q, k, v, r, table, scale, scale_by_count)
     q, scale = kernels.fold_scale(q, scale)
     device = q.device.type
