@@ -346,7 +346,8 @@ def main():
                 print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | {ref_f:7.1f} {ref_fb:7.1f} | "
                       f"{f:7.1f} {fb:7.1f} | {row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | "
                       f"{row['sdpa_fwd_ms']:8.1f} {row['sdpa_fwdbwd_ms']:8.1f} | "
-                      f"{row['floor_fwdbwd_ms']:7.1f} {row['fwdbwd_over_floor']:5.2f}x | {row['fast_peak_mb']:6.1f}", flush=True)
+                      f"{row['floor_fwdbwd_ms']:7.1f} {row['fwdbwd_over_floor']:5.2f}x | "
+                      f"{row['fast_peak_mb']:6.1f}", flush=True)
 
 if __name__ == '__main__':
     main()
