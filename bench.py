@@ -276,7 +276,6 @@ def _demo():
           f"constraint)")
 
 
-
 def main():
     parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")

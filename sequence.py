@@ -89,7 +89,6 @@ def causal_products(q, k, v, kv=None, chunk=64):
     return out, before[:, :, -1] + chunk_kv[:, :, -1]
 
 
-
 def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=True):
     """Causal Eq. 5 in chunks, for training: causal_inline_attention's output without its (B, H, N, D, D)
     prefix sums. state: inline_step's, the tokens before these (None: none), so a sequence goes on where a
@@ -111,7 +110,6 @@ def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=Tru
     return o.to(dtype), (kv, k_sums[:, :, -1], v_sums[:, :, -1], count + N)
 
 
-
 def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
     """One token of causal Eq. 5, for generation: q_t, k_t, v_t (B, H, D) -> o_t (B, H, D) and the state after
     it, (sum k v^T (B, H, D, D), sum k (B, H, D), sum v (B, H, D), count): one size however long the sequence,
@@ -128,7 +126,6 @@ def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
     g = inline.eq5_gain(s, count, scale_by_count)  # s/t or s
     o_t = g * (q_t.unsqueeze(-2) @ cov).squeeze(-2) + v_sum / count  # Eq. 5 over tokens 1..t, (B, H, D)
     return o_t.to(dtype), (kv, k_sum, v_sum, count)
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,7 +159,6 @@ def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
     return (windows * taps).sum(-1).reshape(B, H, D, N).transpose(-2, -1)  # Eq. 6, (B, H, N, D)
 
 
-
 def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilation=1):
     """One token of causal Eq. 6, for generation: v_t (B, H, D) and its weights r_t (B, T*C), T = size, ->
     sum_t r_t[.., T*c + t] v_{i + dilation*(t - (k-1))} (B, H, D), and recent after it: the last
@@ -175,7 +171,6 @@ def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilati
     window = torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, ::dilation]  # (B, H, T, D): v_{i - d(k-1)} .. v_i
     taps = r_t.reshape(B, H, D, size).permute(0, 1, 3, 2)  # (B, H, T, D): channel c = head*D + j, tap t
     return (window * taps).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]  # Eq. 6, (B, H, D)
-
 
 
 def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
@@ -265,7 +260,6 @@ class SequenceAttention(inline.InLineAttention):
         return o_t + local, (eq5, x_sum, recent)
 
 
-
     def step(self, x_t, state=None):
         """One token through a causal module, for generation: x_t (B, C) -> (B, C) and the state after it
         (step_attend), equal to forward's output at that token given the same tokens before it."""
@@ -275,7 +269,6 @@ class SequenceAttention(inline.InLineAttention):
         x, q, k, v = self.project(x_t.unsqueeze(1), None)  # (B, H, 1, D)
         o_t, state = self.step_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], x[:, 0], state)  # (B, H, D)
         return self.proj(o_t.reshape(x_t.shape)), state  # (B, C)
-
 
 
 class DecoderBlock(nn.Module):
@@ -304,7 +297,6 @@ def sequence_neighbourhood(N, device, size=inline.LOCAL_SIZE, dilation=1, causal
         index = torch.stack([(n + o).clamp(0, N - 1) for o in offsets])  # (T, N)
         masks = torch.stack([(n + o >= 0) & (n + o < N) for o in offsets])  # (T, N)
         return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
-
 
 
 _cached_sequence_neighbourhood = functools.lru_cache(maxsize=32)(sequence_neighbourhood)
@@ -394,7 +386,6 @@ def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtaps
 
 
-
 class CausalCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, r, scale, size, dilation, scale_by_count):
@@ -426,7 +417,6 @@ class CausalCore(torch.autograd.Function):
         # (B, N, T*C)
         dr = dtaps.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dtaps is not None else None
         return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None, None
-
 
 
 def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
