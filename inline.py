@@ -329,18 +329,13 @@ class InLineBase(nn.Module):
         self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
         self.scale = attention_scale(dim // num_heads)  # Eq. 5's s, which prepare returns
         self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None
-        # The core, Eq. 5 + Eq. 6: this reference, or its compiled twin kernels.inline_core_fast (same
-        # arguments, same result), which kernels.enable_fast(model) puts here once it has run this module both
-        # ways and found the same output and gradients
+        # The core, Eq. 5 + Eq. 6, and attend's one path after phi (reference_path); kernels.enable_fast
+        # puts their fast twins here once it has found them equal on this module
         self.core = inline_core
-        # attend's one path after phi: Eq. 6's weights, then the core. enable_fast may put kernels.fast_path
-        # here, which computes the same and, with no gradient asked, runs both in one compiled graph
         self.path = reference_path
 
     def prepare(self, q, k):
-        """q, k (B, H, N, D) -> phi(q), phi(k) and the scale s: self.scale, a number or a tensor that
-        broadcasts against (B, H, N, 1), such as a learnable per-head temperature (1, H, 1, 1)
-        (attention_scale)."""
+        """q, k (B, H, N, D) -> phi(q), phi(k) and Eq. 5's scale s, self.scale (attention_scale)."""
         q, k = self.phi(q), self.phi(k)
         if self.normalise_q is not None:  # T1: q and a*q give the same weights
             q = self.normalise_q(q)
@@ -389,8 +384,7 @@ class InLineAttention(InLineBase):
         projections, so it reaches q, k and v but not the block's shortcut; None: none. The authors use it
         in their ablations without Eq. 6 (their answer in their repository's issue #6; README, "The paper's
         experiments").
-    Every other option (kernel, residual, local_size, dilation, attention, allow_divergent, leading_tokens,
-    scale_by_count, nonneg, normalise_q) is InLineBase's, which says what each does. On a 1-D sequence:
+    Every other option is InLineBase's, which says what each does. On a 1-D sequence:
     sequence.SequenceAttention.
     """
 
