@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import inline
 import kernels
 import paper
+import sequence
 from test_inline import BF16_ROUNDING, CUDA, NAMES, assert_fp32_close, causal, compiled, core_inputs, run_core
 from test_models import readme_block
 from test_train import printed, refused
@@ -35,7 +36,7 @@ def stepped(q, k, v, state=None, scale_by_count=True):
     """inline_step over every token of q, k, v (B, H, N, D): the outputs (B, H, N, D) and the last state."""
     outs = []
     for t in range(q.shape[2]):
-        o_t, state = inline.inline_step(q[:, :, t], k[:, :, t], v[:, :, t], state, scale_by_count=scale_by_count)
+        o_t, state = sequence.inline_step(q[:, :, t], k[:, :, t], v[:, :, t], state, scale_by_count=scale_by_count)
         outs.append(o_t)
     return torch.stack(outs, dim=2), state
 
@@ -44,7 +45,7 @@ def stepped(q, k, v, state=None, scale_by_count=True):
 def test_causal_weights_match_the_formula_element_by_element(scale_by_count):
     """Each prefix 1..i written out by hand: w_ij = g_i (q_i.k_j - q_i.k_mean_i) + 1/i, g_i = s/i or s (printed)."""
     q, k, _ = qkv(1, 1, 7, 4)
-    w = inline.inline_weights(q, k, causal=True, scale_by_count=scale_by_count)
+    w = sequence.causal_inline_weights(q, k, scale_by_count=scale_by_count)
     s = 4 ** -0.5
     for i in range(7):
         k_mean = k[0, 0, :i + 1].mean(0)
@@ -53,7 +54,7 @@ def test_causal_weights_match_the_formula_element_by_element(scale_by_count):
             expected = g * (q[0, 0, i] @ k[0, 0, j] - q[0, 0, i] @ k_mean) + 1 / (i + 1) if j <= i else 0.0
             assert abs(w[0, 0, i, j].item() - float(expected)) < 1e-14
     torch.testing.assert_close(w.sum(-1), torch.ones(1, 1, 7, dtype=torch.float64), rtol=0, atol=1e-14)
-    assert (inline.inline_weights(2 * q, k, causal=True, scale_by_count=scale_by_count)
+    assert (sequence.causal_inline_weights(2 * q, k, scale_by_count=scale_by_count)
             - w)[0, 0, 1:].abs().amax(-1).min() > 1e-3  # 2q gives other weights in every row with two tokens or more
 
 
@@ -69,7 +70,7 @@ def test_causal_injectivity_needs_d_plus_1_tokens(scale_by_count):
         direction = torch.linalg.svd(centred).Vh[-1]  # (D,): in the null space while i + 1 <= D
         moved = q.clone()
         moved[0, 0, i] += 3.0 * direction
-        w, w_moved = (inline.inline_weights(t, k, causal=True, scale_by_count=scale_by_count)[0, 0, i]
+        w, w_moved = (sequence.causal_inline_weights(t, k, scale_by_count=scale_by_count)[0, 0, i]
                       for t in (q, moved))
         change = (w - w_moved).abs().max().item()
         assert change < 1e-14 if i + 1 <= D else change > 1e-4, (i + 1, change)
@@ -83,9 +84,9 @@ def test_causal_forms_equal_the_explicit_weights(N, scale_by_count):
     factor of Eq. 5 (the explicit weights are the hand formula: test_causal_weights_match_the_formula_element_by_element)."""
     q, k, v, _, do = sequence_inputs(2, 3, N, 8)
     c = dict(scale_by_count=scale_by_count)
-    forms = {'explicit': lambda q, k, v: inline.inline_weights(q, k, causal=True, **c) @ v,
-             'prefix sums': lambda q, k, v: inline.inline_attention(q, k, v, causal=True, **c),
-             'chunked': lambda q, k, v: inline.inline_chunked(q, k, v, chunk=16, **c)[0],
+    forms = {'explicit': lambda q, k, v: sequence.causal_inline_weights(q, k, **c) @ v,
+             'prefix sums': lambda q, k, v: sequence.causal_inline_attention(q, k, v, **c),
+             'chunked': lambda q, k, v: sequence.inline_chunked(q, k, v, chunk=16, **c)[0],
              'step': lambda q, k, v: stepped(q, k, v, **c)[0]}
     results = {}
     for name, form in forms.items():
@@ -101,11 +102,11 @@ def test_a_sequence_split_in_two_and_resumed_from_its_state_equals_the_whole():
     """The chunked form's state goes on to a second call, or to recurrent steps (a prompt, then generation):
     the outputs and the final state equal one pass over the whole sequence."""
     q, k, v, _, _ = sequence_inputs(2, 2, 61, 8)
-    whole, whole_state = inline.inline_chunked(q, k, v, chunk=8)
-    first, state = inline.inline_chunked(q[:, :, :23], k[:, :, :23], v[:, :, :23], chunk=8)
-    second, state = inline.inline_chunked(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], state=state, chunk=16)
+    whole, whole_state = sequence.inline_chunked(q, k, v, chunk=8)
+    first, state = sequence.inline_chunked(q[:, :, :23], k[:, :, :23], v[:, :, :23], chunk=8)
+    second, state = sequence.inline_chunked(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], state=state, chunk=16)
     generated, step_state = stepped(q[:, :, 40:], k[:, :, 40:], v[:, :, 40:],
-                                    inline.inline_chunked(q[:, :, :40], k[:, :, :40], v[:, :, :40])[1])
+                                    sequence.inline_chunked(q[:, :, :40], k[:, :, :40], v[:, :, :40])[1])
     torch.testing.assert_close(torch.cat([first, second], 2), whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(generated, whole[:, :, 40:], rtol=0, atol=1e-12)
     for a, b, c in zip(state, step_state, whole_state):
@@ -125,11 +126,11 @@ def state_numel(state):
                                      dict(local_size=5, dilation=2), dict(residual='none')],
                          ids=['eq6', 'one_plus_elu-printed-s', 'eq6-k5-dilation2', 'no-eq6'])
 def test_module_step_with_eq6_equals_the_whole_sequence(options):
-    """Generation runs the trained module: InLineAttention(causal=True).step token by token gives forward's output
+    """Generation runs the trained module: SequenceAttention(causal=True).step token by token gives forward's output
     on the whole sequence, Eq. 6 included (its weights from the running mean of x, its last dilation*(k-1) values
     kept), in float64; the state's size does not grow with the tokens."""
     torch.manual_seed(0)
-    attn = inline.InLineAttention(24, 3, causal=True, **options).double()
+    attn = sequence.SequenceAttention(24, 3, causal=True, **options).double()
     x = torch.randn(2, 23, 24, dtype=torch.float64)
     whole, state, sizes = attn(x), None, []
     steps = []
@@ -140,15 +141,15 @@ def test_module_step_with_eq6_equals_the_whole_sequence(options):
     torch.testing.assert_close(torch.stack(steps, 1), whole, rtol=0, atol=1e-12)
     assert len(set(sizes[1:])) == 1, sizes  # from the second token on, one size
     with pytest.raises(ValueError, match="a step is causal InLine's"):
-        inline.InLineAttention(24, 3, sequence=True).double().step(x[:, 0])
+        sequence.SequenceAttention(24, 3, causal=False).double().step(x[:, 0])
 
 
 def test_causal_linear_attention_matches_its_weights():
     q, k, v = qkv(2, 2, 45, 8)
     q, k = F.relu(q), F.relu(k)
-    w = inline.linear_attention_weights(q, k, eps=0, causal=True)
+    w = sequence.causal_linear_attention_weights(q, k, eps=0)
     assert w.triu(1).abs().max() == 0
-    torch.testing.assert_close(inline.linear_attention(q, k, v, eps=0, causal=True), w @ v, rtol=0, atol=1e-12)
+    torch.testing.assert_close(sequence.causal_linear_attention(q, k, v, eps=0), w @ v, rtol=0, atol=1e-12)
 
 
 def sequence_residual_loop(v, r, size, dilation, causal):
@@ -175,14 +176,14 @@ def test_eq6_on_a_sequence_against_an_explicit_loop(size, dilation, causal):
     q, k, v, r, _ = sequence_inputs(2, 2, 11, 3, taps=size)
     r = r if causal else r[:, 0]  # (B, N, kC) per token, or (B, kC) per sample
     expected = sequence_residual_loop(v, r, size, dilation, causal)
-    torch.testing.assert_close(inline.local_residual(v, r, None, size, dilation, causal), expected, rtol=0, atol=1e-13)
+    torch.testing.assert_close(sequence.sequence_residual(v, r, size, dilation, causal), expected, rtol=0, atol=1e-13)
 
 
 def test_causal_eq6_weights_come_from_the_prefix_mean():
     torch.manual_seed(0)
     mlp = inline.residual_mlp(8, 2, taps=3).double()
     x = torch.randn(2, 9, 8, dtype=torch.float64)
-    r = inline.residual_weights(mlp, x, causal=True)
+    r = sequence.prefix_residual_weights(mlp, x)
     assert r.shape == (2, 9, 24)
     for i in range(9):
         torch.testing.assert_close(r[:, i], inline.residual_weights(mlp, x[:, :i + 1]), rtol=0, atol=1e-14)
@@ -204,7 +205,7 @@ def test_causal_module_never_looks_ahead(attention, kernel):
     before j is unchanged exactly, in float64 and float32."""
     torch.manual_seed(0)
     for dtype in (torch.float64, torch.float32):
-        attn = inline.InLineAttention(24, 3, causal=True, attention=attention, kernel=kernel).to(dtype)
+        attn = sequence.SequenceAttention(24, 3, causal=True, attention=attention, kernel=kernel).to(dtype)
         x = torch.randn(2, 45, 24, dtype=dtype)
         for j in (0, 17, 44):
             no_look_ahead(attn, x, j)
@@ -228,24 +229,24 @@ def test_sequence_modules_and_their_errors():
     module needs its grid; bad combinations are refused, saying what is allowed."""
     torch.manual_seed(0)
     x = torch.randn(2, 13, 16)
-    bidirectional = inline.InLineAttention(16, 2, sequence=True)
+    bidirectional = sequence.SequenceAttention(16, 2, causal=False)
     y = bidirectional(x)
     changed = x.clone()
     changed[:, -1] += 1
     assert y.shape == (2, 13, 16) and (bidirectional(changed)[:, 0] - y[:, 0]).abs().max() > 0
     assert bidirectional.weights(x).shape == (2, 2, 13, 13)
-    assert inline.InLineAttention(16, 2, causal=True).weights(x).triu(1).abs().max() == 0
-    with pytest.raises(ValueError, match=r"built for a 1-D sequence \(causal or sequence=True\): call it with no grid"):
-        inline.InLineAttention(16, 2, causal=True)(x, (1, 13))
-    with pytest.raises(ValueError, match=r"built for a token grid: pass grid=\(h, w\), or build it with sequence=True"):
+    assert sequence.SequenceAttention(16, 2, causal=True).weights(x).triu(1).abs().max() == 0
+    with pytest.raises(ValueError, match=r"built for a 1-D sequence \(sequence.SequenceAttention\): call it with no grid"):
+        sequence.SequenceAttention(16, 2, causal=True)(x, (1, 13))
+    with pytest.raises(ValueError, match=r"built for a token grid: pass grid=\(h, w\), or use sequence.SequenceAttention"):
         inline.InLineAttention(16, 2)(x)
     q, k, v, r, _ = sequence_inputs(2, 2, 13, 8)
-    with pytest.raises(ValueError, match=r"causal attention runs over a 1-D sequence: grid must be None"):
-        inline.inline_core(q, k, v, r, (1, 13), causal=True)
+    with pytest.raises(ValueError, match=r"attention over a 1-D sequence has no grid: grid must be None"):
+        sequence.sequence_core(q, k, v, r, (1, 13), causal=True)
     with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, \(B, N, kC\)"):
-        inline.inline_core(q, k, v, r[:, 0], None, causal=True)
+        sequence.sequence_core(q, k, v, r[:, 0], None, causal=True)
     with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel, \(B, kC\)"):
-        inline.inline_core(q, k, v, r, None)
+        sequence.sequence_core(q, k, v, r, None)
 
 
 
@@ -263,8 +264,8 @@ def test_fast_causal_core_equals_reference_fp32(shape, option):
     q, k, v, r, do = sequence_inputs(*shape)
     options = CAUSAL_OPTIONS[option] or {}
     r = r if 'size' in options else None
-    fast = run_core(causal(kernels.inline_core_fast, **options), q, k, v, r, do, None, torch.float32)
-    reference = run_core(causal(inline.inline_core, **options), q, k, v, r, do, None, torch.float32)
+    fast = run_core(causal(sequence.sequence_core_fast, **options), q, k, v, r, do, None, torch.float32)
+    reference = run_core(causal(sequence.sequence_core, **options), q, k, v, r, do, None, torch.float32)
     assert fast[0].shape == shape
     assert_fp32_close(fast, reference)
 
@@ -278,9 +279,9 @@ def test_fast_causal_core_low_precision_within_twice_the_references(dtype, scale
     Eq. 5: the printed s makes the outputs grow with i, the scans' sums unscaled."""
     q, k, v, r, do = sequence_inputs(2, 3, 131, 32)
     c = dict(scale_by_count=scale_by_count)
-    truth = run_core(causal(inline.inline_core, **c), q, k, v, r, do, None, torch.float32)
-    fast = run_core(causal(kernels.inline_core_fast, **c), q, k, v, r, do, None, dtype)
-    reference = run_core(causal(inline.inline_core, **c), q, k, v, r, do, None, dtype)
+    truth = run_core(causal(sequence.sequence_core, **c), q, k, v, r, do, None, torch.float32)
+    fast = run_core(causal(sequence.sequence_core_fast, **c), q, k, v, r, do, None, dtype)
+    reference = run_core(causal(sequence.sequence_core, **c), q, k, v, r, do, None, dtype)
     for name, f, ref, t in zip(NAMES, fast, reference, truth):
         fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
         noise = ROUNDING[dtype] * t.abs().max().item()
@@ -303,7 +304,7 @@ def test_the_scale_option_is_part_of_the_compiled_graphs_key():
     """scale_by_count is a Python bool the graphs specialise on: kernels.signature keys the two apart, so a call under
     one never reuses the switches and marks recorded for the other's graph."""
     q, k, v, _, _ = sequence_inputs(2, 2, 130, 8, dtype=torch.float32)
-    for f in (kernels.causal_forward, kernels.core_forward):
+    for f in (sequence.causal_forward, kernels.core_forward):
         keys = {kernels.signature(f, [q, k, v, None, None, None, 8 ** -0.5, c]) for c in (True, False)}
         assert len(keys) == 2
 
@@ -311,24 +312,24 @@ def test_the_scale_option_is_part_of_the_compiled_graphs_key():
 def test_fast_core_on_a_bidirectional_sequence():
     """grid=None without causal: Eq. 5 over the whole sequence, Eq. 6 over the 3 tokens centred on each."""
     q, k, v, r, do = sequence_inputs(2, 3, 45, 32)
-    fast = run_core(kernels.inline_core_fast, q, k, v, r[:, 0], do, None, torch.float32)
-    assert_fp32_close(fast, run_core(inline.inline_core, q, k, v, r[:, 0], do, None, torch.float32))
+    fast = run_core(sequence.sequence_core_fast, q, k, v, r[:, 0], do, None, torch.float32)
+    assert_fp32_close(fast, run_core(sequence.sequence_core, q, k, v, r[:, 0], do, None, torch.float32))
 
 
 def test_fast_causal_module_never_looks_ahead():
     """The module on the fast path, built by kernels.enable_fast, is the reference module's function and keeps its
     no-look-ahead bit for bit across the fast core's chunks."""
     torch.manual_seed(0)
-    reference = inline.InLineAttention(64, 2, causal=True)
-    fast = inline.InLineAttention(64, 2, causal=True)
+    reference = sequence.SequenceAttention(64, 2, causal=True)
+    fast = sequence.SequenceAttention(64, 2, causal=True)
     fast.load_state_dict(reference.state_dict())
-    assert kernels.enable_fast(fast) == 1 and fast.core is kernels.inline_core_fast
+    assert kernels.enable_fast(fast) == 1 and fast.core is sequence.sequence_core_fast
     x = torch.randn(2, 150, 64)
     torch.testing.assert_close(fast(x), reference(x), rtol=0, atol=2e-5 * reference(x).abs().max().item())
     for j in (30, 70, 149):
         no_look_ahead(fast, x, j)
     with pytest.raises(ValueError, match=r"the fast InLine core has no attention='linear'"):
-        kernels.enable_fast(inline.InLineAttention(64, 2, causal=True, attention='linear', kernel='relu'))
+        kernels.enable_fast(sequence.SequenceAttention(64, 2, causal=True, attention='linear', kernel='relu'))
 
 
 def test_a_guard_failing_under_a_known_signature_compiles_with_the_switches(monkeypatch):
@@ -355,8 +356,8 @@ def test_fast_causal_core_inside_a_compiled_module():
     """torch.compile of a causal module on the fast path: the causal core's closed forms are traced into the module's
     graph, with no break; output and every gradient equal the reference module's."""
     torch.manual_seed(0)
-    reference = inline.InLineAttention(16, 2, causal=True)
-    fast = inline.InLineAttention(16, 2, causal=True)
+    reference = sequence.SequenceAttention(16, 2, causal=True)
+    fast = sequence.SequenceAttention(16, 2, causal=True)
     fast.load_state_dict(reference.state_dict())
     kernels.enable_fast(fast, log=None)
     x, do = torch.randn(2, 70, 16), torch.randn(2, 70, 16)  # two chunks of the fast core, the second ragged
@@ -377,12 +378,12 @@ def test_fast_causal_core_inside_a_compiled_module():
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
 def test_fast_causal_core_on_cuda(dtype):
     q, k, v, r, do = (t.cuda() for t in sequence_inputs(2, 3, 131, 32))
-    truth = run_core(causal(inline.inline_core), q, k, v, r, do, None, torch.float32)
-    fast = run_core(causal(kernels.inline_core_fast), q, k, v, r, do, None, dtype)
+    truth = run_core(causal(sequence.sequence_core), q, k, v, r, do, None, torch.float32)
+    fast = run_core(causal(sequence.sequence_core_fast), q, k, v, r, do, None, dtype)
     if dtype == torch.float32:
         assert_fp32_close(fast, truth, tolerance=1e-4)  # TF32 may be on for the caller's matmuls
     else:
-        reference = run_core(causal(inline.inline_core), q, k, v, r, do, None, dtype)
+        reference = run_core(causal(sequence.sequence_core), q, k, v, r, do, None, dtype)
         for name, f, ref, t in zip(NAMES, fast, reference, truth):
             fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
             print(f"{name}: bf16 error, fast {fast_error:.3e}, reference {reference_error:.3e}")
@@ -391,7 +392,7 @@ def test_fast_causal_core_on_cuda(dtype):
 
 def test_fast_causal_core_rejects_what_the_reference_rejects():
     q, k, v, r, _ = sequence_inputs(2, 2, 13, 8)
-    with pytest.raises(ValueError, match=r"causal attention runs over a 1-D sequence: grid must be None"):
-        kernels.inline_core_fast(q, k, v, r, (1, 13), causal=True)
+    with pytest.raises(ValueError, match=r"attention over a 1-D sequence has no grid: grid must be None"):
+        sequence.sequence_core_fast(q, k, v, r, (1, 13), causal=True)
     with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, \(B, N, kC\)"):
-        kernels.inline_core_fast(q, k, v, r[:, 0], None, causal=True)
+        sequence.sequence_core_fast(q, k, v, r[:, 0], None, causal=True)

@@ -1,0 +1,352 @@
+"""Benchmarks of the InLine attention cores (arXiv 2412.06590): the fast core (kernels.py) against the
+reference (inline.py), softmax SDPA and the matmul floor; the causal core (sequence.py) against causal SDPA;
+and the reference's short demonstration. RESULTS.md shows each table under the command that printed it.
+
+    python bench.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
+    python bench.py --bench --json          # the same, one JSON object per case
+    python bench.py --choices --threads 1   # two design choices of kernels.py, timed: D constant,
+                                            # and the per-call switches
+    python bench.py --compile               # what the first use in a process costs (compiling, or the cache)
+    python bench.py --per-call              # one call's cost beside its work: 197 tokens, 7x7 windows, 56x56
+    python bench.py --causal-bench          # the causal core against causal softmax SDPA, 1k to 16k tokens
+    python bench.py --demo                  # injectivity, and the two forms of Eq. 5 agree
+    (a whole-model training step, reference against fast core: python -m paper speed --model-step)
+
+Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of per-round
+ratios. Notation as in inline.py.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+import inline
+import kernels
+import sequence
+from inline import attention_scale, get_kernel, inline_attention, inline_attention_quadratic, inline_weights
+from inline import linear_attention_weights
+from kernels import compile_options, core_forward, inline_core_fast, neighbourhood, run, signature
+from kernels import symbolic_sizes
+
+# name: (batch, heads, grid side, head dim); the InLine stages of InLine-Swin-T, then stage 1 larger
+CASES = {
+    'swin_t_stage1': (8, 3, 56, 32), 'swin_t_stage2': (8, 6, 28, 32), 'swin_t_stage3': (8, 12, 14, 32),
+    'stage1_448px': (2, 3, 112, 32), 'stage1_896px': (1, 3, 224, 32), 'stage1_1024px': (1, 3, 256, 32),
+}
+
+
+def _sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+
+
+def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
+    """{name: [ms per round]}: every round calls each fn once; as many rounds as the slowest fn's budget
+    allows. warm_up=False: a first call longer than the budget is its own timing (softmax at 65k tokens)."""
+    first = {}
+    for name, fn in fns.items():
+        for _ in range(2):
+            start = time.perf_counter()
+            fn(), _sync(device)  # the first call compiles
+            first[name] = time.perf_counter() - start
+            if not warm_up and first[name] > budget_s:
+                break
+    rounds = max(1, min(max_rounds, int(budget_s / max(first.values()))))
+    times = {name: [] for name in fns}
+    for _ in range(rounds - 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn(), _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: [1e3 * t for t in [first[name]] + times[name]] for name in fns}
+
+
+def paired_ratio(ms, a, b):
+    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift in the
+    machine's speed (other jobs on a shared machine) cancels, where it would skew a ratio of two medians."""
+    return statistics.median(x / y for x, y in zip(ms[a], ms[b]))
+
+
+def peak_mb(fn, device):
+    """Memory fn allocates at its peak, beyond what was allocated before it ran."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(), torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        fn()
+    running = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        running += event.self_cpu_memory_usage
+        peak = max(peak, running)
+    return peak / 2**20
+
+
+def bench_case(name, dtype, device):
+    B, H, side, D = CASES[name]
+    N = side * side
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
+    C = torch.randn(B, H, D, D, generator=gen, device=device, dtype=dtype)
+    inputs = [t.requires_grad_() for t in (q, k, v, r)]
+
+    def fwd(core):
+        with torch.no_grad():
+            core(q, k, v, r, (side, side))
+
+    def fwdbwd(core):
+        torch.autograd.grad(core(q, k, v, r, (side, side)), inputs, do, allow_unused=core is sdpa)
+
+    def sdpa(q, k, v, r, grid):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    def floor():  # the six GEMMs of the linear form: K^T V and Q C forward; dQ, dC, dK, dV backward
+        q_, k_, v_ = q.detach(), k.detach(), v.detach()
+        k_.mT @ v_, q_ @ C, do @ C.mT, q_.mT @ do, v_ @ C.mT, k_ @ C
+
+    ms = time_interleaved({
+        'reference_fwd_ms': lambda: fwd(inline.inline_core),
+        'fast_fwd_ms': lambda: fwd(inline_core_fast),
+        'reference_fwdbwd_ms': lambda: fwdbwd(inline.inline_core),
+        'fast_fwdbwd_ms': lambda: fwdbwd(inline_core_fast),
+        'floor_fwdbwd_ms': floor}, device)
+    ms.update(time_interleaved({'sdpa_fwd_ms': lambda: fwd(sdpa), 'sdpa_fwdbwd_ms': lambda: fwdbwd(sdpa)},
+                               device, warm_up=False))
+    row = dict(case=name, tokens=N, dtype=str(dtype).replace('torch.', ''))
+    row.update({key: round(statistics.median(ms[key]), 3) for key in (
+        'reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms', 'sdpa_fwd_ms',
+        'sdpa_fwdbwd_ms', 'floor_fwdbwd_ms')})
+    row.update(fwd_speedup=round(paired_ratio(ms, 'reference_fwd_ms', 'fast_fwd_ms'), 2),
+               fwdbwd_speedup=round(paired_ratio(ms, 'reference_fwdbwd_ms', 'fast_fwdbwd_ms'), 2),
+               fwdbwd_over_floor=round(paired_ratio(ms, 'fast_fwdbwd_ms', 'floor_fwdbwd_ms'), 2))
+    row['fast_peak_mb'] = round(peak_mb(lambda: fwdbwd(inline_core_fast), device), 1)
+    return row
+
+
+# python bench.py --causal-bench: B = 1, H = 4, D = 64 (GPT-2's)
+CAUSAL_TOKENS = (1024, 2048, 4096, 8192, 16384)
+
+
+def bench_causal(N, dtype, device, B=1, H=4, D=64):
+    """One row of --causal-bench: the fast causal core, Eq. 5 alone and with Eq. 6 over 3 tokens, against
+    causal softmax (F.scaled_dot_product_attention(is_causal=True)), forward and forward + backward, in one
+    interleaved run. (The reference's (B, H, N, D, D) prefix sums need 1 GB per tensor at 16k tokens: it is
+    left out.)"""
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    r = 0.1 * torch.randn(B, N, 3 * H * D, generator=gen, device=device, dtype=dtype)
+    inputs = [t.requires_grad_() for t in (q, k, v, r)]
+    cores = {'sdpa': lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+             'eq5': lambda: sequence.sequence_core_fast(q, k, v, None, None, causal=True),
+             'eq56': lambda: sequence.sequence_core_fast(q, k, v, r, None, size=3, causal=True)}
+    fns = {}
+    for name, core in cores.items():
+        fns[f'{name}_fwd_ms'] = lambda core=core: torch.no_grad()(core)()
+        fns[f'{name}_fwdbwd_ms'] = lambda core=core, n=4 if name == 'eq56' else 3: torch.autograd.grad(
+            core(), inputs[:n], do)
+    ms = time_interleaved(fns, device, budget_s=60, max_rounds=9)
+    row = dict(tokens=N, dtype=str(dtype).replace('torch.', ''), B=B, H=H, D=D)
+    row.update({key: round(statistics.median(t), 2) for key, t in ms.items()})
+    for name in ('eq5', 'eq56'):  # how many times faster than causal SDPA: medians of per-round ratios
+        for part in ('fwd', 'fwdbwd'):
+            row[f'{name}_{part}_speedup'] = round(paired_ratio(ms, f'sdpa_{part}_ms', f'{name}_{part}_ms'), 2)
+    return row
+
+
+def bench_compile(device, dtype=torch.float32):
+    """What the fast core's first use in a process costs: its first forward and backward on a small case,
+    which compile the two graphs, or load them where the inductor cache (TORCHINDUCTOR_CACHE_DIR) already
+    holds them."""
+    q, k, v, do = (torch.randn(2, 3, 64, 32, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(4))
+    r = torch.randn(2, 9 * 96, device=device, dtype=dtype, requires_grad=True)
+    start = time.perf_counter()
+    torch.autograd.grad(inline_core_fast(q, k, v, r, (8, 8)), (q, k, v, r), do.detach()), _sync(device)
+    print(f"first forward + backward, {str(dtype).replace('torch.', '')}, inductor cache {cache_dir()}: "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
+
+
+def bench_choices(device):
+    """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too (the
+    forward graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to it, against one
+    through compile_and_call's switches, marks and lock (one head of 49 tokens)."""
+    def inputs(B, H, side):  # core_forward's arguments as InLineCore passes them
+        gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
+        return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
+                0.1 * torch.randn(B, H, 9, D, generator=gen, device=device),
+                *neighbourhood(N, (side, side), device),
+                inline.attention_scale(D), True]
+    B, H, side, _ = CASES['swin_t_stage1']
+    constant, symbolic, small = inputs(B, H, side), inputs(B, H, side), inputs(1, 1, 7)
+    symbolic_sizes(constant, side * side), symbolic_sizes(symbolic, side * side)
+    for a in symbolic[:4]:
+        torch._dynamo.maybe_mark_dynamic(a, 3)
+    graphs = [torch.compile(core_forward), torch.compile(core_forward)]
+
+    def through_switches():
+        kernels._compiled_signatures.discard(signature(core_forward, small))
+        run(core_forward, *small)
+
+    with compile_options():
+        ms = time_interleaved({'d_constant': lambda: graphs[0](*constant),
+                               'd_symbolic': lambda: graphs[1](*symbolic),
+                               'straight': lambda: run(core_forward, *small),
+                               'switches': through_switches}, device)
+    print(f"forward graph, swin_t_stage1 fp32: D constant {statistics.median(ms['d_constant']):.1f} ms, "
+          f"D symbolic {statistics.median(ms['d_symbolic']):.1f} ms: "
+          f"{paired_ratio(ms, 'd_symbolic', 'd_constant'):.2f}x")
+    extra = statistics.median(s - c for s, c in zip(ms['switches'], ms['straight']))
+    print(f"a call whose signature has a graph: straight {statistics.median(ms['straight']):.3f} ms, "
+          f"through the switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
+
+
+PER_CALL = {  # python bench.py --per-call: (batch, heads, tokens before the grid, grid side, head dim)
+    'InLine-DeiT-T, 224 px (197 tokens)': (1, 6, 1, 14, 32),
+    'InLine-Swin-T windows of 7x7 (49 tokens)': (64, 3, 0, 7, 32),
+    'InLine-Swin-T stage 1 (56x56 tokens)': (1, 3, 0, 56, 32),
+}
+
+
+def bench_per_call(device, dtypes):
+    """What one call of the fast core costs beside its work, forward only, in one interleaved run per case:
+    the whole call without and with a gradient asked (the autograd Function), the two GEMMs of Eq. 5 alone
+    (K^T V and Q Cov, eager: the work no implementation avoids) and softmax SDPA on the same q, k, v. Call
+    minus GEMMs is what the call adds: the fused passes over q, k, v (means, centring, Eq. 6) and the cost of
+    calling a compiled graph."""
+    print(f"{'case':44s} {'dtype':>8s} | {'call us':>8s} {'w/ grad':>8s} | {'GEMMs':>7s} "
+          f"{'call - GEMMs':>12s} | {'SDPA us':>8s}")
+    for name, (B, H, P, side, D) in PER_CALL.items():
+        for dtype in dtypes:
+            N, gen = P + side * side, torch.Generator(device).manual_seed(0)
+            q, k, v = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(3))
+            r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
+            grads = [t.detach().requires_grad_() for t in (q, k, v, r)]
+            cov = torch.randn(B, H, D, D, generator=gen, device=device, dtype=dtype)
+
+            def call():
+                with torch.no_grad():
+                    inline_core_fast(q, k, v, r, (side, side))
+
+            fns = {'call': call, 'grad': lambda: inline_core_fast(*grads, (side, side)),
+                   'gemms': lambda: (k.mT @ v, q @ cov),
+                   'sdpa': lambda: F.scaled_dot_product_attention(q, k, v)}
+            us = {n: 1e3 * statistics.median(t) for n, t in time_interleaved(fns, device, 2.0, 200).items()}
+            print(f"{name:44s} {str(dtype)[6:]:>8s} | {us['call']:8.0f} {us['grad']:8.0f} | "
+                  f"{us['gemms']:7.0f} {us['call'] - us['gemms']:12.0f} | {us['sdpa']:8.0f}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# python bench.py --demo: the reference demonstrated (the timings of whole models: python -m paper speed)
+
+def _demo():
+    torch.manual_seed(0)
+    B, H, N, D = 1, 1, 16, 8
+    k = torch.randn(B, H, N, D, dtype=torch.float64)
+    v = torch.randn(B, H, N, D, dtype=torch.float64)
+    q = torch.randn(B, H, 1, D, dtype=torch.float64)
+    relu = get_kernel('relu')
+
+    print("1. Injectivity: does the query q get different weights from 2q? (16 random keys)")
+    pairs = {
+        'softmax': lambda q: torch.softmax(q @ k.transpose(-2, -1) * attention_scale(D), dim=-1),
+        'linear (relu)': lambda q: linear_attention_weights(relu(q), relu(k), eps=0),
+        'InLine': lambda q: inline_weights(q, k),
+    }
+    for name, weights in pairs.items():
+        diff = (weights(q) - weights(2 * q)).abs().max().item()
+        verdict = 'distinct' if diff > 1e-9 else 'SAME: not injective'
+        print(f"   {name:14s} max |w(q) - w(2q)| = {diff:.3e}   {verdict}")
+
+    q = torch.randn(B, H, N, D, dtype=torch.float64)
+    w = inline_weights(q, k)
+    print("\n2. Eq. 5, explicit N x N weights vs the linear O(N D^2) form (float64)")
+    print(f"   rows of w sum to 1: max |sum_j w_ij - 1| = {(w.sum(-1) - 1).abs().max().item():.1e}")
+    print(f"   max |w @ v - linear form| = "
+          f"{(inline_attention_quadratic(q, k, v) - inline_attention(q, k, v)).abs().max().item():.1e}")
+    print(f"   negative weights: {(w < 0).float().mean().item():.0%} of them (intended: no non-negativity "
+          f"constraint)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
+    parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
+    parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
+    parser.add_argument('--compile', action='store_true', help="time the first use: compiling the two graphs")
+    parser.add_argument('--per-call', action='store_true', help="what one call costs beside its work, "
+                        "at 197 tokens, 49-token windows and 56x56 tokens (see bench_per_call)")
+    parser.add_argument('--causal-bench', action='store_true',
+                        help="time the causal core against causal softmax SDPA at --tokens")
+    parser.add_argument('--tokens', default=','.join(map(str, CAUSAL_TOKENS)),
+                        help="comma-separated sequence lengths of --causal-bench")
+    parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
+    parser.add_argument('--cases', default=','.join(CASES),
+                        help="comma-separated subset of " + ', '.join(CASES))
+    parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
+    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    parser.add_argument('--demo', action='store_true',
+                        help="the reference's demonstration (injectivity, Eq. 5's forms)")
+    parser.add_argument('--threads', type=int, default=None, help="CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtypes = torch.device(args.device), [getattr(torch, d) for d in args.dtypes.split(',')]
+    print(f"# {device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True,
+          file=sys.stderr if args.json else sys.stdout)  # --json: stdout holds only JSON lines
+    header = (f"{'case':15s} {'tokens':>6s} {'dtype':>8s} | {'reference ms':>15s} | {'fast ms':>15s} | "
+              f"{'speed-up':>11s} | {'softmax SDPA ms':>17s} | {'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
+              f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
+              f"{'fwd':>5s} {'f+b':>5s} | {'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | "
+              f"{'MB':>6s}")
+    if args.demo:
+        _demo()
+    if args.compile:
+        for dtype in dtypes:
+            bench_compile(device, dtype)
+    if args.choices:
+        bench_choices(device)
+    if args.per_call:
+        bench_per_call(device, dtypes)
+    if args.causal_bench:
+        if not args.json:
+            ms, speedup = f"{'fwd':>7s} {'fwd+bwd':>7s}", f"{'fwd':>5s} {'f+b':>5s}"
+            print(f"{'tokens':>6s} {'dtype':>8s} | {'causal SDPA ms':>15s} | {'InLine Eq. 5 ms':>15s} | "
+                  f"{'speed-up':>11s} | {'Eq. 5 + 6 ms':>15s} | {'speed-up':>11s}\n{'':>6s} {'':>8s} | "
+                  f"{ms} | {ms} | {speedup} | {ms} | {speedup}", flush=True)
+        for N in map(int, args.tokens.split(',')):
+            for dtype in dtypes:
+                row = bench_causal(N, dtype, device)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                    continue
+                print(f"{N:6d} {row['dtype']:>8s} | {row['sdpa_fwd_ms']:7.1f} {row['sdpa_fwdbwd_ms']:7.1f} | "
+                      + ' | '.join(f"{row[f'{n}_fwd_ms']:7.1f} {row[f'{n}_fwdbwd_ms']:7.1f} | "
+                                   f"{row[f'{n}_fwd_speedup']:4.1f}x {row[f'{n}_fwdbwd_speedup']:4.1f}x"
+                                   for n in ('eq5', 'eq56')), flush=True)
+    if args.bench:
+        if not args.json:
+            print(header, flush=True)
+        for name in args.cases.split(','):
+            for dtype in dtypes:
+                row = bench_case(name, dtype, device)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                    continue
+                ref_f, ref_fb, f, fb = (row[k] for k in ('reference_fwd_ms', 'reference_fwdbwd_ms',
+                                                         'fast_fwd_ms', 'fast_fwdbwd_ms'))
+                print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | {ref_f:7.1f} {ref_fb:7.1f} | "
+                      f"{f:7.1f} {fb:7.1f} | {row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | "
+                      f"{row['sdpa_fwd_ms']:8.1f} {row['sdpa_fwdbwd_ms']:8.1f} | "
+                      f"{row['floor_fwdbwd_ms']:7.1f} {row['fwdbwd_over_floor']:5.2f}x | "
+                      f"{row['fast_peak_mb']:6.1f}", flush=True)
+
+if __name__ == '__main__':
+    main()
