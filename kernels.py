@@ -35,15 +35,18 @@ What it does, and why (RESULTS.md has the measurements, each under its command):
   them. With DeiT's 197 tokens the predictor's small ops, the copies and a second call cost more than the
   core's work.
 - Compiling: if a graph cannot compile or load, the core runs its closed form eagerly, after one warning that
-  names any broken cache file. compile_lock is held while a graph compiles or loads: nothing here; a program
-  running many processes on one machine may put a lock there (the lab's: paper/compile_lock.py).
+  names any broken cache file. compile_lock, a file lock per graph, is held while a graph compiles or
+  loads, so that processes on one machine never write the same cache files at once.
 
 Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid,
 P = N - h*w leading tokens off the grid (DeiT's class token).
 """
 import contextlib
 import copy
+import fcntl
 import functools
+import hashlib
+import os
 import re
 import time
 import warnings
@@ -51,6 +54,7 @@ import warnings
 import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 import inline
 
@@ -254,11 +258,18 @@ _compiled_signatures = set()  # signatures that have a graph: their calls need n
 COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, ImportError, OSError)
 
 
+@contextlib.contextmanager
 def compile_lock(key):
-    """The context held while the graph of signature key compiles or loads from the inductor cache: none. The
-    lab's parallel runs put a lock per graph here (paper/compile_lock.py), so that one process compiles while
-    the others wait and then load the graph."""
-    return contextlib.nullcontext()
+    """Held while the graph of signature key compiles or loads: an exclusive lock on one file per graph in the
+    inductor cache folder. Processes on one machine (torchrun's ranks, parallel runs) that need the same graph
+    then compile it once, the others waiting to load it, instead of writing the same cache files at once,
+    which can corrupt them. The lock goes with the file's descriptor: a process that dies releases it."""
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    path = os.path.join(cache_dir(), 'locks', f'inline-{name}.lock')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'a') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def describe(error):

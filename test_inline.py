@@ -488,11 +488,7 @@ def test_fallback_names_the_broken_cache_file(monkeypatch):
 # the inductor cache folder TORCHINDUCTOR_CACHE_DIR names; it prints whether it fell back, how many graphs it
 # compiled, its warnings, its inductor cache hits and its error against the reference
 COMPILE_CORE = """
-import importlib.util, json, warnings, torch, inline, kernels
-spec = importlib.util.spec_from_file_location('compile_lock', 'paper/compile_lock.py')  # the lab's, by its path
-lock = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(lock)
-kernels.compile_lock = lock.node_lock
+import json, warnings, torch, inline, kernels
 from torch._dynamo.utils import counters
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
@@ -527,8 +523,8 @@ def two_compilers(tmp_path_factory):
 
 
 def test_two_processes_compiling_at_once_both_end_compiled(two_compilers):
-    """The first compiles while the other waits (the lab's lock, paper/compile_lock.py, in kernels.compile_lock),
-    then loads the graph from the cache."""
+    """The first compiles while the other waits (kernels.compile_lock), then loads the graph from the
+    cache."""
     _, results = two_compilers
     for result in results:
         assert not result['fell_back'] and result['graphs'] == 1 and not result['warnings'], result

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 import inline
 import kernels
+import sequence
 import train
 from paper.charts import charts, print_table
 from paper.runs import ROOT, append_record, lock_run, pack_correct, read_records, unpack_correct
@@ -115,8 +116,8 @@ def most_frequent_guess(x, y, pairs):
 
 class CausalSoftmax(torch.nn.Module):
     """Causal softmax attention between InLineAttention's projections: x (B, N, C) -> (B, N, C); with
-    residual='local', plus causal Eq. 6 as InLine has it (inline.sequence_residual over the last 3 tokens), so
-    that softmax and InLine differ only in the attention."""
+    residual='local', plus causal Eq. 6 as InLine has it (sequence.sequence_residual over the last 3
+    tokens), so that softmax and InLine differ only in the attention."""
 
     def __init__(self, dim, num_heads, normalise_q=False, residual='none'):
         super().__init__()
@@ -132,18 +133,18 @@ class CausalSoftmax(torch.nn.Module):
         q = self.normalise_q(q) if self.normalise_q is not None else q  # (B, H, N, D)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, N, D)
         if self.residual is not None:
-            r = inline.residual_weights(self.residual, x, causal=True)  # (B, N, T*C) from each prefix's mean
-            o = o + inline.sequence_residual(v, r, self.local_size, causal=True)  # Eq. 6, (B, H, N, D)
+            r = sequence.prefix_residual_weights(self.residual, x)  # (B, N, T*C) from each prefix's mean
+            o = o + sequence.sequence_residual(v, r, self.local_size, causal=True)  # Eq. 6, (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))
 
 
-class CausalInLine(inline.InLineAttention):
-    """inline.InLineAttention(causal=True) through short_sequence_core (T1's normalise_q is InLine's own
+class CausalInLine(sequence.SequenceAttention):
+    """sequence.SequenceAttention (causal) through short_sequence_core (T1's normalise_q is InLine's own
     option)."""
 
     def __init__(self, dim, num_heads, **options):
         super().__init__(dim, num_heads, causal=True, **options)
-        if self.core is inline.inline_core:
+        if self.core is sequence.sequence_core:
             self.core = short_sequence_core
 
 
@@ -189,11 +190,13 @@ class RecallLM(torch.nn.Module):
 
 
 def short_sequence_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False, scale_by_count=True):
-    """inline.inline_core through the explicit causal weights: at 64 tokens the N x N form costs a CPU the
+    """sequence.sequence_core through the explicit causal weights: at 64 tokens the N x N form costs a CPU the
     least (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same
     function (test_causal_forms_equal_the_explicit_weights)."""
-    o = inline.inline_attention_quadratic(q, k, v, scale, causal, scale_by_count)  # Eq. 5, (B, H, N, D)
-    return o if r is None else o + inline.local_residual(v, r, grid, size, dilation, causal)  # Eq. 6
+    w = sequence.causal_inline_weights(q, k, scale, scale_by_count) if causal else \
+        inline.inline_weights(q, k, scale, scale_by_count)  # (B, H, N, N)
+    o = w @ v  # Eq. 5, (B, H, N, D)
+    return o if r is None else o + sequence.sequence_residual(v, r, size, dilation, causal)  # Eq. 6
 
 
 def recall_answers(model, pairs, tokens, seed):
@@ -231,7 +234,7 @@ def recall_run(name, width, pairs, tokens, seed, lr, steps, compiled=False):
     with torch._dynamo.config.patch(recompile_limit=64):
         # the first step compiles them: one process at a time, the others then load them from the inductor
         # cache
-        with (kernels.node_lock(('recall', name, width, pairs, tokens)) if compiled
+        with (kernels.compile_lock(('recall', name, width, pairs, tokens)) if compiled
               else contextlib.nullcontext()):
             loss = step()
         for _ in range(steps - 1):

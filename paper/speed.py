@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import bench
 import inline
 import kernels
 import models
@@ -83,13 +84,13 @@ def speed_point(figure, point, dtype, device, batch, rounds):
         with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             model(x)
 
-    ms = kernels.time_interleaved({'softmax': lambda: forward(softmax),
+    ms = bench.time_interleaved({'softmax': lambda: forward(softmax),
                                    'InLine': lambda: forward(inline_model)},
                                   device, budget_s=1e9, max_rounds=rounds)  # exactly `rounds` rounds
     return dict(figure=figure, point=point, device=device.type, dtype=str(dtype).replace('torch.', ''),
                 batch=batch, rounds=rounds, softmax_img_s=batch / statistics.median(ms['softmax']) * 1e3,
                 inline_img_s=batch / statistics.median(ms['InLine']) * 1e3,
-                speedup=kernels.paired_ratio(ms, 'softmax', 'InLine'))
+                speedup=bench.paired_ratio(ms, 'softmax', 'InLine'))
 
 
 def cmd_speed(args):
@@ -170,7 +171,9 @@ def model_step(dtype, device, batch=8):
     fast.load_state_dict(reference.state_dict())
     free = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
     free.load_state_dict(reference.state_dict())
-    kernels.enable_fast(free, core=free_core)
+    for m in free.modules():  # a deliberate stand-in, so not through enable_fast's check
+        if hasattr(m, 'core'):
+            m.core = free_core
 
     def step(model):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -179,10 +182,10 @@ def model_step(dtype, device, batch=8):
         model.zero_grad(set_to_none=True)
 
     compiled = torch.compile(fast)
-    ms = kernels.time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
+    ms = bench.time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
                                    'fast + compile': lambda: step(compiled), 'free core': lambda: step(free)},
                                   device, budget_s=60, max_rounds=15)
-    return {name: (statistics.median(t), kernels.paired_ratio(ms, 'reference', name))
+    return {name: (statistics.median(t), bench.paired_ratio(ms, 'reference', name))
             for name, t in ms.items()}
 
 
@@ -225,16 +228,16 @@ def whole_step(model, x, y, dtype, training):
 
 
 def without_infer(model, f):
-    """f() with every InLine module's inference graph (kernels.infer_fast) off: Eq. 6's weights, then the fast
-    core, two calls, as the fast path ran inference before that graph."""
-    saved = [(m, m.infer) for m in model.modules() if getattr(m, 'infer', None) is not None]
+    """f() with every InLine module's inference graph (kernels.fast_path) off: Eq. 6's weights, then the fast
+    core, two calls (inline.reference_path), as the fast path ran inference before that graph."""
+    saved = [(m, m.path) for m in model.modules() if getattr(m, 'path', None) is kernels.fast_path]
     for m, _ in saved:
-        m.infer = None
+        m.path = inline.reference_path
     try:
         return f()
     finally:
-        for m, infer in saved:
-            m.infer = infer
+        for m, path in saved:
+            m.path = path
 
 
 def whole_point(row, dtype, device, rounds, compiled):
@@ -258,14 +261,14 @@ def whole_point(row, dtype, device, rounds, compiled):
     if compiled:
         compiled_model = torch.compile(inline_model)
         fns['compiled'] = lambda: whole_step(compiled_model, x, y, dtype, training)
-    ms = kernels.time_interleaved(fns, device, budget_s=1e9, max_rounds=rounds)
+    ms = bench.time_interleaved(fns, device, budget_s=1e9, max_rounds=rounds)
     out = dict(what=what, side=side, batch=batch, dtype=str(dtype)[6:], device=device.type, rounds=rounds,
                **{f'{n}_ms': statistics.median(t) for n, t in ms.items()},
-               speedup=kernels.paired_ratio(ms, 'softmax', 'InLine'),
-               two_calls_speedup=None if training else kernels.paired_ratio(ms, 'softmax', 'two_calls'))
+               speedup=bench.paired_ratio(ms, 'softmax', 'InLine'),
+               two_calls_speedup=None if training else bench.paired_ratio(ms, 'softmax', 'two_calls'))
     if compiled:
-        out.update(compiled_speedup=kernels.paired_ratio(ms, 'softmax', 'compiled'),
-                   compiled_over_fast=kernels.paired_ratio(ms, 'InLine', 'compiled'))
+        out.update(compiled_speedup=bench.paired_ratio(ms, 'softmax', 'compiled'),
+                   compiled_over_fast=bench.paired_ratio(ms, 'InLine', 'compiled'))
     return out
 
 
@@ -275,7 +278,7 @@ PROFILE_GROUPS = {  # top-level operator -> what it is in a ViT forward
     'aten::add': 'residual adds', 'aten::conv2d': 'patch embedding', 'aten::cat': 'class token and position',
     'aten::to': 'casts and copies', 'aten::contiguous': 'casts and copies', 'aten::copy_': 'casts and copies',
 }
-CORE_LABEL = "InLine core with Eq. 6's weights, one graph (kernels.infer_fast)"
+CORE_LABEL = "InLine core with Eq. 6's weights, one graph (kernels.fast_path)"
 PREDICTOR_LABEL = 'Eq. 6 predictor (residual_weights)'
 
 
@@ -283,13 +286,14 @@ def forward_profile(model, x, dtype, rounds=5):
     """Where one forward (eval, inference_mode, batch 1) spends its time: {group: (ms, calls) per forward},
     from torch.profiler's top-level operators, grouped by PROFILE_GROUPS; the InLine core and Eq. 6's
     predictor are labelled around their calls (with no gradient the fast path computes both in one graph,
-    kernels.infer_fast), and the core split into its compiled graph's kernels (inductor's code and the GEMMs
+    kernels.fast_path), and the core split into its compiled graph's kernels (inductor's code and the GEMMs
     it calls), dynamo's guards and wrappers around them, and its call in Python (checks, the table)."""
     cores = [m for m in model.modules() if getattr(m, 'core', None) is not None]
-    saved = [(m, m.core, m.infer) for m in cores], inline.residual_weights
+    saved = [(m, m.core, m.path) for m in cores], inline.residual_weights
     for m in cores:
         m.core = functools.partial(labelled_call, CORE_LABEL, m.core)
-        m.infer = m.infer and functools.partial(labelled_call, CORE_LABEL, m.infer)
+        if m.path is kernels.fast_path:  # with no gradient, Eq. 6's weights and the core in one graph
+            m.path = functools.partial(labelled_call, CORE_LABEL, m.path)
     inline.residual_weights = functools.partial(labelled_call, PREDICTOR_LABEL, inline.residual_weights)
     try:
         for _ in range(2):
@@ -298,8 +302,8 @@ def forward_profile(model, x, dtype, rounds=5):
             for _ in range(rounds):
                 whole_step(model, x, None, dtype, False)
     finally:
-        for m, core, infer in saved[0]:
-            m.core, m.infer = core, infer
+        for m, core, path in saved[0]:
+            m.core, m.path = core, path
         inline.residual_weights = saved[1]
     groups = {}
 
@@ -343,7 +347,7 @@ def cmd_speed_whole(args):
           f"F.scaled_dot_product_attention, the same sizes; {rounds} interleaved rounds, ms = median, "
           "speed-up = median of per-round ratios (softmax time / InLine time: above 1, InLine is faster); "
           "without the inference graph: Eq. 6's weights and the fast core as two calls, as the fast path "
-          f"ran inference before kernels.infer_fast. {device.type}: {info['cpu']}, AVX-512 BF16 "
+          f"ran inference before kernels.fast_path's one graph. {device.type}: {info['cpu']}, AVX-512 BF16 "
           f"{'yes' if info['avx512_bf16'] else 'no'}, AMX {'yes' if info['amx'] else 'no'}, "
           f"{info['threads']} threads, torch {info['torch']}.\n")
     header = ['model', 'image', 'batch', 'dtype', 'softmax ms', 'InLine ms', 'InLine speed-up',
@@ -432,7 +436,7 @@ def dense_peak_mb(name, size, device):
         fn, x = dense_forward(name, size, device), torch.randn(1, 3, *size, device=device)
         with torch.inference_mode():
             # max_memory_allocated above what was allocated before
-            return kernels.peak_mb(lambda: fn(x), device)
+            return bench.peak_mb(lambda: fn(x), device)
     code = f'from paper import speed; speed.dense_peak_rss({name!r}, {size[0]}, {size[1]})'
     run = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True)
     # None: did not fit
@@ -450,12 +454,12 @@ def dense_point(comparison, size, device, rounds):
         with torch.inference_mode():
             fn(x)
 
-    ms = kernels.time_interleaved({n: lambda fn=fn: forward(fn) for n, fn in fns.items()},
+    ms = bench.time_interleaved({n: lambda fn=fn: forward(fn) for n, fn in fns.items()},
                                   device, budget_s=1e9, max_rounds=rounds)  # exactly `rounds` rounds
     del fns
     return dict(comparison=comparison, size=list(size), device=device.type, rounds=rounds,
                 softmax_ms=statistics.median(ms[softmax_name]), inline_ms=statistics.median(ms[inline_name]),
-                speedup=kernels.paired_ratio(ms, softmax_name, inline_name),
+                speedup=bench.paired_ratio(ms, softmax_name, inline_name),
                 softmax_mb=dense_peak_mb(softmax_name, size, device),
                 inline_mb=dense_peak_mb(inline_name, size, device))
 
