@@ -4,6 +4,8 @@ reference; the README's recipes and block walk.
 import ast
 import copy
 import functools
+import glob
+import importlib
 import io
 import json
 import os
@@ -547,7 +549,7 @@ def test_an_empty_so_in_the_cache_is_named_in_the_fallback_warning(two_compilers
 
 
 def test_benchmark_row_has_the_promised_keys():
-    """One case of `python kernels.py --bench --json`: every key the README and the JSON lines promise."""
+    """One case of `python bench.py --bench --json`: every key the README and the JSON lines promise."""
     row = bench.bench_case('swin_t_stage3', torch.float32, torch.device('cpu'))
     assert {'case', 'tokens', 'dtype', 'reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms',
             'sdpa_fwd_ms', 'sdpa_fwdbwd_ms', 'floor_fwdbwd_ms', 'fast_peak_mb', 'fwd_speedup', 'fwdbwd_speedup',
@@ -857,7 +859,11 @@ def test_readme_vit_example_runs_on_both_paths():
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DOCUMENTS = ['README.md', 'RESULTS.md', 'inline.py', 'kernels.py', 'models.py', 'train.py', 'paper.py', 'test_inline.py']
+CORE = ['inline', 'kernels', 'sequence', 'models', 'dense', 'data', 'checkpoints', 'train', 'bench', 'peers']
+TESTS = sorted(glob.glob(os.path.join(HERE, 'test_*.py')) + glob.glob(os.path.join(HERE, 'paper', 'test_*.py')))
+LAB = sorted(glob.glob(os.path.join(HERE, 'paper', '*.py')))
+DOCUMENTS = ['README.md', 'RESULTS.md'] + [f'{name}.py' for name in CORE] + sorted(
+    {os.path.relpath(path, HERE) for path in LAB + TESTS})
 
 
 def prose(document):
@@ -871,32 +877,34 @@ def prose(document):
 
 
 def test_the_documents_name_only_what_exists():
-    """Every test the README, RESULTS.md and the files' docstrings and comments name is a test here; every
-    `python <file>.py [command]` they give has an entry point (and paper.py the command); every picture and record
-    the README and RESULTS.md show is in figures/ or results/; every `inline.X`, `kernels.X`, `models.X`, `train.X`,
-    `paper.X` and `<file>.py:Name` the README names is there."""
-    tests = set(re.findall(r'^def (test_\w+)', open(os.path.join(HERE, 'test_inline.py')).read(), re.M))
-    commands = set(re.findall(r"sub\.add_parser\('(\w+)'", open(os.path.join(HERE, 'paper.py')).read()))
-    modules = dict(inline=inline, kernels=kernels, models=models, train=train, paper=paper)
+    """Every test the README, RESULTS.md and the files' docstrings and comments name is a test of this suite;
+    every `python <file>.py` they give has an entry point, and every `python -m paper COMMAND` the command; every
+    picture and record the README and RESULTS.md show is in figures/ or results/; every `<module>.X` and
+    `<file>.py:Name` the README names, for the core's files and the lab, is there."""
+    tests = {name for path in TESTS for name in re.findall(r'^def (test_\w+)', open(path).read(), re.M)}
+    commands = {name for path in LAB for name in re.findall(r"sub\.add_parser\('(\w+)'", open(path).read())}
+    modules = {name: importlib.import_module(name) for name in CORE} | {'paper': paper}
     missing = []
     for document in DOCUMENTS:
         text = prose(document)
-        missing += [f"{document}: {name}" for name in re.findall(r'\b(test_\w+)\b(?!\.py)', text) if name not in tests]
-        for script, command in re.findall(r'python (?:-m )?(\w+)\.py(?: ([a-z]\w*))?', text):
+        missing += [f"{document}: {name}" for name in re.findall(r'\b(test_\w+)\b(?!\.py)', text)
+                    if name not in tests]
+        for script in re.findall(r'python (\w+)\.py', text):
             path = os.path.join(HERE, f'{script}.py')
             if not os.path.exists(path) or "if __name__ == '__main__':" not in open(path).read():
                 missing.append(f"{document}: python {script}.py (no entry point)")
-            elif script == 'paper' and command and command not in commands:
-                missing.append(f"{document}: python paper.py {command} (no such command)")
+        missing += [f"{document}: python -m paper {command} (no such command)"
+                    for command in re.findall(r'python -m paper ([a-z]\w*)', text) if command not in commands]
     for document in ('README.md', 'RESULTS.md'):  # the pictures and records they show or cite
         for path in re.findall(r'\b((?:figures|results|golden)/[\w./-]*\w)', prose(document)):
             if not os.path.exists(os.path.join(HERE, path)):
                 missing.append(f"{document}: {path}")
     readme = open(os.path.join(HERE, 'README.md')).read()
-    for module, name in re.findall(r'(?<![\w.])(inline|kernels|models|train|paper)\.([A-Za-z_]\w*)', readme):
+    names = '|'.join(modules)
+    for module, name in re.findall(rf'(?<![\w./])({names})\.([A-Za-z_]\w*)', readme):
         if name != 'py' and not hasattr(modules[module], name):
             missing.append(f"README.md: {module}.{name}")
-    for module, path in re.findall(r'\b(inline|kernels|models|train|paper)\.py:([\w.]+)', readme):
+    for module, path in re.findall(rf'\b({names})\.py:([\w.]+)', readme):
         obj = modules[module]
         for part in path.split('.'):
             obj = getattr(obj, part, None)
