@@ -732,7 +732,7 @@ def test_recipe_a_new_kernel_function(monkeypatch):
                                inline.inline_attention_quadratic(phi(q), phi(k), v), rtol=0, atol=1e-12)
     assert_fast_model_equals_reference('inline_swin_t', kernel='softplus')
     assert meta_model('inline_swin_t', layout='LLLS', kernel='softplus')  # >= 0: linear attention takes it
-    assert 'kernel softplus' in models.describe(meta_model('inline_swin_t', kernel='softplus'))
+    assert meta_model('inline_swin_t', kernel='softplus').options['kernel'] == 'softplus'
 
 
 def test_recipe_another_neighbourhood_for_eq6():
@@ -741,7 +741,7 @@ def test_recipe_another_neighbourhood_for_eq6():
     model = meta_model('inline_swin_t', local_size=5)
     attns = [m for m in model.modules() if isinstance(m, inline.InLineAttention)]
     assert attns and all(m.residual[2].out_channels == 25 * m.proj.in_features for m in attns)
-    assert not model.ape and 'local_size 5' in models.describe(model)
+    assert not model.ape and model.options['local_size'] == 5
     assert meta_model('inline_swin_t', local_size=1).ape  # a 1x1 neighbourhood is the plain residual: no position
     assert_fast_model_equals_reference('inline_swin_t', local_size=5)
     torch.manual_seed(0)
@@ -750,18 +750,6 @@ def test_recipe_another_neighbourhood_for_eq6():
     plain.load_state_dict(one.state_dict())  # the same parameters, the same keys
     x = torch.randn(2, 3, 64, 96)
     torch.testing.assert_close(one.eval()(x), plain.eval()(x), rtol=0, atol=0)
-
-
-def test_recipe_a_new_experiment_by_name(monkeypatch):
-    """An experiment is one models.experiment(...) line: models, train.py --experiment and paper.py find it."""
-    monkeypatch.setattr(models, 'EXPERIMENTS', dict(models.EXPERIMENTS))
-    models.experiment('r_local5', 'inline_swin_t', dict(local_size=5), 'R-res', None, "Eq. 6 over 5x5 neighbours",
-                      ours=True)
-    assert models.create_experiment('r_local5', img_size=64).options['local_size'] == 5
-    run = resolved(['--experiment', 'r_local5'])
-    assert run.args.model == 'inline_swin_t' and run.arch == dict(local_size=5)
-    every = paper.experiments()
-    assert 'r_local5' in every and paper.config_key(every['r_local5']) != paper.config_key(every['r_residual_local'])
 
 
 def add_a_learnable_temperature(monkeypatch):

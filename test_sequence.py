@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import inline
 import kernels
-import paper
 import sequence
 from test_inline import BF16_ROUNDING, CUDA, NAMES, assert_fp32_close, causal, compiled, core_inputs, run_core
 from test_models import readme_block
