@@ -4,11 +4,54 @@ InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Li
 arXiv 2412.06590. The paper puts PVT and Swin in Mask R-CNN and Semantic FPN; the authors released no
 dense-prediction code. Here the backbones follow timm's features_only convention (FeatureBackbone),
 torchvision's FPN goes under them for its MaskRCNN, FasterRCNN and RetinaNet (BackboneWithFPN), and
-SemanticFPN is the Semantic FPN head:
+SemanticFPN is the Semantic FPN head. An example that runs in seconds on a CPU (test_models.py's
+test_detection_example_trains_mask_rcnn_with_inline_swin_t runs it as written):
 
-    backbone = models.create_model('inline_swin_t', features_only=True)    # a FeatureBackbone
-    detector = MaskRCNN(dense.BackboneWithFPN(backbone), num_classes=91)   # torchvision.models.detection
-    segmenter = dense.SemanticFPN(models.create_model('inline_pvt_t', features_only=True), num_classes=150)
+    import torch
+    import torch.nn.functional as F
+    from PIL import Image
+    from torchvision.models.detection import MaskRCNN
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    import dense
+    import models
+
+    # InLine-Swin-T under FPN in Mask R-CNN (checkpoint='inline_swin_t.pth': the ImageNet weights;
+    # layout='SSSS': Swin-T), at sizes that run in seconds on a CPU (COCO: 800, 1333, 2000, 1000, 512)
+    backbone = models.create_model('inline_swin_t', features_only=True)
+    model = MaskRCNN(dense.BackboneWithFPN(backbone), num_classes=91, min_size=128, max_size=192,
+                     rpn_post_nms_top_n_train=200, rpn_post_nms_top_n_test=100, box_batch_size_per_image=64)
+
+    # One training step on two images of different sizes, each with one box and its mask.
+    images = [torch.rand(3, 120, 160), torch.rand(3, 160, 120)]
+    targets = []
+    for image in images:
+        mask = torch.zeros(1, *image.shape[1:], dtype=torch.uint8)
+        mask[:, 20:80, 30:100] = 1
+        box = torch.tensor([[30., 20., 100., 80.]])
+        targets.append(dict(boxes=box, labels=torch.tensor([1]), masks=mask))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    model.train()
+    # loss_classifier, loss_box_reg, loss_mask, loss_objectness, loss_rpn_box_reg
+    losses = model(images, targets)
+    sum(losses.values()).backward()
+    optimizer.step()
+
+    # Inference on an image file, in the image's pixels
+    model.eval()
+    image = pil_to_tensor(Image.open('figures/maps.png').convert('RGB')).float() / 255  # any RGB image
+    with torch.no_grad():
+        # boxes, labels, scores, masks (untrained: few pass its score threshold)
+        prediction = model([image])[0]
+
+    # Semantic segmentation: InLine-PVT-T under the Semantic FPN head, 150 classes as ADE20K.
+    backbone = models.create_model('inline_pvt_t', features_only=True)
+    segmenter = dense.SemanticFPN(backbone, num_classes=150)
+    logits = segmenter(torch.rand(2, 3, 96, 128))  # (2, 150, 96, 128)
+    loss = F.cross_entropy(logits, torch.randint(0, 150, (2, 96, 128)))
+    loss.backward()
+
+A COCO run goes through torchvision's references/detection/train.py with this model for get_model(...).
 
 This file needs nothing of models.py: a backbone is any of its hierarchical models, which give their four
 stage maps with forward_features(x, return_stages=True); models.create_model(features_only=True) wraps one

@@ -709,17 +709,24 @@ def traced_calls(fn):
 
 
 def test_block_walk_is_the_readme():
-    """The README's walk through one InLine-Swin block is what a forward calls: at most 12 functions in 2 files on
-    the reference path; on the fast path the same, with the core that kernels.enable_fast put in."""
+    """The README's walk through one InLine-Swin block is what a forward calls, with and without a gradient: at most
+    15 functions in 2 files on the reference path; on the fast path the same, with kernels.fast_path before
+    reference_path and the core that kernels.enable_fast put in."""
     reference_walk, fast_walk = readme_walk()
     torch.manual_seed(0)
     block = models.SwinBlock(32, 2, 'I', None, False, 4., 0., DEFAULTS)
     x = torch.randn(2, 64, 32)
     assert traced_calls(lambda: block(x, (8, 8))) == reference_walk
-    assert len(reference_walk) <= 12 and {name.split(':')[0] for name in reference_walk} == {'inline.py', 'models.py'}
+    with torch.no_grad():  # one path: the same calls when no gradient is asked
+        assert traced_calls(lambda: block(x, (8, 8))) == reference_walk
+    # 15, not the 12 before attend had one path: reference_path is that path, mean_residual_weights the predictor
+    # that sequence.py shares, check_tokens the module's own token check
+    assert len(reference_walk) <= 15 and {name.split(':')[0] for name in reference_walk} == {'inline.py', 'models.py'}
     kernels.enable_fast(block)
     block(x, (8, 8))  # compiled (or loaded from the cache) on the first call
-    assert traced_calls(lambda: block(x, (8, 8))) == reference_walk[:8] + fast_walk + reference_walk[-1:]
+    # fast_path, then reference_path and Eq. 6's weights (steps 9-11), then the fast core
+    fast = reference_walk[:8] + fast_walk[:1] + reference_walk[8:11] + fast_walk[1:] + reference_walk[-1:]
+    assert traced_calls(lambda: block(x, (8, 8))) == fast
 
 
 def test_recipe_a_new_kernel_function(monkeypatch):

@@ -2,8 +2,10 @@
 MACs, every registered variant forward and backward, dense prediction.
 """
 import gzip
+import itertools
 import os
 import re
+import textwrap
 import time
 import warnings
 
@@ -410,14 +412,21 @@ def readme_block(heading):
     return section.split('```python\n', 1)[1].split('\n```', 1)[0]
 
 
-def test_readme_detection_example_trains_mask_rcnn_with_inline_swin_t(monkeypatch, capsys):
-    """The README's example, run as written: Mask R-CNN with the real InLine-Swin-T takes a training step on
+def docstring_example(module):
+    """The indented code block of a module's docstring that follows a line ending in 'as written):'."""
+    lines = module.__doc__.split('as written):\n', 1)[1].splitlines()
+    block = list(itertools.takewhile(lambda line: not line or line.startswith('    '), lines))
+    return textwrap.dedent('\n'.join(block)).strip('\n') + '\n'
+
+
+def test_detection_example_trains_mask_rcnn_with_inline_swin_t(monkeypatch, capsys):
+    """dense.py's example, run as written: Mask R-CNN with the real InLine-Swin-T takes a training step on
     two images of different sizes (finite losses, gradients in the backbone's attention), predicts on an
     image file, and the Semantic FPN example gives logits at the image's size."""
     torch.manual_seed(0)
     monkeypatch.chdir(os.path.dirname(os.path.abspath(__file__)))
     scope = {}
-    exec(readme_block('## Detection and segmentation'), scope)
+    exec(docstring_example(dense), scope)
     losses, model = scope['losses'], scope['model']
     assert set(losses) == {'loss_classifier', 'loss_box_reg', 'loss_mask', 'loss_objectness', 'loss_rpn_box_reg'}
     assert all(torch.isfinite(v) for v in losses.values())
@@ -425,7 +434,7 @@ def test_readme_detection_example_trains_mask_rcnn_with_inline_swin_t(monkeypatc
     assert attention and all(p.grad is not None for p in attention)
     # Every InLine stage's attention learns: its qkv and Eq. 6's residual MLP. (Drop path, on as in training,
     # can skip all of a stage's attention for both images: stage 4's two softmax blocks, with this seed.)
-    for stage in scope['backbone'].model.layers[:3]:
+    for stage in model.backbone.body.model.layers[:3]:
         assert sum(b.attn.qkv.weight.grad.abs().sum() for b in stage.blocks) > 0
         assert sum(p.grad.abs().sum() for b in stage.blocks for p in b.attn.residual.parameters()) > 0
     image = scope['image']  # masks come back in the image file's own pixels

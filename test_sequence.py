@@ -13,7 +13,6 @@ import inline
 import kernels
 import sequence
 from test_inline import BF16_ROUNDING, CUDA, NAMES, assert_fp32_close, causal, compiled, core_inputs, run_core
-from test_models import readme_block
 from test_train import printed, refused
 from conftest import qkv
 
@@ -211,12 +210,11 @@ def test_causal_module_never_looks_ahead(attention, kernel):
     assert attn.residual[2].out_channels == 3 * 24  # k = 3 taps per channel on a sequence, not k^2
 
 
-def test_readme_decoder_block_never_looks_ahead():
-    """The README's decoder block, run as written: (B, N, C) in and out, and no output sees a later token."""
-    scope = {}
-    exec(readme_block('## InLine on sequences'), scope)
+def test_decoder_block_never_looks_ahead():
+    """sequence.DecoderBlock, the README's decoder block: (B, N, C) in and out, and no output sees a later
+    token."""
     torch.manual_seed(0)
-    block = scope['DecoderBlock'](32, 4).double()
+    block = sequence.DecoderBlock(32, 4).double()
     x = torch.randn(2, 19, 32, dtype=torch.float64)
     assert block(x).shape == x.shape
     for j in (0, 9, 18):
