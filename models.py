@@ -563,7 +563,7 @@ class SwinStage(nn.Module):
 def authors_ape(options):
     """The authors' rule for the APE in their ablations: on exactly where Eq. 6 gives the attention no
     position of its own, with no residual or the plain one (a neighbourhood of the token alone); without Eq. 6
-    nothing else does (their answer in their repository's issue #6; README, "The paper's experiments"). Their
+    nothing else does (their answer in their repository's issue #6; paper/experiments.py). Their
     final models, with Eq. 6, have none."""
     return (inline.neighbourhood_size(options['residual'], options['local_size']) or 1) == 1
 

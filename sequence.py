@@ -2,7 +2,7 @@
 core.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590,
-carried to sequences (README, "InLine on sequences"): Eq. 5 over each prefix 1..i, w_ij = g_i
+carried to sequences: Eq. 5 over each prefix 1..i, w_ij = g_i
 (q_i.k_j - q_i.k_mean_i) + 1/i for j <= i, 0 for j > i, in three forms (prefix sums, chunks for training, a
 recurrent step for generation), and Eq. 6 over token i and the k - 1 before it, its weights from the mean of
 x_1..x_i, so that no output sees a later token. SequenceAttention(dim, num_heads) is the module, called on

@@ -134,7 +134,7 @@ def test_injectivity(alpha):
 
 def local_residual_slow(v, r, grid, size=3, dilation=1):
     """Eq. 6 by a loop over every token's size x size neighbourhood, neighbour t at (dilation*(t//size - size//2),
-    dilation*(t%size - size//2)) (R-dil; README, "The paper's experiments"), zero outside the grid."""
+    dilation*(t%size - size//2)) (R-dil; paper/experiments.py), zero outside the grid."""
     B, H, N, D = v.shape
     h, w = grid
     T = size * size

@@ -492,7 +492,7 @@ def test_faster_rcnn_and_retinanet_take_the_adapter():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The paper's experiments (README, "The paper's experiments"): each switch against an explicit construction
+# The paper's experiments (paper/experiments.py): each switch against an explicit construction
 
 def test_shifted_inline_windows_equal_an_explicit_loop():
     """Table 4's windows, as the authors' code has them: odd blocks roll by window/2 with no mask, so tokens

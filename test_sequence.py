@@ -17,7 +17,7 @@ from test_train import printed, refused
 from conftest import qkv
 
 # ===================================================================================================
-# InLine on sequences (README, "InLine on sequences"): causal Eq. 5's three forms against the explicit causal weights
+# InLine on sequences (sequence.py): causal Eq. 5's three forms against the explicit causal weights
 # in float64, Eq. 6 over the last k tokens against a loop, the whole module's no-look-ahead, and the fast causal core
 
 def sequence_inputs(B, H, N, D, taps=3, dtype=torch.float64, seed=0):

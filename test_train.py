@@ -649,7 +649,7 @@ def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
 
 
 # timm's rand-m9-mstd0.5-inc1 at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations, as timm calls them,
-# with timm's magnitude formulas (README, "Training and evaluation"); geometric ops bicubic, filled with the mean
+# with timm's magnitude formulas (README, "Training"); geometric ops bicubic, filled with the mean
 # colour
 FILL = (124, 116, 104)
 RANDAUG_FORMULAS = {

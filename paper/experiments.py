@@ -13,7 +13,7 @@ import models
 from paper.charts import print_table
 
 # ---------------------------------------------------------------------------------------------------
-# The paper's experiments (tables and figures; README, "The paper's experiments"), each a variant and its
+# The paper's experiments (tables and figures; paper/experiments.py), each a variant and its
 # overrides, by name, with the ImageNet-1K top-1 the paper (or its rebuttal, for the R- rows) reports
 
 class Experiment(NamedTuple):
