@@ -238,14 +238,24 @@ def load_synthetic(args):
             SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False))
 
 
+def count_images(folder):
+    """The image files under folder, as ImageFolder counts them (0 for a folder that is not there)."""
+    return sum(name.lower().endswith(datasets.folder.IMG_EXTENSIONS) for _, _, names in os.walk(folder)
+               for name in names)
+
+
 def load_image_folder(args):
-    """ROOT/train and ROOT/val as ImageFolders with the released transforms (ImageNet-1K's layout)."""
+    """ROOT/train and ROOT/val as ImageFolders (ImageNet-1K's layout), with the released transforms or, on the
+    small-data recipe, the small datasets' (small_transforms)."""
     root, found = args.data_path, []
     for split in ('train', 'val'):
         if not os.path.isdir(os.path.join(root, split)):
             fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
-    for split, transform in (('train', train_transform(args)),
-                             ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP))):
+    transforms = (('train', train_transform(args)),
+                  ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP)))
+    if getattr(args, 'recipe', None) == 'small':
+        transforms = zip(('train', 'val'), small_transforms(args))
+    for split, transform in transforms:
         try:
             found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
         except FileNotFoundError as e:
@@ -260,11 +270,17 @@ def load_small(args):
     root = args.data_path or 'data'
     if args.download:  # torchvision fetches every split's files at once
         SMALL_DATASETS[args.dataset](root, download=True)
+    return [TensorImages(*read_small(args.dataset, root, train), transform)
+            for train, transform in zip((True, False), small_transforms(args))]
+
+
+def small_transforms(args):
+    """(training, validation) transforms of the small-data recipe: resized to a square, then (training)
+    randomly cropped with an eighth of padding and flipped."""
     resize = [T.ToImage(), T.Resize((args.img_size, args.img_size), BICUBIC, antialias=True)]
     augment = [T.RandomCrop(args.img_size, padding=args.img_size // 8, padding_mode='reflect'),
                T.RandomHorizontalFlip()]
-    return [TensorImages(*read_small(args.dataset, root, train), T.Compose(transform + TO_TENSOR))
-            for train, transform in ((True, resize + augment), (False, resize))]
+    return T.Compose(resize + augment + TO_TENSOR), T.Compose(resize + TO_TENSOR)
 
 
 # --dataset NAME -> load(args) -> (training set, validation set), each with .classes. train.py's --dataset
@@ -278,6 +294,9 @@ def load_data(args):
     """(training set, validation set) of --dataset, with --train-subset of the training images (not
     synthetic)."""
     train_set, val_set = DATASETS[args.dataset](args)
+    if len(train_set.classes) < 2:
+        fail(f'{args.dataset} in {args.data_path} has {len(train_set.classes)} class(es) '
+             f'({", ".join(train_set.classes)}): a classifier needs at least two, one folder each')
     if train_set.classes != val_set.classes:
         fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; '
              'they must match')

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 from torchvision import datasets
 
+import bench
 import data
 import inline
 import models
@@ -300,13 +302,29 @@ def test_image_folder_trains_and_evaluates(tmp_path):
     write_image_folder(root, {'train': 8, 'val': 3})
     # the released recipe (RandAugment, Mixup/CutMix, random erasing, ...) at a tiny scale: 2 steps of 2 x 4 images
     args = TINY_ARGS + ['--data-path', root, '--batch-size', '4', '--accum-steps', '2', '--epochs', '2',
-                   '--warmup-epochs', '1', '--workers', '1', '--output-dir', output_dir]
+                   '--warmup-epochs', '1', '--workers', '1', '--output-dir', output_dir, '--recipe', 'released']
     result = run_train(args)
-    assert 'released ImageNet-1K recipe' in result.stdout
+    assert 'released ImageNet-1K recipe for inline_deit_t (given)' in result.stdout
     log = metrics(output_dir)
     assert len(log) == 2 and log[-1]['val_images'] == 6
     result = run_train(args + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')])
     assert printed(result.stdout, 'eval model: ')['acc1'] == log[-1]['val_acc1']
+
+
+def test_a_small_image_folder_gets_the_small_recipe_and_learns(tmp_path):
+    """The README's command for one's own folder, no recipe flag: a folder far smaller than ImageNet gets the
+    small-data recipe (no accumulation to the authors' total batch, a warm-up that fits), says why, warns of an
+    epoch of few steps, and learns the two colours."""
+    torch.manual_seed(0)
+    root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
+    write_image_folder(root, {'train': 24, 'val': 8})
+    result = run_train(TINY_ARGS + ['--data-path', root, '--epochs', '3', '--output-dir', output_dir])
+    assert ("small-data recipe for imagefolder (48 training images, 0 steps an epoch at the authors' total "
+            "batch of 4,096: 100 or more take the released recipe" in result.stdout), result.stdout
+    assert 'x 6 steps of 8 images (8 per process x 1 processes x 1 accumulation steps)' in result.stdout
+    assert 'warning: 6 optimizer step(s) an epoch' in result.stdout
+    log = metrics(output_dir)
+    assert len(log) == 3 and log[-1]['val_images'] == 16 and log[-1]['val_acc1'] > 50
 
 
 # ------------------------------------------------------------------- small datasets, read from their own files
@@ -405,7 +423,7 @@ def test_fashion_mnist_trains_with_the_small_image_recipe(tmp_path):
     result = run_train(TINY_ARGS + ['--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'), '--epochs', '2',
                                     '--val-every', '2',
                                     '--output-dir', output_dir])
-    assert 'small-image recipe for fashion_mnist (random crop padded by 4 px, flip' in result.stdout
+    assert 'small-data recipe for fashion_mnist (random crop padded by 4 px, flip' in result.stdout
     log = metrics(output_dir)  # validated every 2 epochs: not after the first
     assert 'val_acc1' not in log[0] and log[1]['val_images'] == 6
     args = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))['args']
@@ -431,6 +449,10 @@ def bad_data(root, case):
     elif case == 'no-images':
         for split in ('train', 'val'):
             os.makedirs(os.path.join(root, split, 'a'))
+    elif case == 'one-class':
+        write_image_folder(root, {'train': 2, 'val': 1})
+        for split in ('train', 'val'):
+            shutil.rmtree(os.path.join(root, split, 'blue'))
     elif case == 'undecodable':
         write_image_folder(root, {'train': 2, 'val': 1})
         with open(os.path.join(root, 'train', 'red', 'broken.png'), 'wb') as f:
@@ -443,6 +465,8 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
     'no-val': ('no-val', 'has no val/ folder'),
     'no-images': ('no-images', 'no images in'),
     'undecodable': ('undecodable', 'cannot decode image'),
+    'one-class': ('one-class', 'has 1 class(es) (red): a classifier needs at least two'),
+    'recipe-released-without-folder': (['--recipe', 'released'], "--recipe released is the authors' ImageNet-1K"),
     'img-size': (['--img-size', '40'], 'divisible by 16'),
     'batch-size-zero': (['--batch-size', '0'], '--batch-size 0 is out of range'),
     'batch-size-too-big': (['--batch-size', '64'], 'exceeds the 48 training images'),
@@ -526,11 +550,18 @@ def test_the_loop_smooths_labels_and_averages_weights_as_its_flags_say():
 
 
 @pytest.mark.parametrize('name', list(RELEASED_RECIPE))
-def test_recipe_is_the_released_table(name):
+def test_recipe_is_the_released_table(name, monkeypatch):
+    """ImageNet-1K's 1,281,167 training images take the released recipe by themselves; a folder of 1,437 the
+    small-data one."""
     batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = RELEASED_RECIPE[name]
+    monkeypatch.setattr(train, 'count_images', lambda folder: 1437)
+    small = resolved(['--model', name, '--data-path', 'imagenet']).args
+    assert (small.recipe, small.accum_steps, small.mixup, small.warmup_epochs) == ('small', 1, 0.0, 1)
+    monkeypatch.setattr(train, 'count_images', lambda folder: 1_281_167)
     for world, accum in ((8, 1), (2, 4)):  # 8 processes as the authors ran it; 2 accumulate to the same total batch
         run = resolved(['--model', name, '--data-path', 'imagenet'], world)
         a = run.args
+        assert a.recipe == 'released'
         assert (a.batch_size, a.accum_steps, run.total_batch) == (batch, accum, batch * 8)
         assert (a.lr, a.epochs, a.warmup_epochs, a.warmup_lr, a.min_lr, a.cooldown_epochs) == (
             lr, epochs, warmup, warmup_lr, min_lr, cooldown)
@@ -548,7 +579,7 @@ def test_weight_decay_groups(name):
     """As released: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative position bias
     tables; PVT's position embeddings are decayed."""
     model = models.create_model(name, **SMALL[name])
-    run = resolved(['--model', name, '--data-path', 'imagenet'])
+    run = resolved(['--model', name, '--data-path', 'imagenet', '--recipe', 'released'])
     optimizer, _ = train.build_optimizer(model, run.args, run.total_batch, steps_per_epoch=1)
     names = {id(p): n for n, p in model.named_parameters()}
     got = {g['weight_decay']: {names[id(p)] for p in g['params']} for g in optimizer.param_groups}
@@ -590,7 +621,7 @@ def fake_machine(monkeypatch, amx, avx512_bf16, gpu_bf16, speedup):
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', never if gpu_bf16 is None else
                         lambda including_emulation=True: including_emulation or gpu_bf16)
     monkeypatch.setattr(torch.cuda, 'get_device_name', never if gpu_bf16 is None else lambda device=None: 'Fake GPU')
-    monkeypatch.setattr(train, 'bf16_speedup', never if speedup is None else lambda: speedup)
+    monkeypatch.setattr(bench, 'bf16_speedup', never if speedup is None else lambda: speedup)
 
 
 @pytest.mark.parametrize('machine', AMP_MACHINES)
@@ -617,7 +648,7 @@ def test_resolve_takes_the_default_precision_and_amp_overrides_it(machine, monke
 def test_bf16_probe_leaves_the_random_streams_and_the_threads_as_they_were():
     torch.manual_seed(0)
     threads, state = torch.get_num_threads(), torch.get_rng_state()
-    speedup = train.bf16_speedup.__wrapped__(rounds=1)  # a fresh measurement, not the process's cached one
+    speedup = bench.bf16_speedup.__wrapped__(rounds=1)  # a fresh measurement, not the process's cached one
     print(f'bf16 probe on this CPU: bf16 {speedup:.2f}x the speed of fp32')
     assert 0 < speedup < math.inf and torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), state)
 
@@ -794,7 +825,8 @@ def test_architecture_flags_and_model_kwargs_resolve():
     # the synthetic task: Swin's InLine windows smaller than its stages at 224 px, where they tile them
     assert (resolved(['--window', '7']).args.img_size, run.args.batch_size) == (224, 8)
     assert resolved(['--window', '56']).args.img_size == 32
-    softmax = resolved(['--model', 'inline_swin_t', '--layout', 'SSSS', '--data-path', 'imagenet'])
+    softmax = resolved(['--model', 'inline_swin_t', '--layout', 'SSSS', '--data-path', 'imagenet', '--recipe',
+                        'released'])
     assert softmax.args.drop_path == 0.2  # Swin-T's row
 
 

@@ -32,7 +32,6 @@ weights.
 import argparse
 import ast
 import contextlib
-import functools
 import hashlib
 import json
 import math
@@ -53,11 +52,13 @@ from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
+import bench
 import inline
 import models
 from checkpoints import (CHECKPOINT, EMA_KEYS, load_weights, read_checkpoint, resume, save_checkpoint,
                          save_correct)
-from data import DATASETS, SMALL_DATASETS, ResumableSampler, SyntheticShapes, fail, load_data, print0
+from data import (DATASETS, SMALL_DATASETS, ResumableSampler, SyntheticShapes, count_images, fail,
+                  load_data, print0)
 
 # ------------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is
@@ -106,6 +107,11 @@ SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmu
 # last epoch
 SMALL = ({k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')}
          | dict(batch_size=64, lr=6e-3, epochs=15, warmup_epochs=1))
+# An ImageFolder gets the released recipe where an epoch gives RELEASED_MIN_STEPS optimizer steps or more at
+# the authors' total batch (ImageNet-1K: 1,251 at 1,024), else SMALL with the small datasets' crop and flip
+# (1,437 images get one step an epoch from the released recipe, and 20 warm-up epochs)
+RELEASED_MIN_STEPS = 100
+FEW_STEPS = 10  # fewer optimizer steps an epoch than this, or a warm-up as long as the run, is said at start
 # never taken from a checkpoint
 INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume', 'attention_impl')
 ARCH_FLAGS = ('layout', 'kernel', 'residual', 'local_size', 'dilation', 'window', 'ape', 'nonneg',
@@ -142,6 +148,8 @@ def get_args_parser():
       'read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
     a('--data-path',
       help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
+    a('--recipe', choices=['released', 'small'], help='an ImageFolder\'s recipe (default: released where an '
+      f'epoch gives {RELEASED_MIN_STEPS}+ steps at the authors\' total batch, ImageNet-sized, else small)')
     a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
     a('--train-subset', type=int,
       help='train on this many images, a fixed random subset (the same for every seed)')
@@ -216,6 +224,7 @@ class Run:
     total_batch: int = 0  # images per optimizer step
     amp_given: bool = False  # --amp on the command line: validation uses it too
     amp_why: str = ''  # why args.amp: 'given by --amp', or default_amp's reason
+    recipe_why: str = ''  # why an ImageFolder's recipe: its size, or given
     arch: dict = None  # the model's create_model overrides besides RUN_KEYS (models' model.arch)
     name: str = ''  # the model and its overrides, short: the output folder's name
     saved: dict = None  # --eval's checkpoint, or the one to resume from
@@ -309,8 +318,9 @@ def resolve(run):
     open_checkpoint(run)  # which resolves the architecture
     args = run.args
     args.dataset = dataset(args)
-    # neither for the small datasets
-    synthetic, imagenet = args.dataset == 'synthetic', args.dataset == 'imagefolder'
+    run.recipe_why = choose_recipe(args)
+    synthetic, imagenet = args.recipe == 'synthetic', args.recipe == 'released'  # neither: the small recipe
+    folder = args.dataset == 'imagefolder'
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
     recipe = SYNTHETIC if synthetic else SMALL
     if imagenet:
@@ -320,7 +330,7 @@ def resolve(run):
     for key, value in {**recipe, 'seed': 0}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.img_size is None and (imagenet or args.throughput):
+    if args.img_size is None and (folder or args.throughput):
         with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
             # (H, W); the released sizes are square
             args.img_size = models.create_model(args.model).img_size[0]
@@ -342,9 +352,25 @@ def resolve(run):
     args.amp, run.amp_why = amp[0]
     if args.workers is None:
         local = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
-        args.workers = 0 if not imagenet else min(8, cpu_count() // local)
+        args.workers = 0 if not folder else min(8, cpu_count() // local)
     args.output_dir = args.output_dir or default_output_dir(run)
     check_args(args)
+
+
+def choose_recipe(args):
+    """Set args.recipe: 'released' or 'small' for an ImageFolder (from its size, unless given), 'small' for
+    the small datasets, 'synthetic'; returns why, for the recipe: line."""
+    if args.dataset != 'imagefolder':
+        if args.recipe == 'released':
+            fail("--recipe released is the authors' ImageNet-1K recipe: give --data-path of an ImageFolder")
+        args.recipe = 'synthetic' if args.dataset == 'synthetic' else 'small'
+        return ''
+    if args.recipe is not None:
+        return 'given'
+    images, total = count_images(os.path.join(args.data_path, 'train')), VARIANTS[args.model][0] * PROCESSES
+    args.recipe = 'released' if images >= RELEASED_MIN_STEPS * total else 'small'
+    return (f'{images:,} training images, {images // total:,} steps an epoch at the authors\' total batch of '
+            f'{total:,}: {RELEASED_MIN_STEPS} or more take the released recipe; --recipe chooses')
 
 
 def default_amp(device):
@@ -360,29 +386,10 @@ def default_amp(device):
     if not getattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)():
         return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
     # AVX-512 BF16 alone decides nothing: bf16 trained 2x faster on one such CPU, slower on another
-    x = bf16_speedup()
+    x = bench.bf16_speedup()
     why = (f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, '
            '1.25x needed')
     return ('bf16' if x >= 1.25 else 'fp32'), why  # 1.25: a whole training step gains less than the probe
-
-
-@functools.cache
-def bf16_speedup(rounds=7):
-    """fp32 time / bf16 time of a transformer MLP's training step (LayerNorm, 128 -> 512 -> 128, 2048 tokens):
-    median of interleaved rounds, one thread, process CPU time (two threads on a shared machine scattered it).
-    ~0.5 s, once."""
-    with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
-        mlp = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
-        x = torch.randn(2048, 128)
-    threads, seconds = torch.get_num_threads(), {False: [], True: []}
-    torch.set_num_threads(1)
-    for bf16 in [False, True] * (rounds + 1):  # the first pair warms up
-        start = time.process_time()
-        with torch.autocast('cpu', torch.bfloat16, enabled=bf16):
-            mlp(x).float().square().mean().backward()
-        seconds[bf16].append(time.process_time() - start)
-    torch.set_num_threads(threads)
-    return sorted(a / b for a, b in zip(seconds[False][1:], seconds[True][1:]))[rounds // 2]
 
 
 def check_args(args):
@@ -620,24 +627,6 @@ def evaluate_checkpoint(run, model, val_set):
 
 
 @torch.no_grad()
-def measure_throughput(run, model, warmup=10, timed=30):
-    """Inference images/s on random input: `warmup` batches (compilation included), then `timed` batches."""
-    args = run.args
-    model.eval()
-    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=run.device)
-    sync = torch.cuda.synchronize if run.device.type == 'cuda' else lambda: None
-    for i in range(warmup + timed):
-        if i == warmup:
-            sync()
-            start = time.perf_counter()
-        with run.autocast(training=True):
-            model(x)
-    sync()
-    speed = timed * args.batch_size / (time.perf_counter() - start)
-    print0(f'throughput: {speed:.1f} images/s '
-           f'(one process, batch {args.batch_size}, {args.img_size} px, {args.amp})')
-
-
 def prepare_training(run, raw, train_set):
     """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from the
     checkpoint to resume; the recipe and the schedule they run, printed."""
@@ -669,11 +658,11 @@ def prepare_training(run, raw, train_set):
     else:
         # augmentation, Mixup/CutMix and drop path differ between ranks
         torch.manual_seed(args.seed + run.rank)
-    crop = f' (random crop padded by {args.img_size // 8} px, flip)' * (args.dataset in SMALL_DATASETS)
+    crop = f'random crop padded by {args.img_size // 8} px, flip'
     recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; '
-                           '--data-path gives the released recipe)',
-              'imagefolder': f'released ImageNet-1K recipe for {args.model}'}.get(
-        args.dataset, f'small-image recipe for {args.dataset}{crop}')
+                           '--data-path gives an ImageFolder)',
+              'released': f'released ImageNet-1K recipe for {args.model} ({run.recipe_why or "given"})'}.get(
+        args.recipe, f'small-data recipe for {args.dataset} ({"; ".join(filter(None, [run.recipe_why, crop]))})')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, '
            f'randaug {args.randaug_n}x{args.randaug_m}, '
            f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
@@ -683,6 +672,12 @@ def prepare_training(run, raw, train_set):
            f'x {steps_per_epoch} steps of {run.total_batch} images ({args.batch_size} per process '
            f'x {run.world} processes x {args.accum_steps} accumulation steps); '
            f'peak lr {scheduler.base_lrs[0]:.3g}, weight decay {args.weight_decay}')
+    if steps_per_epoch < FEW_STEPS:
+        print0(f'warning: {steps_per_epoch} optimizer step(s) an epoch ({len(train_set):,} images, '
+               f'{run.total_batch} a step) are too few to learn from: lower --batch-size or --accum-steps')
+    if args.warmup_epochs >= args.epochs:
+        print0(f'warning: the warm-up ({args.warmup_epochs} epochs) is as long as the run ({args.epochs}): '
+               'the learning rate never reaches its peak; lower --warmup-epochs')
     return t, sampler, loader
 
 
@@ -735,7 +730,11 @@ def fit(run, raw, train_set, val_set):
 def main(args):
     run = setup(args)
     if args.throughput:  # random input, the released 1000-class head
-        return measure_throughput(run, build_model(run, num_classes=1000))
+        x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=run.device)
+        model = build_model(run, num_classes=1000).eval()
+        speed = bench.throughput(model, x, lambda: run.autocast(training=True))
+        return print0(f'throughput: {speed:.1f} images/s (one process, batch {args.batch_size}, '
+                      f'{args.img_size} px, {args.amp})')
     train_set, val_set = load_data(args)
     model = build_model(run, num_classes=len(val_set.classes))
     if args.eval:
