@@ -47,6 +47,10 @@ def read_file(path):
             f"python -c \"import torch; c = torch.load({path!r}, "
             f"map_location='cpu', weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
             f"{stripped!r})\"\nand pass {stripped} instead.") from None
+    except Exception as e:  # a text file, a truncated download: torch.load's own error says little
+        raise ValueError(f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}); "
+                         f"a checkpoint is a file torch.save wrote, such as train.py's {CHECKPOINT} or "
+                         f"a released .pth") from None
 
 
 def resize_parameter(model, name, value, shape):
@@ -82,21 +86,27 @@ def load_checkpoint(model, checkpoint):
     if isinstance(checkpoint, (str, os.PathLike)):
         path = checkpoint
         checkpoint = read_file(path)
-        state = checkpoint.get('model', checkpoint)
+        state = checkpoint.get('model', checkpoint) if isinstance(checkpoint, dict) else None
     else:
         path, state = 'the state dict', checkpoint
+    if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
+        held = state if isinstance(checkpoint, dict) else checkpoint
+        raise ValueError(f"{path} is not a checkpoint: it holds {type(held).__name__}, not a state dict of "
+                         "tensors ({'model': state_dict}, or the state dict itself)")
     own = model.state_dict()
     state = {k: v for k, v in state.items() if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
     head = [k for k in state if k.startswith('head.')]
     if any(k not in own or own[k].shape != state[k].shape for k in head):
-        warnings.warn(f"{path}: the checkpoint's head ({tuple(state['head.weight'].shape)}) does not fit "
-                      f"num_classes={model.num_classes}; keeping the model's new head")
+        (classes, width), (mine, my_width) = state['head.weight'].shape, own['head.weight'].shape
+        differ = (f'{classes} classes, not {mine}' if classes != mine
+                  else f'{width} features wide, not {my_width}')
+        warnings.warn(f"{path}: the checkpoint's head ({classes} classes x {width} features) does not fit "
+                      f"this model's ({mine} x {my_width}): {differ}; keeping the model's new head")
         state = {k: v for k, v in state.items() if k not in head}
         own = {k: v for k, v in own.items() if not k.startswith('head.')}
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     if missing or unexpected:
-        raise RuntimeError(f"{path} does not fit {type(model).__name__}: "
-                           f"missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(mismatch(path, checkpoint, model, missing, unexpected))
     state = {k: v if v.shape == own[k].shape else resize_parameter(model, k, v, own[k].shape)
              for k, v in state.items()}
     wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}"
@@ -105,6 +115,26 @@ def load_checkpoint(model, checkpoint):
         raise RuntimeError(f"{path}: shapes that cannot be resized: {wrong}")
     model.load_state_dict(state, strict=False)  # everything is checked above; strict=False for a dropped head
     return model
+
+
+def mismatch(path, checkpoint, model, missing, unexpected):
+    """Why a checkpoint's keys do not fit model, in a few lines: the sizes a train.py checkpoint stores and
+    how to rebuild them, else how many keys differ, with the first of each."""
+    first = lambda keys: ', '.join(keys[:3]) + ', ...' * (len(keys) > 3)  # noqa: E731
+    lines = [f"{path} does not fit this {model.name}: {len(missing)} of its keys missing "
+             f"({first(missing)}), {len(unexpected)} unexpected ({first(unexpected)})"]
+    saved = checkpoint if isinstance(checkpoint, dict) else {}
+    if saved.get('args') and saved.get('arch') is not None:
+        name, run_keys = saved['args']['model'], ('img_size', 'num_classes', 'drop_path_rate')
+        sizes = {k: v for k, v in saved['arch'].items() if k not in run_keys}
+        given = ' '.join(f'{k}={v!r}'.replace(' ', '') for k, v in sizes.items())
+        lines.append(f"it holds a {name} built with {sizes or 'its defaults'}: rebuild it with "
+                     f"models.create_model({name!r}, **those), or train.py --model {name}"
+                     + f" --model-kwargs {given}" * bool(sizes))
+    else:
+        lines.append("another variant's or another size's weights: choose the variant (models.MODELS) and "
+                     "the sizes (embed_dim, depths, num_heads, ...) they were trained with")
+    return '\n'.join(lines)
 
 
 def resize_grid(tokens, old_grid, new_grid, mode):

@@ -219,8 +219,40 @@ def test_checkpoint_with_wrong_keys_names_them(tmp_path):
     del state['blocks.0.attn.proj.bias']
     state['blocks.9.attn.qkv.weight'] = torch.zeros(1)
     torch.save({'model': state}, tmp_path / 'wrong.pth')
-    with pytest.raises(RuntimeError, match=r"missing \['blocks\.0\.attn\.proj\.bias'\], unexpected \['blocks\.9\.attn\.qkv\.weight'\]"):
+    with pytest.raises(RuntimeError, match=r"1 of its keys missing \(blocks\.0\.attn\.proj\.bias\), "
+                                           r"1 unexpected \(blocks\.9\.attn\.qkv\.weight\)"):
         models.create_model('inline_deit_t', checkpoint=tmp_path / 'wrong.pth', **SMALL['inline_deit_t'])
+
+
+def test_a_checkpoint_of_other_sizes_names_them_and_how_to_rebuild(tmp_path):
+    """train.py's checkpoint of other sizes: the sizes it stores and the flag that rebuilds them, in two lines
+    rather than hundreds of keys; a bare state dict of another variant says what to choose."""
+    small = SMALL['inline_swin_t']
+    model = models.create_model('inline_swin_t', **small)
+    path = tmp_path / 'checkpoint.pt'
+    torch.save({'model': model.state_dict(), 'args': {'model': 'inline_swin_t'}, 'arch': model.arch}, path)
+    with pytest.raises(RuntimeError) as e:
+        models.create_model('inline_swin_t', checkpoint=path, img_size=small['img_size'])
+    message = str(e.value)
+    assert len(message.splitlines()) == 2 and 'keys missing' in message and '...' in message, message
+    assert "embed_dim': 16" in message and "--model-kwargs" in message and 'depths=(2,2,2,2)' in message, message
+    deit = models.create_model('inline_deit_t', **SMALL['inline_deit_t'])
+    torch.save(deit.state_dict(), tmp_path / 'deit.pth')
+    with pytest.warns(UserWarning, match=r"\(1000 classes x 32 features\) does not fit this model's \(1000 x 128\): "
+                                         r"32 features wide, not 128"):
+        with pytest.raises(RuntimeError, match="another variant's or another size's weights"):
+            models.create_model('inline_swin_t', checkpoint=tmp_path / 'deit.pth', **small)
+
+
+def test_a_file_that_is_not_a_checkpoint_says_so(tmp_path):
+    """A text file, or a file of something else than tensors, is 'not a checkpoint', with its name."""
+    text = tmp_path / 'notes.txt'
+    text.write_text('epoch 1: 52%')
+    with pytest.raises(ValueError, match=f"{text} is not a checkpoint: torch.load cannot read it"):
+        models.create_model('inline_deit_t', checkpoint=text, **SMALL['inline_deit_t'])
+    torch.save([1, 2, 3], tmp_path / 'list.pt')
+    with pytest.raises(ValueError, match="list.pt is not a checkpoint: it holds list"):
+        models.create_model('inline_deit_t', checkpoint=tmp_path / 'list.pt', **SMALL['inline_deit_t'])
 
 
 @pytest.mark.parametrize('name', ['inline_deit_t', 'inline_pvt_t', 'inline_swin_t'])
@@ -234,7 +266,7 @@ def test_checkpoint_with_other_classes_and_size(name, tmp_path):
     torch.save({'model': source.state_dict(), 'args': {'model': name}, 'epoch': 1}, path)  # train.py's format
     H, W = small['img_size']  # twice the size: the same aspect ratio, so the old grid can be told from its length
     bigger = dict(small, img_size=(2 * H, 2 * W), num_classes=7, **({'softmax_window': 4} if name == 'inline_swin_t' else {}))
-    with pytest.warns(UserWarning, match='num_classes=7'):
+    with pytest.warns(UserWarning, match='5 classes, not 7'):
         model = models.create_model(name, checkpoint=path, **bigger)
     resized = 0
     for k, v in model.state_dict().items():
