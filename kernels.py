@@ -2,23 +2,16 @@
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590.
 `inline_core_fast` takes the arguments, layout and result of inline.inline_core, the reference it replaces;
-`enable_fast(model)` (models.create_model(name, fast=True)) swaps it in once each of the model's attention
-configurations gives the reference's output and every gradient (check_against_reference), so a change made in
-the reference that the fast core does not follow is refused when the model is built. test_inline.py proves the
-two equal; bench.py measures them (RESULTS.md); sequence.py adds causal InLine's fast core.
+`enable_fast(model)` (create_model(name, fast=True)) swaps it in once it gives the reference's output and
+every gradient on each of the model's attention configurations, so a change the fast core does not follow is
+refused when the model is built. test_inline.py proves the two equal; bench.py measures them.
 
-- The backward is written in closed form (the means' gradients vanish), in a torch.autograd.Function; it keeps
-  q, the centred k and v the forward writes anyway, r, v_mean, the D x D covariance and the neighbour table.
-  Inside a torch.compile'd model both closed forms are traced into the model's graph (run).
-- Eq. 5 in centred-covariance form, as inline.py; means and every other sum accumulate in fp32, and in fp16
-  one operand of each sum over tokens is pre-scaled (sum_scale). Eq. 6 is T gathered multiply-adds.
+- The backward is in closed form (the means' gradients vanish); compiled models trace both into their graph.
+- Eq. 5 in centred-covariance form, as inline.py; sums accumulate in fp32, fp16's pre-scaled (sum_scale).
 - With no gradient asked, fast_path runs Eq. 6's weights and the core's forward in one graph (infer_forward).
-- B, H and N are symbolic (symbolic_sizes): one graph per dtype, head dim and T serves every batch and grid.
+- B, H and N are symbolic: one graph per dtype, head dim and T serves every batch, head count and grid.
 - A graph compiles or loads under compile_lock, a file lock per graph; if it cannot, the core runs its closed
   form eagerly after one warning that names any broken cache file.
-
-Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid,
-P = N - h*w leading tokens off the grid (DeiT's class token).
 """
 import contextlib
 import copy
@@ -61,14 +54,12 @@ _cached_neighbourhood = functools.lru_cache(maxsize=32)(neighbourhood)
 
 
 def neighbour_table(cached, *args):
-    """A neighbour table from its per-shape cache; inside a torch.compile'd model built in the graph instead
-    (a constant there), since dynamo would trace past the cache with a warning."""
+    """A neighbour table from its per-shape cache, or built in a torch.compile'd model's graph, a constant."""
     return cached.__wrapped__(*args) if torch.compiler.is_compiling() else cached(*args)
 
 
 def neighbours(x, index, flip=False):
-    """The T gathers x[:, :, index[t]] (B, H, N, D). flip=True gives the opposite offsets (the
-    transposed shift, which Eq. 6's backward needs): offset T - 1 - t is minus offset t."""
+    """The T gathers x[:, :, index[t]] (B, H, N, D); flip: offset T - 1 - t, minus t's (Eq. 6 transposed)."""
     T = index.shape[0]
     return [x[:, :, index[T - 1 - t if flip else t]] for t in range(T)]
 
@@ -88,8 +79,7 @@ def sum_scale(dtype, N):
 
 
 def token_major(x):
-    """x (B, H, N, D) stored token by token, as (B, N, H, D): the layout in which the module's
-    o.transpose(1, 2).reshape(B, N, C) is a view, not a copy, and in which o's gradient comes back."""
+    """x (B, H, N, D) stored as (B, N, H, D): o.transpose(1, 2).reshape(B, N, C) is then a view."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -102,8 +92,7 @@ def core_forward(q, k, v, taps, index, masks, scale, scale_by_count):
     v_mean = wide(v).mean(2, keepdim=True)  # (B, H, 1, D)
     k_c = ((wide(k) - k_mean) * c).to(dtype)  # (B, H, N, D)
     v_c = (wide(v) - v_mean).to(dtype)  # (B, H, N, D), written by the same kernel as k_c
-    # Cov = (1/N) (k - k_mean)^T (v - v_mean), centred in fp32 and then rounded, as inline.inline_attention
-    # says why; g N / N is folded into the D x D matrix
+    # Cov centred in fp32, then rounded (inline.inline_attention says why); g N / N is folded into it
     gain = inline.eq5_gain(scale, N, scale_by_count)
     cov = (wide(k_c.transpose(-2, -1) @ v_c) * (gain / c)).to(dtype)  # (B, H, D, D)
     o = wide(q @ cov) + v_mean  # Eq. 5: g N q_i^T Cov + v_mean, (B, H, N, D)
@@ -153,8 +142,7 @@ def infer_forward(q, k, v, x, w1, b1, w2, b2, index, masks, scale, scale_by_coun
         m = x.mean(dim=2).to(w1.dtype).reshape(B, H, D).transpose(0, 1)  # (H, B, D)
         # (H, B, D)
         hidden = F.gelu(torch.baddbmm(b1.reshape(H, 1, D), m, w1.reshape(H, D, D).transpose(1, 2)))
-        # rows (t, j), was (j, t): (H, T*D, D)
-        w2 = w2.reshape(H, D, T, D).transpose(1, 2).reshape(H, T * D, D)
+        w2 = w2.reshape(H, D, T, D).transpose(1, 2).reshape(H, T * D, D)  # (H, T*D, D), rows (t, j)
         b2 = b2.reshape(H, 1, D, T).transpose(2, 3).reshape(H, 1, T * D)
         r = torch.baddbmm(b2, hidden, w2.transpose(1, 2))  # (H, B, T*D): neighbour t, channel j at t*D + j
         taps = r.reshape(H, B, T, D).transpose(0, 1).to(dtype)  # (B, H, T, D)
@@ -168,23 +156,13 @@ _compile_error = []  # filled once if the compiler cannot run here
 
 def compile_options():
     """torch.compile's switches for the calls that may compile: equal sizes (N == D) stay two symbols, only
-    symbolic_sizes makes a size symbolic, and the graphs may pass dynamo's default limit of 8."""
+    compile_and_call makes a size symbolic, and the graphs may pass dynamo's default limit of 8."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64,
                                                    fail_on_recompile_limit_hit=True))
     if hasattr(torch.fx.experimental._config, 'use_duck_shape'):
         stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
     return stack
-
-
-def symbolic_sizes(args, N):
-    """B, H and N compile as symbols (dims 0 and 1 of each (B, H, ...) tensor, and those of size N but the
-    last); D and T stay constants, so the loops over channels vectorise with no remainder loop."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            for d in range(a.dim()):
-                if (a.dim() >= 4 and d < 2) or (a.shape[d] == N and not (a.dim() >= 4 and d == a.dim() - 1)):
-                    torch._dynamo.maybe_mark_dynamic(a, d)
 
 
 def signature(f, args):
@@ -225,8 +203,15 @@ def describe(error):
 
 
 def compile_and_call(f, args, key):
-    """f(*args) through its compiled graph, compiled or loaded from the inductor cache under compile_lock."""
-    symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
+    """f(*args) through its compiled graph, compiled or loaded under compile_lock. B, H and N compile as
+    symbols (dims 0 and 1 of each (B, H, ...) tensor, and those of size N but the last); D and T stay
+    constants, so the loops over channels vectorise with no remainder loop."""
+    N = args[0].shape[2]  # args[0] is q, or do: (B, H, N, D)
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            for d in range(a.dim()):
+                if (a.dim() >= 4 and d < 2) or (a.shape[d] == N and not (a.dim() >= 4 and d == a.dim() - 1)):
+                    torch._dynamo.maybe_mark_dynamic(a, d)
     with compile_lock(key), compile_options():
         return COMPILED[f.__name__](*args)
 
@@ -261,10 +246,8 @@ def run(f, *args):
 
 
 def forward_graph(q, k, v, taps, table, scale, scale_by_count):
-    """core_forward on the core's inputs: o (B, H, N, D), stored token-major, and what the backward keeps.
-    taps (B, H, T, D) Eq. 6's weights, neighbour before channel, and table their (index, masks), or None."""
-    # One memory layout for every caller, so one compiled graph serves them all; the matmuls would
-    # need these copies of a model's strided q, k, v views anyway.
+    """core_forward on the core's inputs (taps, table (index, masks) or None): o and what backward keeps."""
+    # One memory layout for every caller, so one graph serves them all (the matmuls would copy strided views)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     index, masks = table if taps is not None else (None, None)
     o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale, scale_by_count)
@@ -305,8 +288,7 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
 
 
 def apply_core(q, k, v, r, table, scale, scale_by_count):
-    """inline_core_fast after its checks, for any neighbour table (index, masks), sequence.py's too; the
-    autograd Function only where a gradient is asked."""
+    """inline_core_fast after its checks, for any neighbour table (index, masks), sequence.py's too."""
     B, H, N, D = q.shape
     q, scale = fold_scale(q, scale)
     device = q.device.type
@@ -329,8 +311,7 @@ def fold_scale(q, scale):
 
 
 def fast_path(module, q, k, v, x, grid, scale):
-    """inline.reference_path's arguments and result: that path with a gradient asked; with none, Eq. 6's
-    weights and the core in one compiled graph (infer_forward)."""
+    """inline.reference_path's arguments and result; with no gradient asked, one graph (infer_forward)."""
     if torch.is_grad_enabled():
         return inline.reference_path(module, q, k, v, x, grid, scale)
     N = q.shape[2]
@@ -350,8 +331,7 @@ def fast_path(module, q, k, v, x, grid, scale):
                    module.scale_by_count, dtype)
 
 
-# reference core -> its fast twin (sequence.py adds its own)
-FAST_CORES = {inline.inline_core: inline_core_fast}
+FAST_CORES = {inline.inline_core: inline_core_fast}  # reference core -> its fast twin (+ sequence.py's)
 
 
 def configuration(module):
@@ -362,15 +342,14 @@ def configuration(module):
     return type(module), tuple(attributes), tuple(name for name, _ in module.named_parameters())
 
 
-def attend_and_differentiate(module, inputs, do):
-    """module.attend's output and the gradients of every input and parameter, for upstream gradient do:
-    {quantity: tensor, or None where nothing reaches it}."""
+def attend_and_differentiate(module, inputs, do, prefix=''):
+    """{quantity: tensor or None}: module.attend's output, the gradients of every input and parameter."""
     inputs = [t.detach().to(do.dtype).requires_grad_() for t in inputs[:4]] + [inputs[4]]
     o = module.attend(*inputs)
     params = dict(module.named_parameters())
     grads = torch.autograd.grad(o, inputs[:4] + list(params.values()), do.to(o.dtype), allow_unused=True)
     return dict(zip(['output', 'gradient of q', 'gradient of k', 'gradient of v', 'gradient of x'] +
-                    [f'gradient of {name}' for name in params], [o, *grads]))
+                    [f'gradient of {prefix}{name}' for name in params], [o, *grads]))
 
 
 def difference(exact, reference, fast):
@@ -402,8 +381,8 @@ def outside_function_modes():
             torch._C._push_on_torch_function_stack(mode)
 
 
-def check_against_reference(path, module, core, device, fast_path=None):
-    """Raise ValueError unless core in module.core and fast_path (None: module.path) in module.path give
+def check_against_reference(path, module, core, fast_path, device):
+    """Raise ValueError unless core in module.core and fast_path in module.path give
     module.attend the reference's output and gradients of q, k, v, x and every parameter (within difference),
     and the same output with no gradient. Copies run it, so the model and the random state are untouched."""
     with outside_function_modes():
@@ -418,19 +397,19 @@ def check_against_reference(path, module, core, device, fast_path=None):
                 b.zero_()
         reference = reference.to(device).float()
         fast = copy.deepcopy(reference)
-        fast.core, fast.path = core, fast_path or reference.path
+        fast.core, fast.path = core, fast_path
         # a small random call of attend: q, k, v (2, H, N, D), x (2, N, C) and the grid of check_shape
         H, D, (N, grid) = reference.num_heads, reference.head_dim, reference.check_shape()
         inputs = [torch.randn(*shape, generator=generator, device='cpu').to(device)
                   for shape in [(2, H, N, D)] * 3 + [(2, N, H * D)]] + [grid]
         do = torch.randn(inputs[0].shape, generator=generator, device='cpu').to(device)
-        where = f"{path or 'the model'} ({type(module).__name__})"
+        where, prefix = f"{path or 'the model'} ({type(module).__name__})", f"{path}." if path else ''
         with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), torch.enable_grad(), \
                 torch.autocast(device.type, enabled=False):
-            exact = attend_and_differentiate(copy.deepcopy(reference).double(), inputs, do.double())
-            ours = attend_and_differentiate(reference, inputs, do)
+            exact = attend_and_differentiate(copy.deepcopy(reference).double(), inputs, do.double(), prefix)
+            ours = attend_and_differentiate(reference, inputs, do, prefix)  # parameters named by their paths
             try:
-                theirs = attend_and_differentiate(fast, inputs, do)
+                theirs = attend_and_differentiate(fast, inputs, do, prefix)
                 if fast.path is not reference.path:  # another path with no gradient: its output too
                     with torch.no_grad():
                         theirs['output with no gradient'] = fast.attend(*inputs)
@@ -442,10 +421,6 @@ def check_against_reference(path, module, core, device, fast_path=None):
             (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))),
             None)
         if why:
-            name = why.split(':')[0].replace('gradient of ', '')
-            # name the parameter by its path in the model
-            if name in dict(module.named_parameters()) and path:
-                why = why.replace(f'gradient of {name}', f'gradient of {path}.{name}', 1)
             raise ValueError(f"the fast InLine core does not compute what {where} computes on the reference "
                              f"path: {why}. Build the model with fast=False (train.py: --attention-impl "
                              f"reference), or make the change in a form the fast core follows (README, "
@@ -459,8 +434,7 @@ def enable_fast(model, core=None, device=None, log=print):
     name, and a change in code the fast core does not follow by one module of each configuration run on both
     paths, naming the quantity that differs. device: where the check runs (default: the model's, or the CPU);
     log: how each configuration's check reports its cost (None: silent)."""
-    # each setup_inline gave one
-    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]
+    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]  # setup_inline's
     if any(m.attention == 'linear' for _, m in modules):
         raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla linear "
                          "attention): build this model with fast=False (train.py: --attention-impl "
@@ -473,19 +447,19 @@ def enable_fast(model, core=None, device=None, log=print):
         configurations.setdefault(configuration(m), []).append((path, m))
     for alike in configurations.values():
         (path, m), start = alike[0], time.perf_counter()
-        fast = core or FAST_CORES[m.core]
-        check_against_reference(path, m, fast, torch.device(device), path_for(m, fast))
+        check_against_reference(path, m, *twins(m, core), torch.device(device))
         if log:
             log(f"kernels.enable_fast: {path or type(m).__name__} ({type(m).__name__}, H {m.num_heads}, "
                 f"D {m.head_dim}; {len(alike)} module(s) of this configuration) equals the reference: "
                 f"{time.perf_counter() - start:.1f} s")
     for _, m in swapped:
-        fast = core or FAST_CORES[m.core]
-        m.core, m.path = fast, path_for(m, fast)
+        m.core, m.path = twins(m, core)
     return len(swapped)
 
 
-def path_for(module, core):
-    """The path enable_fast puts beside core: fast_path beside inline_core_fast where the module runs
-    inline.reference_path, else the module's own (a test's core, the lab's, sequence.py's)."""
-    return fast_path if core is inline_core_fast and module.path is inline.reference_path else module.path
+def twins(module, core=None):
+    """The fast core (core, or FAST_CORES') and path enable_fast puts in module: fast_path beside
+    inline_core_fast where the module runs inline.reference_path, else the module's own."""
+    core = core or FAST_CORES[module.core]
+    beside = fast_path if core is inline_core_fast and module.path is inline.reference_path else module.path
+    return core, beside
