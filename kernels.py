@@ -126,13 +126,9 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
     return dq, dk, dv.to(dtype), dtaps
 
 
-# ---------------------------------------------------------------------------------------------------
-# Inference: Eq. 6's weights and the core in one graph (fast_path); with DeiT's 197 tokens two calls cost more
-
 def infer_forward(q, k, v, x, w1, b1, w2, b2, index, masks, scale, scale_by_count, dtype):
-    """inline.residual_weights, then core_forward's o (B, H, N, D), token-major, in dtype. q, k, v as the
-    projection leaves them; x (B, 1, N, C); w1, b1, w2, b2 the predictor's weights, or None for no Eq. 6.
-    W2's output channels are reordered neighbour-major, so each neighbour's taps are read as a vector."""
+    """inline.residual_weights, then core_forward's o, token-major, in dtype; x (B, 1, N, C); w1, b1, w2, b2
+    the predictor's weights (None: no Eq. 6), W2's reordered neighbour-major, so taps are read as vectors."""
     B, H, N, D = q.shape
     # One contiguous copy each, fused with the cast: the gathers and GEMMs read a head's tokens in a row
     q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous()
@@ -155,14 +151,23 @@ _compile_error = []  # filled once if the compiler cannot run here
 
 
 def compile_options():
-    """torch.compile's switches for the calls that may compile: equal sizes (N == D) stay two symbols, only
-    compile_and_call makes a size symbolic, and the graphs may pass dynamo's default limit of 8."""
+    """torch.compile's switches: equal sizes stay two symbols, only symbolic_sizes makes one; no limit of 8"""
     stack = contextlib.ExitStack()
     stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64,
                                                    fail_on_recompile_limit_hit=True))
     if hasattr(torch.fx.experimental._config, 'use_duck_shape'):
         stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
     return stack
+
+
+def symbolic_sizes(args, N):
+    """B, H and N compile as symbols (dims 0 and 1 of each (B, H, ...) tensor, and those of size N but the
+    last); D and T stay constants, so the loops over channels vectorise with no remainder loop."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            for d in range(a.dim()):
+                if (a.dim() >= 4 and d < 2) or (a.shape[d] == N and not (a.dim() >= 4 and d == a.dim() - 1)):
+                    torch._dynamo.maybe_mark_dynamic(a, d)
 
 
 def signature(f, args):
@@ -196,22 +201,9 @@ def compile_lock(key):
         yield
 
 
-def describe(error):
-    """The error dynamo wraps, on one line: 'ImportError: .../c2x...main.so: file too short'."""
-    error = getattr(error, 'inner_exception', None) or error.__cause__ or error
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
-
-
 def compile_and_call(f, args, key):
-    """f(*args) through its compiled graph, compiled or loaded under compile_lock. B, H and N compile as
-    symbols (dims 0 and 1 of each (B, H, ...) tensor, and those of size N but the last); D and T stay
-    constants, so the loops over channels vectorise with no remainder loop."""
-    N = args[0].shape[2]  # args[0] is q, or do: (B, H, N, D)
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            for d in range(a.dim()):
-                if (a.dim() >= 4 and d < 2) or (a.shape[d] == N and not (a.dim() >= 4 and d == a.dim() - 1)):
-                    torch._dynamo.maybe_mark_dynamic(a, d)
+    """f(*args) through its compiled graph, compiled or loaded from the inductor cache under compile_lock."""
+    symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
     with compile_lock(key), compile_options():
         return COMPILED[f.__name__](*args)
 
@@ -224,8 +216,7 @@ def run(f, *args):
     if not _compile_error:
         key = signature(f, args)
         try:
-            # The switches and marks act only when dynamo compiles: skipping them saves time on every call.
-            # A guard failing here would recompile without them, so it may not (signature's docstring):
+            # A known key's graph runs without switches and marks, so it may not recompile (signature):
             if key in _compiled_signatures:
                 try:
                     with torch.compiler.set_stance('fail_on_recompile'):
@@ -238,8 +229,10 @@ def run(f, *args):
             return out
         except COMPILE_ERRORS as e:  # e.g. no working C++ compiler, or a cache file left broken
             _compile_error.append(e)
-            path = re.search(r"/\S+?\.(?:so|py|cpp)\b", describe(e))  # the cache file it names, if any
-            warnings.warn(f"kernels.py: torch.compile failed ({describe(e)}); the fast InLine core now runs "
+            inner = getattr(e, 'inner_exception', None) or e.__cause__ or e  # the error dynamo wraps
+            what = f"{type(inner).__name__}: {(str(inner).splitlines() or [''])[0]}"
+            path = re.search(r"/\S+?\.(?:so|py|cpp)\b", what)  # the cache file it names, if any
+            warnings.warn(f"kernels.py: torch.compile failed ({what}); the fast InLine core now runs "
                           f"its closed form eagerly, correct but much slower" + (f". {path[0]} in the "
                           f"inductor cache may be broken: delete it and rerun" if path else ""), stacklevel=3)
     return f(*args)
@@ -303,10 +296,9 @@ def apply_core(q, k, v, r, table, scale, scale_by_count):
 
 
 def fold_scale(q, scale):
-    """q and Eq. 5's s as the graphs take them: a number (None: D^-1/2); a tensor s joins q outside them,
-    s q^T Cov = (s q)^T Cov, so that autograd takes its gradient."""
+    """q and Eq. 5's s as the graphs take them: a number, or a tensor that joins q for autograd's sake."""
     if isinstance(scale, torch.Tensor):
-        return q * scale, 1.0
+        return q * scale, 1.0  # s q^T Cov = (s q)^T Cov
     return q, inline.attention_scale(q.shape[-1]) if scale is None else scale
 
 
@@ -335,8 +327,7 @@ FAST_CORES = {inline.inline_core: inline_core_fast}  # reference core -> its fas
 
 
 def configuration(module):
-    """What decides an InLine module's computation besides its weights, so one check serves the modules
-    alike: its class, its plain attributes (any a change in code adds too) and its parameters' names."""
+    """What decides a module's computation besides its weights: class, plain attributes, parameter names."""
     plain = (bool, int, float, str, tuple, type(None))
     attributes = sorted((k, v) for k, v in vars(module).items() if isinstance(v, plain) and k != 'training')
     return type(module), tuple(attributes), tuple(name for name, _ in module.named_parameters())
@@ -382,9 +373,8 @@ def outside_function_modes():
 
 
 def check_against_reference(path, module, core, fast_path, device):
-    """Raise ValueError unless core in module.core and fast_path in module.path give
-    module.attend the reference's output and gradients of q, k, v, x and every parameter (within difference),
-    and the same output with no gradient. Copies run it, so the model and the random state are untouched."""
+    """Raise ValueError unless core and fast_path give module.attend the reference's output and gradients
+    (within difference), with no gradient too, on copies: the model and the random state are untouched."""
     with outside_function_modes():
         generator = torch.Generator().manual_seed(0)
         reference = copy.deepcopy(module)
@@ -398,9 +388,8 @@ def check_against_reference(path, module, core, fast_path, device):
         reference = reference.to(device).float()
         fast = copy.deepcopy(reference)
         fast.core, fast.path = core, fast_path
-        # a small random call of attend: q, k, v (2, H, N, D), x (2, N, C) and the grid of check_shape
         H, D, (N, grid) = reference.num_heads, reference.head_dim, reference.check_shape()
-        inputs = [torch.randn(*shape, generator=generator, device='cpu').to(device)
+        inputs = [torch.randn(*shape, generator=generator, device='cpu').to(device)  # q, k, v, x, grid
                   for shape in [(2, H, N, D)] * 3 + [(2, N, H * D)]] + [grid]
         do = torch.randn(inputs[0].shape, generator=generator, device='cpu').to(device)
         where, prefix = f"{path or 'the model'} ({type(module).__name__})", f"{path}." if path else ''
@@ -428,12 +417,9 @@ def check_against_reference(path, module, core, fast_path, device):
 
 
 def enable_fast(model, core=None, device=None, log=print):
-    """Set `.core` to its fast twin (FAST_CORES, or core) and `.path` to path_for's on every InLine module of
-    model whose core is a reference; returns how many. Every module is checked first, so a model is fast
-    throughout or refused, never half fast: vanilla linear attention (which divides where Eq. 5 subtracts) by
-    name, and a change in code the fast core does not follow by one module of each configuration run on both
-    paths, naming the quantity that differs. device: where the check runs (default: the model's, or the CPU);
-    log: how each configuration's check reports its cost (None: silent)."""
+    """Put twins' core and path in every InLine module of model whose core is a reference; returns how many.
+    All are checked first, so a model is fast throughout or refused: linear attention by name, a change the
+    fast core does not follow by one module of each configuration. device: where it runs; log: its report (None: off)"""
     modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]  # setup_inline's
     if any(m.attention == 'linear' for _, m in modules):
         raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla linear "
@@ -458,8 +444,7 @@ def enable_fast(model, core=None, device=None, log=print):
 
 
 def twins(module, core=None):
-    """The fast core (core, or FAST_CORES') and path enable_fast puts in module: fast_path beside
-    inline_core_fast where the module runs inline.reference_path, else the module's own."""
+    """The fast core (core, or FAST_CORES') and the path enable_fast puts beside it in module."""
     core = core or FAST_CORES[module.core]
     beside = fast_path if core is inline_core_fast and module.path is inline.reference_path else module.path
     return core, beside
