@@ -6,9 +6,7 @@ weights: it is not injective. InLine normalises by subtraction instead (Eq. 5), 
 D + 1 tokens or more: inline_weights) and still linear in N, and adds a local attention residual over each
 token's 3x3 neighbourhood (Eq. 6), because linear attention alone attends too little to nearby tokens.
 
-Read top to bottom: phi, the two baselines, Eq. 5 (explicit weights, then the linear form), Eq. 6, the core,
-the modules, and last the paper's ablation switches. Causal InLine, on 1-D sequences, is sequence.py;
-kernels.py holds the fast path and is tested against this file, which favours clarity over speed.
+Causal InLine is sequence.py; the fast path, kernels.py, is tested against this clear, slow reference.
 
     python bench.py --demo  # a short demonstration: injectivity, and the two forms of Eq. 5 agree
 
@@ -32,14 +30,12 @@ KERNELS = {
     'exp': lambda x: torch.exp(0.2 * x),  # the 0.2 keeps exp from overflowing on raw projections
     'one_plus_elu': lambda x: 1 + F.elu(x),  # > 0: elu + 1, Katharopoulos et al. (2020)'s linear attention
 }  # and the two ablations' at the end of this file: 'relu_affine' (learnable) and 'zero'
-# what vanilla linear attention needs: it divides by q.k
-NON_NEGATIVE_KERNELS = ('relu', 'exp', 'one_plus_elu', 'relu_affine')
+NON_NEGATIVE_KERNELS = ('relu', 'exp', 'one_plus_elu', 'relu_affine')  # linear attention divides by q.k
 
 
 def attention_scale(D):
-    """D^-1/2, the default scale s of q.k in Eq. 5 and in softmax, the paper's: the one place it is written. A
-    scale given instead may be a number or a tensor that broadcasts against (B, H, N, 1), such as a learnable
-    per-head temperature (1, H, 1, 1) (README, "Changing the method")."""
+    """D^-1/2, the paper's scale s of q.k in Eq. 5 and in softmax, written only here. A scale given instead
+    may be a number or a tensor that broadcasts against (B, H, N, 1), a learnable temperature say."""
     return D ** -0.5
 
 
@@ -51,9 +47,8 @@ def get_kernel(name, head_dim=None):
 
 
 def check_grid(N, grid, leading_tokens=None):
-    """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w. leading_tokens is what the
-    module declares (DeiT's class token: 1; Swin's windows, PVT and CSwin: 0), and any other N is an error;
-    None (the cores, whose module has checked): any P >= 0. grid must be a pair of positive whole numbers."""
+    """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w, where P must be the module's
+    leading_tokens (DeiT's class token: 1; else 0), or any P >= 0 where None (the cores)."""
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2
             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in grid)):
         raise ValueError(f"grid must be a pair (h, w) of positive whole numbers, the token grid; "
@@ -82,10 +77,7 @@ def softmax_attention(q, k, v, scale=None):
 
 
 def linear_attention(q, k, v, eps=1e-6):
-    """Vanilla linear attention: w_ij = q_i.k_j / sum_t q_i.k_t, computed as q (K^T V) / (q . sum_t k_t).
-
-    Needs a non-negative phi. Not injective: q and a*q (a > 0) give the same weights.
-    """
+    """w_ij = q_i.k_j / sum_t q_i.k_t as q (K^T V) / (q . sum_t k_t). Needs phi >= 0; not injective."""
     kv = k.transpose(-2, -1) @ v  # (B, H, D, D)
     denominator = q @ k.sum(dim=2, keepdim=True).transpose(-2, -1)  # (B, H, N, 1)
     return (q @ kv) / (denominator + eps)
@@ -98,26 +90,20 @@ def linear_attention_weights(q, k, eps=1e-6):
 
 
 # ---------------------------------------------------------------------------------------------------
-# InLine attention, Eq. 5: w_ij = s (q_i.k_j - q_i.k_mean) + 1/N, with s/N in place of s in the released
-# models
+# InLine attention, Eq. 5: w_ij = s (q_i.k_j - q_i.k_mean) + 1/N (s/N in the released models: eq5_gain)
 
 def eq5_gain(s, n, scale_by_count=True):
-    """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens, decided here for every form. scale_by_count:
-    s/n, the released models' (they fold s/N into phi(Q); on a prefix it becomes s/i), which the authors'
-    logits need; else s, the paper's printed Eq. 5. n: the token count, or the counts (N, 1) of a causal
-    form's rows."""
+    """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens (or a causal form's counts (N, 1)), for every
+    form. scale_by_count: s/n, the released models' (they fold s/N into phi(Q)), which the authors' logits
+    need; else s, Eq. 5 as the paper prints it."""
     return s / n if scale_by_count else s
 
 
 def inline_weights(q, k, scale=None, scale_by_count=True):
-    """The explicit N x N weights of Eq. 5. Every row sums to exactly 1; weights may be negative.
-
-    scale_by_count (eq5_gain): w_ij = (s/N)(q_i.k_j - q_i.k_mean) + 1/N, the released models' factor, kept
-    here in the open so the output equals theirs; False: s (q_i.k_j - q_i.k_mean) + 1/N, Eq. 5 as the paper
-    prints it. Injective in q_i where the centred keys k_j - k_mean span all D dimensions, so at least D + 1
-    tokens: then q_i -> row i is an affine map of full rank. With fewer, a change of q_i orthogonal to every
-    k_j - k_mean leaves row i as it was (README, "InLine on sequences"). The same under either factor.
-    """
+    """The explicit N x N weights of Eq. 5, factor eq5_gain. Every row sums to 1; weights may be negative.
+    Injective in q_i where the centred keys k_j - k_mean span all D dimensions, so at least D + 1 tokens:
+    then q_i -> row i is an affine map of full rank. With fewer, a change of q_i orthogonal to every
+    k_j - k_mean leaves row i as it was."""
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
@@ -131,20 +117,16 @@ def inline_attention_quadratic(q, k, v, scale=None, scale_by_count=True):
 
 
 def inline_attention(q, k, v, scale=None, scale_by_count=True):
-    """Eq. 5 in linear form, O(N D^2), never building the N x N weights.
-
-    Summing Eq. 5 over j, with g = s/N (scale_by_count) or s:
+    """Eq. 5 in linear form, O(N D^2), never building the N x N weights. Summed over j, g = eq5_gain(s, N):
         o_i = g q_i^T sum_j (k_j - k_mean) v_j^T + v_mean = g N q_i^T Cov + v_mean,
-        Cov = (1/N) sum_j (k_j - k_mean)(v_j - v_mean)^T
-    (subtracting v_mean inside the sum changes nothing, since sum_j (k_j - k_mean) = 0). The released
-    models compute the uncentred q^T (K^T V) - N (q.k_mean) v_mean instead: the same number in exact
-    arithmetic, but the centred covariance keeps its precision in bf16 when the means are large.
+        Cov = (1/N) sum_j (k_j - k_mean)(v_j - v_mean)^T   (sum_j (k_j - k_mean) = 0 lets v_mean in)
     """
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     v_mean = v.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    # (B, H, D, D); equals K^T V / N - k_mean^T v_mean, the released models' uncentred product
+    # (B, H, D, D); equals K^T V / N - k_mean^T v_mean, so o is the released models' uncentred
+    # q^T (K^T V) - N (q.k_mean) v_mean, but centred keeps its precision in bf16 when the means are large
     cov = (k - k_mean).transpose(-2, -1) @ (v - v_mean) / N
     g = s if scale_by_count else s * N  # eq5_gain(s, N) * N, written out: s/N or s, times N
     return g * (q @ cov) + v_mean  # Eq. 5 summed over j, (B, H, N, D)
@@ -158,10 +140,8 @@ LOCAL_SIZE = 3  # the side k of Eq. 6's k x k neighbourhood in the paper: every 
 
 
 def neighbourhood_size(residual, local_size=LOCAL_SIZE):
-    """Eq. 6's neighbourhood side k, decided here for every piece that depends on it: the T = k^2 neighbour
-    weights per channel (residual_mlp), the reference (local_residual), the fast path's neighbour table and
-    the tests. 'local': local_size, odd and >= 1 (3 is the paper's); 'plain': 1, the token itself
-    (o_i += r * v_i); 'none': None, no Eq. 6."""
+    """Eq. 6's neighbourhood side k, decided here for every piece that depends on it (T = k^2 weights per
+    channel): 'local': local_size, odd (3 is the paper's); 'plain': 1, o_i += r * v_i; 'none': None."""
     if residual not in RESIDUALS:
         raise ValueError(f"unknown residual {residual!r}; choose one of {list(RESIDUALS)}")
     if not (isinstance(local_size, int) and local_size >= 1 and local_size % 2 == 1):
@@ -171,13 +151,9 @@ def neighbourhood_size(residual, local_size=LOCAL_SIZE):
 
 
 def residual_mlp(dim, num_heads, taps=9):
-    """Holds the parameters that predict the T neighbour weights of every channel from the token mean of the
-    input: W1 (C -> C) and W2 (C -> T*C), each block-diagonal with one block per head, GELU between
-    (residual_weights computes with them). Kept as the released model's two 1x1 grouped convolutions, one
-    group per head, so the keys (residual.0.*, residual.2.*) and shapes ((C, D, 1), (T*C, D, 1)) are the
-    released checkpoints'. Output channel T*c + t is the weight of neighbour t (row-major over the k x k
-    neighbourhood, T = k^2) for channel c = head*D + j.
-    """
+    """W1 (C -> C), GELU, W2 (C -> T*C), each block-diagonal with one block per head, as the released two 1x1
+    grouped convolutions, so the keys (residual.0.*, residual.2.*) are the checkpoints'. Output channel
+    T*c + t is the weight of neighbour t (row-major over the k x k neighbourhood) for channel c."""
     return nn.Sequential(
         nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
         nn.GELU(),
@@ -187,13 +163,8 @@ def residual_mlp(dim, num_heads, taps=9):
 
 def residual_weights(mlp, x):
     """Eq. 6's weights r = W2 GELU(W1 m + b1) + b2 from m, the token mean of x (B, N, C); returns (B, T*C).
-    (sequence.py's causal form takes m_i, the mean of x_1..x_i, at every token i: prefix_residual_weights.)
-
-    W1 and W2 are block-diagonal, one D x D (and T*D x D) block per head, so each head's slice of m is
-    multiplied by its own block: H small matmuls in one batch, what the released 1x1 grouped convolutions
-    compute on a sequence of length 1 (mlp holds their weights; a convolution would treat the (B, C) vector as
-    a 1-token image).
-    """
+    Each head's slice of m meets its own block: H small matmuls in one batch, what the grouped convolutions
+    compute on a sequence of length 1."""
     return mean_residual_weights(mlp, x.mean(dim=1, keepdim=True))[:, 0]  # (B, T*C)
 
 
@@ -202,34 +173,25 @@ def mean_residual_weights(mlp, m):
     conv1, act, conv2 = mlp
     H, device = conv1.groups, m.device.type
     B, M, C = m.shape
-    # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 on every call
-    # would cost more than the matmuls (and a CPU's bf16 path for small matmuls is slower than its fp32). r
-    # comes out in the autocast dtype, as from autocast's matmuls.
+    # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 would cost more
+    # than the matmuls. r comes out in the autocast dtype, as from autocast's matmuls.
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on 'meta'
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        # (H, B*M, D): each head's slice
-        m = m.to(conv1.weight.dtype).reshape(B * M, H, C // H).transpose(0, 1)
+        m = m.to(conv1.weight.dtype).reshape(B * M, H, C // H).transpose(0, 1)  # (H, B*M, D)
         w1 = conv1.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, D): W1's blocks
         w2 = conv2.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, T*D): W2's blocks
         hidden = act(torch.baddbmm(conv1.bias.reshape(H, 1, -1), m, w1))  # (H, B*M, D)
-        # (H, B*M, T*D): head g's channels T*c + t
-        r = torch.baddbmm(conv2.bias.reshape(H, 1, -1), hidden, w2)
+        r = torch.baddbmm(conv2.bias.reshape(H, 1, -1), hidden, w2)  # (H, B*M, T*D)
     r = r.transpose(0, 1).reshape(B, M, -1)  # (B, M, T*C)
     return r.to(torch.get_autocast_dtype(device)) if autocast else r
 
 
 def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
-    """Eq. 6 on the last h*w of the N tokens of v (B, H, N, D): for each, the sum over its k x k neighbours t
-    of r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P = N - h*w leading
-    tokens (DeiT's class token), which are not on the grid. (On a 1-D sequence: sequence.sequence_residual.)
-
-    r (B, T*C) per sample and channel, T = size^2, as residual_weights predicts it; or (B, N, T*C), per token
-    too (a change of the method: README, "Changing the method"; the leading tokens' rows are not read).
-    Neighbour t = size*dy + dx sits at offset (dilation*(dy - size//2), dilation*(dx - size//2)), row-major as
-    Eq. 6 counts (dilation > 1 is the paper's R-dil ablation; size 1 is the plain residual o_i += r * v_i). A
-    sum over a neighbourhood with one weight per channel is a depthwise convolution; other weights for every
-    sample make it one convolution with B*C groups, each (sample, channel) plane its own group.
-    """
+    """Eq. 6 on the last h*w tokens of v (B, H, N, D): the sum over the k x k neighbours t of each of
+    r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P leading tokens.
+    r (B, T*C), T = size^2, from residual_weights; or (B, N, T*C), per token too (README, "Changing the
+    method"). Neighbour t = size*dy + dx sits at dilation*(dy - size//2, dx - size//2) (dilation > 1: the
+    R-dil ablation). Weights per sample and channel: one convolution with B*C groups."""
     B, H, N, D = v.shape
     P, (h, w) = check_grid(N, grid), grid
     T = size * size
@@ -242,10 +204,8 @@ def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
         cols = F.unfold(planes, size, dilation=dilation, padding=dilation * (size // 2))  # (B, T*C, h*w)
         out = (cols * r[:, P:].transpose(1, 2)).unflatten(1, (H * D, -1)).sum(2)  # Eq. 6, (B, C, h*w)
         return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), 0 for the P
-    # (1, B*C, h, w), plane b*C + head*D + j
-    planes = v[:, :, P:].transpose(-2, -1).reshape(1, B * H * D, h, w)
-    # (B*C, 1, k, k): the neighbour weights of each sample and channel
-    taps = r.reshape(B * H * D, 1, size, size)
+    planes = v[:, :, P:].transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w)
+    taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k): each sample's and channel's weights
     out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation, groups=B * H * D)  # Eq. 6
     return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), zero for the P
 
@@ -255,12 +215,8 @@ def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
 
 def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, scale_by_count=True):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention core.
-
-    q, k, v (B, H, N, D) with q, k already through phi; r (B, T*C) the neighbour weights, T = size^2, or None
-    for no residual; grid = (h, w) of the last h*w tokens (the P = N - h*w leading ones, DeiT's class token,
-    take part in Eq. 5 but get no Eq. 6); size and dilation of Eq. 6's neighbourhood.
-    scale_by_count: Eq. 5's factor s/N, else s (eq5_gain).
-    kernels.inline_core_fast takes the same arguments and returns the same result, faster.
+    q, k, v (B, H, N, D) through phi; r (B, T*C) Eq. 6's weights, T = size^2, or None; grid (h, w); size and
+    dilation of Eq. 6's neighbourhood; scale_by_count: eq5_gain. kernels.inline_core_fast: the same, faster.
     """
     o = inline_attention(q, k, v, scale, scale_by_count)  # Eq. 5, (B, H, N, D)
     return o if r is None else o + local_residual(v, r, grid, size, dilation)  # Eq. 6
@@ -268,9 +224,7 @@ def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, scale
 
 def reference_path(module, q, k, v, x, grid, scale):
     """What module.attend runs after phi, with or without a gradient: Eq. 6's weights from x (B, N, C), then
-    module.core, Eq. 5 + Eq. 6 (or linear attention's division, then the same Eq. 6). Returns o (B, H, N, D).
-    kernels.fast_path takes the same arguments and returns the same result; enable_fast puts it in
-    module.path."""
+    module.core (or linear attention's division, then Eq. 6); o (B, H, N, D). Fast twin: kernels.fast_path."""
     r = residual_weights(module.residual, x) if module.residual is not None else None  # (B, T*C)
     if module.attention == 'linear':  # the baseline: division instead of Eq. 5, then the same Eq. 6
         o = linear_attention(q, k, v)  # (B, H, N, D)
@@ -283,23 +237,14 @@ def reference_path(module, q, k, v, x, grid, scale):
 # The modules the four backbones share
 
 class InLineBase(nn.Module):
-    """What every InLine (or vanilla linear) attention does between its projections: phi, Eq. 6's weights,
-    Eq. 5 (or the division of linear attention), Eq. 6. InLineAttention adds the projections; CSwin's stripe
-    branch (models.py) shares one qkv per block and so uses this alone.
-
-    kernel: the kernel function phi, one of KERNELS.
-    residual: 'local' (Eq. 6), 'plain' (o_i += r * v_i) or 'none'; local_size: Eq. 6's neighbourhood side k
-        (odd; the paper's 3); dilation: its spread (neighbourhood_size says how the three combine).
-    attention: 'inline' (Eq. 5) or 'linear', the vanilla division-normalised baseline, which needs a
-        non-negative kernel unless allow_divergent (the paper's Table 3 reports that it does not converge
-        with identity or leakyrelu).
-    leading_tokens: P, the tokens before the (h, w) grid, which take part in Eq. 5 but get no Eq. 6 (DeiT's
-        class token: 1); every call must bring exactly P + h*w tokens.
-    scale_by_count: Eq. 5's factor s/N (True, the released models'), or s, the paper's printed Eq. 5
-    (eq5_gain). nonneg, normalise_q: the ablations R-nonneg and T1 (ours), at the end of this file.
+    """phi, Eq. 6's weights, Eq. 5 (or linear attention's division), Eq. 6: what every InLine attention does
+    between its projections (InLineAttention adds them; CSwin's stripes in models.py use this alone).
+    kernel: phi, one of KERNELS. residual, local_size: neighbourhood_size; dilation: Eq. 6's spread.
+    attention: 'inline' (Eq. 5) or 'linear', which needs phi >= 0 unless allow_divergent (Table 3).
+    leading_tokens: P, before the (h, w) grid (DeiT's class token: 1), in Eq. 5 but not in Eq. 6.
+    scale_by_count: eq5_gain. nonneg, normalise_q: the ablations R-nonneg and T1, at the end of this file.
     """
-    # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel (k on sequence.py's sequences)
-    token_dims = 2
+    token_dims = 2  # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel
 
     def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', local_size=LOCAL_SIZE,
                      dilation=1, nonneg=False, normalise_q=False, attention='inline', allow_divergent=False,
@@ -329,8 +274,7 @@ class InLineBase(nn.Module):
         self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
         self.scale = attention_scale(dim // num_heads)  # Eq. 5's s, which prepare returns
         self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None
-        # The core, Eq. 5 + Eq. 6, and attend's one path after phi (reference_path); kernels.enable_fast
-        # puts their fast twins here once it has found them equal on this module
+        # Eq. 5 + Eq. 6, and attend's one path after phi: kernels.enable_fast may swap in their fast twins
         self.core = inline_core
         self.path = reference_path
 
@@ -350,16 +294,14 @@ class InLineBase(nn.Module):
         return self.path(self, q, k, v, x, grid, scale)  # Eq. 6's weights, then Eq. 5 + Eq. 6
 
     def explicit_weights(self, q, k):
-        """The N x N weights of Eq. 5 (or of linear attention) for q, k (B, H, N, D) before phi. Eq. 6's
-        residual is not among them: its weights are per channel, not per head."""
+        """The N x N weights of Eq. 5 (or of linear attention) for q, k (B, H, N, D) before phi."""
         q, k, scale = self.prepare(q, k)
         if self.attention == 'linear':
             return linear_attention_weights(q, k)
         return inline_weights(q, k, scale, self.scale_by_count)
 
     def check_shape(self):
-        """(N, grid) of the small call kernels.enable_fast checks this module on: a 6x7 grid after its leading
-        tokens."""
+        """(N, grid) of the small call kernels.enable_fast checks this module on."""
         return self.leading_tokens + 42, (6, 7)
 
 
@@ -375,18 +317,10 @@ def add_projections(module, dim, qkv_bias, separate_q):
 
 
 class InLineAttention(InLineBase):
-    """Projections around the InLine core: x (B, N, C) -> q, k, v -> Eq. 5 + Eq. 6 -> proj -> (B, N, C).
-
-    dim, num_heads: C and H.
-    qkv_bias: biases in the input projections (every released model has them).
-    separate_q: PVT's parameter layout (`q` C->C and `kv` C->2C) instead of `qkv` C->3C.
-    ape_tokens: N of the authors' absolute position embedding, a (1, N, C) parameter added to x before the
-        projections, so it reaches q, k and v but not the block's shortcut; None: none. The authors use it
-        in their ablations without Eq. 6 (their answer in their repository's issue #6; README, "The paper's
-        experiments").
-    Every other option is InLineBase's, which says what each does. On a 1-D sequence:
-    sequence.SequenceAttention.
-    """
+    """x (B, N, C) -> q, k, v -> Eq. 5 + Eq. 6 -> proj -> (B, N, C). dim, num_heads: C and H; qkv_bias,
+    separate_q: add_projections. ape_tokens: N of the authors' absolute position embedding (1, N, C), added to
+    x before the projections, for their ablations without Eq. 6 (their repository's issue #6); None: none.
+    Other options: InLineBase. On a 1-D sequence: sequence.SequenceAttention."""
 
     def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):
         super().__init__()
@@ -437,9 +371,8 @@ class InLineAttention(InLineBase):
 # T1), every weight >= 0 (nonneg, R-nonneg). InLineBase's options kernel, normalise_q and nonneg choose them.
 
 class ReLUAffine(nn.Module):
-    """phi(x) = ReLU(A x + b) on each head's D dims, one A (D x D) and b (D) per layer, shared by q and k and
-    by the heads (the paper's Table 3 'relu_affine'; no code was released, so this is our construction).
-    Starts as plain relu: A = I, b = 0."""
+    """phi(x) = ReLU(A x + b), one A (D x D) and b per layer, shared by q, k and the heads: Table 3's
+    'relu_affine', our construction (none was released). Starts as relu: A = I, b = 0."""
 
     def __init__(self, head_dim):
         super().__init__()
@@ -456,10 +389,8 @@ KERNELS['zero'] = torch.zeros_like
 
 
 class NormalisedQ(nn.Module):
-    """q (B, H, N, D) -> q / |q| times a learned gain per head (init sqrt(D), where |q| is about sqrt(D) for
-    unit entries): the T1 ablation (ours). q and a*q (a > 0) then give the same weights, so softmax and InLine
-    lose their injectivity in q's length, while the gain still lets each head learn how sharp its weights
-    are."""
+    """q (B, H, N, D) -> q / |q| times a learned gain per head (init sqrt(D)): the T1 ablation (ours). q and
+    a*q then give the same weights, while the gain still lets each head learn how sharp its weights are."""
 
     def __init__(self, num_heads, head_dim):
         super().__init__()
