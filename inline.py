@@ -49,10 +49,12 @@ def get_kernel(name, head_dim=None):
 def check_grid(N, grid, leading_tokens=None):
     """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w, where P must be the module's
     leading_tokens (DeiT's class token: 1; else 0), or any P >= 0 where None (the cores)."""
+    if isinstance(grid, (tuple, list)):  # traced (torch.onnx.export): 0-d integer tensors of known values
+        grid = [int(s) if torch.is_tensor(s) and s.dim() == 0 and not s.is_floating_point() else s
+                for s in grid]
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2
             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in grid)):
-        raise ValueError(f"grid must be a pair (h, w) of positive whole numbers, the token grid; "
-                         f"got {grid!r}")
+        raise ValueError(f"grid must be a pair (h, w) of positive whole numbers (the token grid), got {grid}")
     h, w = grid
     if leading_tokens is None:
         if N < h * w:
@@ -66,8 +68,7 @@ def check_grid(N, grid, leading_tokens=None):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The two baselines the paper compares against. All attention functions take q, k, v of shape
-# (B, H, N, D), already through phi, and return (B, H, N, D).
+# The two baselines the paper compares against; every attention function: q, k, v (B, H, N, D) -> (B, H, N, D)
 
 def softmax_attention(q, k, v, scale=None):
     """w_ij = exp(s q_i.k_j) / sum_t exp(s q_i.k_t). Injective, O(N^2)."""
@@ -93,9 +94,8 @@ def linear_attention_weights(q, k, eps=1e-6):
 # InLine attention, Eq. 5: w_ij = s (q_i.k_j - q_i.k_mean) + 1/N (s/N in the released models: eq5_gain)
 
 def eq5_gain(s, n, scale_by_count=True):
-    """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens (or a causal form's counts (N, 1)), for every
-    form. scale_by_count: s/n, the released models' (they fold s/N into phi(Q)), which the authors' logits
-    need; else s, Eq. 5 as the paper prints it."""
+    """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens (or a causal form's counts (N, 1)): s/n with
+    scale_by_count, the released models' (they fold s/N into phi(Q)); else s, Eq. 5 as the paper prints it."""
     return s / n if scale_by_count else s
 
 
@@ -107,8 +107,7 @@ def inline_weights(q, k, scale=None, scale_by_count=True):
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    # Eq. 5, (B, H, N, N)
-    return eq5_gain(s, N, scale_by_count) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N
+    return eq5_gain(s, N, scale_by_count) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N  # Eq. 5 (B, H, N, N)
 
 
 def inline_attention_quadratic(q, k, v, scale=None, scale_by_count=True):
@@ -340,6 +339,10 @@ class InLineAttention(InLineBase):
 
     def project(self, x, grid):
         """x (B, N, C) -> x with the APE added, and q, k, v (B, H, N, D)."""
+        if x.dim() != 3 or x.shape[-1] != self.proj.in_features:
+            image = ': an image (B, C, h, w) is x.flatten(2).transpose(1, 2), grid (h, w)' * (x.dim() == 4)
+            raise ValueError(f"this attention takes tokens (B, N, C), C = {self.proj.in_features} channels "
+                             f"(its dim); got {tuple(x.shape)}{image}")
         B, N, C = x.shape
         self.check_tokens(N, grid)
         if self.ape is not None:
@@ -355,10 +358,9 @@ class InLineAttention(InLineBase):
         return x, *(t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
 
     def forward(self, x, grid=None):
-        B, N, C = x.shape
         x, q, k, v = self.project(x, grid)
         o = self.attend(q, k, v, x, grid)  # Eq. 5 + Eq. 6, (B, H, N, D)
-        return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C)
+        return self.proj(o.transpose(1, 2).flatten(2))  # (B, N, C): the heads side by side
 
     def weights(self, x, grid=None):
         """The explicit attention weights (B, H, N, N) this module applies to x (B, N, C)."""
@@ -384,8 +386,7 @@ class ReLUAffine(nn.Module):
 
 
 KERNELS['relu_affine'] = None  # learnable: ReLUAffine above, one per attention layer (get_kernel builds it)
-# phi = 0: Eq. 5 gives every weight 1/N, attention that cannot select (the floor)
-KERNELS['zero'] = torch.zeros_like
+KERNELS['zero'] = torch.zeros_like  # phi = 0: Eq. 5 gives every weight 1/N, which cannot select (the floor)
 
 
 class NormalisedQ(nn.Module):
@@ -412,9 +413,8 @@ def check_ablations(attention, nonneg, normalise_q, scale_by_count):
         raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear "
                          "attention, whose weights are already non-negative")
     if normalise_q and (attention != 'inline' or nonneg):
-        raise ValueError("normalise_q is an option of InLine attention without nonneg: linear attention "
-                         "divides by phi(q).sum(phi(k)), so q's length cancels already, and nonneg "
-                         "normalises q itself")
+        raise ValueError("normalise_q is an option of InLine attention without nonneg: linear attention's "
+                         "division cancels q's length already, and nonneg normalises q itself")
     if nonneg and not scale_by_count:
         raise ValueError("nonneg keeps every weight >= 0 with s = 1/2 and the factor s/N; "
                          "scale_by_count=False drops the 1/N, so it needs scale_by_count=True")

@@ -254,6 +254,16 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match=r"cannot hold a 3x3 token grid"):
         q, k, v = qkv(1, 1, 8, 4)
         inline.inline_core(q, k, v, torch.zeros(1, 36, dtype=torch.float64), (3, 3))
+    attn = inline.InLineAttention(64, 2)
+    with pytest.raises(ValueError, match=r"takes tokens \(B, N, C\), C = 64 channels \(its dim\); got \(2, 64, 4, 4\): "
+                                         r"an image \(B, C, h, w\) is x.flatten\(2\).transpose\(1, 2\), grid \(h, w\)"):
+        attn(torch.randn(2, 64, 4, 4), (4, 4))
+    with pytest.raises(ValueError, match=r"C = 64 channels \(its dim\); got \(2, 16, 48\)$"):
+        attn(torch.randn(2, 16, 48), (4, 4))
+    with pytest.raises(ValueError, match=r"positive whole numbers"):
+        attn(torch.randn(2, 16, 64), (torch.tensor(4.0), torch.tensor(4.0)))
+    x = torch.randn(2, 16, 64)  # a traced model brings its grid as 0-d integer tensors of known values
+    torch.testing.assert_close(attn(x, (torch.tensor(4), torch.tensor(4))), attn(x, (4, 4)), rtol=0, atol=0)
 
 
 # ===================================================================================================
