@@ -2,9 +2,9 @@
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590.
 `inline_core_fast` takes the arguments, layout and result of inline.inline_core, the reference it replaces;
-`enable_fast(model)` (create_model(name, fast=True)) swaps it in once it gives the reference's output and
-every gradient on each of the model's attention configurations, so a change the fast core does not follow is
-refused when the model is built. test_inline.py proves the two equal; bench.py measures them.
+`enable_fast(model)` (create_model(name, fast=True)) swaps it in once its closed forms, run eagerly, give the
+reference's output and every gradient on each attention configuration, so a change the fast core does not
+follow is refused when the model is built. test_inline.py proves the two equal; bench.py measures them.
 
 - The backward is in closed form (the means' gradients vanish); compiled models trace both into their graph.
 - Eq. 5 in centred-covariance form, as inline.py; sums accumulate in fp32, fp16's pre-scaled (sum_scale).
@@ -136,8 +136,7 @@ def infer_forward(q, k, v, x, w1, b1, w2, b2, index, masks, scale, scale_by_coun
     if w1 is not None:
         T = w2.shape[0] // (H * D)
         m = x.mean(dim=2).to(w1.dtype).reshape(B, H, D).transpose(0, 1)  # (H, B, D)
-        # (H, B, D)
-        hidden = F.gelu(torch.baddbmm(b1.reshape(H, 1, D), m, w1.reshape(H, D, D).transpose(1, 2)))
+        hidden = F.gelu(torch.baddbmm(b1.reshape(H, 1, D), m, w1.reshape(H, D, D).mT))  # (H, B, D)
         w2 = w2.reshape(H, D, T, D).transpose(1, 2).reshape(H, T * D, D)  # (H, T*D, D), rows (t, j)
         b2 = b2.reshape(H, 1, D, T).transpose(2, 3).reshape(H, 1, T * D)
         r = torch.baddbmm(b2, hidden, w2.transpose(1, 2))  # (H, B, T*D): neighbour t, channel j at t*D + j
@@ -171,9 +170,8 @@ def symbolic_sizes(args, N):
 
 
 def signature(f, args):
-    """A key for what dynamo's guards on f's graph check: device, inference and grad mode, D and B, H, N as
-    0, 1 or more of args[0], each dtype, the index's T, the other arguments, f.chunk's count. A guard no key
-    foresees (a size bound inductor puts on a graph) makes run compile another graph under its switches."""
+    """A key for what dynamo's guards on f's graph check: device, modes, D and B, H, N as 0, 1 or more, the
+    dtypes, T, the other arguments, f.chunk's count; a guard no key foresees makes run compile another."""
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // f.chunk, 2),) if hasattr(f, 'chunk') else ()
     heads = (x.shape[1],) if f is infer_forward else ()  # its weights' shapes (C, D, 1) fix H
@@ -183,6 +181,7 @@ def signature(f, args):
             *(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
 
 
+_checking = []  # non-empty while enable_fast checks a module
 _compiled_signatures = set()  # signatures that have a graph: their calls need no switches and no marks
 COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, ImportError, OSError)
 
@@ -211,7 +210,8 @@ def compile_and_call(f, args, key):
 def run(f, *args):
     """The compiled f, or, if this machine cannot compile, the same closed form eagerly after one warning."""
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
-    if torch.compiler.is_compiling():  # inside a torch.compile'd model: f is traced into the model's graph
+    # in a torch.compile'd model f is traced into its graph; in enable_fast's check it runs eagerly
+    if torch.compiler.is_compiling() or _checking:
         return f(*args)
     if not _compile_error:
         key = signature(f, args)
@@ -306,7 +306,6 @@ def fast_path(module, q, k, v, x, grid, scale):
     """inline.reference_path's arguments and result; with no gradient asked, one graph (infer_forward)."""
     if torch.is_grad_enabled():
         return inline.reference_path(module, q, k, v, x, grid, scale)
-    N = q.shape[2]
     q, scale = fold_scale(q, scale)
     device = q.device.type
     autocast = torch.is_autocast_enabled(device)
@@ -315,8 +314,8 @@ def fast_path(module, q, k, v, x, grid, scale):
     if module.residual is not None:
         conv1, _, conv2 = module.residual
         weights = [conv1.weight, conv1.bias, conv2.weight, conv2.bias]
-        index, masks = neighbour_table(_cached_neighbourhood, N, tuple(grid), q.device, module.local_size,
-                                       module.dilation)
+        index, masks = neighbour_table(_cached_neighbourhood, q.shape[2], tuple(grid), q.device,
+                                       module.local_size, module.dilation)
     # The graph casts to dtype itself; the context only where needed, since a graph called in it costs more
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         return run(infer_forward, q, k, v, x[:, None], *weights, index, masks, scale,
@@ -328,8 +327,9 @@ FAST_CORES = {inline.inline_core: inline_core_fast}  # reference core -> its fas
 
 def configuration(module):
     """What decides a module's computation besides its weights: class, plain attributes, parameter names."""
-    plain = (bool, int, float, str, tuple, type(None))
-    attributes = sorted((k, v) for k, v in vars(module).items() if isinstance(v, plain) and k != 'training')
+    plain = (bool, int, float, str, tuple, type(None))  # not the head count: H is symbolic in every graph
+    attributes = sorted((k, v) for k, v in vars(module).items()
+                        if isinstance(v, plain) and k not in ('training', 'num_heads'))
     return type(module), tuple(attributes), tuple(name for name, _ in module.named_parameters())
 
 
@@ -423,21 +423,21 @@ def enable_fast(model, core=None, device=None, log=print):
     modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]  # setup_inline's
     if any(m.attention == 'linear' for _, m in modules):
         raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla linear "
-                         "attention): build this model with fast=False (train.py: --attention-impl "
-                         "reference)")
+                         "attention): build the model with fast=False (train.py: --attention-impl reference)")
     swapped = [(path, m) for path, m in modules if m.core in FAST_CORES]
-    if device is None:
-        device = next((p.device for p in model.parameters() if not p.is_meta), torch.device('cpu'))
-    configurations = {}  # configuration: the modules that have it
+    device = device or next((p.device for p in model.parameters() if not p.is_meta), torch.device('cpu'))
+    configurations, start = {}, time.perf_counter()  # configuration: the modules that have it
     for path, m in swapped:
         configurations.setdefault(configuration(m), []).append((path, m))
-    for alike in configurations.values():
-        (path, m), start = alike[0], time.perf_counter()
-        check_against_reference(path, m, *twins(m, core), torch.device(device))
-        if log:
-            log(f"kernels.enable_fast: {path or type(m).__name__} ({type(m).__name__}, H {m.num_heads}, "
-                f"D {m.head_dim}; {len(alike)} module(s) of this configuration) equals the reference: "
-                f"{time.perf_counter() - start:.1f} s")
+    _checking.append(True)  # the closed forms eagerly: the graphs compile or load at their first use
+    try:
+        for path, m in (alike[0] for alike in configurations.values()):
+            check_against_reference(path, m, *twins(m, core), torch.device(device))
+    finally:
+        _checking.pop()
+    if log and swapped:
+        log(f"kernels.enable_fast: {len(swapped)} module(s), {len(configurations)} configuration(s), equal "
+            f"the reference: {time.perf_counter() - start:.1f} s")
     for _, m in swapped:
         m.core, m.path = twins(m, core)
     return len(swapped)

@@ -664,6 +664,21 @@ def test_enable_fast_refuses_an_inference_graph_that_does_not_follow_a_change():
     assert module.core is inline.inline_core and module.path is inline.reference_path
 
 
+def test_the_check_at_build_runs_the_closed_forms_eagerly_once_per_configuration(monkeypatch):
+    """enable_fast checks one module per configuration, head counts aside (H is symbolic in every graph), on the
+    closed forms run eagerly (compiled equal eager is what the fast-core tests above prove), and says so in one
+    line; the graphs compile at their first use, not at the build."""
+    def not_now(*args):
+        raise AssertionError('compiled during the check')
+    monkeypatch.setattr(kernels, 'COMPILED', {name: not_now for name in kernels.COMPILED})
+    model = nn.Sequential(inline.InLineAttention(32, 1), inline.InLineAttention(64, 2),
+                          inline.InLineAttention(128, 4), inline.InLineAttention(64, 2, local_size=5))
+    lines = []
+    assert kernels.enable_fast(model, log=lines.append) == 4
+    assert len(lines) == 1 and '4 module(s), 2 configuration(s), equal the reference' in lines[0], lines
+    assert all(m.core is kernels.inline_core_fast and m.path is kernels.fast_path for m in model)
+
+
 def test_inference_graph_under_bf16_autocast_within_twice_the_references_error():
     """Under autocast the inference graph casts q, k, v to bf16 and computes Eq. 6's weights in fp32, as the
     reference path does: its error against the float64 module is at most twice the bf16 reference's, plus noise."""
