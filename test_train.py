@@ -280,7 +280,8 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_pa
     assert val(metrics(interrupted)) == val(metrics(reference))
     correct = [torch.load(os.path.join(d, 'val_correct.pt'), weights_only=True) for d in (interrupted, reference)]
     assert torch.equal(*correct)
-    assert sorted(os.listdir(interrupted)) == ['best.pt', 'checkpoint.pt', 'metrics.jsonl', 'val_correct.pt']  # no .tmp
+    assert sorted(os.listdir(interrupted)) == ['best.pt', 'checkpoint.pt', 'ema_val_correct.pt', 'metrics.jsonl',
+                                               'val_correct.pt']  # no .tmp
 
 
 # ------------------------------------------------------------------------------------------ real images

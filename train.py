@@ -365,7 +365,8 @@ def choose_recipe(args):
             fail("--recipe released is the authors' ImageNet-1K recipe: give --data-path of an ImageFolder")
         args.recipe = 'synthetic' if args.dataset == 'synthetic' else 'small'
         return ''
-    if args.recipe is not None:
+    if args.recipe is not None or args.eval:  # an authors' file is evaluated as they evaluated it
+        args.recipe = args.recipe or 'released'
         return 'given'
     images, total = count_images(os.path.join(args.data_path, 'train')), VARIANTS[args.model][0] * PROCESSES
     args.recipe = 'released' if images >= RELEASED_MIN_STEPS * total else 'small'

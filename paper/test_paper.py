@@ -24,6 +24,7 @@ from torchvision import datasets
 import data
 import inline
 import models
+import sequence
 import train
 from paper import __main__ as cli
 from paper import ablations, figures, mosaics, recall, runs, speed, stats
@@ -205,7 +206,7 @@ def test_recall_models_run_the_reference_function():
         # the head at the answers only
         torch.testing.assert_close(model(x, 4), logits[:, -4:], rtol=0, atol=1e-12)
         for m in cores:
-            m.core = inline.inline_core
+            m.core = sequence.sequence_core
         torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
         assert logits.shape == (3, 12, 3 * recall.RECALL_VOCAB)
     q = torch.randn(2, 2, 12, 8, dtype=torch.float64)
@@ -229,7 +230,7 @@ def test_recall_softmax_adds_causal_eq6_token_by_token():
     shifted.proj.load_state_dict(plain.proj.state_dict())
     x = torch.randn(3, 7, 16, dtype=torch.float64)
     v = plain.qkv(x).chunk(3, -1)[2]  # (B, N, C), channel c = head*D + j
-    r = inline.residual_weights(shifted.residual, x, causal=True).reshape(3, 7, 16, 3)  # (B, N, C, taps)
+    r = sequence.prefix_residual_weights(shifted.residual, x).reshape(3, 7, 16, 3)  # (B, N, C, taps)
     eq6 = torch.stack([sum(r[:, i, :, t] * v[:, i - 2 + t] for t in range(3) if i - 2 + t >= 0)
                        for i in range(7)], 1)
     expected = plain(x) + eq6 @ plain.proj.weight.T  # proj is linear: its bias is in plain(x) already
