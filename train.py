@@ -659,11 +659,11 @@ def prepare_training(run, raw, train_set):
     else:
         # augmentation, Mixup/CutMix and drop path differ between ranks
         torch.manual_seed(args.seed + run.rank)
-    crop = f'random crop padded by {args.img_size // 8} px, flip'
+    small = '; '.join(filter(None, [run.recipe_why, f'random crop padded by {args.img_size // 8} px, flip']))
     recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; '
                            '--data-path gives an ImageFolder)',
               'released': f'released ImageNet-1K recipe for {args.model} ({run.recipe_why or "given"})'}.get(
-        args.recipe, f'small-data recipe for {args.dataset} ({"; ".join(filter(None, [run.recipe_why, crop]))})')
+        args.recipe, f'small-data recipe for {args.dataset} ({small})')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, '
            f'randaug {args.randaug_n}x{args.randaug_m}, '
            f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
