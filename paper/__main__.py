@@ -78,6 +78,9 @@ def main(argv=None):
     budget.add_argument('--device', choices=['cpu', 'cuda'], default='cpu',
                         help='where train.py runs: cpu, or cuda at the scale where the miniatures '
                         'converge (BUDGET)')
+    budget.add_argument('--precision', choices=['bf16', 'fp32'],
+                        help='autocast of every run (default bf16, the recorded recipes; fp32 on a CPU that '
+                             'emulates bf16, AVX2 alone: a recipe of its own)')
     budget.add_argument('--results', default=RECORDS, help='the run records, one JSON line per finished run '
                                                           '(default results/runs.jsonl)')
     budget.add_argument('--no-train', action='store_true',
@@ -134,6 +137,9 @@ def main(argv=None):
     p.add_argument('--only', nargs='+', metavar='NAME', help='these experiments only')
     p.add_argument('--claims', action='store_true',
                    help=f'the claim rows ({CLAIM_SEEDS} seeds) and their floors')
+    p.add_argument('--rerun', action='store_true',
+                   help='fashion_recall: the rows still rising at 4 epochs and their references '
+                   '(MOSAIC_RERUN), at its epochs and precision')
     p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N',
                    help=f'seeds (0, 1, ...): N for every table, TABLE=N '
                    f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')

@@ -5,6 +5,7 @@ records.
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. Run as `python -m paper ablations` (its command lines: paper/__main__.py).
 """
+import argparse
 import json
 import math
 import os
@@ -19,8 +20,8 @@ import train
 from paper.charts import charts, print_table
 from paper.experiments import EXPERIMENTS, Experiment
 from paper.runs import Run, read_records, train_runs
-from paper.stats import (ALPHA, MARGIN, PAPER_TIE, holm, image_term, interval, matched, mde, p_values,
-                         pooled_sd, seeds_for, summarise, verdict)
+from paper.stats import (ALPHA, EQUIVALENT, MARGIN, PAPER_TIE, decide, holm, image_term, interval, is_tie,
+                         matched, mde, seeds_for, sign_flip_p, summarise)
 
 
 # The ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py
@@ -53,6 +54,13 @@ BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=
 # stage) scores 1 in 3 at best. On CUDA, a scale at which the curves should flatten (not yet measured).
 MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
 MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
+# The rows still rising at MOSAIC_BUDGET's 4 epochs (the no-Eq. 6 rows gained 2.3-7.9 points over their last
+# quarter, the others under 1), rerun at twice the epochs with their references (`--rerun`): T3's pair,
+# R-res's none against local, T4's one-cell window against the whole stage (t4_window56_no_residual is
+# r_residual_none's model). In fp32: the CPU of the rerun emulates bf16 (AVX2 alone), a step 9x slower
+MOSAIC_RERUN = dict(epochs=8, precision='fp32', rows=(
+    't3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 't4_window14_no_residual',
+    't4_window56_no_residual'))
 # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
 MOSAIC_RUN_CPU_MIN = 7.0
 # T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not
@@ -67,7 +75,8 @@ MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3
                't4_window14_no_residual', 'r_residual_local', 't4_window56_no_residual')
 # bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training
 # step of the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved
-# rounds)
+# rounds). A CPU with AVX2 alone emulates bf16 (a step 9x slower than fp32): --precision fp32 there, a recipe
+# of its own (its records never share a table with bf16 ones)
 PRECISION = {'cpu': 'bf16', 'cuda': 'bf16'}
 # top-1 points over its family's phi = 0 floor (the attention-free miniature, same recipe) that a
 # configuration must clear for its comparisons to get a verdict: fixed before the claim runs, then over a
@@ -250,6 +259,7 @@ def resolve_budget(args):
     """--device (cpu; cuda only where there is a GPU), and --epochs, --train-images from BUDGET (MOSAIC_BUDGET
     on fashion_recall) where not given."""
     args.device = getattr(args, 'device', None) or 'cpu'
+    args.precision = getattr(args, 'precision', None) or PRECISION[args.device]
     if args.device == 'cuda' and not torch.cuda.is_available():
         train.fail('--device cuda: torch sees no CUDA device here; run on a machine with a GPU, or '
                    '--device cpu')
@@ -267,7 +277,7 @@ def recipe(e, args):
                 epochs=args.epochs, warmup_epochs=round(args.epochs / 12, 3),
                 # cheap on a GPU: every epoch
                 val_every=1 if args.device == 'cuda' else max(1, args.epochs // 4),
-                precision=PRECISION[args.device], device=args.device,
+                precision=args.precision, device=args.device,
                 train={k: v for k, v in own.items() if k not in ('epochs', 'warmup_epochs', 'img_size')})
 
 
@@ -433,10 +443,11 @@ def choose(args, every):
         chosen = args.only
     else:
         chosen = every
-    # the gate: each family's
+    # the gate: each family's floor; on the mosaics the guess bounds the floor (table_rows), so a recipe
+    # needs no floor runs of its own there
     chosen = tuple(dict.fromkeys([*chosen, *(f'floor_{family(every[n])}' for n in chosen
-                                             # floor, on every test bed
-                                             if f'floor_{family(every[n])}' in every)]))
+                                             if f'floor_{family(every[n])}' in every
+                                             and args.dataset != 'fashion_recall')]))
     per_table = seeds_option(args.seeds, {t: QUICK_SEEDS for t in SEEDS} if args.quick else SEEDS)
     named = {v.rpartition('=')[0] or '*' for v in args.seeds or []}
     claims = () if args.quick else rows
@@ -449,6 +460,11 @@ def choose(args, every):
 
 
 def cmd_ablations(args):
+    if args.rerun:
+        if args.dataset != 'fashion_recall' or args.only or args.claims or args.quick:
+            train.fail('--rerun trains MOSAIC_RERUN on its own: with --dataset fashion_recall and none of '
+                       '--only, --claims, --quick')
+        args.epochs, args.precision, args.only = (MOSAIC_RERUN[k] for k in ('epochs', 'precision', 'rows'))
     resolve_budget(args)
     resolve_data(args, need=not args.no_train)
     every = experiments(args.dataset)
@@ -460,7 +476,7 @@ def cmd_ablations(args):
     passes = sum(r.recipe['epochs'] * r.recipe['train_images'] for r in todo)
     print(f'{len(chosen)} experiments, {len({tuple(r.key() for r in rs) for rs in planned.values() if rs})} '
           f'distinct configurations, {len(runs)} runs of {args.epochs} epochs x {args.train_images} images '
-          f'of {args.dataset} on {args.device} ({PRECISION[args.device]}), {args.jobs} at a time; estimate '
+          f'of {args.dataset} on {args.device} ({args.precision}), {args.jobs} at a time; estimate '
           f'for the {len(todo)} runs without a record ({passes / 1e6:.1f}M training image passes): ' +
           (f'unknown ({source})' if minutes is None else
            f'{minutes:.0f} {"GPU" if args.device == "cuda" else "CPU"}-minutes by {source}, about '
@@ -469,14 +485,14 @@ def cmd_ablations(args):
     done = train_runs(runs, args, desc='ablation runs')
     result = {n: summarise([done[r.key()] for r in planned[n] if r.key() in done]) for n in chosen}
     mosaics = args.dataset == 'fashion_recall'
-    configs, rows, points, (sd, df, m) = table_rows(chosen, planned, result, every,
-                                                    MOSAICS['guess'] if mosaics else None)
+    configs, rows, points, m = table_rows(chosen, planned, result, every,
+                                          MOSAICS['guess'] if mosaics else None)
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
     bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the '
            f'same {MOSAICS["val_images"]:,} test mosaics for every run' if mosaics
            else 'validation on its test set')
     print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} '
-          f'training images, {bed}, {PRECISION[args.device]} on {args.device}): one row per distinct '
+          f'training images, {bed}, {args.precision} on {args.device}): one row per distinct '
           'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) '
           'seeds, beside the paper\'s ImageNet-1K top-1; over the φ = 0 floor: its mean minus the mean of '
           f'its family\'s attention-free miniature (the gate: under it when less than {FLOOR_MARGIN:g}); '
@@ -490,25 +506,65 @@ def cmd_ablations(args):
         print(f'\nNo configuration with attention clears its φ = 0 floor by {FLOOR_MARGIN:g} points: on this '
               'test bed the task does not need attention, and every comparison is untestable.')
     header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over',
-              'seeds', 'MDE at 80% power', 'seeds for 1 point', 'p', 'verdict', 'Holm verdict']
+              'seeds', 'MDE at 80% power (its sd, df)', 'seeds for 1 point', 'p: t / sign-flip', 'verdict',
+              'Holm verdict']
     print('\nComparisons, row minus reference, runs paired by seed number: the mean difference and its 95% '
           'interval, over seeds and the test set\'s images (a two-way random-effects model, t on '
           'Satterthwaite\'s degrees of freedom), or over seeds only (Student-t) where a record predates '
           'per-image results: those leave out the test set\'s sampling error. MDE, the minimum detectable '
           'effect at 80% power: the true difference a 5% two-sided paired t-test at these seeds catches 4 '
-          'times in 5, (t_0.975 + t_0.8) sqrt(sd² / n + the test set\'s term), sd the per-seed '
-          'differences\' pooled over this table\'s comparisons ' +
-          ('(none has two seeds)' if sd is None else f'({sd:.2f} on {df} degrees of freedom)') +
-          '; seeds for 1 point: how many would bring the MDE to 1. Verdict (RESULTS.md, "Verdicts"): an '
-          'ordering is reproduced when the interval excludes 0 on the paper\'s side, contradicted on the '
-          f'other; a paper tie (≤ {PAPER_TIE}) by TOST, reproduced when the interval lies within ±{MARGIN}, '
-          'contradicted wholly outside it; else not resolved; untestable where a side is under its φ = 0 '
-          f'floor + {FLOOR_MARGIN:g} (p is still shown). Holm verdict: the same test with its p adjusted by '
-          f'Holm\'s method over this table\'s family, "{family_name}": the {m} comparisons with a verdict, '
-          'so that the chance of any false verdict among them is at most 5%. † a claim row.\n')
+          'times in 5, (t_0.975 + t_0.8) sqrt(sd² / n + the test set\'s term), sd the comparison\'s own '
+          'per-seed differences\' on n − 1 degrees of freedom (a rough figure at 2-4 df); seeds for 1 point: '
+          'how many would bring the MDE to 1 at that sd. p: the verdict\'s t-test (or TOST) beside the exact '
+          'sign-flip test of a zero difference over the seeds (no normality; at 5 seeds never under 0.0625). '
+          'Verdict (RESULTS.md, "Verdicts"): an ordering is reproduced when the interval excludes 0 on the '
+          'paper\'s side, contradicted on the other, "(t only)" where the sign-flip p is not under 5%; else '
+          f'{EQUIVALENT} where the interval lies inside ±{MARGIN:g} (TOST), with the paper\'s gap it '
+          f'excludes; a paper tie (≤ {PAPER_TIE}) is reproduced by that TOST, contradicted wholly outside '
+          '±1; else not resolved; untestable where a side is under its φ = 0 floor + '
+          f'{FLOOR_MARGIN:g} (p is still shown; on the mosaics, the guess stands for a recipe without '
+          'floor runs: the floor\'s ceiling). Holm verdict: the same test with its p adjusted by Holm\'s '
+          f'method over this table\'s family, "{family_name}": the {m} comparisons with a verdict, so that '
+          'the chance of any false verdict among them is at most 5%. † a claim row.\n')
     print_table(header, rows)
+    if mosaics:
+        side_by_side(args, every, records)
     ablations_pictures(args, chosen, planned, done, result, rows, points)
     return configs, rows
+
+
+def side_by_side(args, every, records):
+    """MOSAIC_RERUN's comparisons at MOSAIC_BUDGET (in PRECISION) and at the rerun's budget, from the records:
+    each difference, the last-quarter gains of its two rows (near 0: converged) and the Holm verdict of each
+    budget's own family (its comparisons only), so a reader sees which verdicts the budget moved."""
+    budgets_ = [(budgets(args.dataset)[args.device]['epochs'], PRECISION[args.device]),
+                (MOSAIC_RERUN['epochs'], MOSAIC_RERUN['precision'])]
+    columns, labels = [], {}
+    for epochs, precision in budgets_:
+        a = argparse.Namespace(**{**vars(args), 'epochs': epochs, 'precision': precision, 'quick': False,
+                                  'claims': False, 'only': MOSAIC_RERUN['rows'], 'seeds': None})
+        chosen, seeds = choose(a, every)
+        runs, planned = plan_runs(chosen, every, seeds, a)
+        result = {n: summarise([records[r.key()] for r in planned[n] if r.key() in records]) for n in chosen}
+        _, rows, _, _ = table_rows(chosen, planned, result, every, MOSAICS['guess'])
+        cells = {}
+        for r in rows:
+            name, ref = r[1].rstrip('†').split(' − ')
+            gains = '' if None in (result[name].gain, result[ref].gain) else \
+                f'{result[name].gain:+.1f} / {result[ref].gain:+.1f}'
+            cells[r[1]] = [f'{r[3]} ({r[5]})' if r[3] else '—', gains, r[10]]
+            labels.setdefault(r[1], r[2])
+        columns.append(cells)
+    table = [[label, paper] + [x for cells in columns for x in cells.get(label, ['—', '', 'not run'])]
+             for label, paper in labels.items()]
+    heads = [f'{e} epochs, {p}' for e, p in budgets_]
+    print(f'\nThe rows still rising at {budgets_[0][0]} epochs, rerun at {budgets_[1][0]} (`python -m paper '
+          'ablations --dataset fashion_recall --rerun`): each comparison\'s difference [95% CI] (seeds), the '
+          'last-quarter gain of its row / its reference (near 0: converged), and the Holm verdict within '
+          'that budget\'s comparisons. The rerun is fp32 where the first runs were bf16: its CPU emulates '
+          'bf16.\n')
+    print_table(['row − reference', 'paper (ImageNet)'] + [f'{h}: {c}' for h in heads for c in (
+        'difference', 'last quarter', 'Holm verdict')], table)
 
 
 def ablations_pictures(args, chosen, planned, done, result, rows, points):
@@ -548,9 +604,11 @@ def table_rows(chosen, planned, result, every, guess=None):
     for name, e in chosen.items():
         distinct.setdefault(tuple(r.key() for r in planned[name]) or name, []).append(name)
     mean = {n: statistics.mean(result[n].top1.values()) if result[n].top1 else None for n in chosen}
-    floor = {n: f'floor_{family(e)}' for n, e in chosen.items()}
-    above = {n: None if mean[n] is None or mean.get(floor[n]) is None else mean[n] - mean[floor[n]]
-             for n in chosen}
+    # each configuration's floor: its family's mean; on the mosaics, the guess where the recipe has no floor
+    # runs (the floor's ceiling, so clearing it clears any floor)
+    floor = {n: mean.get(f'floor_{family(e)}') for n, e in chosen.items()}
+    floor = {n: guess if m is None else m for n, m in floor.items()} if guess is not None else floor
+    above = {n: None if mean[n] is None or floor[n] is None else mean[n] - floor[n] for n in chosen}
     cleared, configs = {n: above[n] is not None and above[n] >= FLOOR_MARGIN for n in chosen}, []
     for names in distinct.values():
         r, e, n = result[names[0]], every[names[0]], names[0]
@@ -572,7 +630,6 @@ def table_rows(chosen, planned, result, every, guess=None):
                            'stage can score (the floor\'s ceiling)', '', '', f'{guess:.1f}', '—', '', ''])
     pairs = [(tables, name, ref, *matched(result[name], result[ref]))
              for tables, name, ref in comparisons(chosen)]
-    sd, df = pooled_sd([diffs for *_, diffs, _ in pairs])
     rows, tested = [], []
     for tables, name, ref, seeds, diffs, images in pairs:
         paper_text, paper_diff = paper_claim(name, ref, every)
@@ -594,24 +651,30 @@ def table_rows(chosen, planned, result, every, guess=None):
             continue
         mid, half = interval(diffs, images)
         image_var = 0.0 if images is None else image_term(images)[0]  # the test set's term: two seeds or more
-        p = p_values(diffs, paper_diff, images) if paper_diff is not None else None
-        word = verdict(diffs, paper_diff, images) if gate is None or paper_diff is None else gate
+        sd = statistics.stdev(diffs)  # this comparison's own spread, on len(seeds) - 1 degrees of freedom
+        word, p = decide(diffs, paper_diff, images)
+        exact = sign_flip_p(diffs)
+        if word in ('reproduced', 'contradicted') and not is_tie(paper_diff) and exact >= ALPHA:
+            word += ' (t only)'  # the sign-flip test cannot reject at these seeds: normality carries it
+        elif word == EQUIVALENT and abs(paper_diff) > MARGIN:
+            word += f' (excludes the paper\'s {paper_diff:+.1f})'
         needed = seeds_for(sd, image_var)
         rows.append([', '.join(tables), label, paper_text,
                      f'{mid:+.1f} [{mid - half:+.1f}, {mid + half:+.1f}]', over, count,
-                     f'{mde(sd, len(seeds), image_var):.1f}', '> 1000' if needed is None else str(needed),
-                     '' if p is None else f'{min(p):.3f}', word, '',
+                     f'{mde(sd, len(seeds), image_var):.1f} (sd {sd:.2f}, {len(seeds) - 1} df)',
+                     '> 1000' if needed is None else str(needed),
+                     '' if p is None else f'{p:.3f} / {exact:.3f}',
+                     word if paper_diff is None else gate or word, '',
                      (short_name(name), mid, half,
                       paper_diff if paper_diff is not None and math.isfinite(paper_diff)
                       else None)])
-        # Holm's family: the comparisons with a verdict; each row's p, its smaller
-        if p is not None and gate is None:
-            tested.append((len(rows) - 1, min(p), word))
+        if p is not None and gate is None:  # Holm's family: the comparisons with a verdict, each its p
+            tested.append((len(rows) - 1, p, word))
     for (i, _, word), q in zip(tested, holm([p for _, p, _ in tested])):
-        rows[i][10] = word if q < ALPHA else 'not resolved'
+        rows[i][10] = word.split(' (excludes')[0] if q < ALPHA else 'not resolved'
     for r in rows:
-        r[10] = r[10] or ('—' if r[9] in ('—', 'not run') else r[9].split(' (')[0])
-    return configs, [r[:11] for r in rows], [r[11] for r in rows], (sd, df, len(tested))
+        r[10] = r[10] or ('—' if r[9] == '—' else r[9].split(' (')[0])
+    return configs, [r[:11] for r in rows], [r[11] for r in rows], len(tested)
 
 
 def learning_curves(path, chosen, planned, done):

@@ -23,7 +23,7 @@ import sequence
 import train
 from paper.charts import charts, print_table
 from paper.runs import ROOT, append_record, lock_run, pack_correct, read_records, unpack_correct
-from paper.stats import ALPHA, holm, interval, p_values, verdict
+from paper.stats import ALPHA, clopper_pearson, fisher_exact, holm, interval, t_quantile
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -78,8 +78,10 @@ RECALL_LRS = (1e-3, 3e-3, 1e-2)  # each model's learning rate: the best of these
 # 20000 steps: every seed of InLine 1+elu left the guess
 RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH = 5, 20000, 64
 RECALL_FIRST_STEPS = 2000  # the first study's budget, where no linear-state run left the guess reliably
-RECALL_GATE = 3.0  # recall points over the floor and the guess that both models of a comparison must clear
-RECALL_CLAIM = 1.0  # "b recalls more than a", as verdict reads a paper's difference
+# The seeds split where the models sit between learning and not (RESULTS.md, "Recall, by the seeds that
+# learn"): at this size the models of the comparisons that split get this many seeds
+RECALL_SPLIT = ((32, 8, 24), 10, ('linear 1+elu + Eq. 6', 'InLine 1+elu s/i + Eq. 6', 'InLine 1+elu s + Eq. 6',
+                                  'InLine s/i + Eq. 6', 'InLine s + Eq. 6'))
 RECALL_VALID, RECALL_TEST = 777, 12345  # the held-out sequences' generators: learning rates, then the test
 RECALL_HELD_OUT = 1024  # sequences of each
 
@@ -272,14 +274,21 @@ def best_lr(runs, name, size, steps):
     return None if None in valid else max(zip(valid, RECALL_LRS), key=lambda pair: (pair[0], -pair[1]))[1]
 
 
+def seeds_of(name, size, seeds):
+    """How many seeds a model gets at a size: `seeds`, or RECALL_SPLIT's where the seeds split."""
+    split_size, split_seeds, split_models = RECALL_SPLIT
+    return max(seeds, split_seeds) if size == split_size and name in split_models else seeds
+
+
 def recall_plan(runs, models, sizes, seeds, steps):
     """The runs still to train, in the order that leaves a stopped study balanced: every model at every
     learning rate (seed 0), then seed 1 of every model at its best, then seed 2, ... (cmd_recall: one size at
     a time)."""
     first = [(n, *size, 0, lr) for size in sizes for n in models for lr in RECALL_LRS]
     chosen = {(n, size): best_lr(runs, n, size, steps) for size in sizes for n in models}
-    later = [(n, *size, s, chosen[n, size]) for s in range(1, seeds) for size in sizes for n in models
-             if chosen[n, size] is not None]
+    most = max(seeds_of(n, size, seeds) for size in sizes for n in models)
+    later = [(n, *size, s, chosen[n, size]) for s in range(1, most) for size in sizes for n in models
+             if chosen[n, size] is not None and s < seeds_of(n, size, seeds)]
     return [run for run in first + later if recall_key(*run, steps) not in runs]
 
 
@@ -389,7 +398,7 @@ def recall_report(runs, models, sizes, args):
                                                           torch.Generator().manual_seed(RECALL_TEST)), p)
                for w, p, n in sizes}
     recall, sequences = recall_table(runs, models, sizes, guesses, args)
-    recall_comparisons(recall, sequences, guesses, models, sizes)
+    recall_comparisons(recall, guesses, models, sizes)
     panels = []
     for size in sizes:
         series = [(name, list(RECALL_LRS), held_out(runs, name, size, args.steps), None) for name in models]
@@ -416,7 +425,7 @@ def recall_table(runs, models, sizes, guesses, args):
     first = args.steps != RECALL_FIRST_STEPS  # a column for the first study's recall
     recall, sequences, table, missing = {}, {}, [], []
     for (w, p, n), name in itertools.product(sizes, models):
-        lr, rows = chosen_runs(runs, name, (w, p, n), args.steps, args.seeds)
+        lr, rows = chosen_runs(runs, name, (w, p, n), args.steps, seeds_of(name, (w, p, n), args.seeds))
         tried = held_out(runs, name, (w, p, n), args.steps)
         recall[name, w, p, n] = values = [r['recall'] for r in rows]
         sequences[name, w, p, n] = by_sequence(rows, p)
@@ -442,43 +451,86 @@ def recall_table(runs, models, sizes, guesses, args):
     return recall, sequences
 
 
-def recall_comparisons(recall, sequences, guesses, models, sizes):
-    """Print each comparison's difference, verdict and Holm verdict, untestable unless both models clear the
-    floor and the guess by RECALL_GATE."""
-    verdicts, ps = [], []
+def learned(value, guess):
+    """Whether a seed learned the task: its recall at least halfway from the guess to 100%. A seed recalls
+    about 100% or stays at the guess (RESULTS.md, "Recall, by the seeds that learn"); the few between are
+    counted by which end they are nearer."""
+    return value >= (guess + 100) / 2
+
+
+def learners(values, guess):
+    """(seeds that learned, seeds) among seeds 1, 2, ... of a model: seed 0 chose the learning rate, so its
+    outcome is not independent of the choice and is left out of every share and test."""
+    later = values[1:]
+    return sum(learned(v, guess) for v in later), len(later)
+
+
+def recall_comparisons(recall, guesses, models, sizes):
+    """Print each model's share of seeds that learn, with its Clopper-Pearson interval, then each
+    comparison's: "b recalls more than a" read as "b learns in more seeds than a", by Fisher's exact test on
+    the seeds that did not choose the learning rate, with Holm over the testable ones; and, apart, the recall
+    among the seeds that learned. A size is testable when softmax learns in more seeds than the floor (phi =
+    0) by the same test: the study's gate, one per size."""
+    shares = []
+    for (w, p, n), name in itertools.product(sizes, models):
+        values = recall[name, w, p, n]
+        if not values:
+            continue
+        k, m = learners(values, guesses[w, p, n])
+        lo, hi = clopper_pearson(k, m) if m else (math.nan, math.nan)
+        among = [v for v in values if learned(v, guesses[w, p, n])]
+        shares.append([f"{w} / {p} / {n}", name, 'yes' if learned(values[0], guesses[w, p, n]) else 'no',
+                       f'{k} of {m}', f'{k / m:.2f} [{lo:.2f}, {hi:.2f}]' if m else '-',
+                       f'{statistics.mean(among):.1f} ({len(among)})' if among else '-'])
+    print('\nSeeds that learn: recall at least halfway from the guess to 100% (learned). Seed 0 chose the '
+          'learning rate and is shown apart; the share and its exact 95% interval (Clopper-Pearson) are over '
+          'seeds 1, 2, ...; recall among the learners: their mean, all seeds (how many).\n')
+    print_table(['C / pairs / tokens', 'model', 'seed 0 learned', 'seeds 1.. learned', 'share [95% CI]',
+                 'recall among learners'], shares)
+    rows, ps = [], []
     for (question, a, b), eq6 in itertools.product(RECALL_COMPARISONS, ('', RECALL_EQ6)):
-        a, b, floor_name = a + eq6, b + eq6, RECALL_FLOOR + eq6  # each model's floor has Eq. 6 where it has
+        a, b, softmax, floor = a + eq6, b + eq6, 'softmax' + eq6, RECALL_FLOOR + eq6
         for w, p, n in sizes:
-            if a not in models or b not in models:
+            if a not in models or b not in models or len(recall[a, w, p, n]) < 2 or len(recall[b, w, p, n]) < 2:
                 continue
-            ra, rb, floor = recall[a, w, p, n], recall[b, w, p, n], recall.get((floor_name, w, p, n), [])
-            seeds = min(len(ra), len(rb))
-            if seeds < 2:
-                continue
-            diffs = [y - x for x, y in zip(ra[:seeds], rb[:seeds])]
-            sa, sb = sequences[a, w, p, n], sequences[b, w, p, n]
-            images = None if sa is None or sb is None else sb[:seeds] - sa[:seeds]  # (seeds, sequences)
-            mean, half = interval(diffs, images)
-            gate = max(statistics.mean(floor) if floor else math.inf, guesses[w, p, n]) + RECALL_GATE
-            cleared = statistics.mean(ra) >= gate and statistics.mean(rb) >= gate
-            row = [question + eq6, f"{w} / {p} / {n}", f"{statistics.mean(ra[:seeds]):.1f}",
-                   f"{statistics.mean(rb[:seeds]):.1f}", f"{mean:+.1f} ± {half:.1f}", seeds,
-                   verdict(diffs, RECALL_CLAIM, images) if cleared else 'untestable']
-            verdicts.append(row)
-            ps.append(min(p_values(diffs, RECALL_CLAIM, images)) if cleared else None)
+            guess = guesses[w, p, n]
+            (ka, ma), (kb, mb) = learners(recall[a, w, p, n], guess), learners(recall[b, w, p, n], guess)
+            gate = None
+            if len(recall.get((softmax, w, p, n), [])) > 1 and len(recall.get((floor, w, p, n), [])) > 1:
+                (ks, ms), (kf, mf) = (learners(recall[x, w, p, n], guess) for x in (softmax, floor))
+                gate = ks / ms > kf / mf and fisher_exact(ks, ms, kf, mf) < ALPHA
+            q = fisher_exact(ka, ma, kb, mb)
+            word = ('untestable' if not gate else 'not resolved' if q >= ALPHA or ka / ma == kb / mb
+                    else 'reproduced' if kb / mb > ka / ma else 'contradicted')
+            among_a, among_b = ([v for v in recall[x, w, p, n] if learned(v, guess)] for x in (a, b))
+            rows.append([question + eq6, f"{w} / {p} / {n}", f'{ka} of {ma}', f'{kb} of {mb}',
+                         f'{q:.3f}', word, '', welch(among_a, among_b)])
+            ps.append(q if gate else None)
     adjusted = iter(holm([q for q in ps if q is not None]))
-    for row, q in zip(verdicts, ps):  # Holm over the testable comparisons of this table
-        row.append('untestable' if q is None else row[-1] if next(adjusted) < ALPHA else 'not resolved')
-    if verdicts:
-        print('\nComparisons, b minus a seed by seed, with its 95% interval over the seeds and the '
-              f'{RECALL_HELD_OUT} test sequences (the ablations\' two-way random-effects model, t on '
-              'Satterthwaite\'s degrees of freedom), or over the seeds only (Student-t) where a record '
-              'predates per-answer results; the verdict is on "b recalls more than a" (RESULTS.md, '
-              '"Verdicts"), untestable unless both clear the floor (phi = 0) and the guess by '
-              f'{RECALL_GATE:g} points; the Holm verdict the same over the testable ones.\n')
-        print_table(['question', 'C / pairs / tokens', 'a %', 'b %', 'b - a', 'seeds', 'verdict',
-                     'Holm verdict'],
-                    verdicts)
+    for row, q in zip(rows, ps):  # Holm over the testable comparisons of this table
+        row[6] = 'untestable' if q is None else row[5] if next(adjusted) < ALPHA else 'not resolved'
+    if rows:
+        print('\nComparisons, "b recalls more than a" read as "b learns in more seeds than a" (RESULTS.md, '
+              '"Recall, by the seeds that learn"): seeds 1, 2, ... that learned, Fisher\'s exact two-sided p, '
+              'the verdict at 5% (reproduced where b\'s share is the larger, contradicted where a\'s is), '
+              'untestable where softmax does not learn in more seeds than the floor (phi = 0) at that size by '
+              'the same test; the Holm verdict over the testable ones. Apart, recall among the seeds that '
+              'learned (all seeds): b − a with its Welch 95% interval, where each has two learners.\n')
+        print_table(['question', 'C / pairs / tokens', 'a learned', 'b learned', 'Fisher p', 'verdict',
+                     'Holm verdict', 'among learners: b − a'], rows)
+
+
+def welch(a, b):
+    """b's mean minus a's, ± the Welch 95% half-width (t on Welch-Satterthwaite's degrees of freedom); '-'
+    without two values on each side."""
+    if len(a) < 2 or len(b) < 2:
+        return '-'
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.mean(b) - statistics.mean(a)
+    if va + vb == 0:
+        return f'{diff:+.1f} ± 0.0'
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return f'{diff:+.1f} ± {t_quantile(1 - ALPHA / 2, df) * math.sqrt(va + vb):.1f}'
 
 
 # ---------------------------------------------------------------------------------------------------

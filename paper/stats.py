@@ -7,6 +7,7 @@ arXiv 2412.06590. No command of its own: `python -m paper ablations` and `python
 verdicts through these (RESULTS.md, "Verdicts").
 """
 import functools
+import itertools
 import math
 import statistics
 from typing import NamedTuple
@@ -127,22 +128,11 @@ def interval(diffs, images=None):
     return mean, t_quantile(1 - ALPHA / 2, df) * se if df else math.inf
 
 
-def pooled_sd(groups):
-    """(sd, degrees of freedom) of per-seed differences pooled over a table's comparisons (groups: each one's
-    per-seed differences): sqrt(sum (n_k - 1) sd_k² / sum (n_k - 1)); (None, 0) without two seeds anywhere.
-    One comparison's own sd on 2 degrees of freedom ranges over 0.5x to 6x the truth (95%); the pool narrows
-    that."""
-    df = sum(len(g) - 1 for g in groups if len(g) > 1)
-    if not df:
-        return None, 0
-    return math.sqrt(sum((len(g) - 1) * statistics.variance(g) for g in groups if len(g) > 1) / df), df
-
-
 def mde(sd, seeds, image_var=0.0):
     """The minimum detectable effect at 80% power: the true mean difference that the two-sided 5% paired
     t-test on `seeds` seeds rejects 0 for with probability 0.8, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n +
     image_var), the usual approximation to the noncentral t (it counts only the side the effect is on); sd,
-    the per-seed differences' (the table's pooled_sd); image_var, the comparison's image_term, which more
+    the comparison's own per-seed differences'; image_var, the comparison's image_term, which more
     seeds do not shrink."""
     if seeds < 2:
         return math.inf
@@ -156,34 +146,72 @@ def seeds_for(sd, image_var=0.0, effect=MARGIN):
     return next((n for n in range(2, 1001) if mde(sd, n, image_var) <= effect), None)
 
 
+def tost(mean, se, df):
+    """(p that the true difference lies within +-MARGIN, p that it lies beyond it on one side): the two
+    one-sided tests of -MARGIN and +MARGIN at 2.5% each (the 95% interval inside +-MARGIN), the larger p
+    doubled to the 5% scale; and the whole interval outside +-MARGIN, likewise."""
+    inside = max(upper(mean, -MARGIN, se, df), 1 - upper(mean, MARGIN, se, df))  # H0: <= -M; H0: >= M
+    outside = min(upper(mean, MARGIN, se, df), 1 - upper(mean, -MARGIN, se, df))  # H0: <= M; H0: >= -M
+    return min(1.0, 2 * inside), min(1.0, 2 * outside)
+
+
+def is_tie(paper_diff):
+    """A paper tie: its rows PAPER_TIE or less apart, as printed (80.2 - 80.0 is 0.2000000000000028)."""
+    return round(abs(paper_diff), 1) <= PAPER_TIE
+
+
 def p_values(diffs, paper_diff, images=None):
     """(p that the paper's claim is reproduced, p that it is contradicted), each rejected at ALPHA. A paper
     ordering: the two-sided paired t-test of a zero mean, counted on the side the mean is on. A paper tie
-    (|paper_diff| <= PAPER_TIE): TOST, the two one-sided tests of -MARGIN and +MARGIN at 2.5% each (the 95%
-    interval inside +-MARGIN), its larger p doubled to the 5% scale; contradicted when the difference lies
-    beyond the margin on one side at 2.5% (the whole interval outside +-MARGIN), likewise doubled. On paired's
-    error: over seeds, and over the test set where images (image_term) are given."""
+    (is_tie): tost, reproduced within +-MARGIN, contradicted beyond it. On paired's error: over seeds, and
+    over the test set where images (image_term) are given."""
     mean, se, df = paired(diffs, images)
     if df < 1:
         return 1.0, 1.0
-    if round(abs(paper_diff), 1) <= PAPER_TIE:  # as printed: 80.2 - 80.0 is 0.2000000000000028
-        inside = max(upper(mean, -MARGIN, se, df), 1 - upper(mean, MARGIN, se, df))  # H0: <= -M; H0: >= M
-        outside = min(upper(mean, MARGIN, se, df), 1 - upper(mean, -MARGIN, se, df))  # H0: <= M; H0: >= -M
-        return min(1.0, 2 * inside), min(1.0, 2 * outside)
+    if is_tie(paper_diff):
+        return tost(mean, se, df)
     p = min(1.0, 2 * min(upper(mean, 0, se, df), 1 - upper(mean, 0, se, df)))
     return (p, 1.0) if mean != 0 and (mean > 0) == (paper_diff > 0) else (1.0, p)
 
 
-def verdict(diffs, paper_diff, images=None):
-    """reproduced, contradicted or not resolved: the paper's difference paper_diff against ours, the per-seed
-    differences diffs (row minus reference, seed by seed); '—' when the paper gives no difference. An ordering
-    is reproduced when the 95% interval excludes 0 on the paper's side, contradicted on the other; a tie is
-    reproduced when the interval lies within +-MARGIN (TOST), contradicted when wholly outside. Else not
-    resolved. images: as in paired."""
+EQUIVALENT = f'equivalent within ±{MARGIN:g}'
+
+
+def decide(diffs, paper_diff, images=None):
+    """(verdict, its p): the paper's difference paper_diff against ours, the per-seed differences diffs (row
+    minus reference, seed by seed); ('—', None) when the paper gives no difference. An ordering is reproduced
+    when the 95% interval excludes 0 on the paper's side, contradicted on the other; else EQUIVALENT when
+    tost puts the interval within +-MARGIN (a size of effect the data rule out, whatever the paper's); a tie
+    is reproduced when the interval lies within +-MARGIN, contradicted when wholly outside. Else not resolved,
+    with the smallest of its p. images: as in paired."""
     if paper_diff is None:
-        return '—'
+        return '—', None
     reproduce, contradict = p_values(diffs, paper_diff, images)
-    return 'reproduced' if reproduce < ALPHA else 'contradicted' if contradict < ALPHA else 'not resolved'
+    if reproduce < ALPHA or contradict < ALPHA:
+        return ('reproduced', reproduce) if reproduce < contradict else ('contradicted', contradict)
+    mean, se, df = paired(diffs, images)
+    inside = tost(mean, se, df)[0] if df >= 1 and not is_tie(paper_diff) else 1.0
+    if inside < ALPHA:
+        return EQUIVALENT, inside
+    return 'not resolved', min(reproduce, contradict, inside)
+
+
+def verdict(diffs, paper_diff, images=None):
+    """decide's word."""
+    return decide(diffs, paper_diff, images)[0]
+
+
+def sign_flip_p(diffs):
+    """The exact two-sided p of the paired sign-flip (randomisation) test of a zero mean: were the two models
+    alike, each seed's difference would be as likely negative as positive, so p is the share of the 2^n sign
+    patterns whose mean lies as far from 0 as the observed one or farther. No normality and no test-set term:
+    with n seeds it cannot go below 2 / 2^n (0.0625 at 5 seeds)."""
+    if not diffs:
+        return 1.0
+    observed = abs(sum(diffs)) * (1 - 1e-12)
+    far = sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= observed
+              for signs in itertools.product((1, -1), repeat=len(diffs)))
+    return far / 2 ** len(diffs)
 
 
 def holm(ps):
@@ -195,6 +223,37 @@ def holm(ps):
         running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
         adjusted[i] = running
     return adjusted
+
+
+def beta_quantile(p, a, b):
+    """The x with I_x(a, b) = p, by bisection on incomplete_beta (to 1e-12)."""
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-12:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if incomplete_beta(mid, a, b) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def clopper_pearson(k, n):
+    """The exact 95% interval (lo, hi) of a share from k successes in n trials: the shares whose binomial
+    tails make k just significant at 2.5% each side, Beta(k, n - k + 1)'s 2.5% point and Beta(k + 1, n -
+    k)'s 97.5% point (0 and 1 at the edges). It holds its coverage at any n, the few seeds here included."""
+    lo = 0.0 if k == 0 else beta_quantile(ALPHA / 2, k, n - k + 1)
+    hi = 1.0 if k == n else beta_quantile(1 - ALPHA / 2, k + 1, n - k)
+    return lo, hi
+
+
+def fisher_exact(k1, n1, k2, n2):
+    """The two-sided p of Fisher's exact test that two shares (k1 of n1, k2 of n2) are equal: with the
+    margins fixed, the successes of the first group are hypergeometric, and p sums the probabilities of every
+    table no more likely than the observed one."""
+    total, hits = n1 + n2, k1 + k2
+
+    def prob(x):  # P(the first group has x of the hits)
+        return math.comb(n1, x) * math.comb(n2, hits - x) / math.comb(total, hits)
+    observed = prob(k1)
+    return min(1.0, sum(q for x in range(max(0, hits - n2), min(n1, hits) + 1)
+                        if (q := prob(x)) <= observed * (1 + 1e-9)))
 
 
 class Summary(NamedTuple):
