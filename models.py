@@ -16,9 +16,10 @@ checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights lo
 Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla linear attention
 (division normalisation, relu kernel by default), the paper's baseline; S = softmax attention (DeiT: over all
 tokens; PVT: with spatial reduction; Swin: shifted windows with relative position bias; CSwin: cross-shaped
-stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). PVT and Swin also
-take the peers (peers.py): F = FLatten's focused linear attention, N = TransNormer's NormAttention. The other
-switches are attention_options' and InLineSwin's; the lab (paper/) names the paper's combinations of them.
+stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). PVT and Swin
+also take the peers (peers.py): F = FLatten's focused linear attention, N = TransNormer's NormAttention.
+The other switches are attention_options' and InLineSwin's; the lab (paper/) names the paper's combinations of
+them.
 
 Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
 (h, w) the token grid, P leading tokens off the grid (DeiT's class token), nW windows per image,
@@ -116,10 +117,11 @@ ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residu
 
 def attention_options(family, options, letters):
     """The attention switches a family was given, checked and completed with the defaults:
-    kernel (phi; None: identity for I, relu for L, 1 + elu for N), residual ('local' Eq. 6, 'plain', 'none'), local_size
-    (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or 'I', of the
-    blocks whose q is L2-normalised with a learned per-head gain, inline.NormalisedQ), allow_divergent (L with
-    a signed kernel); focusing_factor, kernel_size (F), output_norm (N): peers.make_peer's.
+    kernel (phi; None: identity for I, relu for L, 1 + elu for N), residual ('local' Eq. 6, 'plain', 'none'),
+    local_size (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or
+    'I', of the blocks whose q is L2-normalised with a learned per-head gain, inline.NormalisedQ),
+    allow_divergent (L with a signed kernel); focusing_factor, kernel_size (F), output_norm (N): the peers'
+    (peers.make_peer).
     letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
@@ -374,7 +376,8 @@ class InLinePVT(Backbone):
 
     def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2),
                  num_heads=(2, 4, 10, 16), mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1), num_classes=1000,
-                 drop_path_rate=0.1, layout='IIII', la_sr_ratios=(1, 1, 1, 1), unused_norm=False, **attention):
+                 drop_path_rate=0.1, layout='IIII', la_sr_ratios=(1, 1, 1, 1), unused_norm=False,
+                 **attention):
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSFN', drop_path_rate, attention)
         self.num_features, self.grids = embed_dims[-1], stage_grids(self.img_size)
@@ -529,7 +532,8 @@ class SwinBlock(nn.Module):
         elif letter in peers.LETTERS:
             self.attn = peers.make_peer(letter, dim, num_heads, options, tokens)
         else:
-            self.attn = InLineAttention(dim, num_heads, ape_tokens=ape_tokens, **inline_options(letter, options))
+            self.attn = InLineAttention(dim, num_heads, ape_tokens=ape_tokens,
+                                        **inline_options(letter, options))
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.drop_path = StochasticDepth(drop_path, 'row')

@@ -13,8 +13,8 @@ The authors' rebuttal compares InLine with
 Both modules here take what inline.InLineAttention takes: x (B, N, C) on the token grid (h, w) ->
 (B, N, C), and keep the released parameter names (qkv or PVT's q and kv, proj, and FLatten's scale,
 positional_encoding, dwc, sr, norm), so FLatten's checkpoints load. The math is in pure functions beside
-them, tested in test_peers.py. They are baselines: models.py builds them from its layout letters F and N in its
-PVT and Swin (make_peer, at the end; the registry's flatten_* and transnormer_swin_t).
+them, tested in test_peers.py. They are baselines: models.py builds them from its layout letters F and N in
+its PVT and Swin (make_peer, at the end; the registry's flatten_* and transnormer_swin_t).
 
 Notation, used in every shape comment: B batch, H heads, N query tokens, n key tokens (n = N but with PVT's
 spatial reduction, n = N / r^2), D head dim, C = H*D channels, (h, w) the token grid.
