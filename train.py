@@ -82,6 +82,11 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
     'inline_cswin_s':     (128, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.05, 0.0, 0.4),
     'inline_cswin_b':     (64, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.1, 0.0, 0.5),
     'inline_cswin_b_384': (32, 5e-6, 20, 0, 5e-6, 5e-7, 10, 1e-8, 0.0, 0.7),
+    # the peers: FLatten's `cfgs/flatten_*.yaml` over their config.py's defaults; ours with Swin-T's recipe
+    'flatten_swin_t':     (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.2),
+    'flatten_pvt_t':      (128, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
+    'flatten_pvt_s':      (64, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
+    'transnormer_swin_t': (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.2),
 }
 # the total batch is the table's per-process batch x 8 processes, as the authors' README launches
 PROCESSES = 8
