@@ -10,6 +10,7 @@ and the reference's short demonstration. RESULTS.md shows each table under the c
     python bench.py --per-call              # one call's cost beside its work: 197 tokens, 7x7 windows, 56x56
     python bench.py --causal-bench          # the causal core against causal softmax SDPA, 1k to 16k tokens
     python bench.py --demo                  # injectivity, and the two forms of Eq. 5 agree
+    python bench.py --peers                 # InLine against FLatten, a block and PVT-T, beside the rebuttal
     (a whole-model training step, reference against fast core: python -m paper speed --model-step)
 
 Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of per-round
@@ -29,6 +30,8 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 import inline
 import kernels
+import models
+import peers
 import sequence
 from inline import attention_scale, get_kernel, inline_attention, inline_attention_quadratic, inline_weights
 from inline import linear_attention_weights
@@ -279,6 +282,77 @@ def bench_per_call(device, dtypes):
 
 
 # ---------------------------------------------------------------------------------------------------
+# python bench.py --peers: InLine against FLatten (peers.py), beside the authors' rebuttal
+
+# name: (grid side, C, heads, PVT's q and kv), the stage-1 shapes of Swin-T (InLine's and FLatten's
+# whole-stage blocks) and PVT-T (FLatten's heads; neither InLine-PVT nor FLatten-PVT reduces k and v: sr 1)
+PEER_BLOCKS = {'Swin-T stage 1': (56, 96, 3, False), 'PVT-T stage 1': (56, 64, 1, True)}
+PEER_MODELS = {'PVT-T infer B1': 1, 'PVT-T train B8': 8}  # inline_pvt_t against flatten_pvt_t: batch
+PEER_IMG = 224  # their image side, px
+REBUTTAL = {'block': 1.8, 'PVT-T': 1.2}  # "1.8x faster than a FLatten block", "1.2x speed up" (RTX 3090 GPU)
+
+
+def bench_peers(device, dtypes, rounds):
+    """One interleaved run, every dtype in it (bf16 by autocast, as one trains in it): an attention block of
+    InLine (the reference path, inline.py, as the authors' code runs it) and of FLatten at each PEER_BLOCKS
+    shape, batch 8, forward and forward + backward, and inline_pvt_t against flatten_pvt_t (inference, and a
+    training step: forward, cross-entropy, backward, AdamW). Prints medians and FLatten / InLine, the median
+    of per-round ratios, beside the rebuttal's GPU figures."""
+    gen = torch.Generator(device).manual_seed(0)
+    blocks = {name: {'inline': inline.InLineAttention(C, H, separate_q=q_kv).to(device),
+                     'flatten': peers.FocusedLinearAttention(C, H, side * side, separate_q=q_kv).to(device)}
+              for name, (side, C, H, q_kv) in PEER_BLOCKS.items()}
+    pvt = {label: models.create_model(f'{label}_pvt_t', img_size=PEER_IMG).to(device)
+           for label in ('inline', 'flatten')}
+    optimizers = {label: torch.optim.AdamW(model.parameters()) for label, model in pvt.items()}
+
+    def block_step(block, x, grid, dy, dtype):  # dy None: forward only
+        with torch.autocast(device.type, torch.bfloat16, enabled=dtype == torch.bfloat16):
+            with torch.set_grad_enabled(dy is not None):
+                out = block(x, grid)  # (B, N, C)
+        if dy is not None:
+            out.backward(dy.to(out.dtype))
+
+    def model_step(label, x, y, dtype):  # y None: inference
+        model = pvt[label].train(y is not None)
+        with torch.autocast(device.type, torch.bfloat16, enabled=dtype == torch.bfloat16):
+            with torch.set_grad_enabled(y is not None):
+                out = model(x)  # (B, 1000)
+        if y is not None:
+            F.cross_entropy(out.float(), y).backward()
+            optimizers[label].step(), optimizers[label].zero_grad()
+
+    fns = {}  # (case, part, dtype, 'inline' or 'flatten'): one call
+    for dtype in dtypes:
+        d = str(dtype).replace('torch.', '')
+        for name, (side, C, _, _) in PEER_BLOCKS.items():
+            x = torch.randn(8, side * side, C, generator=gen, device=device)  # (B, N, C)
+            dy = torch.randn(x.shape, generator=gen, device=device)  # a random upstream gradient
+            for label, block in blocks[name].items():
+                fns[name, 'fwd', d, label] = functools.partial(block_step, block, x, (side, side), None,
+                                                               dtype)
+                fns[name, 'fwdbwd', d, label] = functools.partial(
+                    block_step, block, x.clone().requires_grad_(), (side, side), dy, dtype)
+        for name, batch in PEER_MODELS.items():
+            x = torch.randn(batch, 3, PEER_IMG, PEER_IMG, generator=gen, device=device)
+            y = torch.randint(0, 1000, (batch,), generator=gen, device=device) if 'train' in name else None
+            for label in pvt:
+                fns[name, 'step', d, label] = functools.partial(model_step, label, x, y, dtype)
+    ms = time_interleaved(fns, device, budget_s=1e9, max_rounds=rounds)  # every case `rounds` times
+    print(f"InLine against FLatten, {rounds} round(s); ratio: FLatten's time / InLine's, median of per-round "
+          f"ratios; the rebuttal's figure is an RTX 3090 GPU's")
+    print(f"{'case':16s} {'part':>6s} {'dtype':>8s} | {'InLine ms':>9s} {'FLatten ms':>10s} | "
+          f"{'ratio':>5s} | {'rebuttal':>8s}")
+    for name, part, d, label in fns:
+        if label == 'inline':
+            ours, theirs = (name, part, d, 'inline'), (name, part, d, 'flatten')
+            rebuttal = REBUTTAL['block' if name in PEER_BLOCKS else 'PVT-T']
+            print(f"{name:16s} {part:>6s} {d:>8s} | {statistics.median(ms[ours]):9.1f} "
+                  f"{statistics.median(ms[theirs]):10.1f} | {paired_ratio(ms, theirs, ours):4.2f}x | "
+                  f"{rebuttal:7.1f}x", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
 # python bench.py --demo: the reference demonstrated (the timings of whole models: python -m paper speed)
 
 def _demo():
@@ -329,6 +403,10 @@ def main():
     parser.add_argument('--demo', action='store_true',
                         help="the reference's demonstration (injectivity, Eq. 5's forms)")
     parser.add_argument('--threads', type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument('--peers', action='store_true',
+                        help="InLine against FLatten: one attention block and PVT-T (see bench_peers)")
+    parser.add_argument('--rounds', type=int, default=9,
+                        help="rounds of --peers, each timing every case once")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -342,6 +420,8 @@ def main():
               f"{'MB':>6s}")
     if args.demo:
         _demo()
+    if args.peers:
+        bench_peers(device, dtypes, args.rounds)
     if args.compile:
         for dtype in dtypes:
             bench_compile(device, dtype)

@@ -418,8 +418,14 @@ def check_against_reference(path, module, core, fast_path, device):
 
 def enable_fast(model, core=None, device=None, log=print):
     """Put twins' core and path in every InLine module of model whose core is a reference; returns how many.
-    All are checked first, so a model is fast throughout or refused: linear attention by name, a change the
-    fast core does not follow by one module of each configuration. device: where it runs; log=None: silent."""
+    All are checked first, so a model is fast throughout or refused: linear attention and the peers (peers.py)
+    by name, a change the fast core does not follow by one module of each configuration. device: where it
+    runs; log=None: silent."""
+    peers = sorted({m.no_fast_path for m in model.modules() if hasattr(m, 'no_fast_path')})  # peers.py's
+    if peers:
+        raise ValueError(f"the fast core is InLine's alone; {' and '.join(peers)} "
+                         f"{'has' if len(peers) == 1 else 'have'} none: build the model with fast=False "
+                         f"(train.py: --attention-impl reference)")
     modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]  # setup_inline's
     if any(m.attention == 'linear' for _, m in modules):
         raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla linear "

@@ -1,4 +1,4 @@
-"""The four InLine backbones (DeiT, PVT, Swin, CSwin) and all 15 released variants.
+"""The four InLine backbones (DeiT, PVT, Swin, CSwin), all 15 released variants, and the peers' models.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. The attention itself lives in inline.py and is imported, never copied; this file
@@ -16,8 +16,10 @@ checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights lo
 Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla linear attention
 (division normalisation, relu kernel by default), the paper's baseline; S = softmax attention (DeiT: over all
 tokens; PVT: with spatial reduction; Swin: shifted windows with relative position bias; CSwin: cross-shaped
-stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). The other
-switches are attention_options' and InLineSwin's; the lab (paper/) names the paper's combinations of them.
+stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). PVT and Swin
+also take the peers (peers.py): F = FLatten's focused linear attention, N = TransNormer's NormAttention.
+The other switches are attention_options' and InLineSwin's; the lab (paper/) names the paper's combinations of
+them.
 
 Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
 (h, w) the token grid, P leading tokens off the grid (DeiT's class token), nW windows per image,
@@ -37,6 +39,7 @@ from torchvision.ops import StochasticDepth
 
 import dense
 import inline
+import peers
 from checkpoints import load_checkpoint, resize_grid
 from inline import InLineAttention
 
@@ -52,6 +55,10 @@ RELEASED = {
     'inline_swin_b': (88_350_120, 15.398, 84.1), 'inline_swin_b_384': (88_465_320, 46.200, None),
     'inline_cswin_t': (20_604_520, 4.312, 83.2), 'inline_cswin_s': (33_032_872, 6.773, 83.8),
     'inline_cswin_b': (73_413_640, 14.885, 84.5), 'inline_cswin_b_384': (73_413_640, 46.220, 85.7),
+    # the peers: FLatten's (their README's top-1; -PVT-S's from their paper) and our TransNormer-Swin-T, whose
+    # params and GMACs are our construction's and whose top-1 is the rebuttal's "TransNormer 30M 4.5G 79.9"
+    'flatten_swin_t': (29_192_384, 4.483, 82.1), 'flatten_pvt_t': (12_150_504, 2.037, 77.8),
+    'flatten_pvt_s': (21_670_248, 4.030, 81.7), 'transnormer_swin_t': (28_268_074, 4.473, 79.9),
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -74,6 +81,9 @@ def parse_layout(layout, depths, letters):
     [['I', 'I'], ['I', 'I'], ['I', 'I', 'S', 'S', 'S'], ['S', 'S']]. M: the stage's first k blocks are I,
     the rest S, with k written after the stage letters."""
     stages, k = layout[:len(depths)], layout[len(depths):]
+    if set(stages) & set(peers.LETTERS) - set(letters):
+        raise ValueError(f"layout {layout!r}: F (FLatten) and N (TransNormer) are built in the PVT and Swin "
+                         f"families only ({', '.join(peers.FAMILIES)})")
     valid = len(stages) == len(depths) and all(c in letters for c in stages) and stages.count('M') <= 1
     if 'M' in stages:
         valid = valid and k.isdigit() and int(k) <= depths[stages.index('M')]
@@ -101,15 +111,17 @@ INLINE_DEFAULTS = {name: p.default
 # below), and normalise_q, the letters of the blocks it acts on
 ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residual', 'local_size', 'dilation',
                                                                          'nonneg')},
-                         normalise_q='', allow_divergent=INLINE_DEFAULTS['allow_divergent'])
+                         normalise_q='', allow_divergent=INLINE_DEFAULTS['allow_divergent'],
+                         **peers.OPTIONS)
 
 
 def attention_options(family, options, letters):
     """The attention switches a family was given, checked and completed with the defaults:
-    kernel (phi; None: identity for I, relu for L), residual ('local' Eq. 6, 'plain', 'none'), local_size
-    (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or 'I', of the
-    blocks whose q is L2-normalised with a learned per-head gain, inline.NormalisedQ), allow_divergent (L with
-    a signed kernel).
+    kernel (phi; None: identity for I, relu for L, 1 + elu for N), residual ('local' Eq. 6, 'plain', 'none'),
+    local_size (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or
+    'I', of the blocks whose q is L2-normalised with a learned per-head gain, inline.NormalisedQ),
+    allow_divergent (L with a signed kernel); focusing_factor, kernel_size (F), output_norm (N): the peers'
+    (peers.make_peer).
     letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
@@ -356,13 +368,18 @@ class InLineDeiT(Backbone):
 # InLine-PVT: four stages of patch embedding + position embedding + InLine blocks, no spatial reduction
 
 class InLinePVT(Backbone):
+    """sr_ratios: the S blocks' spatial reduction per stage; la_sr_ratios: the F blocks' (FLatten's
+    PVT_LA_SR_RATIOS, 1111 in every released model). unused_norm: the LayerNorm `norm` over the last stage
+    that FLatten-PVT defines and never applies (its forward's call is commented out), kept so that their
+    checkpoints load key for key; it takes no part in the forward."""
     family = 'pvt'
 
     def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2),
                  num_heads=(2, 4, 10, 16), mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1), num_classes=1000,
-                 drop_path_rate=0.1, layout='IIII', **attention):
+                 drop_path_rate=0.1, layout='IIII', la_sr_ratios=(1, 1, 1, 1), unused_norm=False,
+                 **attention):
         super().__init__()
-        layout, rates = self.setup(img_size, 32, layout, depths, 'ILS', drop_path_rate, attention)
+        layout, rates = self.setup(img_size, 32, layout, depths, 'ILSFN', drop_path_rate, attention)
         self.num_features, self.grids = embed_dims[-1], stage_grids(self.img_size)
         for i, (h, w) in enumerate(self.grids):  # registered first, so the keys come in the released order
             setattr(self, f'pos_embed{i + 1}', nn.Parameter(torch.zeros(1, h * w, embed_dims[i])))
@@ -371,9 +388,14 @@ class InLinePVT(Backbone):
             setattr(self, f'patch_embed{i + 1}', PatchEmbed(in_chans, dim, patch, norm_eps=1e-5))
             setattr(self, f'block{i + 1}', nn.ModuleList([
                 Block(dim, mlp_ratios[i], dp, 1e-6,
-                      make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i],
-                                     separate_q=True))
+                      peers.make_peer(c, dim, num_heads[i], self.options, math.prod(self.grids[i]),
+                                      separate_q=True, sr_ratio=la_sr_ratios[i]) if c in peers.LETTERS
+                      else make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i],
+                                          separate_q=True))
                 for c, dp in zip(layout[i], rates[i])]))
+        if unused_norm:  # frozen: it never gets a gradient, and DDP then needs no find_unused_parameters (the
+            # authors' README trains FLatten-PVT with --find-unused-params)
+            self.norm = nn.LayerNorm(embed_dims[-1], eps=1e-6).requires_grad_(False)
         self.init_weights()
         for i in range(4):
             trunc_normal_(getattr(self, f'pos_embed{i + 1}'), std=.02)
@@ -486,24 +508,32 @@ class WindowAttention(nn.Module):
 class SwinBlock(nn.Module):
     """Pre-norm block: x + DropPath(attention(LN(x))), then x + DropPath(MLP(LN(x))); x (B, h*w, C).
 
-    letter: 'S' Swin's softmax in windows with a relative position bias; 'I' InLine; 'L' vanilla linear.
+    letter: 'S' Swin's softmax in windows with a relative position bias; 'I' InLine; 'L' vanilla linear;
+        'F', 'N' the peers (peers.make_peer), windowed and shifted as I (FLatten-Swin's window 56 covers
+        stages 1 and 2: one window, no shift, as their `models/flatten_swin.py` has).
     window: the window side in tokens; for I/L, None is the whole map (every released model). Smaller I/L
         windows are the authors' window ablation (Table 4; their `models/inline_swin.py`): rolled as Swin's
         softmax blocks are, but with NO mask, so tokens wrapped across the border attend to each other; every
         window is its own InLine attention, with its own means, Eq. 6 weights and zero padding at the
         window's edges.
     shift: roll the map by window/2 first (odd blocks), along each axis the window does not cover.
-    options: the attention options (attention_options) of an I or L block; ape_tokens: the authors' position
-        embedding inside the attention, one per window size (shared by the stage's windows), or None.
+    options: the attention options (attention_options) of an I, L, F or N block; ape_tokens: the authors'
+        position embedding inside an I or L attention, one per window size (shared by the stage's windows),
+        or None; tokens: an F block's window tokens (its positional_encoding's N).
     """
 
-    def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, options, ape_tokens=None):
+    def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, options, ape_tokens=None,
+                 tokens=None):
         super().__init__()
         self.letter, self.window, self.shift = letter, window, shift
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = (WindowAttention(dim, num_heads, window, 'S' in options['normalise_q']) if letter == 'S'
-                     else InLineAttention(dim, num_heads, ape_tokens=ape_tokens,
-                                          **inline_options(letter, options)))
+        if letter == 'S':
+            self.attn = WindowAttention(dim, num_heads, window, 'S' in options['normalise_q'])
+        elif letter in peers.LETTERS:
+            self.attn = peers.make_peer(letter, dim, num_heads, options, tokens)
+        else:
+            self.attn = InLineAttention(dim, num_heads, ape_tokens=ape_tokens,
+                                        **inline_options(letter, options))
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.drop_path = StochasticDepth(drop_path, 'row')
@@ -527,7 +557,7 @@ class SwinBlock(nn.Module):
         y = to_windows(torch.roll(y, (-sh, -sw), dims=(1, 2)), wh, ww)  # rolled, in windows: (B*nW, wh*ww, C)
         if self.letter == 'S':  # softmax with the relative position bias, masked across the roll's seams
             y = self.attn(y, (wh, ww), window_mask(h, w, wh, ww, sh, sw, x.device))
-        else:  # every window its own InLine attention, unmasked (the authors' window ablation)
+        else:  # every window its own InLine (or peer's) attention, unmasked (the authors' window ablation)
             y = self.attn(y, (wh, ww))  # Eq. 5 + Eq. 6, (B*nW, wh*ww, C)
         y = torch.roll(from_windows(y, wh, ww, Hp, Wp), (sh, sw), dims=(1, 2))[:, :h, :w]  # (B, h, w, C)
         x = x + self.drop_path(y.reshape(B, N, C))
@@ -588,7 +618,7 @@ class InLineSwin(Backbone):
                  layout='IIIS', window=None, softmax_window=7, mlp_ratio=4., num_classes=1000,
                  drop_path_rate=0.2, ape=None, **attention):
         super().__init__()
-        layout, rates = self.setup(img_size, 32, layout, depths, 'ILSM', drop_path_rate, attention)
+        layout, rates = self.setup(img_size, 32, layout, depths, 'ILSMFN', drop_path_rate, attention)
         self.ape = authors_ape(self.options) if ape is None else ape
         if window is not None and not (isinstance(window, int) and window >= 1):
             raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), "
@@ -598,16 +628,17 @@ class InLineSwin(Backbone):
         self.layers = nn.ModuleList()
         for i, (letters, grid) in enumerate(zip(layout, stage_grids(self.img_size))):
             dim = embed_dim * 2 ** i
-            inline_stage = any(c in 'IL' for c in letters)
+            inline_stage = any(c != 'S' for c in letters)
             if inline_stage and window is not None and any(side % min(window, side) for side in grid):
                 fits = [n for n in range(1, max(grid) + 1) if all(side % min(n, side) == 0 for side in grid)]
                 raise ValueError(f"InLine-Swin: InLine window {window} does not tile stage {i + 1} "
                                  f"({grid[0]}x{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); "
                                  f"windows that tile it: {fits}, or None (the whole stage)")
-            # APE's N
+            # APE's N, and F's (its positional_encoding)
             window_tokens = math.prod(grid if window is None else (min(window, side) for side in grid))
             blocks = [SwinBlock(dim, num_heads[i], c, softmax_window if c == 'S' else window, j % 2 == 1,
-                                mlp_ratio, rates[i][j], self.options, window_tokens if self.ape else None)
+                                mlp_ratio, rates[i][j], self.options, window_tokens if self.ape else None,
+                                window_tokens)
                       for j, c in enumerate(letters)]
             self.layers.append(SwinStage(blocks, PatchMerging(dim) if i < 3 else None))
         self.norm = nn.LayerNorm(self.num_features)
@@ -778,6 +809,7 @@ class InLineCSwin(Backbone):
 SWIN_B = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2',
               drop_path_rate=0.5)
 CSWIN_B = dict(embed_dim=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5)
+FLATTEN_PVT = dict(num_heads=(1, 2, 5, 8), layout='FFFF', unused_norm=True)  # PVT's heads; la_sr_ratios 1111
 MODELS = {  # name: (its family's class, its sizes), the rest the class's defaults (the released -T or -S)
     'inline_deit_t': (InLineDeiT, dict(img_size=224, embed_dim=192, num_heads=6)),
     'inline_deit_s': (InLineDeiT, dict(img_size=288, embed_dim=320, num_heads=10)),
@@ -795,6 +827,13 @@ MODELS = {  # name: (its family's class, its sizes), the rest the class's defaul
     'inline_cswin_b': (InLineCSwin, CSWIN_B),
     'inline_cswin_b_384': (InLineCSwin, dict(CSWIN_B, img_size=384, stripes=(1, 2, 12, 12),
                                              drop_path_rate=0.7)),
+    # the peers (peers.py), their authors' configs `cfgs/flatten_swin_t.yaml`, `cfgs/flatten_pvt_{t,s}.yaml`
+    'flatten_swin_t': (InLineSwin, dict(layout='FFSS', window=56)),
+    'flatten_pvt_t': (InLinePVT, FLATTEN_PVT),
+    'flatten_pvt_s': (InLinePVT, dict(FLATTEN_PVT, depths=(3, 4, 6, 3))),
+    # OUR CONSTRUCTION, no released code: TransNormer's DiagAttention as Swin's window softmax in stages 1-2,
+    # its NormAttention over the whole stage in 3-4; the rebuttal's "TransNormer 30M" cannot be traced to it
+    'transnormer_swin_t': (InLineSwin, dict(layout='SSNN')),
 }
 
 
@@ -803,7 +842,8 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
 
     """Build a registered variant.
 
-    name: one of MODELS (inline_<family>_<size>).
+    name: one of MODELS (inline_<family>_<size>; the peers flatten_swin_t, flatten_pvt_t, flatten_pvt_s and
+        transnormer_swin_t, our construction).
     checkpoint: weights to load (load_checkpoint: a path or a state dict).
     fast: the fused InLine core of kernels.py (an error if it cannot be imported; never a silent fallback).
     features_only: timm's backbone convention (FeatureBackbone): the stages out_indices as a list of maps,

@@ -13,7 +13,8 @@ The authors' rebuttal compares InLine with
 Both modules here take what inline.InLineAttention takes: x (B, N, C) on the token grid (h, w) ->
 (B, N, C), and keep the released parameter names (qkv or PVT's q and kv, proj, and FLatten's scale,
 positional_encoding, dwc, sr, norm), so FLatten's checkpoints load. The math is in pure functions beside
-them, tested in test_peers.py. They are baselines: models.py builds them from its layout letters.
+them, tested in test_peers.py. They are baselines: models.py builds them from its layout letters F and N in
+its PVT and Swin (make_peer, at the end; the registry's flatten_* and transnormer_swin_t).
 
 Notation, used in every shape comment: B batch, H heads, N query tokens, n key tokens (n = N but with PVT's
 spatial reduction, n = N / r^2), D head dim, C = H*D channels, (h, w) the token grid.
@@ -92,6 +93,7 @@ class FocusedLinearAttention(nn.Module):
     kernel_size: the side of dwc (5, their KERNEL_SIZE), a Conv2d D -> D with groups D and a bias, shared
         by the heads.
     """
+    no_fast_path = "FLatten's focused linear attention (layout letter F)"  # kernels.enable_fast refuses it
 
     def __init__(self, dim, num_heads, tokens, *, qkv_bias=True, separate_q=False, sr_ratio=1,
                  focusing_factor=3, kernel_size=5):
@@ -193,6 +195,7 @@ class NormAttention(nn.Module):
         'layernorm', nn.LayerNorm(C) with its weight and bias (`norm`), their language code's default.
     leading_tokens: the tokens before the grid (a class token: 1); the grid is only checked, never used.
     """
+    no_fast_path = "TransNormer's NormAttention (layout letter N)"  # kernels.enable_fast refuses it
 
     def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, kernel='one_plus_elu',
                  norm='srmsnorm', leading_tokens=0):
@@ -230,3 +233,27 @@ class NormAttention(nn.Module):
         """The explicit, unnormalised weights phi(q_i).phi(k_j) (B, H, N, N) before the output's norm."""
         q, k, _ = self.project(x, grid)
         return q @ k.transpose(-2, -1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The peers inside models.py's backbones: layout letters F and N, in PVT and Swin
+
+LETTERS = 'FN'  # F: FocusedLinearAttention, N: NormAttention
+FAMILIES = ('InLine-PVT', 'InLine-Swin')  # the families that build them: the released FLatten models' two
+# their attention options (models.attention_options): FLatten's config.py (FOCUSING_FACTOR, KERNEL_SIZE) and
+# TransNormer's vision default for NormAttention's norm
+OPTIONS = dict(focusing_factor=3, kernel_size=5, output_norm='srmsnorm')
+
+
+def make_peer(letter, dim, num_heads, options, tokens, separate_q=False, sr_ratio=1):
+    """The attention of an F or N block, from the attention options (models.attention_options).
+    tokens: the N of every call (F's positional_encoding: the stage's h*w in PVT, the window's in Swin).
+    separate_q, sr_ratio: PVT's layout and F's spatial reduction (FLatten-PVT's la_sr_ratios)."""
+    if letter == 'F':
+        return FocusedLinearAttention(dim, num_heads, tokens, separate_q=separate_q, sr_ratio=sr_ratio,
+                                      focusing_factor=options['focusing_factor'],
+                                      kernel_size=options['kernel_size'])
+    if sr_ratio > 1:
+        raise ValueError("NormAttention (layout letter N) has no spatial reduction: its sr_ratio must be 1")
+    return NormAttention(dim, num_heads, separate_q=separate_q, kernel=options['kernel'] or 'one_plus_elu',
+                         norm=options['output_norm'])

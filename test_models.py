@@ -192,7 +192,8 @@ def test_macs(name):
     assert abs(gmacs / released - 1) < 0.001
 
 
-@pytest.mark.parametrize('name', list(models.RELEASED))
+# transnormer_swin_t is our construction: no released checkpoint, no keys
+@pytest.mark.parametrize('name', [n for n in models.RELEASED if n != 'transnormer_swin_t'])
 def test_keys_match_the_released_checkpoint(name):
     """Our state dict is the authors' parameters, key for key and shape for shape, with no mapping."""
     ours = {k: tuple(v.shape) for k, v in meta_model(name).state_dict().items()}

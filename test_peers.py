@@ -1,15 +1,21 @@
-"""peers.py against explicit slow formulas (float64), the authors' parameter names and shapes, and gradients.
+"""peers.py against explicit slow formulas (float64), the authors' parameter names and shapes, and gradients;
+the peers' models in models.py: the authors' counts, keys and MACs, the fast path's refusal, a training step.
 
     python -m pytest -q test_peers.py
 """
+import gzip
 import math
+import os
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import inline
+import models
 import peers
+from conftest import GOLDEN
 
 f64 = dict(dtype=torch.float64)
 
@@ -236,3 +242,105 @@ def test_wrong_sizes_and_options_are_refused():
         peers.FocusedLinearAttention(12, 3, 20)(torch.randn(1, 20, 12), (4, 4))
     with pytest.raises(ValueError, match='unknown norm'):
         peers.NormAttention(12, 3, norm='batchnorm')
+
+
+# ---------------------------------------------------------------------------------------------------
+# The peers' models (models.py's F and N letters): the authors' sizes, names and cost; ours builds and trains
+
+PEER_MODELS = ['flatten_swin_t', 'flatten_pvt_t', 'flatten_pvt_s', 'transnormer_swin_t']
+FLATTEN = [name for name in PEER_MODELS if name.startswith('flatten')]
+# A few keys and shapes read off the authors' code (models/flatten_swin.py: FocusedLinearAttention in stages 1
+# and 2 with window 56, so a 56x56 and a 28x28 positional_encoding, dwc over one head's D = 32 channels;
+# models/flatten_pvt.py: q and kv, positional_encoding over num_patches, the unused final `norm`)
+AUTHORS_KEYS = {
+    'flatten_swin_t': {'layers.0.blocks.0.attn.qkv.weight': (288, 96), 'layers.0.blocks.1.attn.dwc.weight':
+                       (32, 1, 5, 5), 'layers.0.blocks.0.attn.scale': (1, 1, 96),
+                       'layers.1.blocks.1.attn.positional_encoding': (1, 784, 192),
+                       'layers.0.blocks.0.attn.positional_encoding': (1, 3136, 96),
+                       'layers.2.blocks.0.attn.relative_position_bias_table': (169, 12)},
+    'flatten_pvt_t': {'block1.0.attn.q.weight': (64, 64), 'block1.0.attn.kv.weight': (128, 64),
+                      'block1.0.attn.positional_encoding': (1, 3136, 64),
+                      'block4.1.attn.dwc.weight': (64, 1, 5, 5), 'block3.0.attn.scale': (1, 1, 320),
+                      'norm.weight': (512,)},
+}
+
+
+def key_table(name):
+    """{key: (shape, kind)} of golden/keys/<name>.tsv.gz, the authors' state dict written from their code."""
+    with gzip.open(os.path.join(GOLDEN, 'keys', f'{name}.tsv.gz'), 'rt') as f:
+        rows = [line.rstrip('\n').split('\t') for line in f][1:]
+    return {key: (tuple(int(n) for n in shape.split('x')), kind) for key, shape, kind in rows}
+
+
+@pytest.mark.parametrize('name', PEER_MODELS)
+def test_peer_models_have_the_authors_counts_keys_and_macs(name):
+    """Built on the meta device: the parameter count and GMACs of models.RELEASED (the authors' for FLatten,
+    ours for TransNormer-Swin-T), MACs within 0.5%; FLatten's parameter keys and shapes as the authors'."""
+    with torch.device('meta'):
+        model = models.create_model(name)
+    params, gmacs, _ = models.RELEASED[name]
+    assert sum(p.numel() for p in model.parameters()) == params
+    ours = models.count_macs(model) / 1e9
+    print(f"{name}: {ours:.4f} GMACs, expected {gmacs:.3f}")
+    assert abs(ours / gmacs - 1) < 0.005
+    if name in FLATTEN:
+        state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        assert state == {k: shape for k, (shape, kind) in key_table(name).items() if kind == 'parameter'}
+        assert all(state[k] == shape for k, shape in AUTHORS_KEYS.get(name, {}).items())
+
+
+@pytest.mark.parametrize('name', ['flatten_swin_t', 'flatten_pvt_t'])
+def test_flatten_checkpoint_layout_loads_strictly(name):
+    """A state dict in the authors' layout, buffers (Swin's attn_mask, relative_position_index) included,
+    loads with no key mapping, every parameter taken."""
+    torch.manual_seed(0)
+    state = {k: torch.randn(shape) if kind == 'parameter' else torch.zeros(shape)
+             for k, (shape, kind) in key_table(name).items()}
+    with torch.device('meta'):
+        model = models.create_model(name)
+    models.load_checkpoint(model.to_empty(device='cpu'), state)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+SMALL_PEERS = {  # small sizes for real passes; Swin's softmax window 2 tiles the 16x16 to 2x2 stages
+    'flatten_swin_t': dict(img_size=64, embed_dim=16, num_heads=(1, 2, 2, 4), softmax_window=2),
+    'flatten_pvt_t': dict(img_size=64, embed_dims=(16, 32, 40, 64), num_heads=(1, 2, 2, 4)),
+    'transnormer_swin_t': dict(img_size=64, embed_dim=16, num_heads=(1, 2, 2, 4), softmax_window=2),
+}
+
+
+@pytest.mark.parametrize('name', SMALL_PEERS)
+def test_peer_models_train_a_step(name):
+    """Forward to (B, classes), backward reaches every parameter but FLatten-PVT's unused, frozen norm, and an
+    SGD step changes the loss."""
+    torch.manual_seed(0)
+    model = models.create_model(name, num_classes=5, drop_path_rate=0., **SMALL_PEERS[name])
+    x, y = torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3])
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for key, p in model.named_parameters():
+        frozen = key.startswith('norm.') and name.startswith('flatten_pvt')
+        assert (not p.requires_grad and p.grad is None) if frozen else p.grad.abs().sum() > 0, key
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert torch.isfinite(loss) and F.cross_entropy(model(x), y).item() != loss.item()
+
+
+def test_transnormer_swin_t_says_it_is_our_construction():
+    """No code of TransNormer's for vision was released: the registry's docs and the README's table say so."""
+    assert 'transnormer_swin_t, our construction' in ' '.join(models.create_model.__doc__.split())
+    row = next(line for line in open(os.path.join(os.path.dirname(__file__), 'README.md'))
+               if 'transnormer_swin_t' in line)
+    assert 'our construction' in row and '79.9' in row, row
+
+
+@pytest.mark.parametrize('name,letter', [('flatten_pvt_t', 'F'), ('flatten_swin_t', 'F'),
+                                         ('transnormer_swin_t', 'N')])
+def test_fast_path_refuses_the_peers_by_name(name, letter):
+    with torch.device('meta'), pytest.raises(ValueError, match=rf"\(layout letter {letter}\) has none"):
+        models.create_model(name, fast=True)
+
+
+@pytest.mark.parametrize('name,layout', [('inline_deit_t', 'F'), ('inline_cswin_t', 'INSS')])
+def test_families_without_the_peers_refuse_their_letters(name, layout):
+    with pytest.raises(ValueError, match=re.escape('built in the PVT and Swin families only')):
+        models.create_model(name, layout=layout)

@@ -880,3 +880,14 @@ def test_grad_checkpointing_keeps_the_gradients():
     assert all(torch.equal(without[n], with_[n]) for n in without)
     run = resolved(['--model', name, '--img-size', '64', '--attention-impl', 'reference', '--grad-checkpoint'])
     assert train.build_model(run, num_classes=10).grad_checkpointing
+
+
+DEFAULT_IMPL = [('inline_swin_t', [], 'fast'), ('inline_swin_t', ['--layout', 'LISS'], 'reference'),
+                ('flatten_pvt_t', [], 'reference'), ('flatten_swin_t', [], 'reference'),
+                ('transnormer_swin_t', [], 'reference')]
+
+
+@pytest.mark.parametrize('name,flags,impl', DEFAULT_IMPL)
+def test_attention_impl_defaults_to_the_reference_without_a_fast_path(name, flags, impl):
+    """Vanilla linear attention (L) and the peers (F, N, in the registry's layouts) have no fast core."""
+    assert resolved(['--model', name, *flags]).args.attention_impl == impl

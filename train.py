@@ -82,6 +82,11 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
     'inline_cswin_s':     (128, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.05, 0.0, 0.4),
     'inline_cswin_b':     (64, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.1, 0.0, 0.5),
     'inline_cswin_b_384': (32, 5e-6, 20, 0, 5e-6, 5e-7, 10, 1e-8, 0.0, 0.7),
+    # the peers: FLatten's `cfgs/flatten_*.yaml` over their config.py's defaults; ours with Swin-T's recipe
+    'flatten_swin_t':     (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.2),
+    'flatten_pvt_t':      (128, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
+    'flatten_pvt_s':      (64, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
+    'transnormer_swin_t': (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.2),
 }
 # the total batch is the table's per-process batch x 8 processes, as the authors' README launches
 PROCESSES = 8
@@ -158,7 +163,8 @@ def get_args_parser():
       'DeiT 64, Swin with InLine windows smaller than the stage 224)')
     a('--attention-impl', choices=['fast', 'reference'],
       help='the InLine core: kernels.py (fast; the default) or '
-      'inline.py (reference; the default for vanilla linear attention, layout L, which has no fast path)')
+      'inline.py (reference; the default for vanilla linear attention, layout L, and the peers, F and N, '
+      'which have no fast path)')
     a('--drop-path', type=float, help='stochastic depth rate')
     a('--finetune',
       help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
@@ -342,9 +348,10 @@ def resolve(run):
     run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
         args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet else 0.0
-    # kernels.enable_fast refuses a model with linear attention: it has no fast path
+    # kernels.enable_fast refuses a model with linear attention or a peer's (F, N): they have no fast path
     if args.attention_impl is None:
-        args.attention_impl = 'reference' if 'L' in str(run.arch.get('layout', '')) else 'fast'
+        layout = str(run.arch.get('layout', models.MODELS[args.model][1].get('layout', '')))
+        args.attention_impl = 'reference' if set(layout) & set('LFN') else 'fast'
     run.amp_given = args.amp is not None
     amp = [(args.amp, 'given by --amp') if run.amp_given else default_amp(run.device)]
     if dist.is_initialized():  # rank 0's, which a probe may have measured: every rank in the same precision
