@@ -55,10 +55,11 @@ BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=
 MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
 MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
 # The rows still rising at MOSAIC_BUDGET's 4 epochs (the no-Eq. 6 rows gained 2.3-7.9 points over their last
-# quarter, the others under 1), rerun at twice the epochs with their references (`--rerun`): T3's pair,
-# R-res's none against local, T4's one-cell window against the whole stage (t4_window56_no_residual is
-# r_residual_none's model). In fp32: the CPU of the rerun emulates bf16 (AVX2 alone), a step 9x slower
-MOSAIC_RERUN = dict(epochs=8, precision='fp32', rows=(
+# quarter, the others under 1), rerun with their references (`--rerun`): T3's pair, R-res's none against
+# local, T4's one-cell window against the whole stage (t4_window56_no_residual is r_residual_none's model).
+# 16 epochs: the pilot at 8 (r_residual_none, t3_inline_relu, seed 0) still gained 1.7 and 2.1 points over its
+# last quarter (RESULTS.md). In fp32: the CPU of the rerun emulates bf16 (AVX2 alone), a step 9x slower
+MOSAIC_RERUN = dict(epochs=16, precision='fp32', rows=(
     't3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 't4_window14_no_residual',
     't4_window56_no_residual'))
 # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
@@ -429,8 +430,9 @@ def seeds_option(values, default):
 def choose(args, every):
     """The experiments a command asks for: --quick, --claims (the claim rows: CLAIM_ROWS, or MOSAIC_ROWS on
     fashion_recall, where every row is one), --only NAMES, else all, each with the φ = 0 floor of every family
-    it touches (the gate of its verdicts); and seeds(name): the claim rows CLAIM_SEEDS unless --seeds names
-    their table."""
+    it touches (the gate of its verdicts; on the mosaics the guess stands in for a recipe without floor runs,
+    so the floor comes only with the rows that name it); and seeds(name): the claim rows CLAIM_SEEDS unless
+    --seeds names their table."""
     rows = MOSAIC_ROWS if args.dataset == 'fashion_recall' else CLAIM_ROWS
     if args.quick:
         chosen = QUICK

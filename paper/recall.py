@@ -80,8 +80,8 @@ RECALL_SEEDS, RECALL_STEPS, RECALL_BATCH = 5, 20000, 64
 RECALL_FIRST_STEPS = 2000  # the first study's budget, where no linear-state run left the guess reliably
 # The seeds split where the models sit between learning and not (RESULTS.md, "Recall, by the seeds that
 # learn"): at this size the models of the comparisons that split get this many seeds
-RECALL_SPLIT = ((32, 8, 24), 10, ('linear 1+elu + Eq. 6', 'InLine 1+elu s/i + Eq. 6', 'InLine 1+elu s + Eq. 6',
-                                  'InLine s/i + Eq. 6', 'InLine s + Eq. 6'))
+RECALL_SPLIT = ((32, 8, 24), 10, ('linear 1+elu + Eq. 6', 'InLine 1+elu s/i + Eq. 6',
+                                  'InLine 1+elu s + Eq. 6', 'InLine s/i + Eq. 6', 'InLine s + Eq. 6'))
 RECALL_VALID, RECALL_TEST = 777, 12345  # the held-out sequences' generators: learning rates, then the test
 RECALL_HELD_OUT = 1024  # sequences of each
 
@@ -491,7 +491,7 @@ def recall_comparisons(recall, guesses, models, sizes):
     for (question, a, b), eq6 in itertools.product(RECALL_COMPARISONS, ('', RECALL_EQ6)):
         a, b, softmax, floor = a + eq6, b + eq6, 'softmax' + eq6, RECALL_FLOOR + eq6
         for w, p, n in sizes:
-            if a not in models or b not in models or len(recall[a, w, p, n]) < 2 or len(recall[b, w, p, n]) < 2:
+            if a not in models or b not in models or min(len(recall[x, w, p, n]) for x in (a, b)) < 2:
                 continue
             guess = guesses[w, p, n]
             (ka, ma), (kb, mb) = learners(recall[a, w, p, n], guess), learners(recall[b, w, p, n], guess)
@@ -511,10 +511,10 @@ def recall_comparisons(recall, guesses, models, sizes):
         row[6] = 'untestable' if q is None else row[5] if next(adjusted) < ALPHA else 'not resolved'
     if rows:
         print('\nComparisons, "b recalls more than a" read as "b learns in more seeds than a" (RESULTS.md, '
-              '"Recall, by the seeds that learn"): seeds 1, 2, ... that learned, Fisher\'s exact two-sided p, '
-              'the verdict at 5% (reproduced where b\'s share is the larger, contradicted where a\'s is), '
-              'untestable where softmax does not learn in more seeds than the floor (phi = 0) at that size by '
-              'the same test; the Holm verdict over the testable ones. Apart, recall among the seeds that '
+              '"Recall, by the seeds that learn"): seeds 1, 2, ... that learned, Fisher\'s exact two-sided '
+              'p, the verdict at 5% (reproduced where b\'s share is the larger, contradicted where a\'s is), '
+              'untestable where softmax does not learn in more seeds than the floor (phi = 0) at that size '
+              'by the same test; the Holm verdict over the testable ones. Apart, recall among the seeds that '
               'learned (all seeds): b − a with its Welch 95% interval, where each has two learners.\n')
         print_table(['question', 'C / pairs / tokens', 'a learned', 'b learned', 'Fisher p', 'verdict',
                      'Holm verdict', 'among learners: b − a'], rows)

@@ -286,16 +286,16 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
         assert message in capsys.readouterr().err
 
 
-def test_recall_comparisons_are_untestable_under_the_floor_or_the_guess(tmp_path, capsys):
-    """Records made up for one size: a comparison whose two models clear the floor (phi = 0) and the guess by
-    RECALL_GATE gets a verdict; one whose model sits at the floor is untestable, and Holm counts only the
-    first. The models with Eq. 6 are compared among themselves, gated by the floor with Eq. 6: the same
-    softmax numbers are untestable there, where that floor sits at 58%."""
+def test_recall_comparisons_read_the_seeds_that_learn(tmp_path, capsys):
+    """Records made up for one size (4 pairs: a guess near 26%, so 99% learned and 40% did not): seed 0 chose the learning rate and stays out of every share; the shares of seeds 1-5 go through
+    Fisher's exact test (5 of 5 against 0 of 5: p = 2 / 252), their exact interval is Clopper-Pearson's, and
+    the gate is the study's: softmax against the floor at that size. With Eq. 6 the softmax learns no more
+    often than the floor, so every comparison there is untestable whatever its models do."""
     width, pairs, tokens, steps = 16, 4, 12, 7
-    scores = {'softmax': [99.0, 98.5, 99.5], 'softmax q-norm': [60.0, 58.0, 61.0],
-              'floor phi=0': [27.0, 26.5, 27.5], 'InLine s/i': [27.2, 26.8, 27.1],
-              'InLine s/i q-norm': [26.9, 27.3, 27.0], 'softmax + Eq. 6': [99.0, 98.5, 99.5],
-              'softmax q-norm + Eq. 6': [60.0, 58.0, 61.0], 'floor phi=0 + Eq. 6': [58.0, 58.0, 58.0]}
+    hi, lo = [99.0] * 6, [40.0] * 6
+    scores = {'softmax': hi, 'floor phi=0': lo, 'InLine s/i q-norm': [40.0] + [40.0] * 5,
+              'InLine s/i': [40.0] + [99.0] * 5, 'softmax + Eq. 6': hi, 'floor phi=0 + Eq. 6': hi,
+              'InLine s/i q-norm + Eq. 6': lo, 'InLine s/i + Eq. 6': hi}
     path = tmp_path / 'recall.jsonl'
     for name, values in scores.items():
         for lr in recall.RECALL_LRS:
@@ -307,23 +307,41 @@ def test_recall_comparisons_are_untestable_under_the_floor_or_the_guess(tmp_path
             runs.append_record(str(path), dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed,
                                                 steps=steps, batch=recall.RECALL_BATCH,
                                                 lr=recall.RECALL_LRS[1], cpu_s=1.0, valid=0.0, recall=value))
-    cli.main(['recall', '--no-train', '--results', str(path), '--steps', str(steps), '--seeds', '3',
-              '--sizes',
-                f'{width}x{pairs}x{tokens}', '--models', *scores, '--out', str(tmp_path)])
+    cli.main(['recall', '--no-train', '--results', str(path), '--steps', str(steps), '--seeds', '6',
+              '--sizes', f'{width}x{pairs}x{tokens}', '--models', *scores, '--out', str(tmp_path)])
     out = capsys.readouterr().out
-    assert '| injectivity within softmax | 16 / 4 / 12 | 59.7 | 99.0 | +39.3 ± ' in out
-    assert '| reproduced | reproduced |' in out
-    assert ('| injectivity within InLine | 16 / 4 / 12 | 27.1 | 27.0 | ' in out
-            and '| untestable | untestable |' in out)
-    assert re.search(r'\| injectivity within softmax \+ Eq. 6 \| 16 / 4 / 12 \| 59.7 \| 99.0 \| .* \| '
-                     r'untestable \| untestable \|', out)  # 59.7 < 58 + RECALL_GATE
+    assert '| 16 / 4 / 12 | InLine s/i | no | 5 of 5 | 1.00 [0.48, 1.00] | 99.0 (5) |' in out
+    assert '| 16 / 4 / 12 | InLine s/i q-norm | no | 0 of 5 | 0.00 [0.00, 0.52] | - |' in out
+    p = f'{2 / 252:.3f}'
+    assert f'| injectivity within InLine | 16 / 4 / 12 | 0 of 5 | 5 of 5 | {p} | reproduced | ' in out
+    assert f'| injectivity within InLine + Eq. 6 | 16 / 4 / 12 | 0 of 5 | 5 of 5 | {p} | untestable | ' \
+        'untestable |' in out
+
+
+def test_paper_exact_tests_against_their_definitions():
+    """Fisher's exact p, Clopper-Pearson's interval and the sign-flip p against explicit counts: the
+    hypergeometric tables no likelier than 4 of 4 against 0 of 4 are it and its mirror, 2 of C(8, 4) = 70;
+    the interval at 0 of n is [0, 1 - 0.025^(1/n)]; of the 8 sign patterns of (1, 2, 3), two reach |6|."""
+    assert stats.fisher_exact(4, 4, 0, 4) == pytest.approx(2 / 70)
+    assert stats.fisher_exact(2, 4, 2, 4) == pytest.approx(1.0)
+    # 3 of 5 against 1 of 5: P(x) = C(5, x) C(5, 4 - x) / C(10, 4); the tables 0, 1, 3, 4 are as unlikely
+    probs = [math.comb(5, x) * math.comb(5, 4 - x) / math.comb(10, 4) for x in range(5)]
+    assert stats.fisher_exact(3, 5, 1, 5) == pytest.approx(sum(q for q in probs if q <= probs[3] * (1 + 1e-9)))
+    for n in (4, 9):
+        assert stats.clopper_pearson(0, n) == (0.0, pytest.approx(1 - 0.025 ** (1 / n), abs=1e-9))
+        lo, hi = stats.clopper_pearson(n, n)
+        assert hi == 1.0 and lo == pytest.approx(0.025 ** (1 / n), abs=1e-9)
+    lo, hi = stats.clopper_pearson(2, 4)  # the binomial tails at the edges are 2.5% each
+    assert sum(math.comb(4, x) * lo ** x * (1 - lo) ** (4 - x) for x in (2, 3, 4)) == pytest.approx(0.025)
+    assert sum(math.comb(4, x) * hi ** x * (1 - hi) ** (4 - x) for x in (0, 1, 2)) == pytest.approx(0.025)
+    assert stats.sign_flip_p([1.0, 2.0, 3.0]) == 0.25 and stats.sign_flip_p([1.0, -2.0, 3.0]) == 0.75
+    assert stats.sign_flip_p([-5.0] * 5) == 2 / 32  # every seed on one side: the floor of 5 seeds
 
 
 def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
-    """Made-up records with right answers kept: a gets the same answers right in every seed, b those and the
-    same 410 more (20 points), so the seeds alone give ± 0.0, while the test sequences give the interval of a
-    mean over 1024 sequences: t(0.975, 1023) sd / sqrt(1024) of the per-sequence differences (the two-way
-    model with no seed or residual variance)."""
+    """Made-up records with right answers kept: b gets the same answers right in every seed, so the seeds
+    alone give ± 0.0, while the test sequences give the interval of a mean over 1024 sequences: t(0.975, 1023)
+    sd / sqrt(1024) of its per-sequence recall (the two-way model with no seed or residual variance)."""
     width, pairs, tokens, steps = 16, 2, 12, 7
     g = torch.Generator().manual_seed(0)
     a = torch.rand(1024 * pairs, generator=g) < 0.5
@@ -342,11 +360,10 @@ def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
                 f'{width}x{pairs}x{tokens}', '--models', 'InLine s/i q-norm', 'InLine s/i', '--out',
                 str(tmp_path)])
     row = next(line for line in capsys.readouterr().out.splitlines()
-               if line.startswith('| injectivity within InLine |'))
-    # per test sequence
-    d = 100 * (b.view(1024, pairs).double().mean(1) - a.view(1024, pairs).double().mean(1))
+               if line.startswith(f'| {width} / {pairs} / {tokens} | InLine s/i |'))
+    d = 100 * b.view(1024, pairs).double().mean(1)  # per test sequence
     half = 1.962339 * d.std().item() / 1024 ** 0.5  # t(0.975, 1023)
-    assert 1.0 < half < 5.0 and f'| {d.mean().item():+.1f} ± {half:.1f} |' in row
+    assert 1.0 < half < 5.0 and f'| {d.mean().item():.1f} ± {half:.1f} |' in row
 
 
 def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys):
@@ -380,12 +397,15 @@ def test_the_committed_recall_records_rebuild_the_results_recall_tables(tmp_path
     assert len(tables) > 10 and [line for line in tables if line not in results] == []
 
 
-def test_recall_verdict_reads_a_claimed_ordering():
-    """b minus a, seed by seed: the ablations' verdict with "b above a" as the claimed side."""
-    assert stats.verdict([10.0, 12.0, 11.0], recall.RECALL_CLAIM) == 'reproduced'
-    assert stats.verdict([-10.0, -12.0, -11.0], recall.RECALL_CLAIM) == 'contradicted'
-    assert stats.verdict([10.0, -12.0, 1.0], recall.RECALL_CLAIM) == 'not resolved'
-    assert stats.verdict([0.0, 0.0, 0.0], recall.RECALL_CLAIM) == 'not resolved'  # both at 100 %, say
+def test_paper_equivalence_and_the_interval():
+    """An ordering the t-test leaves open is equivalent within ±1 when the 95% interval lies inside it, with
+    TOST's p; a tie inside the margin is reproduced by the same test; the interval against the t table."""
+    tight = [0.1, -0.1, 0.0, 0.2, -0.2]
+    assert stats.decide(tight, -1.1)[0] == stats.EQUIVALENT
+    assert stats.decide(tight, -1.1)[1] == pytest.approx(stats.p_values(tight, 0.0)[0])
+    assert stats.decide(tight, 0.1)[0] == 'reproduced'
+    assert stats.decide([0.5, 0.6, 0.4, 0.5, 0.55], -1.1)[0] == 'contradicted'  # excludes 0: the t-test first
+    assert stats.decide([-1, 1, 0.5], -1.6)[0] == 'not resolved'  # [-2.4, +2.8]: neither
     mean, half = stats.interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-3
 
@@ -992,7 +1012,7 @@ def test_t_distribution_against_published_values():
     ([-10, -9, -11], None, '—')])
 def test_paper_verdict_rules(diffs, paper_diff, expected):
     assert stats.verdict(diffs, paper_diff) == expected
-    assert expected in stats.WORDS + ('—',)
+    assert expected in stats.WORDS + (stats.EQUIVALENT, '—')
 
 
 def test_paper_p_values_agree_with_the_interval():
@@ -1011,16 +1031,11 @@ def test_paper_p_values_agree_with_the_interval():
 
 def test_paper_interval_mde_and_seeds_for_power():
     """The interval against the t table; the MDE at 80% power and the seeds it takes against their explicit
-    formula, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + the test set's term), sd pooled over a table's
-    comparisons with their degrees of freedom summed; the MDE against a simulation: a true effect of that size
+    formula, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + the test set's term); the MDE against a simulation: a true effect of that size
     is caught about 80% of the time."""
     mean, half = stats.interval([1.0, 2.0, 3.0])  # sd 1, 3 seeds: 4.303 / sqrt(3)
     assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
     assert stats.interval([1.0])[1] == math.inf and stats.mde(1.0, 1) == math.inf
-    # variances 1 (3 seeds, 2 df) and 2 (2 seeds, 1 df); a comparison of one seed adds nothing
-    sd, df = stats.pooled_sd([[1.0, 2.0, 3.0], [0.0, 2.0], [5.0]])
-    assert df == 3 and sd == pytest.approx(math.sqrt((2 * 1 + 1 * 2) / 3))
-    assert stats.pooled_sd([[1.0], []]) == (None, 0)
     assert stats.mde(1.0, 3) == pytest.approx((4.303 + 1.061) / math.sqrt(3), abs=1e-3)
     assert stats.mde(2.0, 5,
                      image_var=0.3) == pytest.approx((2.776 + 0.941) * math.sqrt(4 / 5 + 0.3), abs=1e-3)
@@ -1066,13 +1081,14 @@ def test_paper_pairs_match_by_seed_number_and_leave_diverged_runs_out():
     assert old.correct == {0: None, 2: None} and stats.matched(a, old)[2] is None
     every = ablations.experiments()
     chosen = {n: every[n] for n in ('t3_linear_relu', 't3_inline_relu')}
-    configs, rows, _, (sd, df, m) = ablations.table_rows(chosen, {n: [] for n in chosen}, {
+    configs, rows, _, m = ablations.table_rows(chosen, {n: [] for n in chosen}, {
         't3_linear_relu': a, 't3_inline_relu': b}, every)
     assert configs[1][3] == '75.0 ± 7.1 (2), seed 1 diverged'
     mean, half = stats.interval(diffs, images)
     assert rows[0][3:6] == [f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]', 'seeds and test images',
                             '2 (seed 1 unpaired)']
-    assert (sd, df, m) == (pytest.approx(math.sqrt(200)), 1, 0)
+    assert rows[0][6] == f'{stats.mde(math.sqrt(200), 2, stats.image_term(images)[0]):.1f} (sd 14.14, 1 df)'
+    assert m == 0
     # no floor_swin among the results: no gate
     assert rows[0][9:] == ['untestable (no floor run)', 'untestable']
 
