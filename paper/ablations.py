@@ -65,15 +65,17 @@ MOSAIC_RERUN = dict(epochs=16, precision='fp32', rows=(
 # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
 MOSAIC_RUN_CPU_MIN = 7.0
 # T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not
-# injective
-MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q')
+# injective; and the peers (P), which the claim rows there never had
+MOSAIC_ONLY = ('t1_swin_softmax_normalised_q', 't1_inline_normalised_q', 'p_flatten_swin',
+               'p_transnormer_swin')
 # The claims it can test, in the order a batch trains them, two by two: the gate (InLine against its floor); S
 # with R-res's no-Eq. 6 row; T3's pair; T1 within softmax and within InLine; R-res's plain row with T4's
-# one-cell window. r_residual_local and t4_window56_no_residual name configurations trained above
-# (InLine-Swin-T, r_residual_none).
+# one-cell window; the peers, FLatten and TransNormer (P). r_residual_local and t4_window56_no_residual name
+# configurations trained above (InLine-Swin-T, r_residual_none).
 MOSAIC_ROWS = ('floor_swin', 'inline_swin_t', 's_swin_t', 'r_residual_none', 't3_linear_relu',
                't3_inline_relu', 't1_swin_softmax_normalised_q', 't1_inline_normalised_q', 'r_residual_plain',
-               't4_window14_no_residual', 'r_residual_local', 't4_window56_no_residual')
+               't4_window14_no_residual', 'r_residual_local', 't4_window56_no_residual', 'p_flatten_swin',
+               'p_transnormer_swin')
 # bf16 autocast, training and validation, on both: on this project's CPU (AVX-512 BF16, no AMX) a training
 # step of the Swin miniature took 0.13 CPU-s in bf16 against 0.22 in fp32 (batch 64, one thread, interleaved
 # rounds). A CPU with AVX2 alone emulates bf16 (a step 9x slower than fp32): --precision fp32 there, a recipe
@@ -87,7 +89,8 @@ FLOOR_MARGIN = 3.0
 # length before the first record of a recipe exists (then the records' own mean is used); scaled by epochs x
 # images. Swin from the pilot's two runs; the others by their step costs relative to Swin's, measured before
 RUN_CPU_MIN = {'swin': 9.5, 'deit': 7.2, 'pvt': 17.0, 'cswin': 19.0}
-SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3, 'floor': 3}
+SEEDS = {'T3': 3, 'T4': 3, 'R-res': 3, 'S': 3, 'T10': 3, 'R-dil': 3, 'R-nonneg': 3, 'T1': 3, 'P': 3,
+         'floor': 3}
 # The claim rows (RESULTS.md, "Verdicts"), with the seeds that give a 1-point effect 80% power at the spreads
 # measured (in the order a batch trains them: T3's pair, R-res's (T4's at 56²), S's, then T4's windows)
 CLAIM_ROWS = ('t3_linear_relu', 't3_inline_relu', 't4_window56_no_residual', 't4_window56_residual',
@@ -173,6 +176,8 @@ def comparisons(chosen):
             pairs.append((t, name, name.replace('s_', 'inline_', 1)))
         elif t == 'floor':
             pairs.append((t, e.model, name))
+        elif t == 'P':  # the peer against InLine-Swin-T: the rebuttal's orderings
+            pairs.append((t, name, 'r_residual_local'))
         elif t in ('T10', 'R-res', 'R-dil', 'R-nonneg', 'T1'):
             base = {'T10': 't10_kernel_identity', 'R-res': 'r_residual_local', 'R-dil': 'r_dilation1',
                     'R-nonneg': 'r_residual_local', 'T1': T1_REFERENCE.get(name, 't1_softmax')}[t]

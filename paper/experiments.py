@@ -97,6 +97,12 @@ for size, depths, reported in (('t', (1, 2, 21, 1), '82.7'), ('s', (2, 4, 32, 2)
                f"CSwin-{size.upper()}: cross-shaped stripe softmax in every stage, CSwin's own depths")
 experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.2',
            'DeiT-T: softmax over all tokens')
+# P: the peers the rebuttal measures InLine against, in Swin-T's skeleton (on the mosaic bed alone):
+# FLatten-Swin-T (its README's 82.1) and TransNormer-Swin-T (the rebuttal's 79.9; ours: no code was released)
+experiment('p_flatten_swin', 'flatten_swin_t', dict(window=56), 'P', '82.1',
+           "FLatten's focused linear attention over the whole stage in stages 1-2, Swin's softmax in 3-4")
+experiment('p_transnormer_swin', 'transnormer_swin_t', {}, 'P', '79.9',
+           "window softmax (DiagAttention) in stages 1-2, NormAttention in 3-4", ours=True)
 
 
 def create_experiment(name, **overrides):
