@@ -120,8 +120,8 @@ def attention_options(family, options, letters):
     kernel (phi; None: identity for I, relu for L, 1 + elu for N), residual ('local' Eq. 6, 'plain', 'none'),
     local_size (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or
     'I', of the blocks whose q is L2-normalised with a learned per-head gain, inline.NormalisedQ),
-    allow_divergent (L with a signed kernel); focusing_factor, kernel_size (F), output_norm (N): the peers'
-    (peers.make_peer).
+    allow_divergent (L with a signed kernel); focusing_factor, kernel_size, focused_normalisation (F),
+    output_norm (N): the peers' (peers.make_peer).
     letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):

@@ -29,6 +29,7 @@ import inline
 # FLatten: the focused kernel, the division, the depthwise convolution of v
 
 FLATTEN_EPS = 1e-6  # FLatten's: added after the relu (every entry > 0) and to the division's denominator
+NORMALISATIONS = ('division', 'subtraction')  # FocusedLinearAttention's: FLatten's, or InLine's Eq. 5
 
 
 def focusing(x, p):
@@ -92,12 +93,20 @@ class FocusedLinearAttention(nn.Module):
     focusing_factor: p of the focusing function (3, their config's FOCUSING_FACTOR).
     kernel_size: the side of dwc (5, their KERNEL_SIZE), a Conv2d D -> D with groups D and a bias, shared
         by the heads.
+    normalisation: 'division', FLatten's; or 'subtraction', InLine's Eq. 5 (inline.inline_attention, the
+        released s/N factor) on the same focused q and k: the rebuttal's "FLatten without division", read as
+        InLine's normalisation in FLatten's place (every row of weights still sums to 1). Needs sr_ratio 1:
+        Eq. 5's 1/N is over as many keys as queries.
     """
     no_fast_path = "FLatten's focused linear attention (layout letter F)"  # kernels.enable_fast refuses it
 
     def __init__(self, dim, num_heads, tokens, *, qkv_bias=True, separate_q=False, sr_ratio=1,
-                 focusing_factor=3, kernel_size=5):
+                 focusing_factor=3, kernel_size=5, normalisation='division'):
         super().__init__()
+        if normalisation not in NORMALISATIONS:
+            raise ValueError(f"unknown normalisation {normalisation!r}; choose one of {list(NORMALISATIONS)}")
+        if normalisation == 'subtraction' and sr_ratio > 1:
+            raise ValueError("normalisation='subtraction' (Eq. 5) needs as many keys as queries: sr_ratio 1")
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         if sr_ratio > 1 and not separate_q:
@@ -106,6 +115,7 @@ class FocusedLinearAttention(nn.Module):
         if kernel_size % 2 != 1:
             raise ValueError(f"kernel_size must be odd, so that dwc keeps the grid, got {kernel_size}")
         self.num_heads, self.sr_ratio, self.focusing_factor = num_heads, sr_ratio, focusing_factor
+        self.normalisation = normalisation
         D = dim // num_heads
         inline.add_projections(self, dim, qkv_bias, separate_q)
         if sr_ratio > 1:
@@ -138,7 +148,8 @@ class FocusedLinearAttention(nn.Module):
         q = focused_kernel(q, self.scale, self.focusing_factor)  # (B, N, C)
         k = focused_kernel(k + pe, self.scale, self.focusing_factor)  # (B, n, C): position before the kernel
         q, k, v = (self.split(t) for t in (q, k, v))  # (B, H, N or n, D)
-        o = focused_linear_attention(q, k, v)  # the division, (B, H, N, D)
+        o = (focused_linear_attention(q, k, v) if self.normalisation == 'division'
+             else inline.inline_attention(q, k, v))  # the division or Eq. 5's subtraction, (B, H, N, D)
         if self.sr_ratio > 1:  # v back to N tokens for dwc, linearly along the flattened token order
             v = F.interpolate(v.transpose(-2, -1).flatten(0, 1), size=N, mode='linear')  # (B*H, D, N)
             v = v.reshape(B, self.num_heads, -1, N).transpose(-2, -1)  # (B, H, N, D)
@@ -151,7 +162,8 @@ class FocusedLinearAttention(nn.Module):
         q, k, _ = self.project(x, grid)
         q = focused_kernel(q, self.scale, self.focusing_factor)
         k = focused_kernel(k + self.positional_encoding, self.scale, self.focusing_factor)
-        return focused_linear_weights(self.split(q), self.split(k))  # (B, H, N, n)
+        weights = focused_linear_weights if self.normalisation == 'division' else inline.inline_weights
+        return weights(self.split(q), self.split(k))  # (B, H, N, n)
 
     def split(self, t):
         """(B, N, C) -> (B, H, N, D)."""
@@ -242,7 +254,7 @@ LETTERS = 'FN'  # F: FocusedLinearAttention, N: NormAttention
 FAMILIES = ('InLine-PVT', 'InLine-Swin')  # the families that build them: the released FLatten models' two
 # their attention options (models.attention_options): FLatten's config.py (FOCUSING_FACTOR, KERNEL_SIZE) and
 # TransNormer's vision default for NormAttention's norm
-OPTIONS = dict(focusing_factor=3, kernel_size=5, output_norm='srmsnorm')
+OPTIONS = dict(focusing_factor=3, kernel_size=5, focused_normalisation='division', output_norm='srmsnorm')
 
 
 def make_peer(letter, dim, num_heads, options, tokens, separate_q=False, sr_ratio=1):
@@ -252,7 +264,8 @@ def make_peer(letter, dim, num_heads, options, tokens, separate_q=False, sr_rati
     if letter == 'F':
         return FocusedLinearAttention(dim, num_heads, tokens, separate_q=separate_q, sr_ratio=sr_ratio,
                                       focusing_factor=options['focusing_factor'],
-                                      kernel_size=options['kernel_size'])
+                                      kernel_size=options['kernel_size'],
+                                      normalisation=options['focused_normalisation'])
     if sr_ratio > 1:
         raise ValueError("NormAttention (layout letter N) has no spatial reduction: its sr_ratio must be 1")
     return NormAttention(dim, num_heads, separate_q=separate_q, kernel=options['kernel'] or 'one_plus_elu',

@@ -96,6 +96,7 @@ LAYOUTS = {  # id: (FocusedLinearAttention's layout arguments, grid)
     'swin-5x4': (dict(separate_q=False), (5, 4)),
     'pvt-4x6': (dict(separate_q=True), (4, 6)),
     'pvt-sr2-4x6': (dict(separate_q=True, sr_ratio=2), (4, 6)),
+    'swin-5x4-subtraction': (dict(separate_q=False, normalisation='subtraction'), (5, 4)),
 }
 
 
@@ -118,9 +119,13 @@ def explicit_flatten(m, x, grid):
     q, k = slow_kernel(q, m.scale, 3), slow_kernel(k + m.positional_encoding, m.scale, 3)
     q, k, v = (t.reshape(B, -1, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, ., D)
     o = torch.zeros(B, H, N, C // H, **f64)
+    k_mean = k.mean(2)  # (B, H, D)
     for i in range(N):
         scores = torch.stack([(q[:, :, i] * k[:, :, j]).sum(-1) for j in range(n)], dim=-1)  # (B, H, n)
-        weights = scores / (scores.sum(-1, keepdim=True) + n * 1e-6)  # the division
+        if m.normalisation == 'division':
+            weights = scores / (scores.sum(-1, keepdim=True) + n * 1e-6)
+        else:  # Eq. 5 with the released s/N: s/N (q_i.k_j - q_i.k_mean) + 1/N
+            weights = (C // H) ** -0.5 / n * (scores - (q[:, :, i] * k_mean).sum(-1, keepdim=True)) + 1 / n
         o[:, :, i] = (weights.unsqueeze(-1) * v).sum(2)
     if n != N:
         v = F.interpolate(v.transpose(-2, -1).reshape(B * H, -1, n), size=N, mode='linear')
@@ -138,7 +143,10 @@ def test_flatten_attention_equals_explicit_form(layout):
     with torch.no_grad():  # the slow forms read numbers one by one
         torch.testing.assert_close(m(x, grid), explicit_flatten(m, x, grid))
     B, H, n = 2, 3, N // options.get('sr_ratio', 1) ** 2
-    assert m.weights(x, grid).shape == (B, H, N, n)
+    weights = m.weights(x, grid)
+    assert weights.shape == (B, H, N, n)
+    if options.get('normalisation') == 'subtraction':  # Eq. 5's rows sum to 1 exactly, and go negative
+        torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, N, **f64))
 
 
 # The authors' parameters of one FocusedLinearAttention, read from their __init__ (models/flatten_swin.py,
@@ -242,6 +250,10 @@ def test_wrong_sizes_and_options_are_refused():
         peers.FocusedLinearAttention(12, 3, 20)(torch.randn(1, 20, 12), (4, 4))
     with pytest.raises(ValueError, match='unknown norm'):
         peers.NormAttention(12, 3, norm='batchnorm')
+    with pytest.raises(ValueError, match="unknown normalisation 'none'"):
+        peers.FocusedLinearAttention(12, 3, 16, normalisation='none')
+    with pytest.raises(ValueError, match='as many keys as queries'):
+        peers.FocusedLinearAttention(12, 3, 16, separate_q=True, sr_ratio=2, normalisation='subtraction')
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -101,6 +101,10 @@ experiment('s_deit_t', 'inline_deit_t', dict(layout='S', num_heads=3), 'S', '72.
 # FLatten-Swin-T (its README's 82.1) and TransNormer-Swin-T (the rebuttal's 79.9; ours: no code was released)
 experiment('p_flatten_swin', 'flatten_swin_t', dict(window=56), 'P', '82.1',
            "FLatten's focused linear attention over the whole stage in stages 1-2, Swin's softmax in 3-4")
+experiment('p_flatten_swin_subtraction', 'flatten_swin_t',
+           dict(window=56, focused_normalisation='subtraction'), 'P', None,
+           "FLatten-Swin-T with InLine's subtraction (Eq. 5) in place of its division: the rebuttal's "
+           '"FLatten without division" (0.2 points lower)', ours=True)
 experiment('p_transnormer_swin', 'transnormer_swin_t', {}, 'P', '79.9',
            "window softmax (DiagAttention) in stages 1-2, NormAttention in 3-4", ours=True)
 
