@@ -183,7 +183,7 @@ def decide(diffs, paper_diff, images=None):
     when the 95% interval excludes 0 on the paper's side, contradicted on the other; else EQUIVALENT when
     tost puts the interval within +-MARGIN (a size of effect the data rule out, whatever the paper's); a tie
     is reproduced when the interval lies within +-MARGIN, contradicted when wholly outside. Else not resolved,
-    with the smallest of its p. images: as in paired."""
+    with its t-test's (or the tie's TOST's) smaller p. images: as in paired."""
     if paper_diff is None:
         return '—', None
     reproduce, contradict = p_values(diffs, paper_diff, images)
@@ -193,7 +193,7 @@ def decide(diffs, paper_diff, images=None):
     inside = tost(mean, se, df)[0] if df >= 1 and not is_tie(paper_diff) else 1.0
     if inside < ALPHA:
         return EQUIVALENT, inside
-    return 'not resolved', min(reproduce, contradict, inside)
+    return 'not resolved', min(reproduce, contradict)
 
 
 def verdict(diffs, paper_diff, images=None):

@@ -681,7 +681,7 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     fake = FakeTrain()
     monkeypatch.setattr(runs.subprocess, 'Popen', fake)
     ns = argparse.Namespace(epochs=2, train_images=64, dataset='fashion_mnist',
-                            data_path=str(tmp_path / 'fm'), device='cpu')
+                            data_path=str(tmp_path / 'fm'), device='cpu', precision=ablations.PRECISION['cpu'])
     for seed, acc in ((0, 70.0), (1, 72.0), (2, 71.0)):  # softmax and the floor: every seed has its record
         runs.append_record(results,
                            fake_record(ablations.make_run('t1_softmax', chosen['t1_softmax'], seed, ns), acc))
@@ -699,11 +699,13 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     assert [c[5] for c in configs] == ['+21.0', '+11.0', '+0.0']  # over the floor's 50
     # per-seed differences -10, -11, -9: mean -10, sd 1; half-width 4.303 / sqrt(3) = 2.48; MDE (4.303 +
     # 1.061) / sqrt(3) = 3.10; 10 seeds bring the MDE under 1 point; one comparison, so Holm's p is its own;
-    # the fake runs keep no per-image results, so the interval is the seeds' only, and says so
+    # the fake runs keep no per-image results, so the interval is the seeds' only, and says so; every seed on
+    # one side, but 3 seeds: the sign-flip p is 2 / 8, so the verdict rests on the t-test
     assert rows == [['T1', 't1_softmax_normalised_q − t1_softmax', '70.6 / 69.9 vs 72.2',
-                     '-10.0 [-12.5, -7.5]', 'seeds only', '3', '3.1', '10', rows[0][8], 'reproduced',
-                     'reproduced']]
-    assert float(rows[0][8]) < 0.01
+                     '-10.0 [-12.5, -7.5]', 'seeds only', '3', '3.1 (sd 1.00, 2 df)', '10', rows[0][8],
+                     'reproduced (t only)', 'reproduced (t only)']]
+    t_p, exact = rows[0][8].split(' / ')
+    assert float(t_p) < 0.01 and exact == '0.250'
     records = runs.read_records(results)
     assert len(records) == 9
     assert all(r['cpu_min'] >= 0 and r['machine'] for r in records.values())
@@ -745,7 +747,7 @@ def test_paper_device_cuda_plans_the_converging_scale():
 def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch):
     """Two comparisons each reproduced on its own (p 0.035 and 0.046, under 5%) are both not resolved under
     Holm (0.035 x 2 = 0.07); a configuration two tables share is one row of the first table; each comparison
-    row carries its MDE at 80% power."""
+    row carries its MDE at 80% power from its own spread."""
     os.makedirs(tmp_path / 'fm')
     write_fashion_mnist(str(tmp_path / 'fm'))
     chosen = {n: registry.EXPERIMENTS[n] for n in ('t1_softmax', 't1_softmax_normalised_q', 's_deit_t')}
@@ -768,12 +770,11 @@ def test_paper_holm_verdict_is_stricter_than_the_rows_own(tmp_path, monkeypatch)
     assert [c[1] for c in configs] == ['T1, S', 'T1', 'S', 'floor']
     assert [r[1] for r in rows] == ['t1_softmax_normalised_q − t1_softmax', 's_deit_t − inline_deit_t',
                                     'inline_deit_t − floor_deit']
-    assert [float(r[8]) for r in rows[:2]] == pytest.approx([0.0352, 0.0459], abs=5e-4)
-    # the gate: no claim
-    assert [(r[9], r[10]) for r in rows] == [('reproduced', 'not resolved')] * 2 + [('—', '—')]
-    # the MDE from the sd pooled over the three comparisons (sds 1, 1.25, 1.25; 2 degrees of freedom each)
-    sd = math.sqrt((1 + 1.25 ** 2 + 1.25 ** 2) / 3)
-    assert [r[6] for r in rows] == [f'{stats.mde(sd, 3):.1f}'] * 3
+    assert [float(r[8].split(' / ')[0]) for r in rows[:2]] == pytest.approx([0.0352, 0.0459], abs=5e-4)
+    # 3 seeds on one side: the sign-flip p is 2 / 8, so each verdict rests on the t-test; the gate: no claim
+    assert [(r[9], r[10]) for r in rows] == [('reproduced (t only)', 'not resolved')] * 2 + [('—', '—')]
+    # each MDE from its own comparison's sd (1, 1.25, 1.25; 2 degrees of freedom each)
+    assert [r[6] for r in rows] == [f'{stats.mde(sd, 3):.1f} (sd {sd:.2f}, 2 df)' for sd in (1.0, 1.25, 1.25)]
 
 
 def test_paper_sigterm_stops_the_runs_and_keeps_their_cpu_time(tmp_path):
@@ -865,7 +866,7 @@ def test_paper_runs_on_any_image_folder_with_the_small_recipe(tmp_path):
     root = str(tmp_path / 'data')
     write_image_folder(root, {'train': 2, 'val': 1})
     ns = argparse.Namespace(out=str(tmp_path), epochs=2, train_images=3, dataset='imagefolder',
-                            data_path=root, download=False, device='cpu')
+                            data_path=root, download=False, device='cpu', precision='bf16')
     ablations.resolve_data(ns)
     run = train.Run(runs.train_args(ablations.make_run('inline_deit_t',
                                                        ablations.experiments()['inline_deit_t'], 0, ns).argv),
@@ -895,7 +896,7 @@ def test_paper_distinct_configurations_never_share_a_run():
     experiments outside registry.EXPERIMENTS (the released InLine variants, F4's DeiTs) carry their
     overrides."""
     every = {**ablations.experiments(), **figures.F4_EXTRA}
-    ns = argparse.Namespace(epochs=1, train_images=8, dataset='synthetic', device='cpu')
+    ns = argparse.Namespace(epochs=1, train_images=8, dataset='synthetic', device='cpu', precision='bf16')
     owner = {}
     for name, e in every.items():
         argv = json.dumps(ablations.make_run(name, e, 0, ns).argv)
