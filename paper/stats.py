@@ -1,6 +1,7 @@
 """The lab's statistics: Student's t from its own continued fraction, the intervals of paired comparisons over
-seeds and test images, the minimum detectable effect, the verdicts and Holm's adjustment, and the summary of a
-configuration's run records.
+seeds and test images, the minimum detectable effect, the verdicts (with equivalence) and Holm's adjustment, the
+exact tests (the sign-flip test of paired seeds; Fisher's and Clopper-Pearson's for shares of seeds), and the
+summary of a configuration's run records.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. No command of its own: `python -m paper ablations` and `python -m paper recall` read their
@@ -26,7 +27,6 @@ MARGIN = 1.0  # top-1 points: TOST's tie margin, and the effect the claim rows' 
 PAPER_TIE = 0.2
 # every test's level (two-sided; TOST 2.5% a side) and the power seeds are chosen for
 ALPHA, POWER = 0.05, 0.8
-WORDS = ('reproduced', 'contradicted', 'not resolved')
 
 
 def incomplete_beta(x, a, b):
@@ -194,11 +194,6 @@ def decide(diffs, paper_diff, images=None):
     if inside < ALPHA:
         return EQUIVALENT, inside
     return 'not resolved', min(reproduce, contradict)
-
-
-def verdict(diffs, paper_diff, images=None):
-    """decide's word."""
-    return decide(diffs, paper_diff, images)[0]
 
 
 def sign_flip_p(diffs):
