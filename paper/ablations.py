@@ -58,7 +58,8 @@ MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_
 # quarter, the others under 1), rerun with their references (`--rerun`): T3's pair, R-res's none against
 # local, T4's one-cell window against the whole stage (t4_window56_no_residual is r_residual_none's model).
 # 16 epochs: the pilot at 8 (r_residual_none, t3_inline_relu, seed 0) still gained 1.7 and 2.1 points over its
-# last quarter (RESULTS.md). In fp32: the CPU of the rerun emulates bf16 (AVX2 alone), a step 9x slower
+# last quarter, at 16 r_residual_none 0.7 (RESULTS.md). In fp32: the CPU of the rerun emulates bf16 (AVX2
+# alone), a step 9x slower
 MOSAIC_RERUN = dict(epochs=16, precision='fp32', rows=(
     't3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 't4_window14_no_residual',
     't4_window56_no_residual'))
