@@ -549,14 +549,14 @@ def side_by_side(args, every, records):
     """MOSAIC_RERUN's comparisons at MOSAIC_BUDGET (in PRECISION) and at the rerun's budget, from the records:
     each difference, the last-quarter gains of its two rows (near 0: converged) and the Holm verdict of each
     budget's own family (its comparisons only), so a reader sees which verdicts the budget moved."""
-    budgets_ = [(budgets(args.dataset)[args.device]['epochs'], PRECISION[args.device]),
+    recipes = [(budgets(args.dataset)[args.device]['epochs'], PRECISION[args.device]),
                 (MOSAIC_RERUN['epochs'], MOSAIC_RERUN['precision'])]
     columns, labels = [], {}
-    for epochs, precision in budgets_:
+    for epochs, precision in recipes:
         a = argparse.Namespace(**{**vars(args), 'epochs': epochs, 'precision': precision, 'quick': False,
                                   'claims': False, 'only': MOSAIC_RERUN['rows'], 'seeds': None})
         chosen, seeds = choose(a, every)
-        runs, planned = plan_runs(chosen, every, seeds, a)
+        _, planned = plan_runs(chosen, every, seeds, a)
         result = {n: summarise([records[r.key()] for r in planned[n] if r.key() in records]) for n in chosen}
         _, rows, _, _ = table_rows(chosen, planned, result, every, MOSAICS['guess'])
         cells = {}
@@ -569,8 +569,8 @@ def side_by_side(args, every, records):
         columns.append(cells)
     table = [[label, paper] + [x for cells in columns for x in cells.get(label, ['—', '', 'not run'])]
              for label, paper in labels.items()]
-    heads = [f'{e} epochs, {p}' for e, p in budgets_]
-    print(f'\nThe rows still rising at {budgets_[0][0]} epochs, rerun at {budgets_[1][0]} (`python -m paper '
+    heads = [f'{e} epochs, {p}' for e, p in recipes]
+    print(f'\nThe rows still rising at {recipes[0][0]} epochs, rerun at {recipes[1][0]} (`python -m paper '
           'ablations --dataset fashion_recall --rerun`): each comparison\'s difference [95% CI] (seeds), the '
           'last-quarter gain of its row / its reference (near 0: converged), and the Holm verdict within '
           'that budget\'s comparisons. The rerun is fp32 where the first runs were bf16: its CPU emulates '
