@@ -21,7 +21,7 @@ stopped. From the repository root:
     python -m paper ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
     python -m paper ablations --device cuda  # the same set where the miniatures converge (all 60,000 images)
     python -m paper ablations --dataset fashion_recall  # the test bed where attention must select
-    python -m paper ablations --dataset fashion_recall --rerun  # its rows still rising, at 8 epochs
+    python -m paper ablations --dataset fashion_recall --rerun  # its rows still rising, at 16 epochs
     python -m paper recall [--no-train]    # InLine on sequences: associative recall (MQAR)
     python -m paper mosaics --png figures/fashion_recall.png  # the fashion_recall mosaics, with their labels
 
