@@ -1,5 +1,6 @@
 """peers.py against explicit slow formulas (float64), the authors' parameter names and shapes, and gradients;
-the peers' models in models.py: the authors' counts, keys and MACs, the fast path's refusal, a training step.
+the peers' models in models.py: the authors' counts, keys and MACs, their outputs against FLatten's own code
+(golden/golden_peers.pt), the fast path's refusal, a training step.
 
     python -m pytest -q test_peers.py
 """
@@ -312,6 +313,48 @@ def test_flatten_checkpoint_layout_loads_strictly(name):
         model = models.create_model(name)
     models.load_checkpoint(model.to_empty(device='cpu'), state)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def flatten_golden(name, config):
+    """Our module, block or model for a case of golden/golden_peers.pt (built with the authors' FLatten code),
+    from its config: F's defaults (focusing factor 3, kernel 5) are the cases'."""
+    if name == 'pvt_model':
+        return models.create_model('flatten_pvt_t', drop_path_rate=0., **config)
+    dim, heads, (h, w) = config['dim'], config['num_heads'], config['grid']
+    if name.startswith('swin_block'):
+        options = models.attention_options('InLine-Swin', {}, 'F')
+        window = config['window']
+        return models.SwinBlock(dim, heads, 'F', window, config['shift'], config['mlp_ratio'], 0., options,
+                                tokens=window * window)
+    if name == 'pvt_block':
+        return models.Block(dim, config['mlp_ratio'], 0., config['eps'],
+                            peers.FocusedLinearAttention(dim, heads, h * w, separate_q=True))
+    pvt = name.startswith('pvt')  # the attention alone: PVT's q and kv (and spatial reduction), or Swin's qkv
+    return peers.FocusedLinearAttention(dim, heads, h * w, separate_q=pvt, sr_ratio=config.get('sr_ratio', 1))
+
+
+FLATTEN_GOLDEN = ['swin_attention', 'swin_block', 'swin_block_shifted', 'pvt_attention_sr1',
+                  'pvt_attention_sr2', 'pvt_block', 'pvt_model']
+
+
+@pytest.fixture(scope='module')
+def golden_peers():
+    return torch.load(os.path.join(GOLDEN, 'golden_peers.pt'), weights_only=True)
+
+
+@pytest.mark.parametrize('name', FLATTEN_GOLDEN)
+def test_flatten_golden_against_the_authors_code(golden_peers, name):
+    """The authors' FLatten attention, blocks and a tiny FLatten-PVT (float64, random perturbed weights, their
+    key names): ours, loaded strictly with the same weights, gives the same outputs."""
+    torch.manual_seed(0)
+    case = golden_peers[name]
+    model = flatten_golden(name, case['config']).double().eval()
+    model.load_state_dict(case['state_dict'], strict=True)  # their parameter names, unmapped
+    grid = () if name == 'pvt_model' else (case['config']['grid'],)
+    with torch.no_grad():
+        out = model(*case['inputs'], *grid)
+    print(f"{name}: max |ours - authors'| = {(out - case['output']).abs().max().item():.1e}")
+    torch.testing.assert_close(out, case['output'], rtol=1e-10, atol=1e-10)
 
 
 SMALL_PEERS = {  # small sizes for real passes; Swin's softmax window 2 tiles the 16x16 to 2x2 stages
