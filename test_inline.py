@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import tokenize
 import warnings
 
@@ -27,9 +26,7 @@ import kernels
 import sequence
 import models
 import paper
-import train
 from test_models import DEFAULTS, meta_model, perturb, readme_block
-from test_train import command, printed, refused, resolved
 from conftest import qkv
 
 # ---------------------------------------------------------------------------------------------------
@@ -705,7 +702,7 @@ def readme_walk():
     """The README's "One block end to end": its two numbered lists of `file.py:function`, reference and fast."""
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'README.md')) as f:
         section = f.read().split('## One block end to end')[1].split('\n## ')[0]
-    lists, previous = [], None
+    lists = []
     for line in section.splitlines():
         item = re.match(r'(\d+)\. `(\w+\.py:[\w.]+)`', line)
         if item:

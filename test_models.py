@@ -6,7 +6,6 @@ import itertools
 import os
 import re
 import textwrap
-import time
 import warnings
 
 import pytest
@@ -19,8 +18,7 @@ import dense
 import inline
 import kernels
 import models
-import train
-from conftest import GOLDEN, qkv
+from conftest import GOLDEN
 
 # ===================================================================================================
 # models.py: the four backbones against the authors' released models

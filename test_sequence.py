@@ -2,8 +2,6 @@
 over the last k tokens, the module's no-look-ahead, and the fast causal core.
 """
 import functools
-import time
-import types
 
 import pytest
 import torch
@@ -12,8 +10,7 @@ import torch.nn.functional as F
 import inline
 import kernels
 import sequence
-from test_inline import BF16_ROUNDING, CUDA, NAMES, assert_fp32_close, causal, compiled, core_inputs, run_core
-from test_train import printed, refused
+from test_inline import BF16_ROUNDING, CUDA, NAMES, assert_fp32_close, causal, core_inputs, run_core
 from conftest import qkv
 
 # ===================================================================================================

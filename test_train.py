@@ -27,7 +27,6 @@ from torchvision import datasets
 
 import bench
 import data
-import inline
 import models
 import train
 from test_models import SMALL, TINY, perturb

@@ -57,8 +57,7 @@ import inline
 import models
 from checkpoints import (CHECKPOINT, EMA_KEYS, load_weights, read_checkpoint, resume, save_checkpoint,
                          save_correct)
-from data import (DATASETS, SMALL_DATASETS, ResumableSampler, SyntheticShapes, count_images, fail,
-                  load_data, print0)
+from data import DATASETS, ResumableSampler, SyntheticShapes, count_images, fail, load_data, print0
 
 # ------------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is

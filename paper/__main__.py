@@ -38,7 +38,7 @@ import argparse
 import os
 import sys
 
-import train
+import data
 from paper import mosaics
 from paper.ablations import BUDGET, CLAIM_SEEDS, FASHION_MNIST_DEB, QUICK, QUICK_SEEDS, SEEDS, cmd_ablations
 from paper.experiments import cmd_experiments, cmd_models
@@ -87,7 +87,7 @@ def main(argv=None):
     budget.add_argument('--no-train', action='store_true',
                         help='train nothing: rebuild from the records, leaving out the runs without one')
     budget.add_argument('--dataset',
-                        choices=['synthetic', 'imagefolder', *train.SMALL_DATASETS, 'fashion_recall'],
+                        choices=['synthetic', 'imagefolder', *data.SMALL_DATASETS, 'fashion_recall'],
                         help='the data every run trains on (default fashion_mnist; ablations on '
                              'fashion_recall: the test bed where attention must select, MOSAIC_ROWS at '
                              'MOSAIC_BUDGET); with --checkpoints, the images to measure on (default: each '

@@ -7,6 +7,8 @@ arXiv 2412.06590. No command of its own: every command of `python -m paper` draw
 """
 import math
 import os
+import re
+import statistics
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -216,3 +218,70 @@ def image_grid(path, image, rows, queries, grid):
               f'red > 0, blue < 0; strength sqrt(|w| / {vmax:.3f}), the largest |w| shown', fill='black',
               font=font(12))
     save_png(img, path)
+
+
+# The ablations' pictures (paper/ablations.py)
+
+
+def ablations_pictures(args, chosen, planned, done, result, rows, points):
+    """The ablations' picture (each comparison's difference and interval beside the paper's, a panel per
+    table; top-1 per experiment where none has a comparison) and, beside it, every run's learning curves."""
+    default = 'ablations_fashion_recall.png' if args.dataset == 'fashion_recall' else 'ablations.png'
+    out = args.png or os.path.join(args.out, default)
+    panels = {}
+    for r, point in zip(rows, points):  # one panel per table, the first a comparison names
+        if point is not None:
+            panels.setdefault(r[0].split(',')[0], []).append(point)
+    charts(out, [dict(  # each comparison: our mean difference and interval beside the paper's difference
+        series=[(f'here ({args.dataset}), mean difference, 95% CI', xs, [d for _, d, _, _ in entries],
+                 [h or 0 for _, _, h, _ in entries]),
+                ('paper (ImageNet)', xs, [p for _, _, _, p in entries], None)],
+        title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
+        xlabels=[label for label, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
+        for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
+        series=[('here', list(range(1, len(chosen) + 1)),
+                 [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)],
+                 title='top-1 here',
+        xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
+        xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
+    name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
+    curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
+    learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done)
+
+
+def learning_curves(path, chosen, planned, done):
+    """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration
+    of the table (each drawn once, in the first table that has it), so a reader sees
+    whether training had flattened for every model the text speaks of."""
+    panels, drawn = [], set()
+    for table in dict.fromkeys(e.table for e in chosen.values()):
+        series = []
+        for name in (n for n, e in chosen.items() if e.table == table):
+            key = tuple(r.key() for r in planned[name])
+            logs = [[e for e in done[r.key()]['epochs'] if 'val_acc1' in e] for r in planned[name]
+                    if r.key() in done and done[r.key()]['state'] == 'done']
+            if not logs or key in drawn:
+                continue
+            drawn.add(key)
+            points = min(len(log) for log in logs)
+            series.append((short_name(name), [e['epoch'] for e in logs[0][:points]],
+                           [statistics.mean(log[i]['val_acc1'] for log in logs) for i in range(points)],
+                           None))
+        if series:
+            panels.append(dict(series=series, title=f'{table}: validation top-1 by epoch', xlabel='epoch',
+                               ylabel='top-1 (%)', xticks=sorted({x for s in series for x in s[1]})))
+    if panels:
+        charts(path, panels, cols=2, size=(480, 360))
+
+
+def short_name(name):
+    """An experiment's name short enough to label a chart's x axis: t4_window7_residual -> w7 + res."""
+    for pattern, short in ((r't3_linear_(\w+)', r'lin \1'), (r't3_inline_(\w+)', r'InL \1'),
+                           (r't4_window(\d+)_no_residual', r'w\1'),
+                           (r't4_window(\d+)_residual', r'w\1 + res'), (r't10_kernel_(\w+)', r'\1'),
+                           (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
+                           (r't1_softmax_normalised_q', 'normalised q'), (r's_(\w+)_t', r'softmax \1'),
+                           (r'inline_(\w+)_t', r'InLine \1'), (r'floor_(\w+)', r'floor \1')):
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, short, name)
+    return name

@@ -23,7 +23,7 @@ import sequence
 import train
 from paper.charts import charts, print_table
 from paper.runs import ROOT, append_record, lock_run, pack_correct, read_records, unpack_correct
-from paper.stats import ALPHA, clopper_pearson, fisher_exact, holm, interval, t_quantile
+from paper.stats import ALPHA, clopper_pearson, fisher_exact, holm, interval, welch
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -518,19 +518,6 @@ def recall_comparisons(recall, guesses, models, sizes):
               'learned (all seeds): b − a with its Welch 95% interval, where each has two learners.\n')
         print_table(['question', 'C / pairs / tokens', 'a learned', 'b learned', 'Fisher p', 'verdict',
                      'Holm verdict', 'among learners: b − a'], rows)
-
-
-def welch(a, b):
-    """b's mean minus a's, ± the Welch 95% half-width (t on Welch-Satterthwaite's degrees of freedom); '-'
-    without two values on each side."""
-    if len(a) < 2 or len(b) < 2:
-        return '-'
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    diff = statistics.mean(b) - statistics.mean(a)
-    if va + vb == 0:
-        return f'{diff:+.1f} ± 0.0'
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    return f'{diff:+.1f} ± {t_quantile(1 - ALPHA / 2, df) * math.sqrt(va + vb):.1f}'
 
 
 # ---------------------------------------------------------------------------------------------------

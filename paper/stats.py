@@ -209,6 +209,19 @@ def sign_flip_p(diffs):
     return far / 2 ** len(diffs)
 
 
+def welch(a, b):
+    """b's mean minus a's, ± the Welch 95% half-width (t on Welch-Satterthwaite's degrees of freedom); '-'
+    without two values on each side."""
+    if len(a) < 2 or len(b) < 2:
+        return '-'
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.mean(b) - statistics.mean(a)
+    if va + vb == 0:
+        return f'{diff:+.1f} ± 0.0'
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return f'{diff:+.1f} ± {t_quantile(1 - ALPHA / 2, df) * math.sqrt(va + vb):.1f}'
+
+
 def holm(ps):
     """Holm's step-down adjustment of p-values [p_1 .. p_m], in their order: the i-th smallest is multiplied
     by m - i + 1, each kept at least the one before it, at most 1. Rejecting where the adjusted p < ALPHA

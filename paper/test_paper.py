@@ -321,7 +321,8 @@ def test_recall_comparisons_read_the_seeds_that_learn(tmp_path, capsys):
 def test_paper_exact_tests_against_their_definitions():
     """Fisher's exact p, Clopper-Pearson's interval and the sign-flip p against explicit counts: the
     hypergeometric tables no likelier than 4 of 4 against 0 of 4 are it and its mirror, 2 of C(8, 4) = 70;
-    the interval at 0 of n is [0, 1 - 0.025^(1/n)]; of the 8 sign patterns of (1, 2, 3), two reach |6|."""
+    the interval at 0 of n is [0, 1 - 0.025^(1/n)]; of the 8 sign patterns of (1, 2, 3), two reach |6|; Welch's
+    interval against the t table."""
     assert stats.fisher_exact(4, 4, 0, 4) == pytest.approx(2 / 70)
     assert stats.fisher_exact(2, 4, 2, 4) == pytest.approx(1.0)
     # 3 of 5 against 1 of 5: P(x) = C(5, x) C(5, 4 - x) / C(10, 4); the tables 0, 1, 3, 4 are as unlikely
@@ -336,6 +337,9 @@ def test_paper_exact_tests_against_their_definitions():
     assert sum(math.comb(4, x) * hi ** x * (1 - hi) ** (4 - x) for x in (0, 1, 2)) == pytest.approx(0.025)
     assert stats.sign_flip_p([1.0, 2.0, 3.0]) == 0.25 and stats.sign_flip_p([1.0, -2.0, 3.0]) == 0.75
     assert stats.sign_flip_p([-5.0] * 5) == 2 / 32  # every seed on one side: the floor of 5 seeds
+    # Welch at equal sizes and variances: df 2 (n - 1) = 2, t_0.975(2) = 4.3027 from the tables, se sqrt(1 + 1)
+    assert stats.welch([1.0, 3.0], [4.0, 6.0]) == f'+3.0 ± {4.3027 * math.sqrt(2):.1f}'
+    assert stats.welch([1.0], [4.0, 6.0]) == '-'
 
 
 def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
