@@ -46,9 +46,9 @@ def test_eq5_explicit_equals_linear_form(kernel, N):
 
 
 def test_eq5_reference_keeps_its_precision_in_bf16():
-    """inline_attention centres k and v before their product, as its docstring promises, so keys whose means are 20
-    times their spread cost bf16 nothing: its error against float64 on the same bf16 inputs stays under a fixed
-    bound (about 0.002 here; the uncentred k^T (v - v_mean) would be about 0.08)."""
+    """inline_attention centres k and v before their product, as its docstring promises, so keys whose means
+    are 20 times their spread cost bf16 nothing: its error against float64 on the same bf16 inputs stays under
+    a fixed bound (about 0.002 here; the uncentred k^T (v - v_mean) would be about 0.08)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 196, 32, generator=g) for _ in range(3))
     q, k, v = q.bfloat16(), (20 + k).bfloat16(), v.bfloat16()
@@ -74,8 +74,9 @@ def test_eq5_weights_match_the_formula_element_by_element(scale_by_count):
 
 
 def test_printed_eq5_linear_form_and_core_equal_its_weights():
-    """scale_by_count=False on an image: the linear form and the core (Eq. 5 without Eq. 6) give w @ v with the
-    printed weights, outputs and gradients, in float64; the module passes the option to its core and its weights."""
+    """scale_by_count=False on an image: the linear form and the core (Eq. 5 without Eq. 6) give w @ v with
+    the printed weights, outputs and gradients, in float64; the module passes the option to its core and its
+    weights."""
     q, k, v, do = qkv(2, 3, 49, 8) + [torch.randn(2, 3, 49, 8, dtype=torch.float64)]
     forms = {'explicit': lambda q, k, v: inline.inline_weights(q, k, scale_by_count=False) @ v,
              'linear': lambda q, k, v: inline.inline_attention(q, k, v, scale_by_count=False),
@@ -88,7 +89,8 @@ def test_printed_eq5_linear_form_and_core_equal_its_weights():
     for name in ('linear', 'core'):
         for what, a, b in zip(['o', 'dq', 'dk', 'dv'], results[name], results['explicit']):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=f"{name}, {what}")
-    assert (results['explicit'][0] - inline.inline_weights(q, k) @ v).abs().max() > 1e-2  # the two factors differ
+    # the two factors differ
+    assert (results['explicit'][0] - inline.inline_weights(q, k) @ v).abs().max() > 1e-2
     torch.manual_seed(0)
     attn = inline.InLineAttention(16, 2, scale_by_count=False).double()
     x = torch.randn(2, 49, 16, dtype=torch.float64)
@@ -102,7 +104,8 @@ def test_uncentred_form_of_the_released_models_is_the_same_number():
     q, k, v = qkv(2, 2, 64, 16)
     N, s = 64, 16 ** -0.5
     uncentred = (s / N) * q @ (k.transpose(-2, -1) @ v) \
-        - s * (q @ k.mean(2, keepdim=True).transpose(-2, -1)) * v.mean(2, keepdim=True) + v.mean(2, keepdim=True)
+        - s * (q @ k.mean(2, keepdim=True).transpose(-2, -1)) * v.mean(2, keepdim=True) \
+        + v.mean(2, keepdim=True)
     torch.testing.assert_close(inline.inline_attention(q, k, v), uncentred, rtol=0, atol=1e-12)
 
 
@@ -119,7 +122,8 @@ def test_injectivity(alpha):
     relu = inline.get_kernel('relu')
     q = relu(q) + 0.1  # positive queries so the linear weights are well defined
     lin = inline.linear_attention_weights(q, relu(k), eps=0)
-    torch.testing.assert_close(lin, inline.linear_attention_weights(alpha * q, relu(k), eps=0), rtol=0, atol=1e-14)
+    torch.testing.assert_close(lin, inline.linear_attention_weights(alpha * q, relu(k), eps=0),
+                               rtol=0, atol=1e-14)
     ours = inline.inline_weights(q, k)
     assert (ours - inline.inline_weights(alpha * q, k)).abs().max() > 1e-3
     soft = torch.softmax(q @ k.transpose(-2, -1), -1)
@@ -130,8 +134,9 @@ def test_injectivity(alpha):
 # Eq. 6
 
 def local_residual_slow(v, r, grid, size=3, dilation=1):
-    """Eq. 6 by a loop over every token's size x size neighbourhood, neighbour t at (dilation*(t//size - size//2),
-    dilation*(t%size - size//2)) (R-dil; paper/experiments.py), zero outside the grid."""
+    """Eq. 6 by a loop over every token's size x size neighbourhood, neighbour t at
+    (dilation*(t//size - size//2), dilation*(t%size - size//2)) (R-dil; paper/experiments.py), zero outside
+    the grid."""
     B, H, N, D = v.shape
     h, w = grid
     T = size * size
@@ -144,7 +149,8 @@ def local_residual_slow(v, r, grid, size=3, dilation=1):
                     for x in range(w):
                         total = 0.0
                         for t in range(T):
-                            yy, xx = y + dilation * (t // size - size // 2), x + dilation * (t % size - size // 2)
+                            yy, xx = y + dilation * (t // size - size // 2), \
+                                x + dilation * (t % size - size // 2)
                             if 0 <= yy < h and 0 <= xx < w:
                                 total += r[b, T * c + t] * v[b, head, yy * w + xx, j]
                         out[b, head, y * w + x, j] = total
@@ -198,14 +204,15 @@ def test_residual_mlp_is_block_diagonal_per_head():
 
 @pytest.mark.parametrize('causal', [False, True], ids=['per-sample', 'causal'])
 def test_residual_weights_are_the_released_grouped_convolutions(causal):
-    """residual_weights multiplies the token mean by W1's and W2's per-head blocks: the number the released two 1x1
-    grouped convolutions give on the mean as a 1-token sequence (per-sample), or on each prefix mean (causal:
-    sequence.prefix_residual_weights, which shares inline.mean_residual_weights)."""
+    """residual_weights multiplies the token mean by W1's and W2's per-head blocks: the number the released
+    two 1x1 grouped convolutions give on the mean as a 1-token sequence (per-sample), or on each prefix mean
+    (causal: sequence.prefix_residual_weights, which shares inline.mean_residual_weights)."""
     torch.manual_seed(0)
     B, N, C, H = 2, 11, 12, 3
     mlp = inline.residual_mlp(C, H, taps=9).double()
     x = torch.randn(B, N, C, dtype=torch.float64)
-    means = x.cumsum(1) / torch.arange(1, N + 1)[:, None] if causal else x.mean(1, keepdim=True)  # (B, N or 1, C)
+    means = x.cumsum(1) / torch.arange(1, N + 1)[:, None] if causal \
+        else x.mean(1, keepdim=True)  # (B, N or 1, C)
     expected = mlp(means.transpose(1, 2)).transpose(1, 2)  # (B, N or 1, 9C): the convolutions themselves
     r = sequence.prefix_residual_weights(mlp, x) if causal else inline.residual_weights(mlp, x)
     torch.testing.assert_close(r, expected if causal else expected[:, 0], rtol=0, atol=1e-14)
@@ -244,7 +251,8 @@ def test_bad_input_errors():
         inline.inline_core(*qkv(1, 2, 16, 16), torch.zeros(1, 9 * 32, dtype=torch.float64), (5, 5))
     with pytest.raises(ValueError, match=r"channels \(30\) must be divisible by heads \(4\)"):
         inline.InLineAttention(30, 4)
-    with pytest.raises(ValueError, match=r"unknown kernel function 'gelu'; choose one of \['exp', 'identity'"):
+    with pytest.raises(ValueError, match=r"unknown kernel function 'gelu'; choose one of "
+                                         r"\['exp', 'identity'"):
         inline.InLineAttention(32, 2, kernel='gelu')
     with pytest.raises(ValueError, match=r"needs a non-negative kernel"):
         inline.InLineAttention(32, 2, kernel='identity', attention='linear')
@@ -252,8 +260,9 @@ def test_bad_input_errors():
         q, k, v = qkv(1, 1, 8, 4)
         inline.inline_core(q, k, v, torch.zeros(1, 36, dtype=torch.float64), (3, 3))
     attn = inline.InLineAttention(64, 2)
-    with pytest.raises(ValueError, match=r"takes tokens \(B, N, C\), C = 64 channels \(its dim\); got \(2, 64, 4, 4\): "
-                                         r"an image \(B, C, h, w\) is x.flatten\(2\).transpose\(1, 2\), grid \(h, w\)"):
+    with pytest.raises(ValueError, match=r"takes tokens \(B, N, C\), C = 64 channels \(its dim\); "
+                                         r"got \(2, 64, 4, 4\): an image \(B, C, h, w\) is "
+                                         r"x.flatten\(2\).transpose\(1, 2\), grid \(h, w\)"):
         attn(torch.randn(2, 64, 4, 4), (4, 4))
     with pytest.raises(ValueError, match=r"C = 64 channels \(its dim\); got \(2, 16, 48\)$"):
         attn(torch.randn(2, 16, 48), (4, 4))
@@ -332,7 +341,8 @@ def test_fast_core_bf16_error_within_twice_the_references(shape):
     torch.manual_seed(0)
     grid = shape[3]
     q, k, v, r, do = core_inputs(*shape)
-    assert_bf16_within_twice_the_references(kernels.inline_core_fast, inline.inline_core, q, k, v, r, do, grid)
+    assert_bf16_within_twice_the_references(kernels.inline_core_fast, inline.inline_core,
+                                            q, k, v, r, do, grid)
 
 
 def assert_bf16_within_twice_the_references(fast_core, reference_core, q, k, v, r, do, grid):
@@ -344,7 +354,8 @@ def assert_bf16_within_twice_the_references(fast_core, reference_core, q, k, v, 
     for name, f, ref, t in zip(NAMES, fast, reference, truth):
         fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
         noise = BF16_ROUNDING * t.abs().max().item()
-        print(f"{name}: bf16 error, fast {fast_error:.3e}, reference {reference_error:.3e}, noise {noise:.1e}")
+        print(f"{name}: bf16 error, fast {fast_error:.3e}, reference {reference_error:.3e}, "
+              f"noise {noise:.1e}")
         assert fast_error <= 2 * reference_error + noise, name
 
 
@@ -361,7 +372,8 @@ def test_fast_core_covers_every_inline_option(option, dtype):
     B, H, P, grid, D = 2, 3, 1, (6, 7), 32
     q, k, v, r, do = core_inputs(B, H, P, grid, D)
     size = FAST_OPTIONS[option].get('size', 3)
-    r = 0.3 * torch.randn(B, size * size * H * D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    r = 0.3 * torch.randn(B, size * size * H * D, generator=torch.Generator().manual_seed(1),
+                          dtype=torch.float64)
     if option == 'nonneg':
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     fast, reference = (functools.partial(core, **FAST_OPTIONS[option]) for core in (kernels.inline_core_fast,
@@ -438,7 +450,8 @@ def test_fast_core_follows_autocast():
     with torch.autocast('cpu', dtype=torch.bfloat16):
         fast, reference = (run_core(core, q, k, v, r, do, (7, 7), torch.float32)
                            for core in (kernels.inline_core_fast, inline.inline_core))
-        assert kernels.inline_core_fast(q.float(), k.float(), v.float(), r.float(), (7, 7)).dtype == torch.bfloat16
+        assert kernels.inline_core_fast(q.float(), k.float(), v.float(), r.float(), (7, 7)).dtype \
+            == torch.bfloat16
     truth = run_core(inline.inline_core, q, k, v, r, do, (7, 7), torch.float32)
     for name, f, ref, t in zip(NAMES, fast, reference, truth):
         fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
@@ -487,15 +500,15 @@ def test_fallback_names_the_broken_cache_file(monkeypatch):
     monkeypatch.setattr(kernels, 'COMPILED', {'core_forward': broken, 'core_backward': broken})
     monkeypatch.setattr(kernels, '_compile_error', [])
     q, k, v = qkv(1, 1, 4, 8, dtype=torch.float32)
-    with pytest.warns(UserWarning, match=r"torch.compile failed .*cwvyao5g.main.so in the inductor cache may be "
-                                         r"broken: delete it"):
+    with pytest.warns(UserWarning, match=r"torch.compile failed .*cwvyao5g.main.so in the inductor cache "
+                                         r"may be broken: delete it"):
         o = kernels.inline_core_fast(q, k, v, None, (2, 2))
     torch.testing.assert_close(o, inline.inline_core(q, k, v, None, (2, 2)))
 
 
-# One process compiling the fast core's forward graph (a tiny shape; the backward's graph goes the same way) in
-# the inductor cache folder TORCHINDUCTOR_CACHE_DIR names; it prints whether it fell back, how many graphs it
-# compiled, its warnings, its inductor cache hits and its error against the reference
+# One process compiling the fast core's forward graph (a tiny shape; the backward's graph goes the same way)
+# in the inductor cache folder TORCHINDUCTOR_CACHE_DIR names; it prints whether it fell back, how many graphs
+# it compiled, its warnings, its inductor cache hits and its error against the reference
 COMPILE_CORE = """
 import json, warnings, torch, inline, kernels
 from torch._dynamo.utils import counters
@@ -506,15 +519,18 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     o = kernels.inline_core_fast(q, k, v, r, (2, 2))
 print(json.dumps(dict(fell_back=bool(kernels._compile_error), graphs=len(kernels._compiled_signatures),
-                      warnings=[str(w.message) for w in caught], hits=counters['inductor']['fxgraph_cache_hit'],
+                      warnings=[str(w.message) for w in caught],
+                      hits=counters['inductor']['fxgraph_cache_hit'],
                       error=(o - inline.inline_core(q, k, v, r, (2, 2))).abs().max().item())))
 """
 
 
 def start_compiling(cache):
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TORCHINDUCTOR_COMPILE_THREADS='1', OMP_NUM_THREADS='1')
-    return subprocess.Popen([sys.executable, '-c', COMPILE_CORE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TORCHINDUCTOR_COMPILE_THREADS='1',
+               OMP_NUM_THREADS='1')
+    return subprocess.Popen([sys.executable, '-c', COMPILE_CORE], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 def compiled(process):
@@ -552,15 +568,16 @@ def test_an_empty_so_in_the_cache_is_named_in_the_fallback_warning(two_compilers
     result = compiled(start_compiling(cache))
     assert result['fell_back'] and result['error'] < 1e-5, result
     assert len(result['warnings']) == 1 and 'torch.compile failed' in result['warnings'][0], result
-    assert any(f'{p} in the inductor cache may be broken' in result['warnings'][0] for p in map(str, compiled_so))
+    assert any(f'{p} in the inductor cache may be broken' in result['warnings'][0]
+               for p in map(str, compiled_so))
 
 
 def test_benchmark_row_has_the_promised_keys():
     """One case of `python bench.py --bench --json`: every key the README and the JSON lines promise."""
     row = bench.bench_case('swin_t_stage3', torch.float32, torch.device('cpu'))
-    assert {'case', 'tokens', 'dtype', 'reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms', 'fast_fwdbwd_ms',
-            'sdpa_fwd_ms', 'sdpa_fwdbwd_ms', 'floor_fwdbwd_ms', 'fast_peak_mb', 'fwd_speedup', 'fwdbwd_speedup',
-            'fwdbwd_over_floor'} <= set(row)
+    assert {'case', 'tokens', 'dtype', 'reference_fwd_ms', 'reference_fwdbwd_ms', 'fast_fwd_ms',
+            'fast_fwdbwd_ms', 'sdpa_fwd_ms', 'sdpa_fwdbwd_ms', 'floor_fwdbwd_ms', 'fast_peak_mb',
+            'fwd_speedup', 'fwdbwd_speedup', 'fwdbwd_over_floor'} <= set(row)
     assert row['case'] == 'swin_t_stage3' and row['tokens'] == 196 and row['dtype'] == 'float32'
     assert all(row[key] > 0 for key in row if key.endswith(('_ms', '_mb', 'speedup', 'floor')))
     json.dumps(row)
@@ -589,7 +606,8 @@ def test_fast_core_on_cuda(dtype):
 
 FAST_SMALL = {  # one small variant per family; every InLine attention has at least two heads
     'inline_deit_t': dict(img_size=(48, 80), embed_dim=32, depth=2, num_heads=2),
-    'inline_pvt_t': dict(img_size=(64, 96), embed_dims=(16, 32, 32, 64), depths=(1, 1, 1, 1), num_heads=(2, 2, 2, 2)),
+    'inline_pvt_t': dict(img_size=(64, 96), embed_dims=(16, 32, 32, 64), depths=(1, 1, 1, 1),
+                         num_heads=(2, 2, 2, 2)),
     'inline_swin_t': dict(img_size=(64, 96), embed_dim=16, depths=(2, 2, 2, 2), num_heads=(2, 2, 2, 4),
                           layout='IIMS1', softmax_window=3),
     'inline_cswin_t': dict(img_size=(64, 96), embed_dim=16, depths=(1, 2, 2, 1), num_heads=(2, 2, 4, 4),
@@ -630,9 +648,9 @@ def test_fast_model_with_the_ablation_switches():
 
 
 def test_fast_core_inside_a_compiled_model():
-    """train.py --compile, torch.compile(model): the core's closed forms are traced into the model's graph, with no
-    break at the attentions, with gradients and without; logits and gradients equal the eager reference
-    model's (the causal core: test_fast_causal_core_inside_a_compiled_module)."""
+    """train.py --compile, torch.compile(model): the core's closed forms are traced into the model's graph,
+    with no break at the attentions, with gradients and without; logits and gradients equal the eager
+    reference model's (the causal core: test_fast_causal_core_inside_a_compiled_module)."""
     counters = torch._dynamo.utils.counters
     counters.clear()
     compiled = assert_fast_model_equals_reference('inline_deit_t', compile_fast=True)
@@ -651,9 +669,10 @@ def test_enable_fast_swaps_exactly_the_reference_cores():
 
 
 def test_enable_fast_refuses_an_inference_graph_that_does_not_follow_a_change():
-    """kernels.fast_path computes Eq. 6's weights itself when no gradient is asked, with GELU as the released predictor has it. A predictor
-    changed in code (SiLU here) is followed by the fast core with a gradient, not by that graph: enable_fast finds the
-    output with no gradient differ and refuses the module, naming it."""
+    """kernels.fast_path computes Eq. 6's weights itself when no gradient is asked, with GELU as the released
+    predictor has it. A predictor changed in code (SiLU here) is followed by the fast core with a gradient,
+    not by that graph: enable_fast finds the output with no gradient differ and refuses the module, naming
+    it."""
     module = inline.InLineAttention(32, 2)
     module.residual[1] = torch.nn.SiLU()
     with pytest.raises(ValueError, match=r'InLineAttention\).*output with no gradient: max \|fast - float64'):
@@ -662,9 +681,9 @@ def test_enable_fast_refuses_an_inference_graph_that_does_not_follow_a_change():
 
 
 def test_the_check_at_build_runs_the_closed_forms_eagerly_once_per_configuration(monkeypatch):
-    """enable_fast checks one module per configuration, head counts aside (H is symbolic in every graph), on the
-    closed forms run eagerly (compiled equal eager is what the fast-core tests above prove), and says so in one
-    line; the graphs compile at their first use, not at the build."""
+    """enable_fast checks one module per configuration, head counts aside (H is symbolic in every graph), on
+    the closed forms run eagerly (compiled equal eager is what the fast-core tests above prove), and says so
+    in one line; the graphs compile at their first use, not at the build."""
     def not_now(*args):
         raise AssertionError('compiled during the check')
     monkeypatch.setattr(kernels, 'COMPILED', {name: not_now for name in kernels.COMPILED})
@@ -678,7 +697,8 @@ def test_the_check_at_build_runs_the_closed_forms_eagerly_once_per_configuration
 
 def test_inference_graph_under_bf16_autocast_within_twice_the_references_error():
     """Under autocast the inference graph casts q, k, v to bf16 and computes Eq. 6's weights in fp32, as the
-    reference path does: its error against the float64 module is at most twice the bf16 reference's, plus noise."""
+    reference path does: its error against the float64 module is at most twice the bf16 reference's, plus
+    noise."""
     torch.manual_seed(0)
     reference = inline.InLineAttention(64, 2, leading_tokens=1)
     fast = copy.deepcopy(reference)
@@ -696,10 +716,12 @@ def test_inference_graph_under_bf16_autocast_within_twice_the_references_error()
 def causal(core, **options):
     return functools.partial(core, causal=True, **options)
 # ---------------------------------------------------------------------------------------------------
-# The README's "Changing the method": each recipe followed on a throwaway change, so the recipes cannot go stale
+# The README's "Changing the method": each recipe followed on a throwaway change, so the recipes cannot go
+# stale
 
 def readme_walk():
-    """The README's "One block end to end": its two numbered lists of `file.py:function`, reference and fast."""
+    """The README's "One block end to end": its two numbered lists of `file.py:function`, reference and
+    fast."""
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'README.md')) as f:
         section = f.read().split('## One block end to end')[1].split('\n## ')[0]
     lists = []
@@ -713,14 +735,14 @@ def readme_walk():
 
 
 def traced_calls(fn):
-    """The functions of inline.py, models.py and kernels.py that fn() calls, as 'file.py:qualname', each once, in
-    the order of their first call (generator expressions and lambdas left out)."""
+    """The functions of inline.py, models.py and kernels.py that fn() calls, as 'file.py:qualname', each once,
+    in the order of their first call (generator expressions and lambdas left out)."""
     calls = []
 
     def record(frame, event, arg):
         name = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_qualname}"
-        if event == 'call' and name.split(':')[0] in ('inline.py', 'models.py', 'kernels.py') and '<' not in name \
-                and name not in calls:
+        if event == 'call' and name.split(':')[0] in ('inline.py', 'models.py', 'kernels.py') \
+                and '<' not in name and name not in calls:
             calls.append(name)
     sys.setprofile(record)
     try:
@@ -731,9 +753,9 @@ def traced_calls(fn):
 
 
 def test_block_walk_is_the_readme():
-    """The README's walk through one InLine-Swin block is what a forward calls, with and without a gradient: at most
-    15 functions in 2 files on the reference path; on the fast path the same, with kernels.fast_path before
-    reference_path and the core that kernels.enable_fast put in."""
+    """The README's walk through one InLine-Swin block is what a forward calls, with and without a gradient:
+    at most 15 functions in 2 files on the reference path; on the fast path the same, with kernels.fast_path
+    before reference_path and the core that kernels.enable_fast put in."""
     reference_walk, fast_walk = readme_walk()
     torch.manual_seed(0)
     block = models.SwinBlock(32, 2, 'I', None, False, 4., 0., DEFAULTS)
@@ -741,9 +763,10 @@ def test_block_walk_is_the_readme():
     assert traced_calls(lambda: block(x, (8, 8))) == reference_walk
     with torch.no_grad():  # one path: the same calls when no gradient is asked
         assert traced_calls(lambda: block(x, (8, 8))) == reference_walk
-    # 15, not the 12 before attend had one path: reference_path is that path, mean_residual_weights the predictor
-    # that sequence.py shares, check_tokens the module's own token check
-    assert len(reference_walk) <= 15 and {name.split(':')[0] for name in reference_walk} == {'inline.py', 'models.py'}
+    # 15, not the 12 before attend had one path: reference_path is that path, mean_residual_weights the
+    # predictor that sequence.py shares, check_tokens the module's own token check
+    assert len(reference_walk) <= 15 \
+        and {name.split(':')[0] for name in reference_walk} == {'inline.py', 'models.py'}
     kernels.enable_fast(block)
     block(x, (8, 8))  # compiled (or loaded from the cache) on the first call
     # fast_path, then reference_path and Eq. 6's weights (steps 9-11), then the fast core
@@ -765,25 +788,29 @@ def test_recipe_a_new_kernel_function(monkeypatch):
 
 
 def test_recipe_another_neighbourhood_for_eq6():
-    """Eq. 6 over 5x5 neighbours is one option, local_size=5: the weight layout, the reference, the fast path and
-    the APE rule all take their tap count from it (the explicit loop at 5x5 is test_eq6_against_explicit_loop_on_a_non_square_grid)."""
+    """Eq. 6 over 5x5 neighbours is one option, local_size=5: the weight layout, the reference, the fast path
+    and the APE rule all take their tap count from it (the explicit loop at 5x5 is
+    test_eq6_against_explicit_loop_on_a_non_square_grid)."""
     model = meta_model('inline_swin_t', local_size=5)
     attns = [m for m in model.modules() if isinstance(m, inline.InLineAttention)]
     assert attns and all(m.residual[2].out_channels == 25 * m.proj.in_features for m in attns)
     assert not model.ape and model.options['local_size'] == 5
-    assert meta_model('inline_swin_t', local_size=1).ape  # a 1x1 neighbourhood is the plain residual: no position
+    # a 1x1 neighbourhood is the plain residual: no position
+    assert meta_model('inline_swin_t', local_size=1).ape
     assert_fast_model_equals_reference('inline_swin_t', local_size=5)
     torch.manual_seed(0)
-    one = models.create_model('inline_swin_t', local_size=1, **dict(FAST_SMALL['inline_swin_t'], num_classes=5))
-    plain = models.create_model('inline_swin_t', residual='plain', **dict(FAST_SMALL['inline_swin_t'], num_classes=5))
+    one = models.create_model('inline_swin_t', local_size=1,
+                              **dict(FAST_SMALL['inline_swin_t'], num_classes=5))
+    plain = models.create_model('inline_swin_t', residual='plain',
+                                **dict(FAST_SMALL['inline_swin_t'], num_classes=5))
     plain.load_state_dict(one.state_dict())  # the same parameters, the same keys
     x = torch.randn(2, 3, 64, 96)
     torch.testing.assert_close(one.eval()(x), plain.eval()(x), rtol=0, atol=0)
 
 
 def add_a_learnable_temperature(monkeypatch):
-    """The README's recipe, as a reader makes it in inline.py: setup_inline makes Eq. 5's scale a per-head parameter
-    (1, H, 1, 1) that starts at D^-1/2; prepare returns it, as it returns every scale."""
+    """The README's recipe, as a reader makes it in inline.py: setup_inline makes Eq. 5's scale a per-head
+    parameter (1, H, 1, 1) that starts at D^-1/2; prepare returns it, as it returns every scale."""
     setup = inline.InLineBase.setup_inline
 
     def setup_with_a_temperature(self, dim, num_heads, **options):
@@ -793,9 +820,9 @@ def add_a_learnable_temperature(monkeypatch):
 
 
 def test_recipe_a_learnable_temperature_in_eq5(monkeypatch):
-    """A learnable per-head temperature as Eq. 5's scale: the fast core follows it (a tensor scale joins q), so the
-    check passes and the whole model's logits and every gradient, the temperature's included, equal the reference's;
-    and three optimizer steps move it alike on both paths."""
+    """A learnable per-head temperature as Eq. 5's scale: the fast core follows it (a tensor scale joins q),
+    so the check passes and the whole model's logits and every gradient, the temperature's included, equal the
+    reference's; and three optimizer steps move it alike on both paths."""
     add_a_learnable_temperature(monkeypatch)
     assert_fast_model_equals_reference('inline_swin_t')
     torch.manual_seed(0)
@@ -805,7 +832,8 @@ def test_recipe_a_learnable_temperature_in_eq5(monkeypatch):
     assert kernels.enable_fast(pair[1]) == 1
     x, target = torch.randn(4, 49, 32), torch.randn(4, 49, 32)
     for block in pair:
-        optimizer = torch.optim.SGD(block.parameters(), lr=0.1)  # linear in the gradients, as AdamW's first steps are not
+        # linear in the gradients, as AdamW's first steps are not
+        optimizer = torch.optim.SGD(block.parameters(), lr=0.1)
         for _ in range(3):
             optimizer.zero_grad()
             F.mse_loss(block.attn(x, (7, 7)), target).backward()
@@ -817,31 +845,33 @@ def test_recipe_a_learnable_temperature_in_eq5(monkeypatch):
 
 
 def test_fast_path_refuses_a_core_that_drops_a_gradient(monkeypatch):
-    """The check at build time: a fast core that ignored the scale's gradient (as one that detached its inputs did)
-    is refused before any step, naming the module, the quantity, both values and the way out."""
+    """The check at build time: a fast core that ignored the scale's gradient (as one that detached its inputs
+    did) is refused before any step, naming the module, the quantity, both values and the way out."""
     add_a_learnable_temperature(monkeypatch)
     block = nn.Module()
     block.attn = inline.InLineAttention(32, 2)
 
     def detaching_core(q, k, v, r, grid, scale, *args):
         return kernels.inline_core_fast(q, k, v, r, grid, scale.detach(), *args)
-    with pytest.raises(ValueError, match=r"does not compute what attn \(InLineAttention\) computes on the reference "
-                                         r"path: gradient of attn\.scale: reference \d\.\de[+-]\d\d, fast none\. Build "
-                                         r"the model with fast=False \(train\.py: --attention-impl reference\)"):
+    with pytest.raises(ValueError, match=r"does not compute what attn \(InLineAttention\) computes on the "
+                                         r"reference path: gradient of attn\.scale: reference "
+                                         r"\d\.\de[+-]\d\d, fast none\. Build the model with fast=False "
+                                         r"\(train\.py: --attention-impl reference\)"):
         kernels.enable_fast(block, core=detaching_core)
     assert block.attn.core is inline.inline_core  # refused: nothing swapped
 
 
 def eq6_weights_per_token(mlp, x, causal=False):
-    """The README's recipe for another Eq. 6 predictor: weights from each token, (B, N, T*C), not from the mean."""
+    """The README's recipe for another Eq. 6 predictor: weights from each token, (B, N, T*C), not from the
+    mean."""
     return mlp(x.transpose(1, 2)).transpose(1, 2)  # (B, C, N) -> (B, T*C, N) -> (B, N, T*C)
 
 
 def test_recipe_eq6_weights_per_token(monkeypatch):
-    """Eq. 6 weights predicted per token: the reference applies them (inline.local_residual takes r per token, and
-    equals the per-sample form when every token's weights are the same), and the model trains on it; the fast core
-    has one weight set per sample, so create_model(fast=True) refuses it when the model is built, naming the module,
-    what failed and the way out."""
+    """Eq. 6 weights predicted per token: the reference applies them (inline.local_residual takes r per token,
+    and equals the per-sample form when every token's weights are the same), and the model trains on it; the
+    fast core has one weight set per sample, so create_model(fast=True) refuses it when the model is built,
+    naming the module, what failed and the way out."""
     q, k, v = qkv(2, 2, 1 + 12, 4)
     r = torch.randn(2, 9 * 8, dtype=torch.float64)
     torch.testing.assert_close(inline.local_residual(v, r[:, None].expand(2, 13, -1), (3, 4)),
@@ -852,15 +882,15 @@ def test_recipe_eq6_weights_per_token(monkeypatch):
     model = models.create_model('inline_deit_t', **config)
     F.cross_entropy(model(torch.randn(2, 3, 48, 80)), torch.tensor([0, 1])).backward()
     assert model.blocks[0].attn.residual[0].weight.grad.abs().max() > 0
-    with pytest.raises(ValueError, match=r"blocks\.0\.attn \(InLineAttention\) computes on the reference path: the fast "
-                                         r"core raised ValueError: r must hold 3x3 neighbour weights per channel.*"
-                                         r"Build the model with fast=False"):
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn \(InLineAttention\) computes on the reference "
+                                         r"path: the fast core raised ValueError: r must hold 3x3 neighbour "
+                                         r"weights per channel.*Build the model with fast=False"):
         models.create_model('inline_deit_t', fast=True, **config)
 
 
 def test_readme_vit_example_runs_on_both_paths():
-    """The README's own ViT, run as written: a class token first, then the patch grid; the fast path's logits and
-    gradients equal the reference's."""
+    """The README's own ViT, run as written: a class token first, then the patch grid; the fast path's logits
+    and gradients equal the reference's."""
     scope = {}
     exec(readme_block('### InLine attention in your own ViT'), scope)
     reference, fast = scope['TinyViT'](), scope['TinyViT']()
@@ -877,26 +907,30 @@ def test_readme_vit_example_runs_on_both_paths():
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORE = ['inline', 'kernels', 'sequence', 'models', 'dense', 'data', 'checkpoints', 'train', 'bench', 'peers']
-TESTS = sorted(glob.glob(os.path.join(HERE, 'test_*.py')) + glob.glob(os.path.join(HERE, 'paper', 'test_*.py')))
+TESTS = sorted(glob.glob(os.path.join(HERE, 'test_*.py'))
+               + glob.glob(os.path.join(HERE, 'paper', 'test_*.py')))
 LAB = sorted(glob.glob(os.path.join(HERE, 'paper', '*.py')))
 DOCUMENTS = ['README.md', 'RESULTS.md'] + [f'{name}.py' for name in CORE] + sorted(
     {os.path.relpath(path, HERE) for path in LAB + TESTS})
 
 
 def prose(document):
-    """What a document says to its reader: a Markdown file whole; of a Python file, its docstrings and comments."""
+    """What a document says to its reader: a Markdown file whole; of a Python file, its docstrings and
+    comments."""
     text = open(os.path.join(HERE, document)).read()
     if not document.endswith('.py'):
         return text
-    nodes = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
-    comments = [tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT]
+    nodes = [n for n in ast.walk(ast.parse(text))
+             if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+    comments = [tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+                if tok.type == tokenize.COMMENT]
     return '\n'.join([ast.get_docstring(n) or '' for n in nodes] + comments)
 
 
 def test_the_documents_name_only_what_exists():
     """Every test the README, RESULTS.md and the files' docstrings and comments name is a test of this suite;
-    every `python <file>.py` they give has an entry point, and every `python -m paper COMMAND` the command; every
-    picture and record the README and RESULTS.md show is in figures/ or results/; every `<module>.X` and
+    every `python <file>.py` they give has an entry point, and every `python -m paper COMMAND` the command;
+    every picture and record the README and RESULTS.md show is in figures/ or results/; every `<module>.X` and
     `<file>.py:Name` the README names, for the core's files and the lab, is there."""
     tests = {name for path in TESTS for name in re.findall(r'^def (test_\w+)', open(path).read(), re.M)}
     commands = {name for path in LAB for name in re.findall(r"sub\.add_parser\('(\w+)'", open(path).read())}
@@ -931,9 +965,9 @@ def test_the_documents_name_only_what_exists():
 
 
 def test_a_failure_reads_on_one_screen(tmp_path):
-    """A failing assertion in a test that uses the fast path, while torch's trace logger writes debug records (as
-    it does while compiling), shows its message within 40 lines of the report and none of those records: pytest.ini
-    keeps what torch logs out of failure reports."""
+    """A failing assertion in a test that uses the fast path, while torch's trace logger writes debug records
+    (as it does while compiling), shows its message within 40 lines of the report and none of those records:
+    pytest.ini keeps what torch logs out of failure reports."""
     test = tmp_path / 'test_failing.py'
     test.write_text(f"""import logging, sys
 sys.path.insert(0, {HERE!r})
@@ -954,15 +988,17 @@ def test_fails():
     assert result.returncode == 1, result.stdout[-2000:]
     first = next(i for i, line in enumerate(lines) if 'AssertionError: the deliberate message' in line)
     print(f"the message on line {first + 1} of {len(lines)}")
-    assert first < 40 and not any('a torch trace record 7' in line for line in lines)  # a record, not the source
+    # a record, not the source
+    assert first < 40 and not any('a torch trace record 7' in line for line in lines)
 
 
 def test_grid_and_leading_tokens_are_declared():
-    """The module says how many tokens precede its grid; any other N is an error naming N, the grid and that count,
-    and a grid that is not a pair of positive whole numbers says so. DeiT's attention declares its class token."""
+    """The module says how many tokens precede its grid; any other N is an error naming N, the grid and that
+    count, and a grid that is not a pair of positive whole numbers says so. DeiT's attention declares its
+    class token."""
     x = torch.randn(1, 17, 32)
-    with pytest.raises(ValueError, match=r"17 tokens, but this attention declares 0 leading token\(s\).* before its "
-                                         r"3x5 grid: N must be 0 \+ 15 = 15"):
+    with pytest.raises(ValueError, match=r"17 tokens, but this attention declares 0 leading token\(s\).* "
+                                         r"before its 3x5 grid: N must be 0 \+ 15 = 15"):
         inline.InLineAttention(32, 2)(x, (3, 5))
     with pytest.raises(ValueError, match=r"17 tokens, but this attention declares 1 leading token"):
         inline.InLineAttention(32, 2, leading_tokens=1)(x, (3, 5))

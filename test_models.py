@@ -73,19 +73,21 @@ def golden_block(name, cfg):
         return inline.InLineAttention(dim, heads, kernel=cfg['kernel'])
     if name.startswith('swin_block'):
         assert cfg['shift'] in (0, cfg['window'] // 2)
-        return models.SwinBlock(dim, heads, cfg['attn'], cfg['window'], cfg['shift'] > 0, cfg['mlp_ratio'], 0., DEFAULTS)
+        return models.SwinBlock(dim, heads, cfg['attn'], cfg['window'], cfg['shift'] > 0, cfg['mlp_ratio'],
+                                0., DEFAULTS)
     if name in ('deit_block', 'pvt_block'):
         attn = models.make_attention('I', dim, heads, DEFAULTS, separate_q=name == 'pvt_block',
                                      leading_tokens=int(name == 'deit_block'))  # DeiT's class token
         return models.Block(dim, cfg['mlp_ratio'], 0., cfg['norm_eps'], attn)
     if name.startswith('cswin_block'):
-        return models.CSwinBlock(dim, heads, cfg['attn'], cfg['split'], cfg['grid'], cfg['mlp_ratio'], 0., DEFAULTS)
+        return models.CSwinBlock(dim, heads, cfg['attn'], cfg['split'], cfg['grid'], cfg['mlp_ratio'],
+                                 0., DEFAULTS)
     raise KeyError(name)
 
 
-GOLDEN_CASES = ['swin_block_inline', 'swin_block_softmax_shifted', 'swin_attention_identity', 'swin_attention_relu',
-                'swin_attention_leakyrelu', 'swin_attention_exp', 'deit_block', 'pvt_block', 'cswin_block_inline',
-                'cswin_block_softmax_stripes']
+GOLDEN_CASES = ['swin_block_inline', 'swin_block_softmax_shifted', 'swin_attention_identity',
+                'swin_attention_relu', 'swin_attention_leakyrelu', 'swin_attention_exp', 'deit_block',
+                'pvt_block', 'cswin_block_inline', 'cswin_block_softmax_stripes']
 
 
 @pytest.mark.parametrize('name', GOLDEN_CASES)
@@ -93,7 +95,8 @@ def test_golden_block(golden, name):
     torch.manual_seed(0)
     case = golden[name]
     block = golden_block(name, case['config']).double().eval()
-    state = {k: v for k, v in case['state_dict'].items() if k.rsplit('.', 1)[-1] not in checkpoints.REBUILT_BUFFERS}
+    state = {k: v for k, v in case['state_dict'].items()
+             if k.rsplit('.', 1)[-1] not in checkpoints.REBUILT_BUFFERS}
     block.load_state_dict(state, strict=True)  # the authors' key names, unmapped
     out = block(*case['inputs'], case['config']['grid'])
     error = (out - case['output']).abs().max().item()
@@ -161,7 +164,8 @@ def cswin_reference(block, x, grid):
     return x + block.mlp(block.norm2(x))
 
 
-@pytest.mark.parametrize('grid,stripe', [((8, 8), 2), ((4, 6), 3), ((5, 7), 2)], ids=['8x8-s2', '4x6-s3-pad', '5x7-s2-pad'])
+@pytest.mark.parametrize('grid,stripe', [((8, 8), 2), ((4, 6), 3), ((5, 7), 2)],
+                         ids=['8x8-s2', '4x6-s3-pad', '5x7-s2-pad'])
 def test_cswin_stripes_against_global_masked_attention(grid, stripe):
     torch.manual_seed(0)
     block = perturb(models.CSwinBlock(16, 2, 'S', stripe, grid, 2., 0., DEFAULTS).double())
@@ -234,11 +238,12 @@ def test_a_checkpoint_of_other_sizes_names_them_and_how_to_rebuild(tmp_path):
         models.create_model('inline_swin_t', checkpoint=path, img_size=small['img_size'])
     message = str(e.value)
     assert len(message.splitlines()) == 2 and 'keys missing' in message and '...' in message, message
-    assert "embed_dim': 16" in message and "--model-kwargs" in message and 'depths=(2,2,2,2)' in message, message
+    assert "embed_dim': 16" in message and "--model-kwargs" in message \
+        and 'depths=(2,2,2,2)' in message, message
     deit = models.create_model('inline_deit_t', **SMALL['inline_deit_t'])
     torch.save(deit.state_dict(), tmp_path / 'deit.pth')
-    with pytest.warns(UserWarning, match=r"\(1000 classes x 32 features\) does not fit this model's \(1000 x 128\): "
-                                         r"32 features wide, not 128"):
+    with pytest.warns(UserWarning, match=r"\(1000 classes x 32 features\) does not fit this model's "
+                                         r"\(1000 x 128\): 32 features wide, not 128"):
         with pytest.raises(RuntimeError, match="another variant's or another size's weights"):
             models.create_model('inline_swin_t', checkpoint=tmp_path / 'deit.pth', **small)
 
@@ -263,8 +268,10 @@ def test_checkpoint_with_other_classes_and_size(name, tmp_path):
     source = models.create_model(name, **small)
     path = tmp_path / 'project.pth'
     torch.save({'model': source.state_dict(), 'args': {'model': name}, 'epoch': 1}, path)  # train.py's format
-    H, W = small['img_size']  # twice the size: the same aspect ratio, so the old grid can be told from its length
-    bigger = dict(small, img_size=(2 * H, 2 * W), num_classes=7, **({'softmax_window': 4} if name == 'inline_swin_t' else {}))
+    # twice the size: the same aspect ratio, so the old grid can be told from its length
+    H, W = small['img_size']
+    bigger = dict(small, img_size=(2 * H, 2 * W), num_classes=7,
+                  **({'softmax_window': 4} if name == 'inline_swin_t' else {}))
     with pytest.warns(UserWarning, match='5 classes, not 7'):
         model = models.create_model(name, checkpoint=path, **bigger)
     resized = 0
@@ -306,7 +313,8 @@ def test_hierarchical_stage_maps_and_other_input_size(name):
         stages = model.forward_features(torch.randn(1, 3, 64, 96), return_stages=True)
         config = SMALL[name]
         dims = config.get('embed_dims') or [config['embed_dim'] * 2 ** i for i in range(4)]
-        assert [tuple(s.shape[1:]) for s in stages] == [(dims[0], 16, 24), (dims[1], 8, 12), (dims[2], 4, 6), (dims[3], 2, 3)]
+        assert [tuple(s.shape[1:]) for s in stages] == [(dims[0], 16, 24), (dims[1], 8, 12), (dims[2], 4, 6),
+                                                        (dims[3], 2, 3)]
         assert model(torch.randn(1, 3, 128, 64)).shape == (1, 3)  # a size the model was not built for
 
 
@@ -325,7 +333,8 @@ def test_bad_input_size_is_a_clear_error(name):
 
 
 def test_unknown_name_and_bad_overrides():
-    with pytest.raises(ValueError, match=r"unknown model 'inline_vit_t'; choose one of inline_deit_t, .*inline_cswin_b_384"):
+    with pytest.raises(ValueError, match=r"unknown model 'inline_vit_t'; choose one of inline_deit_t, "
+                                         r".*inline_cswin_b_384"):
         models.create_model('inline_vit_t')
     with pytest.raises(ValueError, match=r"layout 'IIX'"):
         meta_model('inline_swin_t', layout='IIX')
@@ -346,7 +355,8 @@ def test_layouts_and_ablation_switches():
     assert letters == ['I', 'I'] + ['S'] * 16
     baseline = meta_model('inline_swin_t', layout='LLLS', residual='none')
     attns = [m for m in baseline.modules() if isinstance(m, inline.InLineAttention)]
-    assert len(attns) == 10 and all(a.attention == 'linear' and a.kernel == 'relu' and a.residual is None for a in attns)
+    assert len(attns) == 10 and all(a.attention == 'linear' and a.kernel == 'relu' and a.residual is None
+                                    for a in attns)
     cswin = meta_model('inline_cswin_t', kernel='relu')
     branches = [m for m in cswin.modules() if isinstance(m, models.StripeAttention) and m.letter == 'I']
     assert len(branches) == 6 and all(b.core is inline.inline_core for b in branches)
@@ -363,22 +373,25 @@ def test_model_api():
         assert model.no_weight_decay() <= {n for n, _ in model.named_parameters()}
     assert meta_model('inline_deit_t').no_weight_decay() == {'pos_embed', 'cls_token'}
     assert len(meta_model('inline_swin_t').no_weight_decay()) == 2  # the two S blocks' bias tables
-    assert meta_model('inline_pvt_t').no_weight_decay() == set()  # PVT decays its position embeddings, as released
+    # PVT decays its position embeddings, as released
+    assert meta_model('inline_pvt_t').no_weight_decay() == set()
 
 
 def test_fast_switch_replaces_every_core():
     torch.manual_seed(0)
     model = models.create_model('inline_cswin_t', fast=True, **dict(SMALL['inline_cswin_t'], layout='IISS'))
     cores = [m.core for m in model.modules() if hasattr(m, 'core')]
-    assert len(cores) == 1 + 2 and all(core is kernels.inline_core_fast for core in cores)  # the I blocks of stages 1, 2
+    # the I blocks of stages 1, 2
+    assert len(cores) == 1 + 2 and all(core is kernels.inline_core_fast for core in cores)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Dense prediction: timm's features_only backbones, torchvision's detectors, the Semantic FPN head
 
 DENSE_LAYOUTS = [('inline_pvt_t', {}), ('inline_pvt_t', dict(layout='SSSS', num_heads=(1, 2, 5, 8))),
-                 ('inline_pvt_t', dict(layout='LLLL')), ('inline_swin_t', {}), ('inline_swin_t', dict(layout='SSSS')),
-                 ('inline_swin_t', dict(layout='LLLS')), ('inline_swin_b', {}), ('inline_cswin_t', {}),
+                 ('inline_pvt_t', dict(layout='LLLL')), ('inline_swin_t', {}),
+                 ('inline_swin_t', dict(layout='SSSS')), ('inline_swin_t', dict(layout='LLLS')),
+                 ('inline_swin_b', {}), ('inline_cswin_t', {}),
                  ('inline_cswin_t', dict(layout='SSSS', depths=(1, 2, 21, 1)))]
 
 
@@ -393,7 +406,8 @@ def test_features_only_at_coco_size_every_family_and_layout(name, overrides):
         subset = models.create_model(name, features_only=True, out_indices=(1, 2, 3), **overrides)
     channels = model.feature_info.channels()
     assert model.feature_info.reduction() == [4, 8, 16, 32] and subset.feature_info.channels() == channels[1:]
-    assert [tuple(m.shape) for m in maps] == [(1, c, 800 // r, 1344 // r) for c, r in zip(channels, (4, 8, 16, 32))]
+    assert [tuple(m.shape) for m in maps] == [(1, c, 800 // r, 1344 // r)
+                                              for c, r in zip(channels, (4, 8, 16, 32))]
     norm = nn.Identity if name.startswith('inline_pvt') else nn.LayerNorm
     assert all(type(n) is norm for n in model.norms)
     assert not any(k.startswith('model.head.') or k.startswith('model.norm.') for k in model.state_dict())
@@ -412,7 +426,8 @@ def test_features_only_at_another_size_equals_a_model_built_for_it(name):
     that size: PVT's position embeddings resized bilinearly, as its forward resizes them."""
     torch.manual_seed(0)
     built = models.create_model(name, features_only=True, drop_path_rate=0., **SMALL[name]).eval()
-    sized = models.create_model(name, features_only=True, drop_path_rate=0., **{**SMALL[name], 'img_size': (96, 64)})
+    sized = models.create_model(name, features_only=True, drop_path_rate=0.,
+                                **{**SMALL[name], 'img_size': (96, 64)})
     state = built.state_dict()
     for i, key in enumerate(k for k in state if re.fullmatch(r'model\.pos_embed\d', k)):
         state[key] = models.resize_grid(state[key], built.model.grids[i], sized.model.grids[i], 'bilinear')
@@ -459,7 +474,8 @@ def test_detection_example_trains_mask_rcnn_with_inline_swin_t(monkeypatch, caps
     scope = {}
     exec(docstring_example(dense), scope)
     losses, model = scope['losses'], scope['model']
-    assert set(losses) == {'loss_classifier', 'loss_box_reg', 'loss_mask', 'loss_objectness', 'loss_rpn_box_reg'}
+    assert set(losses) == {'loss_classifier', 'loss_box_reg', 'loss_mask', 'loss_objectness',
+                           'loss_rpn_box_reg'}
     assert all(torch.isfinite(v) for v in losses.values())
     attention = [p for n, p in model.backbone.named_parameters() if '.attn.' in n]
     assert attention and all(p.grad is not None for p in attention)
@@ -471,7 +487,8 @@ def test_detection_example_trains_mask_rcnn_with_inline_swin_t(monkeypatch, caps
     image = scope['image']  # masks come back in the image file's own pixels
     assert scope['prediction']['masks'].shape[1:] == (1, *image.shape[1:]) and 'boxes' in scope['prediction']
     assert scope['logits'].shape == (2, 150, 96, 128) and torch.isfinite(scope['loss'])
-    model.roi_heads.score_thresh = 0.0  # untrained scores are near 1/91: keep every box to see boxes and masks
+    # untrained scores are near 1/91: keep every box to see boxes and masks
+    model.roi_heads.score_thresh = 0.0
     model.roi_heads.detections_per_img = 5  # of 100: the mask head's cost is per box
     with torch.no_grad():
         out = model(scope['images'])
@@ -480,8 +497,8 @@ def test_detection_example_trains_mask_rcnn_with_inline_swin_t(monkeypatch, caps
 
 
 def test_semantic_fpn_trains_with_inline_pvt_t():
-    """Semantic FPN on the real InLine-PVT-T: a training step (finite loss, gradients in the attention of every
-    stage), then eval logits at the input's size for two sizes, one not a multiple of 32."""
+    """Semantic FPN on the real InLine-PVT-T: a training step (finite loss, gradients in the attention of
+    every stage), then eval logits at the input's size for two sizes, one not a multiple of 32."""
     torch.manual_seed(0)
     model = dense.SemanticFPN(models.create_model('inline_pvt_t', features_only=True), num_classes=5)
     x, y = torch.rand(2, 3, 64, 96), torch.randint(0, 5, (2, 64, 96))
@@ -498,8 +515,8 @@ def test_semantic_fpn_trains_with_inline_pvt_t():
 
 
 def test_faster_rcnn_and_retinanet_take_the_adapter():
-    """FasterRCNN with the default adapter (four levels and 'pool'); RetinaNet as torchvision builds it, stages
-    2-4 and P6, P7: five levels for its five anchor sizes. A training step and a prediction each."""
+    """FasterRCNN with the default adapter (four levels and 'pool'); RetinaNet as torchvision builds it,
+    stages 2-4 and P6, P7: five levels for its five anchor sizes. A training step and a prediction each."""
     from torchvision.models.detection import FasterRCNN, RetinaNet
     from torchvision.ops.feature_pyramid_network import LastLevelP6P7
     torch.manual_seed(0)
@@ -508,10 +525,13 @@ def test_faster_rcnn_and_retinanet_take_the_adapter():
     targets = [dict(boxes=torch.tensor([[8., 8., 40., 50.]]), labels=torch.tensor([1]))] * 2
     retina_backbone = models.create_model('inline_pvt_t', features_only=True, out_indices=(1, 2, 3), **small)
     size = dict(min_size=64, max_size=96)  # small images and few boxes: seconds on a CPU
-    faster = FasterRCNN(dense.BackboneWithFPN(models.create_model('inline_pvt_t', features_only=True, **small),
-                                               out_channels=32), num_classes=3, rpn_post_nms_top_n_train=50,
-                        rpn_post_nms_top_n_test=50, box_batch_size_per_image=32, box_detections_per_img=10, **size)
-    retina = RetinaNet(dense.BackboneWithFPN(retina_backbone, out_channels=32, extra_blocks=LastLevelP6P7(32, 32)),
+    faster = FasterRCNN(dense.BackboneWithFPN(models.create_model('inline_pvt_t', features_only=True,
+                                                                  **small),
+                                              out_channels=32), num_classes=3, rpn_post_nms_top_n_train=50,
+                        rpn_post_nms_top_n_test=50, box_batch_size_per_image=32, box_detections_per_img=10,
+                        **size)
+    retina = RetinaNet(dense.BackboneWithFPN(retina_backbone, out_channels=32,
+                                             extra_blocks=LastLevelP6P7(32, 32)),
                        num_classes=3, topk_candidates=50, detections_per_img=10, **size)
     for model in (faster, retina):
         losses = model(images, targets)
@@ -548,7 +568,8 @@ def test_shifted_inline_windows_equal_an_explicit_loop():
     torch.testing.assert_close(block(x, (h, w)), expected, rtol=0, atol=1e-12)
     # wrapped: token (0, 0) and token (7, 7) share a window in the shifted block, not in the unshifted one
     x2 = x.clone()
-    x2[:, 7 * w + 7] += torch.randn(C, dtype=torch.float64)  # not a constant, which the LayerNorm would remove
+    # not a constant, which the LayerNorm would remove
+    x2[:, 7 * w + 7] += torch.randn(C, dtype=torch.float64)
     assert (block(x2, (h, w)) - block(x, (h, w)))[:, 0].abs().max() > 1e-6
     block.shift = False
     assert (block(x2, (h, w)) - block(x, (h, w)))[:, 0].abs().max() == 0
@@ -566,8 +587,9 @@ def test_nonneg_inline_weights_are_non_negative_and_rows_sum_to_one():
 
 
 def test_normalised_q_in_swin_gives_q_and_2q_the_same_weights():
-    """T1 in Swin: with normalise_q='S' (windowed softmax) or 'I' (InLine), doubling q in those blocks leaves the
-    logits as they were; without it they change. The fast core follows InLine's option (enable_fast checks it)."""
+    """T1 in Swin: with normalise_q='S' (windowed softmax) or 'I' (InLine), doubling q in those blocks leaves
+    the logits as they were; without it they change. The fast core follows InLine's option (enable_fast checks
+    it)."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 64, 64)
     for letters, layout, kind in (('S', 'SSSS', models.WindowAttention), ('I', 'IIIS', inline.InLineBase),
@@ -619,8 +641,10 @@ def test_relu_affine_starts_as_relu_and_trains():
     assert attn.phi.weight.grad.abs().sum() > 0 and attn.phi.bias.grad.abs().sum() > 0
     optimizer.step()
     assert not torch.equal(attn.phi.weight, torch.eye(8)) and attn.phi.bias.abs().sum() > 0
-    assert models.InLineDeiT(img_size=32, embed_dim=16, depth=1, num_heads=2, kernel='relu_affine').no_weight_decay() \
-        == {'pos_embed', 'cls_token', 'blocks.0.attn.phi.weight'}  # A starts at the identity: not decayed to zero
+    # A starts at the identity: not decayed to zero
+    assert models.InLineDeiT(img_size=32, embed_dim=16, depth=1, num_heads=2,
+                             kernel='relu_affine').no_weight_decay() \
+        == {'pos_embed', 'cls_token', 'blocks.0.attn.phi.weight'}
 
 
 def test_ape_per_stage_and_window_reaches_qkv_not_the_shortcut():
@@ -646,7 +670,8 @@ def test_ape_per_stage_and_window_reaches_qkv_not_the_shortcut():
     without_attention = block(x, (4, 4))
     with torch.no_grad():
         block.attn.ape.zero_()
-    torch.testing.assert_close(block(x, (4, 4)), without_attention, rtol=0, atol=0)  # the shortcut never sees it
+    # the shortcut never sees it
+    torch.testing.assert_close(block(x, (4, 4)), without_attention, rtol=0, atol=0)
     assert not torch.allclose(out, without_attention)
 
 
@@ -665,14 +690,15 @@ def test_softmax_originals_have_the_known_sizes():
 
 
 def test_fast_path_refuses_what_it_does_not_cover_when_the_model_is_built():
-    """Vanilla linear attention has no fast core: create_model(fast=True) refuses it, naming the option, before
-    any forward; every InLine option builds fast."""
+    """Vanilla linear attention has no fast core: create_model(fast=True) refuses it, naming the option,
+    before any forward; every InLine option builds fast."""
     with pytest.raises(ValueError, match=r"the fast InLine core has no attention='linear' \(layout letter L"):
         meta_model('inline_swin_t', layout='LISS', fast=True)
     with pytest.raises(ValueError, match=r"attention='linear'"):
         meta_model('inline_cswin_t', layout='LISS', fast=True)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        model = meta_model('inline_swin_t', window=7, residual='plain', nonneg=True, kernel='relu_affine', fast=True)
+        model = meta_model('inline_swin_t', window=7, residual='plain', nonneg=True, kernel='relu_affine',
+                           fast=True)
         assert all(m.core is kernels.inline_core_fast for m in model.modules() if hasattr(m, 'core'))
         meta_model('inline_swin_t', local_size=7, dilation=2, fast=True)

@@ -1,5 +1,5 @@
-"""Causal InLine (sequence.py): causal Eq. 5's three forms against the explicit causal weights in float64, Eq. 6
-over the last k tokens, the module's no-look-ahead, and the fast causal core.
+"""Causal InLine (sequence.py): causal Eq. 5's three forms against the explicit causal weights in float64,
+Eq. 6 over the last k tokens, the module's no-look-ahead, and the fast causal core.
 """
 import functools
 
@@ -15,10 +15,12 @@ from conftest import qkv
 
 # ===================================================================================================
 # InLine on sequences (sequence.py): causal Eq. 5's three forms against the explicit causal weights
-# in float64, Eq. 6 over the last k tokens against a loop, the whole module's no-look-ahead, and the fast causal core
+# in float64, Eq. 6 over the last k tokens against a loop, the whole module's no-look-ahead, and the fast
+# causal core
 
 def sequence_inputs(B, H, N, D, taps=3, dtype=torch.float64, seed=0):
-    """q, k, v (B, H, N, D) with non-zero means (what the uncentred prefix sums cost), r (B, N, k*C) per token, do."""
+    """q, k, v (B, H, N, D) with non-zero means (what the uncentred prefix sums cost), r (B, N, k*C) per
+    token, do."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(B, H, N, D, generator=g, dtype=dtype) for _ in range(4))
     k = k + torch.randn(B, H, 1, D, generator=g, dtype=dtype)
@@ -31,14 +33,16 @@ def stepped(q, k, v, state=None, scale_by_count=True):
     """inline_step over every token of q, k, v (B, H, N, D): the outputs (B, H, N, D) and the last state."""
     outs = []
     for t in range(q.shape[2]):
-        o_t, state = sequence.inline_step(q[:, :, t], k[:, :, t], v[:, :, t], state, scale_by_count=scale_by_count)
+        o_t, state = sequence.inline_step(q[:, :, t], k[:, :, t], v[:, :, t], state,
+                                          scale_by_count=scale_by_count)
         outs.append(o_t)
     return torch.stack(outs, dim=2), state
 
 
 @pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-i', 'printed-s'])
 def test_causal_weights_match_the_formula_element_by_element(scale_by_count):
-    """Each prefix 1..i written out by hand: w_ij = g_i (q_i.k_j - q_i.k_mean_i) + 1/i, g_i = s/i or s (printed)."""
+    """Each prefix 1..i written out by hand: w_ij = g_i (q_i.k_j - q_i.k_mean_i) + 1/i, g_i = s/i or s
+    (printed)."""
     q, k, _ = qkv(1, 1, 7, 4)
     w = sequence.causal_inline_weights(q, k, scale_by_count=scale_by_count)
     s = 4 ** -0.5
@@ -49,15 +53,17 @@ def test_causal_weights_match_the_formula_element_by_element(scale_by_count):
             expected = g * (q[0, 0, i] @ k[0, 0, j] - q[0, 0, i] @ k_mean) + 1 / (i + 1) if j <= i else 0.0
             assert abs(w[0, 0, i, j].item() - float(expected)) < 1e-14
     torch.testing.assert_close(w.sum(-1), torch.ones(1, 1, 7, dtype=torch.float64), rtol=0, atol=1e-14)
+    # 2q gives other weights in every row with two tokens or more
     assert (sequence.causal_inline_weights(2 * q, k, scale_by_count=scale_by_count)
-            - w)[0, 0, 1:].abs().amax(-1).min() > 1e-3  # 2q gives other weights in every row with two tokens or more
+            - w)[0, 0, 1:].abs().amax(-1).min() > 1e-3
 
 
 @pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-i', 'printed-s'])
 def test_causal_injectivity_needs_d_plus_1_tokens(scale_by_count):
-    """Row i is injective in q_i only where the centred keys k_j - k_mean_i (j <= i) span all D dimensions, i >= D + 1:
-    a change of q_i orthogonal to all of them (their null space, which exists while i <= D) leaves row i as it was,
-    and at i >= D + 1 there is no such change: the same step along the last right-singular vector moves the row."""
+    """Row i is injective in q_i only where the centred keys k_j - k_mean_i (j <= i) span all D dimensions,
+    i >= D + 1: a change of q_i orthogonal to all of them (their null space, which exists while i <= D) leaves
+    row i as it was, and at i >= D + 1 there is no such change: the same step along the last right-singular
+    vector moves the row."""
     D = 6
     q, k, _ = qkv(1, 1, 12, D)
     for i in range(1, 12):  # row i counts i + 1 tokens
@@ -74,9 +80,10 @@ def test_causal_injectivity_needs_d_plus_1_tokens(scale_by_count):
 @pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-i', 'printed-s'])
 @pytest.mark.parametrize('N', [1, 37, 131], ids=['N1', 'N37', 'N131'])
 def test_causal_forms_equal_the_explicit_weights(N, scale_by_count):
-    """Prefix sums (inline_attention), chunks of 16 (inline_chunked, a ragged last chunk) and the recurrent step:
-    outputs and the gradients of q, k, v against w @ v with the explicit causal weights, in float64, under either
-    factor of Eq. 5 (the explicit weights are the hand formula: test_causal_weights_match_the_formula_element_by_element)."""
+    """Prefix sums (inline_attention), chunks of 16 (inline_chunked, a ragged last chunk) and the recurrent
+    step: outputs and the gradients of q, k, v against w @ v with the explicit causal weights, in float64,
+    under either factor of Eq. 5 (the explicit weights are the hand formula:
+    test_causal_weights_match_the_formula_element_by_element)."""
     q, k, v, _, do = sequence_inputs(2, 3, N, 8)
     c = dict(scale_by_count=scale_by_count)
     forms = {'explicit': lambda q, k, v: sequence.causal_inline_weights(q, k, **c) @ v,
@@ -121,9 +128,9 @@ def state_numel(state):
                                      dict(local_size=5, dilation=2), dict(residual='none')],
                          ids=['eq6', 'one_plus_elu-printed-s', 'eq6-k5-dilation2', 'no-eq6'])
 def test_module_step_with_eq6_equals_the_whole_sequence(options):
-    """Generation runs the trained module: SequenceAttention(causal=True).step token by token gives forward's output
-    on the whole sequence, Eq. 6 included (its weights from the running mean of x, its last dilation*(k-1) values
-    kept), in float64; the state's size does not grow with the tokens."""
+    """Generation runs the trained module: SequenceAttention(causal=True).step token by token gives forward's
+    output on the whole sequence, Eq. 6 included (its weights from the running mean of x, its last
+    dilation*(k-1) values kept), in float64; the state's size does not grow with the tokens."""
     torch.manual_seed(0)
     attn = sequence.SequenceAttention(24, 3, causal=True, **options).double()
     x = torch.randn(2, 23, 24, dtype=torch.float64)
@@ -171,7 +178,8 @@ def test_eq6_on_a_sequence_against_an_explicit_loop(size, dilation, causal):
     q, k, v, r, _ = sequence_inputs(2, 2, 11, 3, taps=size)
     r = r if causal else r[:, 0]  # (B, N, kC) per token, or (B, kC) per sample
     expected = sequence_residual_loop(v, r, size, dilation, causal)
-    torch.testing.assert_close(sequence.sequence_residual(v, r, size, dilation, causal), expected, rtol=0, atol=1e-13)
+    torch.testing.assert_close(sequence.sequence_residual(v, r, size, dilation, causal), expected,
+                               rtol=0, atol=1e-13)
 
 
 def test_causal_eq6_weights_come_from_the_prefix_mean():
@@ -187,9 +195,11 @@ def test_causal_eq6_weights_come_from_the_prefix_mean():
 def no_look_ahead(module, x, j):
     """module(x) and module(x with token j changed): outputs before j must be equal bit for bit."""
     changed = x.clone()
-    changed[:, j] += torch.randn(x.shape[0], x.shape[2], generator=torch.Generator().manual_seed(1), dtype=x.dtype)
+    changed[:, j] += torch.randn(x.shape[0], x.shape[2], generator=torch.Generator().manual_seed(1),
+                                 dtype=x.dtype)
     y, z = module(x), module(changed)
-    assert torch.equal(y[:, :j], z[:, :j]), f"token {j} changed an earlier output by {(y - z)[:, :j].abs().max():.1e}"
+    assert torch.equal(y[:, :j], z[:, :j]), \
+        f"token {j} changed an earlier output by {(y - z)[:, :j].abs().max():.1e}"
     assert (y[:, j] - z[:, j]).abs().max() > 1e-3  # and it does change its own
 
 
@@ -219,8 +229,8 @@ def test_decoder_block_never_looks_ahead():
 
 
 def test_sequence_modules_and_their_errors():
-    """causal=True and sequence=True take (B, N, C) with no grid; the bidirectional one does look both ways; a grid
-    module needs its grid; bad combinations are refused, saying what is allowed."""
+    """causal=True and sequence=True take (B, N, C) with no grid; the bidirectional one does look both ways; a
+    grid module needs its grid; bad combinations are refused, saying what is allowed."""
     torch.manual_seed(0)
     x = torch.randn(2, 13, 16)
     bidirectional = sequence.SequenceAttention(16, 2, causal=False)
@@ -230,14 +240,17 @@ def test_sequence_modules_and_their_errors():
     assert y.shape == (2, 13, 16) and (bidirectional(changed)[:, 0] - y[:, 0]).abs().max() > 0
     assert bidirectional.weights(x).shape == (2, 2, 13, 13)
     assert sequence.SequenceAttention(16, 2, causal=True).weights(x).triu(1).abs().max() == 0
-    with pytest.raises(ValueError, match=r"built for a 1-D sequence \(sequence.SequenceAttention\): call it with no grid"):
+    with pytest.raises(ValueError, match=r"built for a 1-D sequence \(sequence.SequenceAttention\): "
+                                         r"call it with no grid"):
         sequence.SequenceAttention(16, 2, causal=True)(x, (1, 13))
-    with pytest.raises(ValueError, match=r"built for a token grid: pass grid=\(h, w\), or use sequence.SequenceAttention"):
+    with pytest.raises(ValueError, match=r"built for a token grid: pass grid=\(h, w\), "
+                                         r"or use sequence.SequenceAttention"):
         inline.InLineAttention(16, 2)(x)
     q, k, v, r, _ = sequence_inputs(2, 2, 13, 8)
     with pytest.raises(ValueError, match=r"attention over a 1-D sequence has no grid: grid must be None"):
         sequence.sequence_core(q, k, v, r, (1, 13), causal=True)
-    with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, \(B, N, kC\)"):
+    with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, "
+                                         r"\(B, N, kC\)"):
         sequence.sequence_core(q, k, v, r[:, 0], None, causal=True)
     with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel, \(B, kC\)"):
         sequence.sequence_core(q, k, v, r, None)
@@ -245,15 +258,19 @@ def test_sequence_modules_and_their_errors():
 
 
 
-# (B, H, N, D): odd lengths, ragged last chunks (the fast core's are 64 tokens); B, H, N are symbols of one graph
+# (B, H, N, D): odd lengths, ragged last chunks (the fast core's are 64 tokens); B, H, N are symbols of one
+# graph
 CAUSAL_SHAPES = [(2, 3, 131, 32), (3, 2, 200, 32)]
 CAUSAL_OPTIONS = {'eq6': dict(size=3), 'eq6-dilation2': dict(size=3, dilation=2), 'no-eq6': None,
-                  'eq6-printed-s': dict(size=3, scale_by_count=False)}  # the paper's printed Eq. 5: s, not s/i
-ROUNDING = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}  # half an ulp at 1, times the tensor's largest entry
+                  # the paper's printed Eq. 5: s, not s/i
+                  'eq6-printed-s': dict(size=3, scale_by_count=False)}
+# half an ulp at 1, times the tensor's largest entry
+ROUNDING = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
 
 
 @pytest.mark.parametrize('option', list(CAUSAL_OPTIONS))
-@pytest.mark.parametrize('shape', CAUSAL_SHAPES, ids=[f"B{B}-H{H}-N{N}-D{D}-fp32" for B, H, N, D in CAUSAL_SHAPES])
+@pytest.mark.parametrize('shape', CAUSAL_SHAPES,
+                         ids=[f"B{B}-H{H}-N{N}-D{D}-fp32" for B, H, N, D in CAUSAL_SHAPES])
 def test_fast_causal_core_equals_reference_fp32(shape, option):
     q, k, v, r, do = sequence_inputs(*shape)
     options = CAUSAL_OPTIONS[option] or {}
@@ -267,10 +284,11 @@ def test_fast_causal_core_equals_reference_fp32(shape, option):
 @pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-i', 'printed-s'])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
 def test_fast_causal_core_low_precision_within_twice_the_references(dtype, scale_by_count):
-    """In bf16 and fp16 the fast causal core's error against the fp32 reference is at most twice the reference's
-    own in that dtype, plus one rounding of the tensor's scale. (The reference sums in fp32 whatever the dtype, so
-    its own error is little more than its inputs' rounding: the fast core must do as well.) Under either factor of
-    Eq. 5: the printed s makes the outputs grow with i, the scans' sums unscaled."""
+    """In bf16 and fp16 the fast causal core's error against the fp32 reference is at most twice the
+    reference's own in that dtype, plus one rounding of the tensor's scale. (The reference sums in fp32
+    whatever the dtype, so its own error is little more than its inputs' rounding: the fast core must do as
+    well.) Under either factor of Eq. 5: the printed s makes the outputs grow with i, the scans' sums
+    unscaled."""
     q, k, v, r, do = sequence_inputs(2, 3, 131, 32)
     c = dict(scale_by_count=scale_by_count)
     truth = run_core(causal(sequence.sequence_core, **c), q, k, v, r, do, None, torch.float32)
@@ -279,13 +297,14 @@ def test_fast_causal_core_low_precision_within_twice_the_references(dtype, scale
     for name, f, ref, t in zip(NAMES, fast, reference, truth):
         fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
         noise = ROUNDING[dtype] * t.abs().max().item()
-        print(f"{name}: {dtype} error, fast {fast_error:.3e}, reference {reference_error:.3e}, noise {noise:.1e}")
+        print(f"{name}: {dtype} error, fast {fast_error:.3e}, reference {reference_error:.3e}, "
+              f"noise {noise:.1e}")
         assert fast_error <= 2 * reference_error + noise, name
 
 
 def test_fast_core_with_the_printed_scale_on_an_image():
-    """scale_by_count=False on a 7x7 window (Eq. 5 with s, not s/N): the fast core's output and every gradient equal
-    the reference's in fp32, and the module built with it passes enable_fast's check."""
+    """scale_by_count=False on a 7x7 window (Eq. 5 with s, not s/N): the fast core's output and every gradient
+    equal the reference's in fp32, and the module built with it passes enable_fast's check."""
     shape = (2, 3, 0, (7, 7), 32)
     q, k, v, r, do = core_inputs(*shape)
     printed = lambda core: functools.partial(core, scale_by_count=False)  # noqa: E731
@@ -295,8 +314,8 @@ def test_fast_core_with_the_printed_scale_on_an_image():
 
 
 def test_the_scale_option_is_part_of_the_compiled_graphs_key():
-    """scale_by_count is a Python bool the graphs specialise on: kernels.signature keys the two apart, so a call under
-    one never reuses the switches and marks recorded for the other's graph."""
+    """scale_by_count is a Python bool the graphs specialise on: kernels.signature keys the two apart, so a
+    call under one never reuses the switches and marks recorded for the other's graph."""
     q, k, v, _, _ = sequence_inputs(2, 2, 130, 8, dtype=torch.float32)
     for f in (sequence.causal_forward, kernels.core_forward):
         keys = {kernels.signature(f, [q, k, v, None, None, None, 8 ** -0.5, c]) for c in (True, False)}
@@ -311,8 +330,8 @@ def test_fast_core_on_a_bidirectional_sequence():
 
 
 def test_fast_causal_module_never_looks_ahead():
-    """The module on the fast path, built by kernels.enable_fast, is the reference module's function and keeps its
-    no-look-ahead bit for bit across the fast core's chunks."""
+    """The module on the fast path, built by kernels.enable_fast, is the reference module's function and keeps
+    its no-look-ahead bit for bit across the fast core's chunks."""
     torch.manual_seed(0)
     reference = sequence.SequenceAttention(64, 2, causal=True)
     fast = sequence.SequenceAttention(64, 2, causal=True)
@@ -327,18 +346,20 @@ def test_fast_causal_module_never_looks_ahead():
 
 
 def test_a_guard_failing_under_a_known_signature_compiles_with_the_switches(monkeypatch):
-    """Dynamo guards a compiled graph on the torch-function modes in force. A call under a new one, with a signature
-    kernels.run has a graph for, would recompile without the core's switches and, past dynamo's limit, run eagerly
-    and silently; instead run compiles another graph with the switches, and it returns the reference's output."""
+    """Dynamo guards a compiled graph on the torch-function modes in force. A call under a new one, with a
+    signature kernels.run has a graph for, would recompile without the core's switches and, past dynamo's
+    limit, run eagerly and silently; instead run compiles another graph with the switches, and it returns the
+    reference's output."""
     class Mode(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
     q, k, v, r = (t.float() for t in core_inputs(2, 2, 0, (5, 6), 16)[:4])
     compiled, compile_and_call = [], kernels.compile_and_call
-    monkeypatch.setattr(kernels, 'compile_and_call', lambda f, args, key: (compiled.append(key), compile_and_call(
-        f, args, key))[1])
+    monkeypatch.setattr(kernels, 'compile_and_call',
+                        lambda f, args, key: (compiled.append(key), compile_and_call(f, args, key))[1])
     with torch.no_grad():
-        kernels.inline_core_fast(q, k, v, r, (5, 6))  # the graph for this signature, if this process has none yet
+        # the graph for this signature, if this process has none yet
+        kernels.inline_core_fast(q, k, v, r, (5, 6))
         compiled.clear()
         with Mode():
             fast = kernels.inline_core_fast(q, k, v, r, (5, 6))
@@ -347,8 +368,8 @@ def test_a_guard_failing_under_a_known_signature_compiles_with_the_switches(monk
 
 
 def test_fast_causal_core_inside_a_compiled_module():
-    """torch.compile of a causal module on the fast path: the causal core's closed forms are traced into the module's
-    graph, with no break; output and every gradient equal the reference module's."""
+    """torch.compile of a causal module on the fast path: the causal core's closed forms are traced into the
+    module's graph, with no break; output and every gradient equal the reference module's."""
     torch.manual_seed(0)
     reference = sequence.SequenceAttention(16, 2, causal=True)
     fast = sequence.SequenceAttention(16, 2, causal=True)
@@ -388,5 +409,6 @@ def test_fast_causal_core_rejects_what_the_reference_rejects():
     q, k, v, r, _ = sequence_inputs(2, 2, 13, 8)
     with pytest.raises(ValueError, match=r"attention over a 1-D sequence has no grid: grid must be None"):
         sequence.sequence_core_fast(q, k, v, r, (1, 13), causal=True)
-    with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, \(B, N, kC\)"):
+    with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, "
+                                         r"\(B, N, kC\)"):
         sequence.sequence_core_fast(q, k, v, r[:, 0], None, causal=True)

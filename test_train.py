@@ -1,4 +1,5 @@
-"""train.py, run as a user runs it: in a subprocess (one process, or two under torchrun with gloo), and in process.
+"""train.py, run as a user runs it: in a subprocess (one process, or two under torchrun with gloo), and
+in process.
 """
 import argparse
 import contextlib
@@ -38,8 +39,8 @@ from test_models import SMALL, TINY, perturb
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 # the smallest variant at the smallest size it takes; the reference attention needs no compilation; one thread
 # per process, so that a busy machine slows the tests down rather than stalling them
-TINY_ARGS = ['--model', 'inline_deit_t', '--attention-impl', 'reference', '--img-size', '32', '--batch-size', '8',
-        '--workers', '0', '--threads', '1']
+TINY_ARGS = ['--model', 'inline_deit_t', '--attention-impl', 'reference', '--img-size', '32',
+        '--batch-size', '8', '--workers', '0', '--threads', '1']
 SYNTHETIC_ARGS = TINY_ARGS + ['--synthetic-train', '48', '--synthetic-val', '21', '--epochs', '2']
 
 
@@ -85,7 +86,8 @@ def test_two_processes_train_and_write_checkpoints(two_process_run):
     assert [e['epoch'] for e in log] == [1, 2]
     assert all(e['val_images'] == 21 for e in log)  # every image once: 11 + 10, no padding
     assert not any('val_correct' in e for e in log)  # per-image results: a file of their own, each image once
-    correct = torch.load(os.path.join(output_dir, 'val_correct.pt'), weights_only=True)  # the last validation's
+    # the last validation's
+    correct = torch.load(os.path.join(output_dir, 'val_correct.pt'), weights_only=True)
     assert correct.dtype == torch.bool and correct.shape == (21,)
     assert correct.sum().item() == round(log[-1]['val_acc1'] * 21 / 100)
     ckpt = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
@@ -99,7 +101,8 @@ def test_two_processes_train_and_write_checkpoints(two_process_run):
 
 def test_eval_reproduces_the_logged_accuracy(two_process_run):
     output_dir, _ = two_process_run
-    result = run_train(SYNTHETIC_ARGS + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')], nproc=2)
+    result = run_train(SYNTHETIC_ARGS + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')],
+                       nproc=2)
     evaluated, logged = printed(result.stdout, 'eval model: '), metrics(output_dir)[-1]
     assert evaluated['images'] == 21
     assert evaluated['acc1'] == logged['val_acc1'] and evaluated['acc5'] == logged['val_acc5']
@@ -109,17 +112,18 @@ def test_eval_reproduces_the_logged_accuracy(two_process_run):
 
 
 def test_evaluate_keeps_each_images_result_at_its_place_in_the_validation_set(tmp_path):
-    """train.evaluate's per-image results sit at each image's index in the validation set whatever slice a rank
-    holds (here rank 1 of 2: images 1, 3, 5, ...; the other rank's places stay False until all_reduce adds them)
-    and count the top-1 it reports; save_correct writes them as they are, a bool tensor, to OUTPUT_DIR/val_correct.pt
-    (rank 0 only)."""
+    """train.evaluate's per-image results sit at each image's index in the validation set whatever slice a
+    rank holds (here rank 1 of 2: images 1, 3, 5, ...; the other rank's places stay False until all_reduce
+    adds them) and count the top-1 it reports; save_correct writes them as they are, a bool tensor, to
+    OUTPUT_DIR/val_correct.pt (rank 0 only)."""
     torch.manual_seed(0)
     x, y = torch.randn(11, 4), torch.randint(0, 3, (11,))
     model = nn.Linear(4, 3)
-    run = types.SimpleNamespace(device=torch.device('cpu'), world=1, autocast=lambda training: contextlib.nullcontext())
+    run = types.SimpleNamespace(device=torch.device('cpu'), world=1,
+                                autocast=lambda training: contextlib.nullcontext())
     data = torch.utils.data.TensorDataset(x, y)
-    result = train.evaluate(run, model, torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(1, 11, 2)),
-                                                                    batch_size=2))
+    result = train.evaluate(run, model, torch.utils.data.DataLoader(
+        torch.utils.data.Subset(data, range(1, 11, 2)), batch_size=2))
     right = model(x).argmax(1) == y
     expected = torch.zeros(11, dtype=torch.bool)
     expected[1::2] = right[1::2]
@@ -133,8 +137,8 @@ def test_evaluate_keeps_each_images_result_at_its_place_in_the_validation_set(tm
 
 
 def test_evaluate_on_a_rank_with_no_images(monkeypatch):
-    """Three ranks, two images: rank 2's slice is empty; its evaluate adds zeros, and all_reduce (here rank 0's and
-    rank 1's sums, added by a stand-in) gives every image's result."""
+    """Three ranks, two images: rank 2's slice is empty; its evaluate adds zeros, and all_reduce (here rank
+    0's and rank 1's sums, added by a stand-in) gives every image's result."""
     torch.manual_seed(0)
     x, y = torch.randn(2, 4), torch.tensor([0, 1])
     model, data = nn.Linear(4, 3), torch.utils.data.TensorDataset(x, y)
@@ -180,7 +184,8 @@ def test_checkpoint_of_another_model_is_refused(two_process_run, mode, tmp_path)
 
 
 # the README's two-node launch; here both nodes are this machine, one process each
-TWO_NODES = 'torchrun --nnodes=2 --nproc_per_node={nproc} --rdzv-id=inline --rdzv-backend=c10d --rdzv-endpoint={host}'
+TWO_NODES = ('torchrun --nnodes=2 --nproc_per_node={nproc} --rdzv-id=inline --rdzv-backend=c10d '
+             '--rdzv-endpoint={host}')
 
 
 def test_two_nodes_end_with_the_weights_of_one_node_with_two_processes(two_process_run, tmp_path):
@@ -193,8 +198,9 @@ def test_two_nodes_end_with_the_weights_of_one_node_with_two_processes(two_proce
         port = s.getsockname()[1]
     launcher = TWO_NODES.format(nproc=1, host=f'127.0.0.1:{port}').split()[1:]
     output_dir = str(tmp_path)
-    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', *launcher, TRAIN, *SYNTHETIC_ARGS,
-                               '--output-dir', output_dir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', *launcher, TRAIN,
+                               *SYNTHETIC_ARGS, '--output-dir', output_dir],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     for node in nodes:
         output, _ = node.communicate(timeout=600)
@@ -213,8 +219,10 @@ def test_more_processes_than_gpus_on_a_node_is_refused(local_rank, monkeypatch, 
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
     for name in ('set_device', 'init', 'current_device'):
         monkeypatch.setattr(torch.cuda, name, lambda *a: pytest.fail('a device was touched'))
-    monkeypatch.setattr(train.dist, 'init_process_group', lambda *a, **k: pytest.fail('a process group started'))
-    for key, value in dict(RANK=2 + local_rank, WORLD_SIZE=4, LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE=2).items():
+    monkeypatch.setattr(train.dist, 'init_process_group',
+                        lambda *a, **k: pytest.fail('a process group started'))
+    for key, value in dict(RANK=2 + local_rank, WORLD_SIZE=4, LOCAL_RANK=local_rank,
+                           LOCAL_WORLD_SIZE=2).items():
         monkeypatch.setenv(key, str(value))
     with pytest.raises(SystemExit):
         train.setup(train.get_args_parser().parse_args(TINY_ARGS))
@@ -228,8 +236,9 @@ def test_more_processes_than_gpus_on_a_node_is_refused(local_rank, monkeypatch, 
 # ------------------------------------------------------------------------------------- nothing is lost
 # Mixup, CutMix, drop path and EMA are on, so any random stream or state not restored changes the weights;
 # gradient accumulation too, so a mid-epoch resume must skip whole accumulation groups.
-RESUMABLE = TINY_ARGS + ['--synthetic-train', '160', '--synthetic-val', '16', '--epochs', '3', '--mixup', '0.8',
-                    '--cutmix', '1.0', '--drop-path', '0.1', '--ema-decay', '0.9', '--accum-steps', '2']
+RESUMABLE = TINY_ARGS + ['--synthetic-train', '160', '--synthetic-val', '16', '--epochs', '3',
+                    '--mixup', '0.8', '--cutmix', '1.0', '--drop-path', '0.1', '--ema-decay', '0.9',
+                    '--accum-steps', '2']
 
 
 def final_weights(output_dir):
@@ -241,7 +250,8 @@ def final_weights(output_dir):
 def interrupt(args, output_dir, sig):
     """Start a two-process run; once epoch 1 is saved, send `sig` to torchrun (SIGTERM: it forwards it to
     the workers) or to torchrun and both workers (SIGKILL: nothing gets to clean up)."""
-    process = subprocess.Popen(command(args, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command(args, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     deadline = time.time() + 300
     while not os.path.exists(os.path.join(output_dir, 'metrics.jsonl')):
         assert process.poll() is None and time.time() < deadline, 'the run ended before epoch 1 was saved'
@@ -269,7 +279,8 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_pa
     reference, interrupted = uninterrupted, str(tmp_path / 'interrupted')
     output = interrupt(RESUMABLE + ['--output-dir', interrupted], interrupted, sig)
     if sig == signal.SIGTERM:  # saved where it stopped, mid-epoch
-        assert 'SIGTERM: saved' in output and load_checkpoint_file(os.path.join(interrupted, 'checkpoint.pt'))['step'] > 0
+        assert 'SIGTERM: saved' in output \
+            and load_checkpoint_file(os.path.join(interrupted, 'checkpoint.pt'))['step'] > 0
     result = run_train(RESUMABLE + ['--output-dir', interrupted], nproc=2)  # the same command, rerun
     assert 'resumed from' in result.stdout
     expected, got = final_weights(reference), final_weights(interrupted)
@@ -277,10 +288,11 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_pa
     assert all(torch.equal(expected[k], got[k]) for k in expected), 'resumed weights differ'
     val = lambda log: [{k: v for k, v in e.items() if 'val_' in k} for e in log]  # noqa: E731
     assert val(metrics(interrupted)) == val(metrics(reference))
-    correct = [torch.load(os.path.join(d, 'val_correct.pt'), weights_only=True) for d in (interrupted, reference)]
+    correct = [torch.load(os.path.join(d, 'val_correct.pt'), weights_only=True)
+               for d in (interrupted, reference)]
     assert torch.equal(*correct)
-    assert sorted(os.listdir(interrupted)) == ['best.pt', 'checkpoint.pt', 'ema_val_correct.pt', 'metrics.jsonl',
-                                               'val_correct.pt']  # no .tmp
+    assert sorted(os.listdir(interrupted)) == ['best.pt', 'checkpoint.pt', 'ema_val_correct.pt',
+                                               'metrics.jsonl', 'val_correct.pt']  # no .tmp
 
 
 # ------------------------------------------------------------------------------------------ real images
@@ -293,16 +305,19 @@ def write_image_folder(root, counts, seed=0):
             for i in range(count):
                 img = torch.rand(32, 32, 3, generator=g) * 0.3
                 img[..., 0 if label == 0 else 2] += 0.7
-                Image.fromarray((img * 255).byte().numpy()).save(os.path.join(root, split, colour, f'{i}.png'))
+                Image.fromarray((img * 255).byte().numpy()).save(
+                    os.path.join(root, split, colour, f'{i}.png'))
 
 
 def test_image_folder_trains_and_evaluates(tmp_path):
     torch.manual_seed(0)
     root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
     write_image_folder(root, {'train': 8, 'val': 3})
-    # the released recipe (RandAugment, Mixup/CutMix, random erasing, ...) at a tiny scale: 2 steps of 2 x 4 images
+    # the released recipe (RandAugment, Mixup/CutMix, random erasing, ...) at a tiny scale: 2 steps of
+    # 2 x 4 images
     args = TINY_ARGS + ['--data-path', root, '--batch-size', '4', '--accum-steps', '2', '--epochs', '2',
-                   '--warmup-epochs', '1', '--workers', '1', '--output-dir', output_dir, '--recipe', 'released']
+                   '--warmup-epochs', '1', '--workers', '1', '--output-dir', output_dir,
+                   '--recipe', 'released']
     result = run_train(args)
     assert 'released ImageNet-1K recipe for inline_deit_t (given)' in result.stdout
     log = metrics(output_dir)
@@ -313,8 +328,8 @@ def test_image_folder_trains_and_evaluates(tmp_path):
 
 def test_a_small_image_folder_gets_the_small_recipe_and_learns(tmp_path):
     """The README's command for one's own folder, no recipe flag: a folder far smaller than ImageNet gets the
-    small-data recipe (no accumulation to the authors' total batch, a warm-up that fits), says why, warns of an
-    epoch of few steps, and learns the two colours."""
+    small-data recipe (no accumulation to the authors' total batch, a warm-up that fits), says why, warns of
+    an epoch of few steps, and learns the two colours."""
     torch.manual_seed(0)
     root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
     write_image_folder(root, {'train': 24, 'val': 8})
@@ -327,7 +342,7 @@ def test_a_small_image_folder_gets_the_small_recipe_and_learns(tmp_path):
     assert len(log) == 3 and log[-1]['val_images'] == 16 and log[-1]['val_acc1'] > 50
 
 
-# ------------------------------------------------------------------- small datasets, read from their own files
+# ----------------------------------------------------------- small datasets, read from their own files
 def write_idx(path, array):
     """An IDX file as MNIST's are distributed: gzipped, 0 0 8 D, D big-endian sizes, uint8 data."""
     a = np.asarray(array, dtype=np.uint8)
@@ -358,12 +373,14 @@ def write_cifar(root, name, per_batch=4, seed=0):
     files = [f'data_batch_{i}' for i in range(1, 6)] + ['test_batch'] if ten else ['train', 'test']
     written = {}
     for file in files:
-        data, labels = g.integers(0, 256, (per_batch, 3072), dtype=np.uint8), list(g.integers(0, 10, per_batch))
+        data, labels = g.integers(0, 256, (per_batch, 3072), dtype=np.uint8), \
+            list(g.integers(0, 10, per_batch))
         with open(os.path.join(folder, file), 'wb') as f:
             pickle.dump({'data': data, key: labels}, f)
         written[file] = data, labels
     with open(os.path.join(folder, 'batches.meta' if ten else 'meta'), 'wb') as f:
-        pickle.dump({'label_names' if ten else 'fine_label_names': [f'c{i}' for i in range(10 if ten else 100)]}, f)
+        pickle.dump({'label_names' if ten else 'fine_label_names':
+                     [f'c{i}' for i in range(10 if ten else 100)]}, f)
     return written
 
 
@@ -371,7 +388,8 @@ def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
     written = write_fashion_mnist(str(tmp_path))
     images, labels, classes = data.read_small('fashion_mnist', str(tmp_path), train=True)
     assert images.shape == (12, 3, 28, 28) and all(torch.equal(images[:, c], torch.tensor(written['train'][0],
-                                                                                        dtype=torch.uint8)) for c in range(3))
+                                                                                        dtype=torch.uint8))
+                                                   for c in range(3))
     assert labels.tolist() == written['train'][1].tolist() and classes == datasets.FashionMNIST.classes
     # torchvision's layout, ROOT/FashionMNIST/raw, uncompressed, reads the same
     raw = tmp_path / 'tv' / 'FashionMNIST' / 'raw'
@@ -381,7 +399,8 @@ def test_fashion_mnist_reads_from_a_plain_folder_of_idx_files(tmp_path):
             (raw / file[:-3]).write_bytes(gzip.decompress((tmp_path / file).read_bytes()))
     assert torch.equal(data.read_small('fashion_mnist', str(tmp_path / 'tv'), train=False)[0][:, 0],
                        torch.tensor(written['t10k'][0], dtype=torch.uint8))
-    # grayscale read as 3 equal channels, at the asked size; a fixed subset of training images whatever the seed
+    # grayscale read as 3 equal channels, at the asked size; a fixed subset of training images whatever the
+    # seed
     args = train.get_args_parser().parse_args(['--dataset', 'fashion_mnist', '--data-path', str(tmp_path),
                                                '--img-size', '32', '--train-subset', '5'])
     args.model = 'inline_deit_t'
@@ -415,12 +434,13 @@ def test_a_missing_small_dataset_says_how_to_get_it(tmp_path, capsys):
 
 
 def test_fashion_mnist_trains_with_the_small_image_recipe(tmp_path):
-    """train.py on the tiny IDX files: its recipe printed, validation every --val-every epochs, the dataset stored in
-    the checkpoint's arguments."""
+    """train.py on the tiny IDX files: its recipe printed, validation every --val-every epochs, the dataset
+    stored in the checkpoint's arguments."""
     os.makedirs(tmp_path / 'fm')
     write_fashion_mnist(str(tmp_path / 'fm'), train=16, test=6)
     output_dir = str(tmp_path / 'run')
-    result = run_train(TINY_ARGS + ['--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'), '--epochs', '2',
+    result = run_train(TINY_ARGS + ['--dataset', 'fashion_mnist', '--data-path', str(tmp_path / 'fm'),
+                                    '--epochs', '2',
                                     '--val-every', '2',
                                     '--output-dir', output_dir])
     assert 'small-data recipe for fashion_mnist (random crop padded by 4 px, flip' in result.stdout
@@ -434,8 +454,10 @@ def test_throughput_prints_images_per_second():
     """--throughput takes the default precision from train.default_amp, and the model line says why."""
     result = run_train(TINY_ARGS + ['--throughput', '--batch-size', '2'])
     amp, why = re.search(r'amp (bf16|fp16|fp32) \((.+)\), device', result.stdout).groups()
-    mask = lambda reason: re.sub(r'\d+\.\d+x', 'Nx', reason)  # noqa: E731  (a probe's figure varies between runs)
-    assert mask(why) == mask(train.default_amp(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))[1])
+    # (a probe's figure varies between runs)
+    mask = lambda reason: re.sub(r'\d+\.\d+x', 'Nx', reason)  # noqa: E731
+    assert mask(why) \
+        == mask(train.default_amp(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))[1])
     assert f'images/s (one process, batch 2, 32 px, {amp})' in result.stdout
 
 
@@ -457,7 +479,8 @@ def bad_data(root, case):
         write_image_folder(root, {'train': 2, 'val': 1})
         with open(os.path.join(root, 'train', 'red', 'broken.png'), 'wb') as f:
             f.write(b'not a png at all')
-    return ['--data-path', root, '--accum-steps', '1', '--epochs', '1', '--warmup-epochs', '0', '--batch-size', '5']
+    return ['--data-path', root, '--accum-steps', '1', '--epochs', '1', '--warmup-epochs', '0',
+            '--batch-size', '5']
 
 
 BAD = {  # case: (extra arguments or a data-folder case, what the error must say)
@@ -466,7 +489,8 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
     'no-images': ('no-images', 'no images in'),
     'undecodable': ('undecodable', 'cannot decode image'),
     'one-class': ('one-class', 'has 1 class(es) (red): a classifier needs at least two'),
-    'recipe-released-without-folder': (['--recipe', 'released'], "--recipe released is the authors' ImageNet-1K"),
+    'recipe-released-without-folder': (['--recipe', 'released'],
+                                       "--recipe released is the authors' ImageNet-1K"),
     'img-size': (['--img-size', '40'], 'divisible by 16'),
     'batch-size-zero': (['--batch-size', '0'], '--batch-size 0 is out of range'),
     'batch-size-too-big': (['--batch-size', '64'], 'exceeds the 48 training images'),
@@ -491,9 +515,9 @@ def test_bad_input_gets_a_clear_error(case, tmp_path):
 
 
 # ------------------------------------------------------------------------------ the recipe, in process
-# The released recipe (the authors' cfgs/inline_<variant>.yaml), written out here apart from train.py's VARIANTS:
-# batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down, weight decay, clip (None: off),
-# drop path; and the peak lr per 512 images
+# The released recipe (the authors' cfgs/inline_<variant>.yaml), written out here apart from train.py's
+# VARIANTS: batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down, weight decay, clip
+# (None: off), drop path; and the peak lr per 512 images
 RELEASED_RECIPE = {
     'inline_deit_t': (512, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
     'inline_deit_s': (128, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
@@ -514,8 +538,8 @@ RELEASED_RECIPE = {
 
 
 def resolved(argv, world=1):
-    """train.py's flags as setup() resolves them, in this process, with `world` processes; in an empty folder, so
-    that no runs/ folder of an earlier run is resumed."""
+    """train.py's flags as setup() resolves them, in this process, with `world` processes; in an empty folder,
+    so that no runs/ folder of an earlier run is resumed."""
     run = train.Run(train.get_args_parser().parse_args(argv), world=world)
     with tempfile.TemporaryDirectory() as empty, contextlib.chdir(empty):
         train.resolve(run)
@@ -531,7 +555,8 @@ def refused(argv, capsys):
 
 def test_the_loop_smooths_labels_and_averages_weights_as_its_flags_say():
     """What fit() trains with, built from --label-smoothing and --ema-decay: the loss of one batch equals
-    F.cross_entropy(..., label_smoothing=0.2), and one EMA update is ema = d * ema + (1 - d) * weights, d = 0.9."""
+    F.cross_entropy(..., label_smoothing=0.2), and one EMA update is ema = d * ema + (1 - d) * weights,
+    d = 0.9."""
     run = resolved(SYNTHETIC_ARGS + ['--label-smoothing', '0.2', '--ema-decay', '0.9'])
     torch.manual_seed(0)
     raw = models.create_model('inline_deit_t', img_size=32, num_classes=10)
@@ -558,7 +583,8 @@ def test_recipe_is_the_released_table(name, monkeypatch):
     small = resolved(['--model', name, '--data-path', 'imagenet']).args
     assert (small.recipe, small.accum_steps, small.mixup, small.warmup_epochs) == ('small', 1, 0.0, 1)
     monkeypatch.setattr(train, 'count_images', lambda folder: 1_281_167)
-    for world, accum in ((8, 1), (2, 4)):  # 8 processes as the authors ran it; 2 accumulate to the same total batch
+    # 8 processes as the authors ran it; 2 accumulate to the same total batch
+    for world, accum in ((8, 1), (2, 4)):
         run = resolved(['--model', name, '--data-path', 'imagenet'], world)
         a = run.args
         assert a.recipe == 'released'
@@ -567,7 +593,8 @@ def test_recipe_is_the_released_table(name, monkeypatch):
             lr, epochs, warmup, warmup_lr, min_lr, cooldown)
         assert (a.weight_decay, a.clip_grad or None, a.drop_path) == (wd, clip, drop_path)
         # shared by every variant; the EMA is CSwin's, 0.9996 per step at a total batch of 4096
-        assert (a.label_smoothing, a.mixup, a.cutmix, a.mixup_switch_prob, a.random_erase) == (0.1, 0.8, 1.0, 0.5, 0.25)
+        assert (a.label_smoothing, a.mixup, a.cutmix, a.mixup_switch_prob, a.random_erase) \
+            == (0.1, 0.8, 1.0, 0.5, 0.25)
         assert (a.randaug_n, a.randaug_m, a.randaug_mstd) == (2, 9, 0.5)
         assert a.ema_decay == (pytest.approx(0.9996 ** (batch * 8 / 4096)) if 'cswin' in name else 0)
         assert a.img_size == (384 if name.endswith('_384') else 288 if name == 'inline_deit_s' else
@@ -576,8 +603,8 @@ def test_recipe_is_the_released_table(name, monkeypatch):
 
 @pytest.mark.parametrize('name', TINY)
 def test_weight_decay_groups(name):
-    """As released: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative position bias
-    tables; PVT's position embeddings are decayed."""
+    """As released: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative
+    position bias tables; PVT's position embeddings are decayed."""
     model = models.create_model(name, **SMALL[name])
     run = resolved(['--model', name, '--data-path', 'imagenet', '--recipe', 'released'])
     optimizer, _ = train.build_optimizer(model, run.args, run.total_batch, steps_per_epoch=1)
@@ -591,25 +618,28 @@ def test_weight_decay_groups(name):
         assert {f'pos_embed{i}' for i in range(1, 5)} <= got[0.05]
 
 
-# The default precision's rule (train.default_amp) on faked machines: (device, AMX, AVX-512 BF16, the GPU's bf16, what
-# the CPU's bf16 probe measures) -> (the precision, words its reason must hold). None: that query is absent (torch.cpu
-# lacks the private function), or must not be made (a CPU run asks nothing of a GPU; only AVX-512 BF16 without AMX
-# is probed).
+# The default precision's rule (train.default_amp) on faked machines: (device, AMX, AVX-512 BF16, the GPU's
+# bf16, what the CPU's bf16 probe measures) -> (the precision, words its reason must hold). None: that query
+# is absent (torch.cpu lacks the private function), or must not be made (a CPU run asks nothing of a GPU; only
+# AVX-512 BF16 without AMX is probed).
 AMP_MACHINES = {
     'cpu-amx': ('cpu', True, True, None, None, 'bf16', 'has AMX'),
-    'cpu-avx512bf16-no-amx-bf16-faster': ('cpu', False, True, None, 2.9, 'bf16', 'BF16 but no AMX; bf16 ran 2.9x'),
-    'cpu-avx512bf16-no-amx-bf16-slower': ('cpu', False, True, None, 0.8, 'fp32', 'BF16 but no AMX; bf16 ran 0.8x'),
+    'cpu-avx512bf16-no-amx-bf16-faster': ('cpu', False, True, None, 2.9, 'bf16',
+                                          'BF16 but no AMX; bf16 ran 2.9x'),
+    'cpu-avx512bf16-no-amx-bf16-slower': ('cpu', False, True, None, 0.8, 'fp32',
+                                          'BF16 but no AMX; bf16 ran 0.8x'),
     'cpu-avx512bf16-no-amx-within-margin': ('cpu', False, True, None, 1.2, 'fp32', 'bf16 ran 1.2x'),
     'cpu-avx2-only': ('cpu', False, False, None, None, 'fp32', 'no AMX or AVX-512 BF16'),
     'cpu-private-api-absent': ('cpu', None, None, None, None, 'fp32', 'no AMX or AVX-512 BF16'),
     'cuda-bf16': ('cuda', False, True, True, None, 'bf16', 'Fake GPU computes bf16'),
-    'cuda-no-bf16-cpu-amx': ('cuda', True, True, False, None, 'fp16', 'Fake GPU has no bf16 (fp16, with the loss'),
+    'cuda-no-bf16-cpu-amx': ('cuda', True, True, False, None, 'fp16',
+                             'Fake GPU has no bf16 (fp16, with the loss'),
 }
 
 
 def fake_machine(monkeypatch, amx, avx512_bf16, gpu_bf16, speedup):
-    """torch's capability queries and the bf16 probe answer as the machine would. Counting emulation, as torch does by
-    default, every GPU says it has bf16, as a GPU before Ampere really does."""
+    """torch's capability queries and the bf16 probe answer as the machine would. Counting emulation, as torch
+    does by default, every GPU says it has bf16, as a GPU before Ampere really does."""
     for name, value in (('_is_amx_tile_supported', amx), ('_is_avx512_bf16_supported', avx512_bf16)):
         if value is None:
             monkeypatch.delattr(torch.cpu, name, raising=False)
@@ -620,7 +650,8 @@ def fake_machine(monkeypatch, amx, avx512_bf16, gpu_bf16, speedup):
         raise AssertionError('a query this machine must not make')
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', never if gpu_bf16 is None else
                         lambda including_emulation=True: including_emulation or gpu_bf16)
-    monkeypatch.setattr(torch.cuda, 'get_device_name', never if gpu_bf16 is None else lambda device=None: 'Fake GPU')
+    monkeypatch.setattr(torch.cuda, 'get_device_name', never if gpu_bf16 is None else
+                        lambda device=None: 'Fake GPU')
     monkeypatch.setattr(bench, 'bf16_speedup', never if speedup is None else lambda: speedup)
 
 
@@ -635,7 +666,8 @@ def test_default_precision_is_the_faster_one_on_the_machine(machine, monkeypatch
 
 @pytest.mark.parametrize('machine', ['cpu-amx', 'cpu-avx512bf16-no-amx-bf16-slower'])
 def test_resolve_takes_the_default_precision_and_amp_overrides_it(machine, monkeypatch):
-    """With no --amp a run takes default_amp's choice and its reason; --amp wins, and the reason says it was given."""
+    """With no --amp a run takes default_amp's choice and its reason; --amp wins, and the reason says it was
+    given."""
     device, *capabilities, amp, reason = AMP_MACHINES[machine]
     fake_machine(monkeypatch, *capabilities)
     run = resolved([])
@@ -650,7 +682,8 @@ def test_bf16_probe_leaves_the_random_streams_and_the_threads_as_they_were():
     threads, state = torch.get_num_threads(), torch.get_rng_state()
     speedup = bench.bf16_speedup.__wrapped__(rounds=1)  # a fresh measurement, not the process's cached one
     print(f'bf16 probe on this CPU: bf16 {speedup:.2f}x the speed of fp32')
-    assert 0 < speedup < math.inf and torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), state)
+    assert 0 < speedup < math.inf and torch.get_num_threads() == threads \
+        and torch.equal(torch.get_rng_state(), state)
 
 
 def test_validation_runs_in_fp32_unless_amp_is_given():
@@ -670,7 +703,8 @@ def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
     """The released evaluation: a square of int(img * 256/224), the aspect not kept, bicubic, then the centre
     img x img."""
     g = torch.Generator().manual_seed(0)
-    img = Image.fromarray(torch.randint(0, 256, (size + 17, size + 40, 3), generator=g, dtype=torch.uint8).numpy())
+    img = Image.fromarray(torch.randint(0, 256, (size + 17, size + 40, 3), generator=g,
+                                        dtype=torch.uint8).numpy())
     square = torch.from_numpy(np.array(img.resize((side, side), Image.BICUBIC))).permute(2, 0, 1) / 255
     top = (side - size) // 2
     expected = (square[:, top:top + size, top:top + size] - torch.tensor(data.MEAN)[:, None, None]) / \
@@ -679,8 +713,8 @@ def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
     assert data.NO_EVAL_CROP == ('inline_swin_b_384',)  # inline_cswin_b_384 crops
 
 
-# timm's rand-m9-mstd0.5-inc1 at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations, as timm calls them,
-# with timm's magnitude formulas (README, "Training"); geometric ops bicubic, filled with the mean
+# timm's rand-m9-mstd0.5-inc1 at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations, as timm calls
+# them, with timm's magnitude formulas (README, "Training"); geometric ops bicubic, filled with the mean
 # colour
 FILL = (124, 116, 104)
 RANDAUG_FORMULAS = {
@@ -688,9 +722,10 @@ RANDAUG_FORMULAS = {
     'Equalize': lambda img, s: ImageOps.equalize(img),
     'Invert': lambda img, s: ImageOps.invert(img),
     'Rotate': lambda img, s: img.rotate(s * 27, resample=Image.BICUBIC, fillcolor=FILL),  # 30 f degrees
-    'PosterizeIncreasing': lambda img, s: Image.fromarray(np.asarray(img) & 0b10000000),  # 4 - int(4 f) = 1 bit
-    'SolarizeIncreasing': lambda img, s: Image.fromarray(np.where(np.asarray(img) >= 26, 255 - np.asarray(img),
-                                                                  np.asarray(img)).astype(np.uint8)),  # 256 - int(256 f)
+    # 4 - int(4 f) = 1 bit
+    'PosterizeIncreasing': lambda img, s: Image.fromarray(np.asarray(img) & 0b10000000),
+    'SolarizeIncreasing': lambda img, s: Image.fromarray(np.where(
+        np.asarray(img) >= 26, 255 - np.asarray(img), np.asarray(img)).astype(np.uint8)),  # 256 - int(256 f)
     'SolarizeAdd': lambda img, s: Image.fromarray(np.where(np.asarray(img) < 128, np.minimum(
         np.asarray(img).astype(int) + 99, 255), np.asarray(img)).astype(np.uint8)),  # int(110 f) = 99
     'ColorIncreasing': lambda img, s: ImageEnhance.Color(img).enhance(1 + s * 0.81),  # 1 +- 0.9 f
@@ -702,9 +737,11 @@ RANDAUG_FORMULAS = {
                                            fillcolor=FILL),  # 0.3 f
     'ShearY': lambda img, s: img.transform(img.size, Image.AFFINE, (1, 0, 0, s * 0.27, 1, 0), Image.BICUBIC,
                                            fillcolor=FILL),
-    'TranslateXRel': lambda img, s: img.transform(img.size, Image.AFFINE, (1, 0, s * 0.405 * img.width, 0, 1, 0),
+    'TranslateXRel': lambda img, s: img.transform(img.size, Image.AFFINE,
+                                                  (1, 0, s * 0.405 * img.width, 0, 1, 0),
                                                   Image.BICUBIC, fillcolor=FILL),  # 0.45 f of the side
-    'TranslateYRel': lambda img, s: img.transform(img.size, Image.AFFINE, (1, 0, 0, 0, 1, s * 0.405 * img.height),
+    'TranslateYRel': lambda img, s: img.transform(img.size, Image.AFFINE,
+                                                  (1, 0, 0, 0, 1, s * 0.405 * img.height),
                                                   Image.BICUBIC, fillcolor=FILL),
 }
 
@@ -712,7 +749,8 @@ RANDAUG_FORMULAS = {
 @pytest.mark.parametrize('sign', [1, -1])
 @pytest.mark.parametrize('name', list(RANDAUG_FORMULAS))
 def test_randaugment_op_is_its_formula(name, sign):
-    g = torch.Generator().manual_seed(0)  # values short of 0 and 255 and enough pixels for Equalize: every op acts
+    # values short of 0 and 255 and enough pixels for Equalize: every op acts
+    g = torch.Generator().manual_seed(0)
     img = Image.fromarray(torch.randint(30, 220, (40, 50, 3), generator=g, dtype=torch.uint8).numpy())
     got = np.asarray(data.RANDAUG_OPS[name](img, 0.9, sign)).astype(int)
     expected = np.asarray(RANDAUG_FORMULAS[name](img, sign)).astype(int)
@@ -730,15 +768,17 @@ def test_randaugment_policy(monkeypatch):
     its own magnitude N(9, 0.5) clipped to [0, 10], in either direction."""
     assert list(data.RANDAUG_OPS) == list(RANDAUG_FORMULAS)
     calls = []
-    monkeypatch.setattr(data, 'RANDAUG_OPS', {name: lambda img, f, s, name=name: calls.append((name, f, s)) or img
-                                               for name in RANDAUG_FORMULAS})
+    monkeypatch.setattr(data, 'RANDAUG_OPS',
+                        {name: lambda img, f, s, name=name: calls.append((name, f, s)) or img
+                         for name in RANDAUG_FORMULAS})
     torch.manual_seed(0)
     augment, images = data.RandAugment(2, 9, 0.5), 6000
     for _ in range(images):
         augment(None)
     n = len(calls)  # binomial(2 x 6000, 0.5): mean 6000, std 55
     assert abs(n - images) < 5 * 55
-    counts = torch.tensor([sum(c[0] == name for c in calls) for name in RANDAUG_FORMULAS], dtype=torch.float64)
+    counts = torch.tensor([sum(c[0] == name for c in calls) for name in RANDAUG_FORMULAS],
+                          dtype=torch.float64)
     assert (counts - n / 15).abs().max() < 5 * (n / 15) ** 0.5  # uniform over the fifteen
     m = torch.tensor([10 * c[1] for c in calls])
     assert 0 <= m.min() and m.max() == 10  # clipped: about 2% of the draws pass 10
@@ -747,20 +787,22 @@ def test_randaugment_policy(monkeypatch):
 
 
 def test_finetune_starts_from_the_ema_weights(tmp_path):
-    """The authors' 384 px CSwin fine-tune starts from the 224 px EMA weights: --finetune takes a file's EMA."""
+    """The authors' 384 px CSwin fine-tune starts from the 224 px EMA weights: --finetune takes a file's
+    EMA."""
     source = perturb(models.create_model('inline_deit_t', img_size=32, num_classes=10))
     ema = {k: v + 1 for k, v in source.state_dict().items()}
     path = str(tmp_path / 'authors.pth')
     torch.save({'model': source.state_dict(), 'state_dict_ema': ema}, path)
-    run = resolved(['--model', 'inline_deit_t', '--img-size', '32', '--attention-impl', 'reference', '--finetune', path])
+    run = resolved(['--model', 'inline_deit_t', '--img-size', '32', '--attention-impl', 'reference',
+                    '--finetune', path])
     model = train.build_model(run, num_classes=10)
     assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
 
 
 def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
-    """The authors' CSwin file: {'model', 'state_dict_ema'} and their yacs config, which weights_only=True refuses.
-    Refused with a line that strips it; stripped, evaluated with its weights and then its EMA weights, each giving
-    the loss computed here from the eval transform and the model."""
+    """The authors' CSwin file: {'model', 'state_dict_ema'} and their yacs config, which weights_only=True
+    refuses. Refused with a line that strips it; stripped, evaluated with its weights and then its EMA
+    weights, each giving the loss computed here from the eval transform and the model."""
     torch.manual_seed(0)
     root = str(tmp_path / 'data')
     write_image_folder(root, {'train': 1, 'val': 3})
@@ -768,12 +810,15 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
     model = perturb(models.create_model('inline_cswin_t', img_size=32, num_classes=2, **small))
     ema = perturb(models.create_model('inline_cswin_t', img_size=32, num_classes=2, **small), seed=1)
     path = str(tmp_path / 'inline_cswin_t.pth')
-    torch.save({'model': model.state_dict(), 'state_dict_ema': ema.state_dict(), 'config': argparse.Namespace()}, path)
-    args = ['--model', 'inline_cswin_t', '--model-kwargs', 'embed_dim=16', 'depths=(1,1,1,1)', 'num_heads=(2,2,4,4)',
-            '--img-size', '32', '--attention-impl', 'reference', '--threads', '1', '--eval', '--checkpoint', path]
+    torch.save({'model': model.state_dict(), 'state_dict_ema': ema.state_dict(),
+                'config': argparse.Namespace()}, path)
+    args = ['--model', 'inline_cswin_t', '--model-kwargs', 'embed_dim=16', 'depths=(1,1,1,1)',
+            'num_heads=(2,2,4,4)', '--img-size', '32', '--attention-impl', 'reference', '--threads', '1',
+            '--eval', '--checkpoint', path]
     error = refused(args + ['--data-path', root], capsys)
     assert 'weights_only=True' in error
-    with pytest.raises(ValueError, match='weights_only=True'):  # models.load_checkpoint refuses it the same way
+    # models.load_checkpoint refuses it the same way
+    with pytest.raises(ValueError, match='weights_only=True'):
         models.load_checkpoint(model, path)
     strip = next(line for line in error.splitlines() if line.startswith('python -c '))
     subprocess.run([sys.executable, '-c', strip[len('python -c '):].strip('"')], check=True)
@@ -790,16 +835,17 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ the paper's ablations
-# Table 4's InLine windows of 7 without Eq. 6 in miniature, as the lab passes an experiment to train.py (its model and
-# overrides as flags): windows of 7 tokens tile 224 px stages (56-28-14-7), one block per stage
-ABLATION = ['--model', 'inline_swin_t', '--window', '7', '--residual', 'none', '--model-kwargs', 'depths=(1,1,1,1)',
-            'embed_dim=16', 'num_heads=(1,1,2,2)', '--attention-impl', 'reference', '--synthetic-train', '16',
-            '--synthetic-val', '8', '--threads', '1']
+# Table 4's InLine windows of 7 without Eq. 6 in miniature, as the lab passes an experiment to train.py (its
+# model and overrides as flags): windows of 7 tokens tile 224 px stages (56-28-14-7), one block per stage
+ABLATION = ['--model', 'inline_swin_t', '--window', '7', '--residual', 'none', '--model-kwargs',
+            'depths=(1,1,1,1)', 'embed_dim=16', 'num_heads=(1,1,2,2)', '--attention-impl', 'reference',
+            '--synthetic-train', '16', '--synthetic-val', '8', '--threads', '1']
 
 
 def test_every_starting_checkpoint_goes_through_one_function(tmp_path, capsys):
-    """--resume FILE, --eval --checkpoint FILE and a rerun finding OUTPUT_DIR/checkpoint.pt are read alike: the
-    saved flags fill those left unset, and an architecture other than the flags given ask for is refused."""
+    """--resume FILE, --eval --checkpoint FILE and a rerun finding OUTPUT_DIR/checkpoint.pt are read alike:
+    the saved flags fill those left unset, and an architecture other than the flags given ask for is
+    refused."""
     out = str(tmp_path / 'run')
     saved = resolved(['--model', 'inline_swin_t', '--window', '7', '--lr', '0.01', '--output-dir', out])
     os.makedirs(out)
@@ -809,7 +855,8 @@ def test_every_starting_checkpoint_goes_through_one_function(tmp_path, capsys):
         run = resolved(argv)
         assert run.saved_path == path and run.arch == saved.arch == dict(window=7)
         assert (run.args.model, run.args.lr, run.args.img_size) == ('inline_swin_t', 0.01, 224)
-        assert 'this run asks for window=14. They differ in window' in refused(argv + ['--window', '14'], capsys)
+        assert 'this run asks for window=14. They differ in window' in refused(
+            argv + ['--window', '14'], capsys)
         assert 'is a checkpoint of inline_swin_t, not of --model inline_pvt_t' in refused(
             argv + ['--model', 'inline_pvt_t'], capsys)
 
@@ -818,10 +865,12 @@ def test_architecture_flags_and_model_kwargs_resolve():
     run = resolved(['--residual', 'none', '--window', '14', '--kernel', 'relu', '--no-ape',
                     '--model-kwargs', 'window=7', 'embed_dim=48', 'depths=(1,1,2,1)', 'layout=IIIS'])
     assert run.args.model == 'inline_swin_t'  # the default model
-    assert run.arch == dict(window=14, residual='none', kernel='relu', ape=False, embed_dim=48, depths=(1, 1, 2, 1),
+    assert run.arch == dict(window=14, residual='none', kernel='relu', ape=False, embed_dim=48,
+                            depths=(1, 1, 2, 1),
                             layout='IIIS')  # the named flag's window wins over --model-kwargs' 7
     assert run.args.output_dir == os.path.join(
-        'runs', 'inline_swin_t-apeFalse-depths1.1.2.1-embed_dim48-kernelrelu-layoutIIIS-residualnone-window14-synthetic')
+        'runs', 'inline_swin_t-apeFalse-depths1.1.2.1-embed_dim48-kernelrelu-layoutIIIS-residualnone-'
+                'window14-synthetic')
     # the synthetic task: Swin's InLine windows smaller than its stages at 224 px, where they tile them
     assert (resolved(['--window', '7']).args.img_size, run.args.batch_size) == (224, 8)
     assert resolved(['--window', '56']).args.img_size == 32
@@ -848,11 +897,13 @@ def test_an_architecture_the_model_refuses_is_a_clear_error(capsys):
 
 def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_path, capsys):
     run_train(ABLATION + ['--epochs', '1'], cwd=tmp_path)
-    output_dir = tmp_path / 'runs' / 'inline_swin_t-depths1.1.1.1-embed_dim16-num_heads1.1.2.2-residualnone-window7-synthetic'
+    output_dir = tmp_path / 'runs' / ('inline_swin_t-depths1.1.1.1-embed_dim16-num_heads1.1.2.2-residualnone-'
+                                      'window7-synthetic')
     path = str(output_dir / 'checkpoint.pt')
     arch = dict(window=7, residual='none', depths=(1, 1, 1, 1), embed_dim=16, num_heads=(1, 1, 2, 2))
     assert arch.items() <= load_checkpoint_file(path)['arch'].items()
-    result = run_train(['--resume', path, '--epochs', '2', '--threads', '1'], cwd=tmp_path)  # no architecture flags
+    # no architecture flags
+    result = run_train(['--resume', path, '--epochs', '2', '--threads', '1'], cwd=tmp_path)
     assert 'resumed from' in result.stdout and "'window': 7" in result.stdout
     log = metrics(str(output_dir))
     assert [e['epoch'] for e in log] == [1, 2] and all(e['arch']['window'] == 7 for e in log)
@@ -877,7 +928,8 @@ def test_grad_checkpointing_keeps_the_gradients():
         return {n: p.grad.clone() for n, p in model.named_parameters()}
     without, with_ = gradients(False), gradients(True)
     assert all(torch.equal(without[n], with_[n]) for n in without)
-    run = resolved(['--model', name, '--img-size', '64', '--attention-impl', 'reference', '--grad-checkpoint'])
+    run = resolved(['--model', name, '--img-size', '64', '--attention-impl', 'reference',
+                    '--grad-checkpoint'])
     assert train.build_model(run, num_classes=10).grad_checkpointing
 
 

@@ -1,7 +1,7 @@
 """The lab's statistics: Student's t from its own continued fraction, the intervals of paired comparisons over
-seeds and test images, the minimum detectable effect, the verdicts (with equivalence) and Holm's adjustment, the
-exact tests (the sign-flip test of paired seeds; Fisher's and Clopper-Pearson's for shares of seeds), and the
-summary of a configuration's run records.
+seeds and test images, the minimum detectable effect, the verdicts (with equivalence) and Holm's adjustment,
+the exact tests (the sign-flip test of paired seeds; Fisher's and Clopper-Pearson's for shares of seeds), and
+the summary of a configuration's run records.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. No command of its own: `python -m paper ablations` and `python -m paper recall` read their

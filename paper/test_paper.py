@@ -287,10 +287,11 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
 
 
 def test_recall_comparisons_read_the_seeds_that_learn(tmp_path, capsys):
-    """Records made up for one size (4 pairs: a guess near 26%, so 99% learned and 40% did not): seed 0 chose the learning rate and stays out of every share; the shares of seeds 1-5 go through
-    Fisher's exact test (5 of 5 against 0 of 5: p = 2 / 252), their exact interval is Clopper-Pearson's, and
-    the gate is the study's: softmax against the floor at that size. With Eq. 6 the softmax learns no more
-    often than the floor, so every comparison there is untestable whatever its models do."""
+    """Records made up for one size (4 pairs: a guess near 26%, so 99% learned and 40% did not): seed 0 chose
+    the learning rate and stays out of every share; the shares of seeds 1-5 go through Fisher's exact test
+    (5 of 5 against 0 of 5: p = 2 / 252), their exact interval is Clopper-Pearson's, and the gate is the
+    study's: softmax against the floor at that size. With Eq. 6 the softmax learns no more often than the
+    floor, so every comparison there is untestable whatever its models do."""
     width, pairs, tokens, steps = 16, 4, 12, 7
     hi, lo = [99.0] * 6, [40.0] * 6
     scores = {'softmax': hi, 'floor phi=0': lo, 'InLine s/i q-norm': [40.0] + [40.0] * 5,
@@ -321,13 +322,14 @@ def test_recall_comparisons_read_the_seeds_that_learn(tmp_path, capsys):
 def test_paper_exact_tests_against_their_definitions():
     """Fisher's exact p, Clopper-Pearson's interval and the sign-flip p against explicit counts: the
     hypergeometric tables no likelier than 4 of 4 against 0 of 4 are it and its mirror, 2 of C(8, 4) = 70;
-    the interval at 0 of n is [0, 1 - 0.025^(1/n)]; of the 8 sign patterns of (1, 2, 3), two reach |6|; Welch's
-    interval against the t table."""
+    the interval at 0 of n is [0, 1 - 0.025^(1/n)]; of the 8 sign patterns of (1, 2, 3), two reach |6|;
+    Welch's interval against the t table."""
     assert stats.fisher_exact(4, 4, 0, 4) == pytest.approx(2 / 70)
     assert stats.fisher_exact(2, 4, 2, 4) == pytest.approx(1.0)
     # 3 of 5 against 1 of 5: P(x) = C(5, x) C(5, 4 - x) / C(10, 4); the tables 0, 1, 3, 4 are as unlikely
     probs = [math.comb(5, x) * math.comb(5, 4 - x) / math.comb(10, 4) for x in range(5)]
-    assert stats.fisher_exact(3, 5, 1, 5) == pytest.approx(sum(q for q in probs if q <= probs[3] * (1 + 1e-9)))
+    assert stats.fisher_exact(3, 5, 1, 5) \
+        == pytest.approx(sum(q for q in probs if q <= probs[3] * (1 + 1e-9)))
     for n in (4, 9):
         assert stats.clopper_pearson(0, n) == (0.0, pytest.approx(1 - 0.025 ** (1 / n), abs=1e-9))
         lo, hi = stats.clopper_pearson(n, n)
@@ -337,7 +339,8 @@ def test_paper_exact_tests_against_their_definitions():
     assert sum(math.comb(4, x) * hi ** x * (1 - hi) ** (4 - x) for x in (0, 1, 2)) == pytest.approx(0.025)
     assert stats.sign_flip_p([1.0, 2.0, 3.0]) == 0.25 and stats.sign_flip_p([1.0, -2.0, 3.0]) == 0.75
     assert stats.sign_flip_p([-5.0] * 5) == 2 / 32  # every seed on one side: the floor of 5 seeds
-    # Welch at equal sizes and variances: df 2 (n - 1) = 2, t_0.975(2) = 4.3027 from the tables, se sqrt(1 + 1)
+    # Welch at equal sizes and variances: df 2 (n - 1) = 2, t_0.975(2) = 4.3027 from the tables, se
+    # sqrt(1 + 1)
     assert stats.welch([1.0, 3.0], [4.0, 6.0]) == f'+3.0 ± {4.3027 * math.sqrt(2):.1f}'
     assert stats.welch([1.0], [4.0, 6.0]) == '-'
 
@@ -685,7 +688,8 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     fake = FakeTrain()
     monkeypatch.setattr(runs.subprocess, 'Popen', fake)
     ns = argparse.Namespace(epochs=2, train_images=64, dataset='fashion_mnist',
-                            data_path=str(tmp_path / 'fm'), device='cpu', precision=ablations.PRECISION['cpu'])
+                            data_path=str(tmp_path / 'fm'), device='cpu',
+                            precision=ablations.PRECISION['cpu'])
     for seed, acc in ((0, 70.0), (1, 72.0), (2, 71.0)):  # softmax and the floor: every seed has its record
         runs.append_record(results,
                            fake_record(ablations.make_run('t1_softmax', chosen['t1_softmax'], seed, ns), acc))
@@ -1035,8 +1039,8 @@ def test_paper_p_values_agree_with_the_interval():
 
 def test_paper_interval_mde_and_seeds_for_power():
     """The interval against the t table; the MDE at 80% power and the seeds it takes against their explicit
-    formula, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + the test set's term); the MDE against a simulation: a true effect of that size
-    is caught about 80% of the time."""
+    formula, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n + the test set's term); the MDE against a simulation: a
+    true effect of that size is caught about 80% of the time."""
     mean, half = stats.interval([1.0, 2.0, 3.0])  # sd 1, 3 seeds: 4.303 / sqrt(3)
     assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
     assert stats.interval([1.0])[1] == math.inf and stats.mde(1.0, 1) == math.inf
