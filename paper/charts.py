@@ -281,7 +281,9 @@ def short_name(name):
                            (r't4_window(\d+)_residual', r'w\1 + res'), (r't10_kernel_(\w+)', r'\1'),
                            (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
                            (r't1_softmax_normalised_q', 'normalised q'), (r's_(\w+)_t', r'softmax \1'),
-                           (r'inline_(\w+)_t', r'InLine \1'), (r'floor_(\w+)', r'floor \1')):
+                           (r'inline_(\w+)_t', r'InLine \1'), (r'floor_(\w+)', r'floor \1'),
+                           (r'p_flatten_swin', 'FLatten'), (r'p_flatten_swin_subtraction', 'FLatten subtr.'),
+                           (r'p_transnormer_swin', 'TransNormer')):
         if re.fullmatch(pattern, name):
             return re.sub(pattern, short, name)
     return name
