@@ -538,16 +538,17 @@ def cmd_ablations(args):
           f'method over this table\'s family, "{family_name}": the {m} comparisons with a verdict, so that '
           'the chance of any false verdict among them is at most 5%. † a claim row.\n')
     print_table(header, rows)
-    if mosaics:
-        side_by_side(args, every, records)
-    ablations_pictures(args, chosen, planned, done, result, rows, points)
+    # read again: the records read at the start lack the runs this command trained
+    rerun = side_by_side(args, every, read_records(args.results)) if mosaics else None
+    ablations_pictures(args, chosen, planned, done, result, rows, points, rerun)
     return configs, rows
 
 
 def side_by_side(args, every, records):
     """MOSAIC_RERUN's comparisons at MOSAIC_BUDGET (in PRECISION) and at the rerun's budget, from the records:
     each difference, the last-quarter gains of its two rows (near 0: converged) and the Holm verdict of each
-    budget's own family (its comparisons only), so a reader sees which verdicts the budget moved."""
+    budget's own family (its comparisons only), so a reader sees which verdicts the budget moved; returns the
+    rerun's (epochs, chosen, planned, records) for its learning curves."""
     recipes = [(budgets(args.dataset)[args.device]['epochs'], PRECISION[args.device]),
                 (MOSAIC_RERUN['epochs'], MOSAIC_RERUN['precision'])]
     columns, labels = [], {}
@@ -575,6 +576,7 @@ def side_by_side(args, every, records):
           'that budget\'s comparisons.\n')
     print_table(['row − reference', 'paper (ImageNet)'] + [f'{h}: {c}' for h in heads for c in (
         'difference', 'last quarter', 'Holm verdict')], table)
+    return recipes[1][0], chosen, planned, records
 
 
 def table_rows(chosen, planned, result, every, guess=None):

@@ -223,9 +223,10 @@ def image_grid(path, image, rows, queries, grid):
 # The ablations' pictures (paper/ablations.py)
 
 
-def ablations_pictures(args, chosen, planned, done, result, rows, points):
+def ablations_pictures(args, chosen, planned, done, result, rows, points, rerun=None):
     """The ablations' picture (each comparison's difference and interval beside the paper's, a panel per
-    table; top-1 per experiment where none has a comparison) and, beside it, every run's learning curves."""
+    table; top-1 per experiment where none has a comparison) and, beside it, every run's learning curves, and
+    the rerun's (`rerun`: its epochs, chosen, planned and records; curves_..._16_epochs.png) where given."""
     default = 'ablations_fashion_recall.png' if args.dataset == 'fashion_recall' else 'ablations.png'
     out = args.png or os.path.join(args.out, default)
     panels = {}
@@ -247,15 +248,19 @@ def ablations_pictures(args, chosen, planned, done, result, rows, points):
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
     curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
     learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done)
+    if rerun:
+        epochs, *curves_of = rerun
+        learning_curves(os.path.join(os.path.dirname(out), curves.replace('.png', f'_{epochs}_epochs.png')),
+                        *curves_of)
 
 
 def learning_curves(path, chosen, planned, done):
     """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration
-    of the table (each drawn once, in the first table that has it), so a reader sees
-    whether training had flattened for every model the text speaks of."""
-    panels, drawn = [], set()
+    of the table (one shared by two tables drawn in both, so each panel holds both sides of its comparison),
+    so a reader sees whether training had flattened for every model the text speaks of."""
+    panels = []
     for table in dict.fromkeys(e.table for e in chosen.values()):
-        series = []
+        series, drawn = [], set()
         for name in (n for n, e in chosen.items() if e.table == table):
             key = tuple(r.key() for r in planned[name])
             logs = [[e for e in done[r.key()]['epochs'] if 'val_acc1' in e] for r in planned[name]
@@ -280,7 +285,7 @@ def short_name(name):
                            (r't4_window(\d+)_no_residual', r'w\1'),
                            (r't4_window(\d+)_residual', r'w\1 + res'), (r't10_kernel_(\w+)', r'\1'),
                            (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
-                           (r't1_softmax_normalised_q', 'normalised q'), (r's_(\w+)_t', r'softmax \1'),
+                           (r't1_(?:swin_)?(\w+)_normalised_q', r'\1 normalised q'), (r's_(\w+)_t', r'softmax \1'),
                            (r'inline_(\w+)_t', r'InLine \1'), (r'floor_(\w+)', r'floor \1'),
                            (r'p_flatten_swin', 'FLatten'), (r'p_flatten_swin_subtraction', 'FLatten subtr.'),
                            (r'p_transnormer_swin', 'TransNormer')):
