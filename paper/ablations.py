@@ -580,40 +580,53 @@ def side_by_side(args, every, records):
 
 
 def table_rows(chosen, planned, result, every, guess=None):
-    """The two tables: one row per distinct configuration (its names, tables, top-1, how far over its family's
-    φ = 0 floor), and one per distinct comparison, with its verdict and Holm's; with each comparison's chart
-    entry (label, mean, half-width, the paper's difference) and (the pooled sd, its degrees of freedom, the
-    size of the Holm family). The gate: a configuration clears when its mean is FLOOR_MARGIN over the mean of
-    its family's floor (the same recipe); a comparison with a side that does not, or no floor run, is
+    """The two tables: one row per distinct configuration (config_rows) and one per distinct comparison
+    (comparison_rows), with each comparison's chart entry (label, mean, half-width, the paper's difference)
+    and the size of the Holm family. The gate: a configuration clears when its mean is FLOOR_MARGIN over the
+    mean of its family's floor (the same recipe); a comparison with a side that does not, or no floor run, is
     untestable, whatever its p."""
-    distinct = {}
-    for name, e in chosen.items():
-        distinct.setdefault(tuple(r.key() for r in planned[name]) or name, []).append(name)
     mean = {n: statistics.mean(result[n].top1.values()) if result[n].top1 else None for n in chosen}
     # each configuration's floor: its family's mean; on the mosaics, the guess where the recipe has no floor
     # runs (the floor's ceiling, so clearing it clears any floor)
     floor = {n: mean.get(f'floor_{family(e)}') for n, e in chosen.items()}
     floor = {n: guess if m is None else m for n, m in floor.items()} if guess is not None else floor
     above = {n: None if mean[n] is None or floor[n] is None else mean[n] - floor[n] for n in chosen}
-    cleared, configs = {n: above[n] is not None and above[n] >= FLOOR_MARGIN for n in chosen}, []
+    cleared = {n: above[n] is not None and above[n] >= FLOOR_MARGIN for n in chosen}
+    configs = config_rows(chosen, planned, result, every, above, cleared, guess)
+    rows, points, m = comparison_rows(chosen, result, every, above, cleared)
+    return configs, rows, points, m
+
+
+def config_rows(chosen, planned, result, every, above, cleared, guess):
+    """One row per distinct configuration (names joined by = build one model): its tables, parameters, top-1
+    over seeds, the paper's top-1, how far over its family's φ = 0 floor (above), its last-quarter gain."""
+    distinct = {}
+    for name, e in chosen.items():
+        distinct.setdefault(tuple(r.key() for r in planned[name]) or name, []).append(name)
+    configs = []
     for names in distinct.values():
         r, e, n = result[names[0]], every[names[0]], names[0]
         why, accs = untestable(e), list(r.top1.values())
-        ours = ('—' if not accs else f'{mean[n]:.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})'
-                if len(accs) > 1
-                else f'{accs[0]:.1f} (1)') + (f', seed {", ".join(map(str, r.diverged))} diverged'
-                                              if r.diverged else '')
+        ours = ('—' if not accs else f'{accs[0]:.1f} (1)' if len(accs) == 1 else
+                f'{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f} ({len(accs)})')
+        ours += f', seed {", ".join(map(str, r.diverged))} diverged' if r.diverged else ''
         configs.append([' = '.join(n + (' *' if every[n].ours else '') for n in names),
                         ', '.join(dict.fromkeys(every[n].table for n in names)),
                         f'{parameters(e) / 1e6:.2f}M', f'not trained: {why}' if why else ours,
                         ' / '.join(dict.fromkeys(every[n].reported or '—' for n in names)),
                         '' if above[n] is None else f'{above[n]:+.1f}'
-                        + ('' if cleared[n] or e.table == 'floor'
-                                                                         else ' (under)'),
+                        + ('' if cleared[n] or e.table == 'floor' else ' (under)'),
                         '' if r.gain is None else f'{r.gain:+.1f}'])
     if guess is not None:
         configs.insert(0, ['guess: 1 of the 3 candidate cells, the most a network without position in a '
                            'stage can score (the floor\'s ceiling)', '', '', f'{guess:.1f}', '—', '', ''])
+    return configs
+
+
+def comparison_rows(chosen, result, every, above, cleared):
+    """One row per distinct comparison, row minus reference paired by seed: its difference and interval, MDE,
+    p (t or TOST, and the sign-flip), verdict and Holm verdict; with each row's chart entry (or None) and the
+    size of the Holm family."""
     pairs = [(tables, name, ref, *matched(result[name], result[ref]))
              for tables, name, ref in comparisons(chosen)]
     rows, tested = [], []
@@ -660,4 +673,4 @@ def table_rows(chosen, planned, result, every, guess=None):
         rows[i][10] = word.split(' (excludes')[0] if q < ALPHA else 'not resolved'
     for r in rows:
         r[10] = r[10] or ('—' if r[9] == '—' else r[9].split(' (')[0])
-    return configs, [r[:11] for r in rows], [r[11] for r in rows], len(tested)
+    return [r[:11] for r in rows], [r[11] for r in rows], len(tested)
