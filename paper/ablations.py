@@ -53,15 +53,16 @@ BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=
 # stage) scores 1 in 3 at best. On CUDA, a scale at which the curves should flatten (not yet measured).
 MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
 MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
-# The rows still rising at MOSAIC_BUDGET's 4 epochs (the no-Eq. 6 rows gained 2.3-7.9 points over their last
-# quarter, the others under 1), rerun with their references (`--rerun`): T3's pair, R-res's none against
-# local, T4's one-cell window against the whole stage (t4_window56_no_residual is r_residual_none's model).
+# The rows still rising at MOSAIC_BUDGET's 4 epochs (the no-Eq. 6 rows gained 2.3-7.9 points over their
+# last quarter, TransNormer's 1.03, the others under 1), rerun with their references (`--rerun`): T3's pair,
+# R-res's none against local, T4's one-cell window against the whole stage (t4_window56_no_residual is
+# r_residual_none's model), TransNormer against InLine (r_residual_local).
 # 16 epochs: the pilot at 8 (r_residual_none, t3_inline_relu, seed 0) still gained 1.7 and 2.1 points over its
 # last quarter, at 16 r_residual_none 0.7 (RESULTS.md; those pilots in fp32, on a CPU that emulates bf16).
 # In bf16 as the 4-epoch rows, so that the budget is all that differs
 MOSAIC_RERUN = dict(epochs=16, precision='bf16', rows=(
     't3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 't4_window14_no_residual',
-    't4_window56_no_residual'))
+    't4_window56_no_residual', 'p_transnormer_swin'))
 # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
 MOSAIC_RUN_CPU_MIN = 7.0
 # T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not
@@ -540,7 +541,7 @@ def cmd_ablations(args):
     print_table(header, rows)
     # read again: the records read at the start lack the runs this command trained
     rerun = side_by_side(args, every, read_records(args.results)) if mosaics else None
-    ablations_pictures(args, chosen, planned, done, result, rows, points, rerun)
+    ablations_pictures(args, chosen, planned, done, result, rows, points, comparisons(chosen), rerun)
     return configs, rows
 
 
@@ -548,7 +549,7 @@ def side_by_side(args, every, records):
     """MOSAIC_RERUN's comparisons at MOSAIC_BUDGET (in PRECISION) and at the rerun's budget, from the records:
     each difference, the last-quarter gains of its two rows (near 0: converged) and the Holm verdict of each
     budget's own family (its comparisons only), so a reader sees which verdicts the budget moved; returns the
-    rerun's (epochs, chosen, planned, records) for its learning curves."""
+    rerun's (epochs, chosen, planned, records, comparisons) for its learning curves."""
     recipes = [(budgets(args.dataset)[args.device]['epochs'], PRECISION[args.device]),
                 (MOSAIC_RERUN['epochs'], MOSAIC_RERUN['precision'])]
     columns, labels = [], {}
@@ -564,7 +565,9 @@ def side_by_side(args, every, records):
             name, ref = r[1].rstrip('†').split(' − ')
             gains = '' if None in (result[name].gain, result[ref].gain) else \
                 f'{result[name].gain:+.1f} / {result[ref].gain:+.1f}'
-            cells[r[1]] = [f'{r[3]} ({r[5]})' if r[3] else '—', gains, r[10]]
+            count = r[5].replace(' (seed ', '; seed ').rstrip(')')  # 3 (seed 4 unpaired): 3; seed 4 unpaired
+            diff = r[3] if r[3].endswith('(1 seed)') else f'{r[3]} ({count})' if r[3] else '—'
+            cells[r[1]] = [diff, gains, r[10]]
             labels.setdefault(r[1], r[2])
         columns.append(cells)
     table = [[label, paper] + [x for cells in columns for x in cells.get(label, ['—', '', 'not run'])]
@@ -576,7 +579,7 @@ def side_by_side(args, every, records):
           'that budget\'s comparisons.\n')
     print_table(['row − reference', 'paper (ImageNet)'] + [f'{h}: {c}' for h in heads for c in (
         'difference', 'last quarter', 'Holm verdict')], table)
-    return recipes[1][0], chosen, planned, records
+    return recipes[1][0], chosen, planned, records, comparisons(chosen)
 
 
 def table_rows(chosen, planned, result, every, guess=None):

@@ -223,10 +223,11 @@ def image_grid(path, image, rows, queries, grid):
 # The ablations' pictures (paper/ablations.py)
 
 
-def ablations_pictures(args, chosen, planned, done, result, rows, points, rerun=None):
+def ablations_pictures(args, chosen, planned, done, result, rows, points, pairs, rerun=None):
     """The ablations' picture (each comparison's difference and interval beside the paper's, a panel per
-    table; top-1 per experiment where none has a comparison) and, beside it, every run's learning curves, and
-    the rerun's (`rerun`: its epochs, chosen, planned and records; curves_..._16_epochs.png) where given."""
+    table; top-1 per experiment where none has a comparison) and, beside it, every run's learning curves
+    (`pairs`: the comparisons, so each panel draws their references), and the rerun's (`rerun`: its epochs,
+    chosen, planned, records and pairs; curves_..._16_epochs.png) where given."""
     default = 'ablations_fashion_recall.png' if args.dataset == 'fashion_recall' else 'ablations.png'
     out = args.png or os.path.join(args.out, default)
     panels = {}
@@ -247,21 +248,24 @@ def ablations_pictures(args, chosen, planned, done, result, rows, points, rerun=
         xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
     curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
-    learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done)
+    learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done, pairs)
     if rerun:
         epochs, *curves_of = rerun
         learning_curves(os.path.join(os.path.dirname(out), curves.replace('.png', f'_{epochs}_epochs.png')),
                         *curves_of)
 
 
-def learning_curves(path, chosen, planned, done):
+def learning_curves(path, chosen, planned, done, pairs):
     """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration
-    of the table (one shared by two tables drawn in both, so each panel holds both sides of its comparison),
-    so a reader sees whether training had flattened for every model the text speaks of."""
+    of the table and both sides of each comparison it makes (`pairs`: [(tables, row, reference)]; P's
+    InLine-Swin-T is R-res's row, the floor's its S row), so each panel holds its comparisons and a reader sees
+    whether training had flattened for every model the text speaks of."""
     panels = []
     for table in dict.fromkeys(e.table for e in chosen.values()):
         series, drawn = [], set()
-        for name in (n for n, e in chosen.items() if e.table == table):
+        names = [n for n, e in chosen.items() if e.table == table] + [
+            side for tables, row, ref in pairs if table in tables for side in (row, ref)]
+        for name in names:
             key = tuple(r.key() for r in planned[name])
             logs = [[e for e in done[r.key()]['epochs'] if 'val_acc1' in e] for r in planned[name]
                     if r.key() in done and done[r.key()]['state'] == 'done']

@@ -27,7 +27,7 @@ import models
 import sequence
 import train
 from paper import __main__ as cli
-from paper import ablations, figures, mosaics, recall, runs, speed, stats
+from paper import ablations, charts, figures, mosaics, recall, runs, speed, stats
 from paper import experiments as registry
 from paper.runs import ROOT
 from test_models import SMALL, meta_model
@@ -723,6 +723,25 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     fake.launched.clear()
     assert cli.main(args + ['--no-train']) == (configs, rows)
     assert fake.launched == []
+
+
+def test_learning_curves_draw_both_sides_of_every_comparison(monkeypatch):
+    """A panel holds its table's rows and each side of the comparisons it makes, though a side belongs to
+    another table (P's InLine-Swin-T is R-res's row), one series per distinct configuration, the seeds'
+    mean at each epoch."""
+    drawn = {}
+    monkeypatch.setattr(charts, 'charts', lambda path, panels, **kw: drawn.update(panels=panels))
+    run = lambda name, seed: types.SimpleNamespace(key=lambda: (name, seed))
+    chosen = {'r_residual_local': types.SimpleNamespace(table='R-res'),
+              'p_transnormer_swin': types.SimpleNamespace(table='P')}
+    planned = {n: [run(n, 0), run(n, 1)] for n in chosen}
+    done = {(n, s): {'state': 'done', 'epochs': [{'epoch': 1, 'val_acc1': acc + s}, {'epoch': 2}]}
+            for n, acc in (('r_residual_local', 80.0), ('p_transnormer_swin', 70.0)) for s in (0, 1)}
+    charts.learning_curves('unused.png', chosen, planned, done,
+                           [(('P',), 'p_transnormer_swin', 'r_residual_local')])
+    panels = {p['title'].split(':')[0]: [(label, ys) for label, _, ys, _ in p['series']]
+              for p in drawn['panels']}
+    assert panels == {'R-res': [('local', [80.5])], 'P': [('TransNormer', [70.5]), ('local', [80.5])]}
 
 
 def test_paper_device_cuda_is_refused_without_a_gpu(tmp_path, capsys):
