@@ -725,6 +725,38 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     assert fake.launched == []
 
 
+def test_paper_ablations_rerun_prints_both_budgets_side_by_side(tmp_path, monkeypatch, capsys):
+    """--rerun takes MOSAIC_RERUN's budget, rows and seeds (a table may have more), and prints each of its
+    comparisons at the 4-epoch budget beside the rerun's, each with its own seeds and Holm verdict, from the
+    records alone; it refuses --only, which would train other rows at the rerun's budget."""
+    monkeypatch.setattr(ablations, 'MOSAIC_RERUN', dict(epochs=3, precision='bf16', seeds=('2', 'R-res=3'),
+                                                         rows=('r_residual_none', 'r_residual_local')))
+    results, every = str(tmp_path / 'runs.jsonl'), ablations.experiments('fashion_recall')
+    budget = ablations.MOSAIC_BUDGET['cpu']
+    for epochs, precision, seeds, local, none in (  # per seed, none − local: -10 + (0, 1, -1, 0.5, -0.5)
+            (budget['epochs'], ablations.PRECISION['cpu'], 5, 80.0, (70.0, 72.0, 71.0, 73.5, 73.5)),
+            (3, 'bf16', 3, 84.0, (84.1, 84.9, 86.0))):  # +0.1, -0.1, 0: inside ±1
+        ns = argparse.Namespace(epochs=epochs, train_images=budget['train_images'], dataset='fashion_recall',
+                                data_path=str(tmp_path), device='cpu', precision=precision)
+        for seed in range(seeds):  # the reference local + seed
+            for name, acc in (('r_residual_local', local + seed), ('r_residual_none', none[seed])):
+                runs.append_record(results, fake_record(ablations.make_run(name, every[name], seed, ns), acc))
+    base = ['ablations', '--dataset', 'fashion_recall', '--rerun', '--data-path', str(tmp_path), '--out',
+            str(tmp_path), '--results', results]
+    monkeypatch.setattr(runs.subprocess, 'Popen', FakeTrain())
+    cli.main(base + ['--no-train'])
+    out = capsys.readouterr().out
+    assert '6 runs of 3 epochs' in out and '6 of 6 runs have their record' in out  # R-res=3: 3 seeds a row
+    row = next(line for line in out.splitlines() if line.startswith('| r_residual_none − r_residual_local'))
+    # 4 epochs: 5 seeds on one side, the sign-flip p 2 / 32, so the verdict rests on the t-test; the rerun: 3
+    # seeds, the interval inside ±1 and away from the paper's -2.2
+    assert row.split(' | ')[1:] == ['80.2 vs 82.4', '-10.0 [-11.0, -9.0] (5)', '', 'reproduced (t only)',
+                                    '+0.0 [-0.2, +0.2] (3)', '', 'equivalent within ±1 |']
+    with pytest.raises(SystemExit):
+        cli.main(base + ['--only', 'r_residual_none'])
+    assert '--rerun trains MOSAIC_RERUN on its own' in capsys.readouterr().err
+
+
 def test_learning_curves_draw_both_sides_of_every_comparison(monkeypatch):
     """A panel holds its table's rows and each side of the comparisons it makes, though a side belongs to
     another table (P's InLine-Swin-T is R-res's row), one series per distinct configuration, the seeds'
