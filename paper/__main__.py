@@ -66,8 +66,25 @@ def main(argv=None):
                    help="every released variant's params and GMACs beside the authors' and the paper's")
     sub.add_parser('experiments',
                    help='every experiment of the paper by name, with its params and the paper\'s top-1')
-    sub.add_parser('injectivity', parents=[common],
-                   help='F1: identical weight rows under softmax, linear and InLine')
+    budget = add_budget(common)
+    add_figures(sub, common, budget)
+    add_speed(sub, common)
+    add_ablations(sub, budget)
+    add_recall_parser(sub, common)
+    p = sub.add_parser('mosaics', parents=[common],
+                       help="the fashion_recall mosaics (paper/mosaics.py), with their labels")
+    p.add_argument('--data-path', default=FASHION_MNIST_DEB, help='Fashion-MNIST\'s IDX files')
+    args = parser.parse_args(argv)
+    if args.command in ('locality', 'maps') and args.dataset == 'fashion_recall':
+        parser.error(f'{args.command} measures DeiT checkpoints of the small datasets; fashion_recall is the '
+                     'ablations\' test bed (python -m paper ablations --dataset fashion_recall)')
+    return {'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity,
+            'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed, 'ablations': cmd_ablations,
+            'recall': cmd_recall, 'mosaics': mosaics.cmd_mosaics}[args.command](args)
+
+
+def add_budget(common):
+    """The flags of every command that trains through train.py: the budget, the data, the records."""
     budget = argparse.ArgumentParser(add_help=False, parents=[common])  # what each train.py run gets
     budget.add_argument('--epochs', type=int,
                         help=f'epochs of every training run (CPU {BUDGET["cpu"]["epochs"]}, '
@@ -97,6 +114,14 @@ def main(argv=None):
     budget.add_argument('--download', action='store_true',
                         help='download a small dataset first (torchvision)')
     budget.add_argument('--jobs', type=int, default=2, help='train.py processes at a time, sharing the cores')
+    return budget
+
+
+def add_figures(sub, common, budget):
+    """F1 (no training), then F4 and F3, which measure trained DeiT checkpoints (or train the four small
+    ones)."""
+    sub.add_parser('injectivity', parents=[common],
+                   help='F1: identical weight rows under softmax, linear and InLine')
     trained = argparse.ArgumentParser(add_help=False, parents=[budget])
     trained.add_argument('--checkpoints', nargs='+', metavar='[NAME=]PATH',
                          help='train.py checkpoints of DeiT models, a NAME again for another seed (default: '
@@ -112,6 +137,10 @@ def main(argv=None):
                    help='query tokens on the token grid, from 0')
     p.add_argument('--layers', nargs='+', default=[], metavar='L',
                    help='layers to show, from 1 (default first, last)')
+
+
+def add_speed(sub, common):
+    """F5b, F5c and the speed tables: every timing command, none of which trains."""
     p = sub.add_parser('speed', parents=[common], help='F5b, F5c: images/s against window and image size')
     p.add_argument('--quick', action='store_true', help='two points per figure, 3 rounds on CPU')
     p.add_argument('--batch', type=int, help='images per forward (default: CPU 1, CUDA 32)')
@@ -131,6 +160,10 @@ def main(argv=None):
                    help='backbone forward time and peak memory at detection sizes, '
                    '512x512 to 800x1344: Swin-T, PVT-S, DeiT-T, each softmax against InLine (instead '
                    'of F5b, F5c)')
+
+
+def add_ablations(sub, budget):
+    """The ablation tables: which experiments, how many seeds, the mosaics' rerun."""
     p = sub.add_parser('ablations', parents=[budget],
                        help='T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small')
     p.add_argument('--quick', action='store_true',
@@ -140,21 +173,10 @@ def main(argv=None):
                    help=f'the claim rows ({CLAIM_SEEDS} seeds) and their floors')
     p.add_argument('--rerun', action='store_true',
                    help='fashion_recall: the rows still rising at 4 epochs and their references '
-                   '(MOSAIC_RERUN), at its epochs and precision')
+                   '(MOSAIC_RERUN), at its epochs, precision and seeds')
     p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N',
                    help=f'seeds (0, 1, ...): N for every table, TABLE=N '
                    f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')
-    add_recall_parser(sub, common)
-    p = sub.add_parser('mosaics', parents=[common],
-                       help="the fashion_recall mosaics (paper/mosaics.py), with their labels")
-    p.add_argument('--data-path', default=FASHION_MNIST_DEB, help='Fashion-MNIST\'s IDX files')
-    args = parser.parse_args(argv)
-    if args.command in ('locality', 'maps') and args.dataset == 'fashion_recall':
-        parser.error(f'{args.command} measures DeiT checkpoints of the small datasets; fashion_recall is the '
-                     'ablations\' test bed (python -m paper ablations --dataset fashion_recall)')
-    return {'models': cmd_models, 'experiments': cmd_experiments, 'injectivity': cmd_injectivity,
-            'locality': cmd_locality, 'maps': cmd_maps, 'speed': cmd_speed, 'ablations': cmd_ablations,
-            'recall': cmd_recall, 'mosaics': mosaics.cmd_mosaics}[args.command](args)
 
 
 if __name__ == '__main__':
