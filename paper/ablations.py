@@ -555,9 +555,9 @@ def side_by_side(args, every, records):
     recipes = [(budgets(args.dataset)[args.device]['epochs'], PRECISION[args.device], None),
                 (MOSAIC_RERUN['epochs'], MOSAIC_RERUN['precision'], list(MOSAIC_RERUN['seeds']))]
     columns, labels = [], {}
-    for epochs, precision, seeds in recipes:
+    for epochs, precision, seeds_flags in recipes:
         a = argparse.Namespace(**{**vars(args), 'epochs': epochs, 'precision': precision, 'quick': False,
-                                  'claims': False, 'only': MOSAIC_RERUN['rows'], 'seeds': seeds})
+                                  'claims': False, 'only': MOSAIC_RERUN['rows'], 'seeds': seeds_flags})
         chosen, seeds = choose(a, every)
         _, planned = plan_runs(chosen, every, seeds, a)
         result = {n: summarise([records[r.key()] for r in planned[n] if r.key() in records]) for n in chosen}

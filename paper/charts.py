@@ -226,7 +226,7 @@ def image_grid(path, image, rows, queries, grid):
 def ablations_pictures(args, chosen, planned, done, result, rows, points, pairs, rerun=None):
     """The ablations' picture (each comparison's difference and interval beside the paper's, a panel per
     table; top-1 per experiment where none has a comparison) and, beside it, every run's learning curves
-    (`pairs`: the comparisons, so each panel draws their references), and the rerun's (`rerun`: its epochs,
+    (`pairs`: the comparisons, so each panel draws both their sides), and the rerun's (`rerun`: its epochs,
     chosen, planned, records and pairs; curves_..._16_epochs.png) where given."""
     default = 'ablations_fashion_recall.png' if args.dataset == 'fashion_recall' else 'ablations.png'
     out = args.png or os.path.join(args.out, default)
