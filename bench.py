@@ -33,9 +33,9 @@ import kernels
 import models
 import peers
 import sequence
-from inline import attention_scale, get_kernel, inline_attention, inline_attention_quadratic, inline_weights
+from inline import attention_scale, get_phi, inline_attention, inline_attention_quadratic, inline_weights
 from inline import linear_attention_weights
-from kernels import compile_options, core_forward, inline_core_fast, neighbourhood, run, signature
+from kernels import compile_options, compiled_call, core_forward, inline_core_fast, neighbourhood, signature
 from kernels import symbolic_sizes
 
 # name: (batch, heads, grid side, head dim); the InLine stages of InLine-Swin-T, then stage 1 larger
@@ -215,7 +215,7 @@ def bench_compile(device, dtype=torch.float32):
 def bench_choices(device):
     """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too (the
     forward graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to it, against one
-    through compile_and_call's switches, marks and lock (one head of 49 tokens)."""
+    through compiled_call's switches, marks and lock (one head of 49 tokens)."""
     def inputs(B, H, side):  # core_forward's arguments as InLineCore passes them
         gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
         return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
@@ -231,12 +231,12 @@ def bench_choices(device):
 
     def through_switches():
         kernels._compiled_signatures.discard(signature(core_forward, small))
-        run(core_forward, *small)
+        compiled_call(core_forward, *small)
 
     with compile_options():
         ms = time_interleaved({'d_constant': lambda: graphs[0](*constant),
                                'd_symbolic': lambda: graphs[1](*symbolic),
-                               'straight': lambda: run(core_forward, *small),
+                               'straight': lambda: compiled_call(core_forward, *small),
                                'switches': through_switches}, device)
     print(f"forward graph, swin_t_stage1 fp32: D constant {statistics.median(ms['d_constant']):.1f} ms, "
           f"D symbolic {statistics.median(ms['d_symbolic']):.1f} ms: "
@@ -361,7 +361,7 @@ def _demo():
     k = torch.randn(B, H, N, D, dtype=torch.float64)
     v = torch.randn(B, H, N, D, dtype=torch.float64)
     q = torch.randn(B, H, 1, D, dtype=torch.float64)
-    relu = get_kernel('relu')
+    relu = get_phi('relu')
 
     print("1. Injectivity: does the query q get different weights from 2q? (16 random keys)")
     pairs = {

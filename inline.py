@@ -6,12 +6,16 @@ weights: it is not injective. InLine normalises by subtraction instead (Eq. 5), 
 D + 1 tokens or more: inline_weights) and still linear in N, and adds a local attention residual over each
 token's 3x3 neighbourhood (Eq. 6), because linear attention alone attends too little to nearby tokens.
 
-Causal InLine is sequence.py; the fast path, kernels.py, is tested against this clear, slow reference.
+The file reads top to bottom: the kernel function phi, the two baselines, Eq. 5, Eq. 6, the core (Eq. 5 then
+Eq. 6), the module InLineAttention, whose forward is the whole method on one page, and last the paper's
+baselines and ablations as subclasses. kernels.py holds the fast twin of inline_core, which the module's
+forward calls instead when its switch `fast` is on; sequence.py carries the method to 1-D sequences.
 
     python bench.py --demo  # a short demonstration: injectivity, and the two forms of Eq. 5 agree
 
 Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
-(h, w) the token grid, P leading tokens that are not on the grid (DeiT's class token), N = P + h*w.
+(h, w) the token grid, P leading tokens that are not on the grid (DeiT's class token), N = P + h*w,
+T = k*k the weights per channel of Eq. 6's k x k neighbourhood.
 """
 import contextlib
 
@@ -20,17 +24,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------------
-# Kernel functions phi, applied to queries and keys (the paper's Table 5 ablates them)
+# The kernel function phi, applied to queries and keys (the paper's Table 5 compares them)
 
-# name -> phi; a new one is one line here (and in NON_NEGATIVE_KERNELS if it is >= 0), tests included
-KERNELS = {
+# name -> phi; a new one is one line here (and in NON_NEGATIVE_PHI if it is >= 0), tests included
+PHI = {
     'identity': nn.Identity(),  # stateless, so one instance serves every layer
     'relu': F.relu,
     'leakyrelu': F.leaky_relu,  # negative slope 0.01, PyTorch's default
     'exp': lambda x: torch.exp(0.2 * x),  # the 0.2 keeps exp from overflowing on raw projections
     'one_plus_elu': lambda x: 1 + F.elu(x),  # > 0: elu + 1, Katharopoulos et al. (2020)'s linear attention
-}  # and the two ablations' at the end of this file: 'relu_affine' (learnable) and 'zero'
-NON_NEGATIVE_KERNELS = ('relu', 'exp', 'one_plus_elu', 'relu_affine')  # linear attention divides by q.k
+    'zero': torch.zeros_like,  # phi = 0: every weight of Eq. 5 is 1/N, which cannot select (the floor)
+    'relu_affine': None,  # learnable, one per layer: ReLUAffine, with the ablations at the end of this file
+}
+NON_NEGATIVE_PHI = ('relu', 'exp', 'one_plus_elu', 'relu_affine')  # linear attention divides by q.k
+
+
+def get_phi(name, head_dim=None):
+    """The kernel function phi by name; 'relu_affine' is a module with parameters, built for head_dim."""
+    if name not in PHI:
+        raise ValueError(f"unknown kernel function {name!r}; choose one of {sorted(PHI)}")
+    return ReLUAffine(head_dim) if name == 'relu_affine' else PHI[name]
 
 
 def attention_scale(D):
@@ -39,16 +52,9 @@ def attention_scale(D):
     return D ** -0.5
 
 
-def get_kernel(name, head_dim=None):
-    """The kernel function phi by name; 'relu_affine' is a module with parameters, built for head_dim."""
-    if name not in KERNELS:
-        raise ValueError(f"unknown kernel function {name!r}; choose one of {sorted(KERNELS)}")
-    return ReLUAffine(head_dim) if name == 'relu_affine' else KERNELS[name]
-
-
 def check_grid(N, grid, leading_tokens=None):
     """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w, where P must be the module's
-    leading_tokens (DeiT's class token: 1; else 0), or any P >= 0 where None (the cores)."""
+    leading_tokens (DeiT's class token: 1; else 0), or any P >= 0 where None (the pure functions)."""
     if isinstance(grid, (tuple, list)):  # traced (torch.onnx.export): 0-d integer tensors of known values
         grid = [int(s) if torch.is_tensor(s) and s.dim() == 0 and not s.is_floating_point() else s
                 for s in grid]
@@ -95,15 +101,16 @@ def linear_attention_weights(q, k, eps=1e-6):
 
 def eq5_gain(s, n, scale_by_count=True):
     """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens (or a causal form's counts (N, 1)): s/n with
-    scale_by_count, the released models' (they fold s/N into phi(Q)); else s, Eq. 5 as the paper prints it."""
+    scale_by_count, the released models' (they fold s/N into phi(Q)); else s, Eq. 5 as the paper prints it.
+    Every form of Eq. 5 in the project, fast or causal, takes its factor from here."""
     return s / n if scale_by_count else s
 
 
 def inline_weights(q, k, scale=None, scale_by_count=True):
-    """The explicit N x N weights of Eq. 5, factor eq5_gain. Every row sums to 1; weights may be negative.
-    Injective in q_i where the centred keys k_j - k_mean span all D dimensions, so at least D + 1 tokens:
-    then q_i -> row i is an affine map of full rank. With fewer, a change of q_i orthogonal to every
-    k_j - k_mean leaves row i as it was."""
+    """The explicit N x N weights of Eq. 5. Every row sums to 1; weights may be negative. Injective in q_i
+    where the centred keys k_j - k_mean span all D dimensions, so at least D + 1 tokens: then q_i -> row i is
+    an affine map of full rank. With fewer, a change of q_i orthogonal to every k_j - k_mean leaves row i as
+    it was."""
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
@@ -116,25 +123,26 @@ def inline_attention_quadratic(q, k, v, scale=None, scale_by_count=True):
 
 
 def inline_attention(q, k, v, scale=None, scale_by_count=True):
-    """Eq. 5 in linear form, O(N D^2), never building the N x N weights. Summed over j, g = eq5_gain(s, N):
+    """Eq. 5 in linear form, O(N D^2), never building the N x N weights. Summed over j, with g the gain:
         o_i = g q_i^T sum_j (k_j - k_mean) v_j^T + v_mean = g N q_i^T Cov + v_mean,
         Cov = (1/N) sum_j (k_j - k_mean)(v_j - v_mean)^T   (sum_j (k_j - k_mean) = 0 lets v_mean in)
-    """
+    Cov is a mean, not a sum, and g N multiplies q before Cov: in fp16 every product then stays near the size
+    of the output, so it does not overflow where the output itself fits."""
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     v_mean = v.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    # (B, H, D, D); equals K^T V / N - k_mean^T v_mean, so o is the released models' uncentred
-    # q^T (K^T V) - N (q.k_mean) v_mean, but centred keeps its precision in bf16 when the means are large
-    cov = (k - k_mean).transpose(-2, -1) @ (v - v_mean) / N
-    g = s if scale_by_count else s * N  # eq5_gain(s, N) * N, written out: s/N or s, times N
-    return g * (q @ cov) + v_mean  # Eq. 5 summed over j, (B, H, N, D)
+    # (B, H, D, D), each side times N^-1/2; equals K^T V / N - k_mean^T v_mean, so o is the released models'
+    # uncentred q^T (K^T V) - N (q.k_mean) v_mean, but centred keeps its precision in bf16 when the means are
+    # large
+    cov = ((k - k_mean) * N ** -0.5).transpose(-2, -1) @ ((v - v_mean) * N ** -0.5)
+    return (eq5_gain(s, N, scale_by_count) * N * q) @ cov + v_mean  # Eq. 5 summed over j, (B, H, N, D)
 
 
 # ---------------------------------------------------------------------------------------------------
-# The local attention residual, Eq. 6: o_i += sum_t r_t v_{N_t(i)} over the k x k neighbourhood of token i
+# Eq. 6, the local attention residual: o_i += sum_t r_t v_{N_t(i)} over the k x k neighbourhood of token i
 
-RESIDUALS = ('local', 'plain', 'none')  # Eq. 6; o_i += r * v_i (the R-res ablation); none
+RESIDUALS = ('local', 'plain', 'none')  # Eq. 6; o_i += r * v_i (a 1x1 neighbourhood); no residual
 LOCAL_SIZE = 3  # the side k of Eq. 6's k x k neighbourhood in the paper: every default of it is this name
 
 
@@ -150,9 +158,10 @@ def neighbourhood_size(residual, local_size=LOCAL_SIZE):
 
 
 def residual_mlp(dim, num_heads, taps=9):
-    """W1 (C -> C), GELU, W2 (C -> T*C), each block-diagonal with one block per head, as the released two 1x1
-    grouped convolutions, so the keys (residual.0.*, residual.2.*) are the checkpoints'. Output channel
-    T*c + t is the weight of neighbour t (row-major over the k x k neighbourhood) for channel c."""
+    """Eq. 6's weight predictor: W1 (C -> C), GELU, W2 (C -> T*C), each block-diagonal with one block per
+    head, as the released two 1x1 grouped convolutions, so the keys (residual.0.*, residual.2.*) are the
+    checkpoints'. Output channel T*c + t is the weight of neighbour t (row-major over the k x k
+    neighbourhood) for channel c."""
     return nn.Sequential(
         nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
         nn.GELU(),
@@ -160,28 +169,23 @@ def residual_mlp(dim, num_heads, taps=9):
     )
 
 
-def residual_weights(mlp, x):
-    """Eq. 6's weights r = W2 GELU(W1 m + b1) + b2 from m, the token mean of x (B, N, C); returns (B, T*C).
-    Each head's slice of m meets its own block: H small matmuls in one batch, what the grouped convolutions
-    compute on a sequence of length 1."""
-    return mean_residual_weights(mlp, x.mean(dim=1, keepdim=True))[:, 0]  # (B, T*C)
-
-
-def mean_residual_weights(mlp, m):
-    """residual_weights from the means m (B, M, C) it is given: (B, M, T*C), one set of weights per mean."""
+def residual_weights(mlp, m):
+    """Eq. 6's weights r = W2 GELU(W1 m + b1) + b2 from m, the token mean of the attention's input: (B, C) ->
+    (B, T*C), or one set per mean, (B, M, C) -> (B, M, T*C) (sequence.py's prefix means). Each head's slice
+    of m meets its own block: H small matmuls in one batch, what the grouped convolutions compute."""
     conv1, act, conv2 = mlp
     H, device = conv1.groups, m.device.type
-    B, M, C = m.shape
+    C = m.shape[-1]
     # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 would cost more
     # than the matmuls. r comes out in the autocast dtype, as from autocast's matmuls.
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on 'meta'
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        m = m.to(conv1.weight.dtype).reshape(B * M, H, C // H).transpose(0, 1)  # (H, B*M, D)
+        heads = m.to(conv1.weight.dtype).reshape(-1, H, C // H).transpose(0, 1)  # (H, B*M, D)
         w1 = conv1.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, D): W1's blocks
         w2 = conv2.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, T*D): W2's blocks
-        hidden = act(torch.baddbmm(conv1.bias.reshape(H, 1, -1), m, w1))  # (H, B*M, D)
+        hidden = act(torch.baddbmm(conv1.bias.reshape(H, 1, -1), heads, w1))  # (H, B*M, D)
         r = torch.baddbmm(conv2.bias.reshape(H, 1, -1), hidden, w2)  # (H, B*M, T*D)
-    r = r.transpose(0, 1).reshape(B, M, -1)  # (B, M, T*C)
+    r = r.transpose(0, 1).reshape(*m.shape[:-1], -1)  # (B, T*C) or (B, M, T*C)
     return r.to(torch.get_autocast_dtype(device)) if autocast else r
 
 
@@ -189,8 +193,8 @@ def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
     """Eq. 6 on the last h*w tokens of v (B, H, N, D): the sum over the k x k neighbours t of each of
     r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P leading tokens.
     r (B, T*C), T = size^2, from residual_weights; or (B, N, T*C), per token too (README, "Changing the
-    method"). Neighbour t = size*dy + dx sits at dilation*(dy - size//2, dx - size//2) (dilation > 1: the
-    R-dil ablation). Weights per sample and channel: one convolution with B*C groups."""
+    method"). Neighbour t = size*dy + dx sits at dilation*(dy - size//2, dx - size//2). Weights per sample
+    and channel: one convolution with B*C groups."""
     B, H, N, D = v.shape
     P, (h, w) = check_grid(N, grid), grid
     T = size * size
@@ -210,99 +214,23 @@ def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The core, Eq. 5 + Eq. 6, and the one path of a module's attend: Eq. 6's weights, then the core
+# The core: Eq. 5, then Eq. 6. kernels.py writes its fast twins into FAST_CORES when it is imported.
 
 def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, scale_by_count=True):
-    """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention core.
-    q, k, v (B, H, N, D) through phi; r (B, T*C) Eq. 6's weights, T = size^2, or None; grid (h, w); size and
-    dilation of Eq. 6's neighbourhood; scale_by_count: eq5_gain. kernels.inline_core_fast: the same, faster.
-    """
+    """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention after phi.
+    q, k, v (B, H, N, D) through phi; r (B, T*C) Eq. 6's weights, T = size^2, or None (no Eq. 6); grid
+    (h, w); size and dilation of Eq. 6's neighbourhood; scale_by_count: eq5_gain. Returns (B, H, N, D)."""
     o = inline_attention(q, k, v, scale, scale_by_count)  # Eq. 5, (B, H, N, D)
     return o if r is None else o + local_residual(v, r, grid, size, dilation)  # Eq. 6
 
 
-def reference_path(module, q, k, v, x, grid, scale):
-    """What module.attend runs after phi, with or without a gradient: Eq. 6's weights from x (B, N, C), then
-    module.core (or linear attention's division, then Eq. 6); o (B, H, N, D). Fast twin: kernels.fast_path."""
-    r = residual_weights(module.residual, x) if module.residual is not None else None  # (B, T*C)
-    if module.attention == 'linear':  # the baseline: division instead of Eq. 5, then the same Eq. 6
-        o = linear_attention(q, k, v)  # (B, H, N, D)
-        return o if r is None else o + local_residual(v, r, grid, module.local_size, module.dilation)
-    return module.core(q, k, v, r, grid, scale, module.local_size, module.dilation,
-                       module.scale_by_count)  # Eq. 5 + Eq. 6
+# name -> the fast twin of inline_core, with its arguments and result: 'compile' (kernels.py, torch.compile)
+# and 'triton' (triton_core.py, CUDA). InLineAttention(fast=name) calls it; kernels.enable_fast checks it.
+FAST_CORES = {}
 
 
 # ---------------------------------------------------------------------------------------------------
-# The modules the four backbones share
-
-class InLineBase(nn.Module):
-    """phi, Eq. 6's weights, Eq. 5 (or linear attention's division), Eq. 6: what every InLine attention does
-    between its projections (InLineAttention adds them; CSwin's stripes in models.py use this alone).
-    kernel: phi, one of KERNELS. residual, local_size: neighbourhood_size; dilation: Eq. 6's spread.
-    attention: 'inline' (Eq. 5) or 'linear', which needs phi >= 0 unless allow_divergent (Table 3).
-    leading_tokens: P, before the (h, w) grid (DeiT's class token: 1), in Eq. 5 but not in Eq. 6.
-    scale_by_count: eq5_gain. nonneg, normalise_q: the ablations R-nonneg and T1, at the end of this file.
-    """
-    token_dims = 2  # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel
-
-    def setup_inline(self, dim, num_heads, *, kernel='identity', residual='local', local_size=LOCAL_SIZE,
-                     dilation=1, nonneg=False, normalise_q=False, attention='inline', allow_divergent=False,
-                     leading_tokens=0, scale_by_count=True):
-        if dim % num_heads != 0:
-            raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
-        if attention not in ('inline', 'linear'):
-            raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
-        size = neighbourhood_size(residual, local_size)
-        if not (isinstance(dilation, int) and dilation >= 1) or (dilation > 1 and (size or 1) == 1):
-            raise ValueError(f"dilation must be a whole number >= 1, and > 1 only where Eq. 6 has "
-                             f"neighbours (residual='local', local_size > 1), got {dilation!r} with "
-                             f"residual={residual!r}")
-        if attention == 'linear' and kernel not in NON_NEGATIVE_KERNELS and not allow_divergent:
-            raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative kernel "
-                             f"{NON_NEGATIVE_KERNELS}, got {kernel!r}; pass allow_divergent=True to run it "
-                             f"anyway (the paper's Table 3 reports that it does not converge)")
-        check_ablations(attention, nonneg, normalise_q, scale_by_count)
-        if not (isinstance(leading_tokens, int) and leading_tokens >= 0):
-            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be a "
-                             f"whole number >= 0; got {leading_tokens!r}")
-        self.num_heads, self.head_dim, self.leading_tokens = num_heads, dim // num_heads, leading_tokens
-        self.kernel, self.attention, self.nonneg = kernel, attention, nonneg
-        self.scale_by_count = bool(scale_by_count)
-        self.local_size, self.dilation = size, dilation
-        self.phi = get_kernel(kernel, dim // num_heads)
-        self.normalise_q = NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
-        self.scale = attention_scale(dim // num_heads)  # Eq. 5's s, which prepare returns
-        self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None
-        # Eq. 5 + Eq. 6, and attend's one path after phi: kernels.enable_fast may swap in their fast twins
-        self.core = inline_core
-        self.path = reference_path
-
-    def prepare(self, q, k):
-        """q, k (B, H, N, D) -> phi(q), phi(k) and Eq. 5's scale s, self.scale (attention_scale)."""
-        q, k = self.phi(q), self.phi(k)
-        if self.normalise_q is not None:  # T1: q and a*q give the same weights
-            q = self.normalise_q(q)
-        if self.nonneg:  # R-nonneg: every weight >= 0
-            return nonneg_qk(q, k)
-        return q, k, self.scale
-
-    def attend(self, q, k, v, x, grid):
-        """q, k, v (B, H, N, D) before phi; x (B, N', C) the tokens Eq. 6's weights are predicted from.
-        Returns o (B, H, N, D). One path, with or without a gradient."""
-        q, k, scale = self.prepare(q, k)  # phi
-        return self.path(self, q, k, v, x, grid, scale)  # Eq. 6's weights, then Eq. 5 + Eq. 6
-
-    def explicit_weights(self, q, k):
-        """The N x N weights of Eq. 5 (or of linear attention) for q, k (B, H, N, D) before phi."""
-        q, k, scale = self.prepare(q, k)
-        if self.attention == 'linear':
-            return linear_attention_weights(q, k)
-        return inline_weights(q, k, scale, self.scale_by_count)
-
-    def check_shape(self):
-        """(N, grid) of the small call kernels.enable_fast checks this module on."""
-        return self.leading_tokens + 42, (6, 7)
-
+# The module
 
 def add_projections(module, dim, qkv_bias, separate_q):
     """The attention's input and output projections under the released names: `qkv` C->3C, or PVT's `q`
@@ -315,62 +243,203 @@ def add_projections(module, dim, qkv_bias, separate_q):
     module.proj = nn.Linear(dim, dim)
 
 
+class InLineBase(nn.Module):
+    """What every InLine attention holds besides its projections: phi, Eq. 5's scale, Eq. 6's weight
+    predictor and the options that shape them, and the switch `fast`. InLineAttention adds the projections
+    and the forward; CSwin's whole-map branch (models.CSwinInLine) runs the same steps between CSwin's own.
+
+    kernel: phi, one of PHI. residual, local_size: Eq. 6's form and neighbourhood (neighbourhood_size);
+    dilation: its spread. leading_tokens: P, the tokens before the grid (DeiT's class token: 1), in Eq. 5
+    but not in Eq. 6. scale_by_count: eq5_gain. nonneg: every weight >= 0 (an ablation: UnitLength).
+    """
+    token_dims = 2  # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel (a sequence's: k)
+    attention = 'inline'  # LinearAttention's is 'linear'
+
+    def __init__(self, dim, num_heads, *, kernel='identity', residual='local', local_size=LOCAL_SIZE,
+                 dilation=1, leading_tokens=0, scale_by_count=True, nonneg=False):
+        super().__init__()
+        if dim % num_heads != 0:
+            raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
+        size = neighbourhood_size(residual, local_size)
+        if not (isinstance(dilation, int) and dilation >= 1) or (dilation > 1 and (size or 1) == 1):
+            raise ValueError(f"dilation must be a whole number >= 1, and > 1 only where Eq. 6 has "
+                             f"neighbours (residual='local', local_size > 1), got {dilation!r} with "
+                             f"residual={residual!r}")
+        if not (isinstance(leading_tokens, int) and leading_tokens >= 0):
+            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be a "
+                             f"whole number >= 0; got {leading_tokens!r}")
+        if nonneg and not scale_by_count:
+            raise ValueError("nonneg keeps every weight >= 0 with s = 1/2 and the factor s/N; "
+                             "scale_by_count=False drops the 1/N, so it needs scale_by_count=True")
+        self.num_heads, self.head_dim, self.leading_tokens = num_heads, dim // num_heads, leading_tokens
+        self.kernel, self.scale_by_count, self.nonneg = kernel, bool(scale_by_count), nonneg
+        self.local_size, self.dilation = size, dilation
+        self.phi = get_phi(kernel, dim // num_heads)
+        self.scale = attention_scale(dim // num_heads)  # Eq. 5's s
+        if nonneg:  # q and k of unit length and s = 1/2: every weight of Eq. 5 >= 0 (UnitLength)
+            self.phi, self.scale = UnitLength(self.phi), 0.5
+        self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None  # Eq. 6
+        self.fast = False  # or a name in FAST_CORES, set by kernels.enable_fast after its check
+
+
 class InLineAttention(InLineBase):
-    """x (B, N, C) -> q, k, v -> Eq. 5 + Eq. 6 -> proj -> (B, N, C). dim, num_heads: C and H; qkv_bias,
-    separate_q: add_projections. ape_tokens: N of the authors' absolute position embedding (1, N, C), added to
-    x before the projections, for their ablations without Eq. 6 (their repository's issue #6); None: none.
-    Other options: InLineBase. On a 1-D sequence: sequence.SequenceAttention."""
+    """x (B, N, C) on the token grid (h, w) -> (B, N, C): projections, phi, Eq. 6's weights, Eq. 5 and
+    Eq. 6, proj. The layer of all four backbones (1-D sequences: sequence.SequenceAttention).
+
+    dim, num_heads: C and H. qkv_bias, separate_q: add_projections. ape_tokens: N of the authors' absolute
+    position embedding (1, N, C), added to x first, for their ablations without Eq. 6 (their repository's
+    issue #6); None: none. The other options: InLineBase's. fast: InLineBase's switch. The paper's baseline
+    and other ablations are the subclasses at the end of this file (make_attention chooses).
+    """
 
     def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):
-        super().__init__()
-        self.setup_inline(dim, num_heads, **options)
+        super().__init__(dim, num_heads, **options)
         add_projections(self, dim, qkv_bias, separate_q)
         self.ape = None
         if ape_tokens:
             self.ape = nn.Parameter(torch.zeros(1, ape_tokens, dim))
             nn.init.trunc_normal_(self.ape, std=.02)
 
-    def check_tokens(self, N, grid):
-        """Refuse a call whose N tokens do not fit the module: leading_tokens + h*w on its grid."""
-        if grid is None:
-            raise ValueError("this attention was built for a token grid: pass grid=(h, w), or use "
-                             "sequence.SequenceAttention for a 1-D sequence")
-        check_grid(N, grid, self.leading_tokens)
-
-    def project(self, x, grid):
-        """x (B, N, C) -> x with the APE added, and q, k, v (B, H, N, D)."""
-        if x.dim() != 3 or x.shape[-1] != self.proj.in_features:
-            image = ': an image (B, C, h, w) is x.flatten(2).transpose(1, 2), grid (h, w)' * (x.dim() == 4)
-            raise ValueError(f"this attention takes tokens (B, N, C), C = {self.proj.in_features} channels "
-                             f"(its dim); got {tuple(x.shape)}{image}")
+    def project(self, x):
+        """x (B, N, C) -> q, k, v (B, H, N, D), through `qkv` (or PVT's `q` and `kv`)."""
         B, N, C = x.shape
-        self.check_tokens(N, grid)
-        if self.ape is not None:
-            if self.ape.shape[1] != N:
-                raise ValueError(f"this attention's position embedding (ape) covers {self.ape.shape[1]} "
-                                 f"tokens, got {N}: build the model for this input size")
-            x = x + self.ape
         if hasattr(self, 'qkv'):
             q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, N, C)
         else:
             q = self.q(x)  # (B, N, C)
             k, v = self.kv(x).chunk(2, dim=-1)  # 2 x (B, N, C)
-        return x, *(t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+        return [t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v)]  # (B, H, N, D)
 
     def forward(self, x, grid=None):
-        x, q, k, v = self.project(x, grid)
-        o = self.attend(q, k, v, x, grid)  # Eq. 5 + Eq. 6, (B, H, N, D)
-        return self.proj(o.transpose(1, 2).flatten(2))  # (B, N, C): the heads side by side
+        B, N, C = self.check_input(x, grid)
+        if self.ape is not None:  # the authors' ablations without Eq. 6 only
+            x = x + self.ape  # (B, N, C)
+        q, k, v = self.project(x)  # (B, H, N, D) each
+        q, k = self.phi(q), self.phi(k)  # the kernel function phi
+        r = None if self.residual is None else residual_weights(self.residual, x.mean(dim=1))  # (B, T*C)
+        if self.fast:  # the fast twin of inline_core (kernels.py): the same arguments, the same result
+            o = FAST_CORES[self.fast](q, k, v, r, grid, self.scale, self.local_size, self.dilation,
+                                      self.scale_by_count)
+        else:
+            o = inline_core(q, k, v, r, grid, self.scale, self.local_size, self.dilation,
+                            self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
+        return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C): the heads side by side
 
     def weights(self, x, grid=None):
-        """The explicit attention weights (B, H, N, N) this module applies to x (B, N, C)."""
-        _, q, k, _ = self.project(x, grid)
-        return self.explicit_weights(q, k)
+        """The explicit N x N weights of Eq. 5 (B, H, N, N) that this module applies to x (B, N, C)."""
+        self.check_input(x, grid)
+        q, k, _ = self.project(x if self.ape is None else x + self.ape)
+        return inline_weights(self.phi(q), self.phi(k), self.scale, self.scale_by_count)
+
+    def check_input(self, x, grid):
+        """x's shape (B, N, C), once it is known to fit: C channels, N = leading_tokens + h*w on grid."""
+        if x.dim() != 3 or x.shape[-1] != self.proj.in_features:
+            image = ': an image (B, C, h, w) is x.flatten(2).transpose(1, 2), grid (h, w)' * (x.dim() == 4)
+            raise ValueError(f"this attention takes tokens (B, N, C), C = {self.proj.in_features} channels "
+                             f"(its dim); got {tuple(x.shape)}{image}")
+        if grid is None:
+            raise ValueError("this attention was built for a token grid: pass grid=(h, w), or use "
+                             "sequence.SequenceAttention for a 1-D sequence")
+        check_grid(x.shape[1], grid, self.leading_tokens)
+        if self.ape is not None and self.ape.shape[1] != x.shape[1]:
+            raise ValueError(f"this attention's position embedding (ape) covers {self.ape.shape[1]} "
+                             f"tokens, got {x.shape[1]}: build the model for this input size")
+        return x.shape
+
+    def example_inputs(self, generator, batch=2):
+        """A small call of forward (x, grid), drawn from generator: what kernels.enable_fast checks on. With
+        a position embedding, its tokens on one row."""
+        grid = (6, 7) if self.ape is None else (1, self.ape.shape[1] - self.leading_tokens)
+        x = torch.randn(batch, self.leading_tokens + grid[0] * grid[1], self.proj.in_features,
+                        generator=generator)
+        return x, grid
 
 
 # ---------------------------------------------------------------------------------------------------
-# The paper's ablation switches: a learnable phi (ReLUAffine), phi = 0 (the floor), q normalised (NormalisedQ,
-# T1), every weight >= 0 (nonneg, R-nonneg). InLineBase's options kernel, normalise_q and nonneg choose them.
+# The paper's baseline and ablations, each overriding one step of InLineAttention: linear attention's
+# division in place of Eq. 5; q of unit length (its length cannot change the weights); every weight >= 0;
+# a learnable phi. phi = 0, the floor, is one entry of PHI.
+
+class LinearAttention(InLineAttention):
+    """Vanilla linear attention, the paper's baseline: division in place of Eq. 5, the rest as InLine's
+    (Eq. 6 too, unless residual='none'). Needs phi >= 0 unless allow_divergent (Table 3: it then diverges).
+    It has no fast twin: kernels.enable_fast refuses it."""
+
+    attention = 'linear'
+
+    def __init__(self, dim, num_heads, *, kernel='relu', allow_divergent=False, **options):
+        check_linear_options(kernel, allow_divergent, options.get('nonneg'))
+        super().__init__(dim, num_heads, kernel=kernel, **options)
+
+    def forward(self, x, grid=None):
+        B, N, C = self.check_input(x, grid)
+        if self.ape is not None:
+            x = x + self.ape  # (B, N, C)
+        q, k, v = self.project(x)  # (B, H, N, D) each
+        q, k = self.phi(q), self.phi(k)
+        o = linear_attention(q, k, v)  # division in place of Eq. 5, (B, H, N, D)
+        if self.residual is not None:
+            r = residual_weights(self.residual, x.mean(dim=1))  # (B, T*C)
+            o = o + local_residual(v, r, grid, self.local_size, self.dilation)  # Eq. 6
+        return self.proj(o.transpose(1, 2).reshape(B, N, C))
+
+    def weights(self, x, grid=None):
+        self.check_input(x, grid)
+        q, k, _ = self.project(x if self.ape is None else x + self.ape)
+        return linear_attention_weights(self.phi(q), self.phi(k))
+
+
+def check_linear_options(kernel, allow_divergent, nonneg):
+    """Refuse what linear attention's division cannot take (LinearAttention, sequence.SequenceAttention)."""
+    if kernel not in NON_NEGATIVE_PHI and not allow_divergent:
+        raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative kernel "
+                         f"{NON_NEGATIVE_PHI}, got {kernel!r}; pass allow_divergent=True to run it "
+                         f"anyway (the paper's Table 3 reports that it does not converge)")
+    if nonneg:
+        raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear "
+                         "attention, whose weights are already non-negative")
+
+
+class NormalisedQ(nn.Module):
+    """q (B, H, N, D) -> q / |q| times a learned gain per head (init sqrt(D)). q and a*q (a > 0) then give
+    the same weights, while the gain still lets each head learn how sharp its weights are."""
+
+    def __init__(self, num_heads, head_dim):
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((1, num_heads, 1, 1), head_dim ** 0.5))
+
+    def forward(self, q):
+        return F.normalize(q, dim=-1) * self.gain  # (B, H, N, D)
+
+
+class NormalisedQAttention(InLineAttention):
+    """InLine attention whose queries are of unit length times a learned per-head gain (NormalisedQ), before
+    phi: an ablation of ours, asking whether injectivity in q's length matters. Overrides the projections."""
+
+    def __init__(self, dim, num_heads, **options):
+        if options.get('nonneg'):
+            raise ValueError("normalise_q is an option of InLine attention without nonneg, which normalises "
+                             "q itself")
+        super().__init__(dim, num_heads, **options)
+        self.normalise_q = NormalisedQ(num_heads, dim // num_heads)
+
+    def project(self, x):
+        q, k, v = super().project(x)  # (B, H, N, D) each
+        return self.normalise_q(q), k, v
+
+
+class UnitLength(nn.Module):
+    """phi, then every vector of unit length: with s = 1/2, |q.(k_j - k_mean)| <= 2, so s |q.(k_j - k_mean)|
+    <= 1 and, with the factor s/N, every weight of Eq. 5 >= 0. InLineAttention's nonneg=True (an ablation
+    of ours: are the negative weights needed?)."""
+
+    def __init__(self, phi):
+        super().__init__()
+        self.phi = phi
+
+    def forward(self, x):
+        return F.normalize(self.phi(x), dim=-1)  # (..., D)
+
 
 class ReLUAffine(nn.Module):
     """phi(x) = ReLU(A x + b), one A (D x D) and b per layer, shared by q, k and the heads: Table 3's
@@ -385,36 +454,15 @@ class ReLUAffine(nn.Module):
         return F.relu(F.linear(x, self.weight, self.bias))  # (..., D) -> (..., D)
 
 
-KERNELS['relu_affine'] = None  # learnable: ReLUAffine above, one per attention layer (get_kernel builds it)
-KERNELS['zero'] = torch.zeros_like  # phi = 0: Eq. 5 gives every weight 1/N, which cannot select (the floor)
-
-
-class NormalisedQ(nn.Module):
-    """q (B, H, N, D) -> q / |q| times a learned gain per head (init sqrt(D)): the T1 ablation (ours). q and
-    a*q then give the same weights, while the gain still lets each head learn how sharp its weights are."""
-
-    def __init__(self, num_heads, head_dim):
-        super().__init__()
-        self.gain = nn.Parameter(torch.full((1, num_heads, 1, 1), head_dim ** 0.5))
-
-    def forward(self, q):
-        return F.normalize(q, dim=-1) * self.gain  # (B, H, N, D)
-
-
-def nonneg_qk(q, k):
-    """The R-nonneg ablation (ours): q and k L2-normalised per head and s = 1/2, so |q.(k_j - k_mean)| <= 2,
-    s |q.(k_j - k_mean)| <= 1 and, with the factor s/N, every w_ij >= 0. Returns q, k and the scale."""
-    return F.normalize(q, dim=-1), F.normalize(k, dim=-1), 0.5
-
-
-def check_ablations(attention, nonneg, normalise_q, scale_by_count):
-    """Refuse the ablation switches where they mean nothing (InLineBase.setup_inline calls this)."""
-    if nonneg and attention != 'inline':
-        raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear "
-                         "attention, whose weights are already non-negative")
-    if normalise_q and (attention != 'inline' or nonneg):
-        raise ValueError("normalise_q is an option of InLine attention without nonneg: linear attention's "
-                         "division cancels q's length already, and nonneg normalises q itself")
-    if nonneg and not scale_by_count:
-        raise ValueError("nonneg keeps every weight >= 0 with s = 1/2 and the factor s/N; "
-                         "scale_by_count=False drops the 1/N, so it needs scale_by_count=True")
+def make_attention(dim, num_heads, *, attention='inline', normalise_q=False, **options):
+    """The attention a backbone's I or L block builds: attention 'inline' (InLineAttention) or 'linear'
+    (LinearAttention); normalise_q: NormalisedQAttention. Other options: InLineAttention's."""
+    if attention not in ('inline', 'linear'):
+        raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
+    if normalise_q and attention == 'linear':
+        raise ValueError("normalise_q is an option of InLine attention: linear attention's division cancels "
+                         "q's length already")
+    if attention == 'linear':
+        return LinearAttention(dim, num_heads, **options)
+    options.pop('allow_divergent', None)  # a switch of linear attention's alone
+    return (NormalisedQAttention if normalise_q else InLineAttention)(dim, num_heads, **options)

@@ -1,14 +1,15 @@
 """The fast InLine attention core: Eq. 5 + Eq. 6 as two compiled graphs with a closed-form backward.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590.
-`inline_core_fast` takes the arguments, layout and result of inline.inline_core, the reference it replaces;
-`enable_fast(model)` (create_model(name, fast=True)) swaps it in once its closed forms, run eagerly, give the
-reference's output and every gradient on each attention configuration, so a change the fast core does not
-follow is refused when the model is built. test_inline.py proves the two equal; bench.py measures them.
+`inline_core_fast` takes the arguments, layout and result of inline.inline_core, the reference it replaces,
+and is inline.FAST_CORES['compile']: an InLineAttention with fast='compile' calls it in place of inline_core,
+with and without a gradient, and nothing else changes. `enable_fast(model)` (create_model(name, fast=True))
+turns that switch on in every InLine module once the module's forward on the fast core gives the reference's
+output and every gradient, with parameters drawn away from their initial values: a change the fast core does
+not follow is refused when the model is built. test_inline.py proves the two equal; bench.py measures them.
 
 - The backward is in closed form (the means' gradients vanish); compiled models trace both into their graph.
 - Eq. 5 in centred-covariance form, as inline.py; sums accumulate in fp32, fp16's pre-scaled (sum_scale).
-- With no gradient asked, fast_path runs Eq. 6's weights and the core's forward in one graph (infer_forward).
 - B, H and N are symbolic: one graph per dtype, head dim and T serves every batch, head count and grid.
 - A graph compiles or loads under compile_lock, a file lock per graph; if it cannot, the core runs its closed
   form eagerly after one warning that names any broken cache file.
@@ -126,26 +127,9 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
     return dq, dk, dv.to(dtype), dtaps
 
 
-def infer_forward(q, k, v, x, w1, b1, w2, b2, index, masks, scale, scale_by_count, dtype):
-    """inline.residual_weights, then core_forward's o, token-major, in dtype; x (B, 1, N, C); w1, b1, w2, b2
-    the predictor's weights (None: no Eq. 6), W2's reordered neighbour-major, so taps are read as vectors."""
-    B, H, N, D = q.shape
-    # One contiguous copy each, fused with the cast: the gathers and GEMMs read a head's tokens in a row
-    q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous()
-    taps = None
-    if w1 is not None:
-        T = w2.shape[0] // (H * D)
-        m = x.mean(dim=2).to(w1.dtype).reshape(B, H, D).transpose(0, 1)  # (H, B, D)
-        hidden = F.gelu(torch.baddbmm(b1.reshape(H, 1, D), m, w1.reshape(H, D, D).mT))  # (H, B, D)
-        w2 = w2.reshape(H, D, T, D).transpose(1, 2).reshape(H, T * D, D)  # (H, T*D, D), rows (t, j)
-        b2 = b2.reshape(H, 1, D, T).transpose(2, 3).reshape(H, 1, T * D)
-        r = torch.baddbmm(b2, hidden, w2.transpose(1, 2))  # (H, B, T*D): neighbour t, channel j at t*D + j
-        taps = r.reshape(H, B, T, D).transpose(0, 1).to(dtype)  # (B, H, T, D)
-    return core_forward(q, k, v, taps, index, masks, scale, scale_by_count)[0]
-
-
 # sequence.py adds its causal core's two
-COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward, infer_forward)}
+# the graphs by name; sequence.py adds its causal core's two
+COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward)}
 _compile_error = []  # filled once if the compiler cannot run here
 
 
@@ -171,12 +155,11 @@ def symbolic_sizes(args, N):
 
 def signature(f, args):
     """A key for what dynamo's guards on f's graph check: device, modes, D and B, H, N as 0, 1 or more, the
-    dtypes, T, the other arguments, f.chunk's count; a guard no key foresees makes run compile another."""
+    dtypes, T, the other arguments, f.chunk's count; a guard no key foresees makes the call compile another."""
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // f.chunk, 2),) if hasattr(f, 'chunk') else ()
-    heads = (x.shape[1],) if f is infer_forward else ()  # its weights' shapes (C, D, 1) fix H
     return (f.__name__, x.device, x.is_inference(), torch.is_grad_enabled(), x.shape[3],
-            *(min(s, 2) for s in x.shape[:3]), *chunks, *heads,
+            *(min(s, 2) for s in x.shape[:3]), *chunks,
             *(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
             *(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
 
@@ -200,58 +183,47 @@ def compile_lock(key):
         yield
 
 
-def compile_and_call(f, args, key):
-    """f(*args) through its compiled graph, compiled or loaded from the inductor cache under compile_lock."""
-    symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
-    with compile_lock(key), compile_options():
-        return COMPILED[f.__name__](*args)
-
-
-def run(f, *args):
-    """The compiled f, or, if this machine cannot compile, the same closed form eagerly after one warning."""
+def compiled_call(f, *args):
+    """f(*args) through its compiled graph (compiled, or loaded from the inductor cache, under compile_lock
+    at its first use); eagerly where the model around it is compiled (f is then traced into that graph) and
+    while enable_fast checks; eagerly after one warning if this machine cannot compile."""
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
-    # in a torch.compile'd model f is traced into its graph; in enable_fast's check it runs eagerly
-    if torch.compiler.is_compiling() or _checking:
+    if torch.compiler.is_compiling() or _checking or _compile_error:
         return f(*args)
-    if not _compile_error:
-        key = signature(f, args)
-        try:
-            # A known key's graph runs without switches and marks, so it may not recompile (signature):
-            if key in _compiled_signatures:
-                try:
-                    with torch.compiler.set_stance('fail_on_recompile'):
-                        return COMPILED[f.__name__](*args)
-                except RuntimeError as e:
-                    if 'Detected recompile' not in str(e):
-                        raise
-            out = compile_and_call(f, args, key)  # a new graph, or another for a key whose guard failed
-            _compiled_signatures.add(key)
-            return out
-        except COMPILE_ERRORS as e:  # e.g. no working C++ compiler, or a cache file left broken
-            _compile_error.append(e)
-            inner = getattr(e, 'inner_exception', None) or e.__cause__ or e  # the error dynamo wraps
-            what = f"{type(inner).__name__}: {(str(inner).splitlines() or [''])[0]}"
-            path = re.search(r"/\S+?\.(?:so|py|cpp)\b", what)  # the cache file it names, if any
-            warnings.warn(f"kernels.py: torch.compile failed ({what}); the fast InLine core now runs "
-                          f"its closed form eagerly, correct but much slower" + (f". {path[0]} in the "
-                          f"inductor cache may be broken: delete it and rerun" if path else ""), stacklevel=3)
+    key = signature(f, args)
+    try:
+        # A known key's graph runs without switches and marks, so it may not recompile (signature):
+        if key in _compiled_signatures:
+            try:
+                with torch.compiler.set_stance('fail_on_recompile'):
+                    return COMPILED[f.__name__](*args)
+            except RuntimeError as e:
+                if 'Detected recompile' not in str(e):
+                    raise
+        symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
+        with compile_lock(key), compile_options():  # a new graph, or another for a key whose guard failed
+            out = COMPILED[f.__name__](*args)
+        _compiled_signatures.add(key)
+        return out
+    except COMPILE_ERRORS as e:  # e.g. no working C++ compiler, or a cache file left broken
+        _compile_error.append(e)
+        inner = getattr(e, 'inner_exception', None) or e.__cause__ or e  # the error dynamo wraps
+        what = f"{type(inner).__name__}: {(str(inner).splitlines() or [''])[0]}"
+        path = re.search(r"/\S+?\.(?:so|py|cpp)\b", what)  # the cache file it names, if any
+        warnings.warn(f"kernels.py: torch.compile failed ({what}); the fast InLine core now runs "
+                      f"its closed form eagerly, correct but much slower" + (f". {path[0]} in the "
+                      f"inductor cache may be broken: delete it and rerun" if path else ""), stacklevel=3)
     return f(*args)
 
 
-def forward_graph(q, k, v, taps, table, scale, scale_by_count):
-    """core_forward on the core's inputs (taps, table (index, masks) or None): o and what backward keeps."""
-    # One memory layout for every caller, so one graph serves them all (the matmuls would copy strided views)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    index, masks = table if taps is not None else (None, None)
-    o, k_c, v_c, v_mean, cov = run(core_forward, q, k, v, taps, index, masks, scale, scale_by_count)
-    return o, (q, k_c, v_c, taps, index, masks, v_mean, cov)
-
-
 class InLineCore(torch.autograd.Function):
+    """core_forward's output, with core_backward as its gradient."""
+
     @staticmethod
-    def forward(ctx, q, k, v, taps, table, scale, scale_by_count):
-        o, saved = forward_graph(q, k, v, taps, table, scale, scale_by_count)
-        ctx.save_for_backward(*saved)
+    def forward(ctx, q, k, v, taps, index, masks, scale, scale_by_count):
+        o, k_c, v_c, v_mean, cov = compiled_call(core_forward, q, k, v, taps, index, masks, scale,
+                                                 scale_by_count)
+        ctx.save_for_backward(q, k_c, v_c, taps, index, masks, v_mean, cov)
         ctx.scale, ctx.scale_by_count = scale, scale_by_count
         return o
 
@@ -260,70 +232,51 @@ class InLineCore(torch.autograd.Function):
         q, k_c, v_c, taps, index, masks, v_mean, cov = ctx.saved_tensors
         # do as o was stored: a copy only if it comes otherwise
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv, dtaps = run(core_backward, token_major(do), q, k_c, v_c, taps, index, masks,
-                                    v_mean, cov, ctx.scale, ctx.scale_by_count)
-        return dq, dk, dv, dtaps, None, None, None
+            dq, dk, dv, dtaps = compiled_call(core_backward, token_major(do), q, k_c, v_c, taps, index, masks,
+                                              v_mean, cov, ctx.scale, ctx.scale_by_count)
+        return dq, dk, dv, dtaps, None, None, None, None
 
 
-def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, scale_by_count=True):
-    """inline.inline_core's arguments, layout and result (scale_by_count a Python bool, part of the graphs'
-    signature). Under autocast the inputs are cast to its dtype, as the reference's matmuls would be."""
+def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, scale_by_count=True,
+                     table=None):
+    """inline.inline_core's arguments, layout and result, with and without a gradient: the same graph's
+    forward (core_forward), through InLineCore where a gradient is asked. scale_by_count is a Python bool,
+    part of the graphs' signature; a tensor scale joins q (s q^T Cov = (s q)^T Cov). Under autocast the
+    inputs are cast to its dtype, as the reference's matmuls would be. table: a neighbour table (index,
+    masks) of one's own, sequence.py's 1-D one; None: Eq. 6's on grid (neighbourhood)."""
     B, H, N, D = q.shape
-    inline.check_grid(N, grid)
-    if r is not None and r.shape != (B, size * size * H * D):
-        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C) "
-                         f"= {(B, size * size * H * D)}, got {tuple(r.shape)}; the fast core has no other "
-                         f"Eq. 6 weights on a grid (inline.local_residual also takes them per token)")
-    table = None
-    if r is not None:  # built once per shape; traced into a compiled model's graph, a constant there
-        table = neighbour_table(_cached_neighbourhood, N, tuple(grid), q.device, size, dilation)
-    return apply_core(q, k, v, r, table, scale, scale_by_count)
-
-
-def apply_core(q, k, v, r, table, scale, scale_by_count):
-    """inline_core_fast after its checks, for any neighbour table (index, masks), sequence.py's too."""
-    B, H, N, D = q.shape
-    q, scale = fold_scale(q, scale)
+    if table is None:
+        inline.check_grid(N, grid)
+        if r is not None:  # built once per shape; traced into a compiled model's graph, a constant there
+            build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
+            table = build(N, tuple(grid), q.device, size, dilation)
+    T = size * size if table is None else table[0].shape[0]
+    if r is not None and r.shape != (B, T * H * D):
+        raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = {(B, T * H * D)}, "
+                         f"got {tuple(r.shape)}; the fast core has no other Eq. 6 weights "
+                         f"(inline.local_residual also takes them per token)")
+    if isinstance(scale, torch.Tensor):
+        q, scale = q * scale, 1.0
+    scale = inline.attention_scale(D) if scale is None else scale
     device = q.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
+    # One memory layout for every caller, so one graph serves them all (the matmuls would copy strided views)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
+    index, masks = table if taps is not None else (None, None)
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, taps)):
-            return InLineCore.apply(q, k, v, taps, table, scale, bool(scale_by_count))
-        return forward_graph(q, k, v, taps, table, scale, bool(scale_by_count))[0]  # no gradient: no Function
+            return InLineCore.apply(q, k, v, taps, index, masks, scale, bool(scale_by_count))
+        return compiled_call(core_forward, q, k, v, taps, index, masks, scale, bool(scale_by_count))[0]
 
 
-def fold_scale(q, scale):
-    """q and Eq. 5's s as the graphs take them: a number, or a tensor that joins q for autograd's sake."""
-    if isinstance(scale, torch.Tensor):
-        return q * scale, 1.0  # s q^T Cov = (s q)^T Cov
-    return q, inline.attention_scale(q.shape[-1]) if scale is None else scale
+inline.FAST_CORES['compile'] = inline_core_fast
 
 
-def fast_path(module, q, k, v, x, grid, scale):
-    """inline.reference_path's arguments and result; with no gradient asked, one graph (infer_forward)."""
-    if torch.is_grad_enabled():
-        return inline.reference_path(module, q, k, v, x, grid, scale)
-    q, scale = fold_scale(q, scale)
-    device = q.device.type
-    autocast = torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else q.dtype
-    weights, index, masks = [None] * 4, None, None
-    if module.residual is not None:
-        conv1, _, conv2 = module.residual
-        weights = [conv1.weight, conv1.bias, conv2.weight, conv2.bias]
-        index, masks = neighbour_table(_cached_neighbourhood, q.shape[2], tuple(grid), q.device,
-                                       module.local_size, module.dilation)
-    # The graph casts to dtype itself; the context only where needed, since a graph called in it costs more
-    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        return run(infer_forward, q, k, v, x[:, None], *weights, index, masks, scale,
-                   module.scale_by_count, dtype)
-
-
-FAST_CORES = {inline.inline_core: inline_core_fast}  # reference core -> its fast twin (+ sequence.py's)
-
+# ---------------------------------------------------------------------------------------------------
+# enable_fast: the check that the fast twin computes what the module computes, then the switch
 
 def configuration(module):
     """What decides a module's computation besides its weights: class, plain attributes, parameter names."""
@@ -333,14 +286,19 @@ def configuration(module):
     return type(module), tuple(attributes), tuple(name for name, _ in module.named_parameters())
 
 
-def attend_and_differentiate(module, inputs, do, prefix=''):
-    """{quantity: tensor or None}: module.attend's output, the gradients of every input and parameter."""
-    inputs = [t.detach().to(do.dtype).requires_grad_() for t in inputs[:4]] + [inputs[4]]
-    o = module.attend(*inputs)
+def forward_and_gradients(module, inputs, upstream, prefix=''):
+    """{quantity: tensor or None}: module's output on inputs, and with a gradient, the gradients of every
+    floating-point input and parameter for the upstream gradient; with none, the output alone."""
+    inputs = [t.detach().to(upstream.dtype).requires_grad_() if torch.is_tensor(t) and t.is_floating_point()
+              else t for t in inputs]
+    with torch.no_grad():
+        out = {'output with no gradient': module(*inputs)}
+    o = module(*inputs)
+    tensors = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
     params = dict(module.named_parameters())
-    grads = torch.autograd.grad(o, inputs[:4] + list(params.values()), do.to(o.dtype), allow_unused=True)
-    return dict(zip(['output', 'gradient of q', 'gradient of k', 'gradient of v', 'gradient of x'] +
-                    [f'gradient of {prefix}{name}' for name in params], [o, *grads]))
+    grads = torch.autograd.grad(o, tensors + list(params.values()), upstream.to(o.dtype), allow_unused=True)
+    names = [f'gradient of input {i}' for i in range(len(tensors))] + [f'gradient of {prefix}{n}' for n in params]
+    return {'output': o, **out, **dict(zip(names, grads))}
 
 
 def difference(exact, reference, fast):
@@ -372,85 +330,90 @@ def outside_function_modes():
             torch._C._push_on_torch_function_stack(mode)
 
 
-def check_against_reference(path, module, core, fast_path, device):
-    """Raise ValueError unless core and fast_path give module.attend the reference's output and gradients
-    (within difference), with no gradient too, on copies: the model and the random state are untouched."""
+def check_against_reference(path, module, fast, device):
+    """Raise ValueError unless module's forward with fast on gives the reference's output and gradients
+    (within difference), with and without a gradient, on copies whose every parameter is drawn away from its
+    initial value (a change that agrees at initialisation is caught too); the model and the random state
+    are untouched."""
     with outside_function_modes():
         generator = torch.Generator().manual_seed(0)
         reference = copy.deepcopy(module)
-        if any(p.is_meta for p in reference.parameters()):
-            reference.to_empty(device=device)
-            with torch.no_grad():
-                for p in reference.parameters():
-                    p.copy_(0.1 * torch.randn(p.shape, generator=generator, device='cpu'))
+        meta = {name for name, p in module.named_parameters() if p.is_meta}
+        if meta:
+            reference.to_empty(device='cpu')
             for b in reference.buffers():
                 b.zero_()
-        reference = reference.to(device).float()
-        fast = copy.deepcopy(reference)
-        fast.core, fast.path = core, fast_path
-        H, D, (N, grid) = reference.num_heads, reference.head_dim, reference.check_shape()
-        inputs = [torch.randn(*shape, generator=generator, device='cpu').to(device)  # q, k, v, x, grid
-                  for shape in [(2, H, N, D)] * 3 + [(2, N, H * D)]] + [grid]
-        do = torch.randn(inputs[0].shape, generator=generator, device='cpu').to(device)
+        reference = reference.to('cpu').float()
+        with torch.no_grad():  # meta parameters hold no value: drawn around 0
+            for name, p in reference.named_parameters():
+                start = torch.zeros_like(p) if name in meta else p.clone()
+                p.copy_(start + 0.1 * (1 + start.abs()) * torch.randn(p.shape, generator=generator))
+        inputs = reference.example_inputs(generator)
+        reference, inputs = reference.to(device), [t.to(device) if torch.is_tensor(t) else t for t in inputs]
+        twin = copy.deepcopy(reference)
+        twin.fast = fast
+        with torch.no_grad():
+            shape = reference(*inputs).shape
+        upstream = torch.randn(shape, generator=generator).to(device)
         where, prefix = f"{path or 'the model'} ({type(module).__name__})", f"{path}." if path else ''
         with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), torch.enable_grad(), \
                 torch.autocast(device.type, enabled=False):
-            exact = attend_and_differentiate(copy.deepcopy(reference).double(), inputs, do.double(), prefix)
-            ours = attend_and_differentiate(reference, inputs, do, prefix)  # parameters named by their paths
+            exact = forward_and_gradients(copy.deepcopy(reference).double(), inputs, upstream.double(), prefix)
+            ours = forward_and_gradients(reference, inputs, upstream, prefix)  # parameters named by path
             try:
-                theirs = attend_and_differentiate(fast, inputs, do, prefix)
-                if fast.path is not reference.path:  # another path with no gradient: its output too
-                    with torch.no_grad():
-                        theirs['output with no gradient'] = fast.attend(*inputs)
-                    exact['output with no gradient'] = exact['output']
-                    ours['output with no gradient'] = ours['output']
+                theirs = forward_and_gradients(twin, inputs, upstream, prefix)
             except Exception as e:  # whatever the fast core cannot take: refused here, not at the first step
                 theirs = f"the fast core raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         why = theirs if isinstance(theirs, str) else next(
             (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))),
             None)
         if why:
-            raise ValueError(f"the fast InLine core does not compute what {where} computes on the reference "
-                             f"path: {why}. Build the model with fast=False (train.py: --attention-impl "
-                             f"reference), or make the change in a form the fast core follows (README, "
-                             f"\"Changing the method\")")
+            raise ValueError(f"the fast InLine core ({fast!r}) and the reference differ in {where}: {why}. "
+                             f"Build the model with fast=False (train.py: --attention-impl reference), or make "
+                             f"the change in a form the fast core follows (README, \"Changing the method\")")
 
 
-def enable_fast(model, core=None, device=None, log=print):
-    """Put twins' core and path in every InLine module of model whose core is a reference; returns how many.
-    All are checked first, so a model is fast throughout or refused: linear attention and the peers (peers.py)
-    by name, a change the fast core does not follow by one module of each configuration. device: where it
-    runs; log=None: silent."""
+def enable_fast(model, fast='compile', device=None, log=print):
+    """Turn the switch `fast` on in every InLine module of model: its forward then calls the fast twin
+    inline.FAST_CORES[fast] in place of inline.inline_core. Returns how many modules it switched. All are
+    checked first, so a model is fast throughout or refused: linear attention and the peers (peers.py) by
+    name, a change the fast core does not follow by one module of each configuration (check_against_
+    reference). fast: 'compile' (this file, any device) or 'triton' (triton_core.py, CUDA). device: where the
+    check runs (the model's, else the CPU); log=None: silent."""
     peers = sorted({m.no_fast_path for m in model.modules() if hasattr(m, 'no_fast_path')})  # peers.py's
     if peers:
         raise ValueError(f"the fast core is InLine's alone; {' and '.join(peers)} "
                          f"{'has' if len(peers) == 1 else 'have'} none: build the model with fast=False "
                          f"(train.py: --attention-impl reference)")
-    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'core')]  # setup_inline's
-    if any(m.attention == 'linear' for _, m in modules):
+    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'fast')]  # InLine's modules
+    if any(getattr(m, 'attention', 'inline') == 'linear' for _, m in modules):
         raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla linear "
                          "attention): build the model with fast=False (train.py: --attention-impl reference)")
-    swapped = [(path, m) for path, m in modules if m.core in FAST_CORES]
-    device = device or next((p.device for p in model.parameters() if not p.is_meta), torch.device('cpu'))
+    device = torch.device(device or next((p.device for p in model.parameters() if not p.is_meta), 'cpu'))
+    if fast == 'triton' and 'triton' not in inline.FAST_CORES:
+        if device.type != 'cuda' and os.environ.get('TRITON_INTERPRET') != '1':
+            raise ValueError(f"fast='triton' runs InLine's Triton kernel, which needs a CUDA device (the model "
+                             f"is on {device.type}); on the CPU use fast='compile' (torch.compile), or run "
+                             f"with TRITON_INTERPRET=1 to interpret the kernel, slowly, for testing")
+        import triton_core  # imports inline alone: it registers nothing until it is asked for here
+        inline.FAST_CORES['triton'] = triton_core.inline_core_triton
+    for path, m in modules:
+        if fast not in getattr(m, 'fast_cores', inline.FAST_CORES):
+            raise ValueError(f"{path or 'the model'} ({type(m).__name__}) has no fast core {fast!r}; it has "
+                             f"{list(getattr(m, 'fast_cores', inline.FAST_CORES))}")
+    swapped = [(path, m) for path, m in modules if not m.fast]
     configurations, start = {}, time.perf_counter()  # configuration: the modules that have it
     for path, m in swapped:
         configurations.setdefault(configuration(m), []).append((path, m))
     _checking.append(True)  # the closed forms eagerly: the graphs compile or load at their first use
     try:
         for path, m in (alike[0] for alike in configurations.values()):
-            check_against_reference(path, m, *twins(m, core), torch.device(device))
+            check_against_reference(path, m, fast, device)
     finally:
         _checking.pop()
     if log and swapped:
         log(f"kernels.enable_fast: {len(swapped)} module(s), {len(configurations)} configuration(s), equal "
-            f"the reference: {time.perf_counter() - start:.1f} s")
+            f"the reference with {fast!r}: {time.perf_counter() - start:.1f} s")
     for _, m in swapped:
-        m.core, m.path = twins(m, core)
+        m.fast = fast
     return len(swapped)
-
-
-def twins(module, core=None):
-    """The fast core (core, or FAST_CORES') and the path enable_fast puts beside it in module."""
-    core = core or FAST_CORES[module.core]
-    beside = fast_path if core is inline_core_fast and module.path is inline.reference_path else module.path
-    return core, beside

@@ -41,7 +41,6 @@ import dense
 import inline
 import peers
 from checkpoints import load_checkpoint, resize_grid
-from inline import InLineAttention
 
 # The authors' figures for each variant at its released size: params and GMACs of their model definitions,
 # counted as count_macs counts, and the ImageNet-1K top-1 the paper reports for the released weights (README,
@@ -103,9 +102,9 @@ def stage_grids(img_size):
     return [(img_size[0] // 2 ** (i + 2), img_size[1] // 2 ** (i + 2)) for i in range(4)]
 
 
-# InLineBase's options and their defaults, written there alone
-INLINE_DEFAULTS = {name: p.default
-                   for name, p in inspect.signature(inline.InLineBase.setup_inline).parameters.items()
+# InLine's options and their defaults, written there alone (linear attention's allow_divergent too)
+INLINE_DEFAULTS = {name: p.default for cls in (inline.InLineBase, inline.LinearAttention)
+                   for name, p in inspect.signature(cls.__init__).parameters.items()
                    if p.kind is p.KEYWORD_ONLY}
 # every family's attention switches and their defaults: InLineBase's, but the kernel (None: each letter's,
 # below), and normalise_q, the letters of the blocks it acts on
@@ -147,7 +146,7 @@ def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
     if letter == 'S':
         return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q='S' in options['normalise_q'],
                                 **kwargs)
-    return InLineAttention(dim, num_heads, **inline_options(letter, options), **kwargs)
+    return inline.make_attention(dim, num_heads, **inline_options(letter, options), **kwargs)
 
 
 def inline_options(letter, options):
@@ -532,20 +531,30 @@ class SwinBlock(nn.Module):
         elif letter in peers.LETTERS:
             self.attn = peers.make_peer(letter, dim, num_heads, options, tokens)
         else:
-            self.attn = InLineAttention(dim, num_heads, ape_tokens=ape_tokens,
-                                        **inline_options(letter, options))
+            self.attn = inline.make_attention(dim, num_heads, ape_tokens=ape_tokens,
+                                              **inline_options(letter, options))
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.drop_path = StochasticDepth(drop_path, 'row')
 
     def forward(self, x, grid):
-        B, N, C = x.shape
+        if self.window is None:  # InLine over the whole stage, as in every released model: no windows
+            y = self.attn(self.norm1(x), grid)  # Eq. 5 + Eq. 6, (B, h*w, C)
+        else:
+            y = self.windowed_attention(self.norm1(x), grid)  # (B, h*w, C)
+        x = x + self.drop_path(y)
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+    def windowed_attention(self, y, grid):
+        """The attention in (wh, ww) windows of the normalised map y (B, h*w, C), Swin's cyclic shift first
+        on odd blocks: softmax masked across the roll's seams, or every window its own InLine (or peer's)
+        attention, unmasked (the authors' window ablation)."""
+        B, N, C = y.shape
         h, w = grid
-        # never beyond the map
-        wh, ww = (h, w) if self.window is None else (min(self.window, h), min(self.window, w))
+        wh, ww = min(self.window, h), min(self.window, w)  # never beyond the map
         # Swin's cyclic shift of odd blocks: half a window along each axis that the window does not cover
         sh, sw = (self.window // 2 if self.shift and side < size else 0 for side, size in ((wh, h), (ww, w)))
-        y = self.norm1(x).view(B, h, w, C)  # (B, h, w, C)
+        y = y.view(B, h, w, C)  # (B, h, w, C)
         if self.letter == 'S':  # a map that does not tile is zero-padded after the norm, as Swin does for
             # detection; the padding is masked out
             y = F.pad(y, (0, 0, 0, -w % ww, 0, -h % wh))  # (B, Hp, Wp, C)
@@ -556,12 +565,11 @@ class SwinBlock(nn.Module):
         Hp, Wp = y.shape[1:3]
         y = to_windows(torch.roll(y, (-sh, -sw), dims=(1, 2)), wh, ww)  # rolled, in windows: (B*nW, wh*ww, C)
         if self.letter == 'S':  # softmax with the relative position bias, masked across the roll's seams
-            y = self.attn(y, (wh, ww), window_mask(h, w, wh, ww, sh, sw, x.device))
+            y = self.attn(y, (wh, ww), window_mask(h, w, wh, ww, sh, sw, y.device))
         else:  # every window its own InLine (or peer's) attention, unmasked (the authors' window ablation)
             y = self.attn(y, (wh, ww))  # Eq. 5 + Eq. 6, (B*nW, wh*ww, C)
         y = torch.roll(from_windows(y, wh, ww, Hp, Wp), (sh, sw), dims=(1, 2))[:, :h, :w]  # (B, h, w, C)
-        x = x + self.drop_path(y.reshape(B, N, C))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        return y.reshape(B, N, C)
 
 
 class PatchMerging(nn.Module):
@@ -668,27 +676,19 @@ class InLineSwin(Backbone):
 # ---------------------------------------------------------------------------------------------------
 # InLine-CSwin: cross-shaped windows; every branch adds LePE, a depthwise 3x3 conv of V
 
-class StripeAttention(inline.InLineBase):
-    """One branch of a CSwin block (key attns.i): attention within windows of the map plus LePE.
+class StripeAttention(nn.Module):
+    """One softmax branch of a CSwin block (key attns.i): attention within windows of the map, plus LePE
+    (get_v, a depthwise 3x3 conv of v). axis None: one window over the whole map; 0: vertical stripes (full
+    height, `stripe` wide); 1: horizontal stripes."""
 
-    axis None: one window over the whole map; 0: vertical stripes (full height, `stripe` wide);
-    1: horizontal stripes. S: softmax. I/L: InLine (or linear) attention over the whole map, whose
-    Eq. 6 weights come from the block input (CSwin's quirk; the other families use the normalised
-    input), with inline.InLineBase's phi, Eq. 5 (or division) and Eq. 6 between CSwin's own projections.
-    """
-
-    def __init__(self, dim, num_heads, letter, stripe=None, axis=None, options=None):
+    def __init__(self, dim, num_heads, stripe=None, axis=None):
         super().__init__()
-        if letter != 'S' and axis is not None:
-            raise ValueError("CSwin's InLine branch attends over the whole map (axis=None)")
-        self.num_heads, self.letter, self.stripe, self.axis = num_heads, letter, stripe, axis
+        self.num_heads, self.stripe, self.axis = num_heads, stripe, axis
         self.get_v = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)  # LePE
-        if letter != 'S':
-            self.setup_inline(dim, num_heads, **inline_options(letter, options or ATTENTION_OPTIONS))
 
-    def forward(self, q, k, v, x):
-        """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of the
-        block input, read only by Eq. 6's weights. Returns (B, h*w, C)."""
+    def forward(self, q, k, v, x=None):
+        """q, k, v (B, h, w, C) this branch's channels of the maps (x, the block input, unused). Returns
+        (B, h*w, C)."""
         B, h, w, C = q.shape
         wh, ww = (h, w) if self.axis is None else (
             (h, min(self.stripe, w)) if self.axis == 0 else (min(self.stripe, h), w))
@@ -701,13 +701,61 @@ class StripeAttention(inline.InLineBase):
                    for t in (q, k, v))  # (B*nW, H, N, D)
         lepe = self.get_v(v_windows.transpose(1, 2).unflatten(-1, (wh, ww)))  # (B*nW, C, wh, ww)
         lepe = lepe.flatten(2).unflatten(1, (self.num_heads, -1)).transpose(-2, -1)  # (B*nW, H, N, D)
-        if self.letter == 'S':
-            mask = window_mask(h, w, wh, ww, 0, 0, q.device)
-            o = masked_softmax_attention(q, k, v, inline.attention_scale(q.shape[-1]), mask=mask)
-        else:
-            o = self.attend(q, k, v, x, (h, w))  # Eq. 5 + Eq. 6 over the whole map, (B, H, N, D)
+        mask = window_mask(h, w, wh, ww, 0, 0, q.device)
+        o = masked_softmax_attention(q, k, v, inline.attention_scale(q.shape[-1]), mask=mask)
         o = (o + lepe).transpose(1, 2).flatten(2)  # (B*nW, N, C)
         return from_windows(o, wh, ww, Hp, Wp)[:, :h, :w].reshape(B, h * w, C)
+
+
+class CSwinInLine(inline.InLineBase):
+    """The InLine (or linear) branch of a CSwin block (key attns.0), over the whole map: InLineAttention's
+    steps between CSwin's own projections, plus LePE (get_v). Its Eq. 6 weights come from the block input x,
+    not the normalised one (CSwin's quirk, as released). attention 'linear': division in place of Eq. 5;
+    normalise_q: q of unit length times a learned gain (inline.NormalisedQ)."""
+
+    def __init__(self, dim, num_heads, *, attention='inline', normalise_q=False, allow_divergent=False,
+                 **options):
+        if attention == 'linear':
+            inline.check_linear_options(options.get('kernel', 'identity'), allow_divergent,
+                                        options.get('nonneg'))
+        super().__init__(dim, num_heads, **options)
+        self.attention = attention
+        self.get_v = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)  # LePE
+        self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
+
+    def forward(self, q, k, v, x):
+        """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of the
+        block input, read only by Eq. 6's weights. Returns (B, h*w, C)."""
+        B, h, w, C = q.shape
+        lepe = self.get_v(v.permute(0, 3, 1, 2)).flatten(2).unflatten(1, (self.num_heads, -1))  # (B, H, D, N)
+        q, k, v = (t.reshape(B, h * w, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+        q = q if self.normalise_q is None else self.normalise_q(q)
+        q, k = self.phi(q), self.phi(k)
+        r = None if self.residual is None else inline.residual_weights(self.residual, x.mean(dim=1))
+        if self.attention == 'linear':  # the baseline: division in place of Eq. 5, then the same Eq. 6
+            o = inline.linear_attention(q, k, v)
+            o = o if r is None else o + inline.local_residual(v, r, (h, w), self.local_size, self.dilation)
+        elif self.fast:  # the fast twin of inline_core: the same arguments, the same result
+            o = inline.FAST_CORES[self.fast](q, k, v, r, (h, w), self.scale, self.local_size, self.dilation,
+                                             self.scale_by_count)
+        else:
+            o = inline.inline_core(q, k, v, r, (h, w), self.scale, self.local_size, self.dilation,
+                                   self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
+        return (o + lepe.transpose(-2, -1)).transpose(1, 2).reshape(B, h * w, C)
+
+    def example_inputs(self, generator, batch=2):
+        """A small call of forward, drawn from generator: what kernels.enable_fast checks on."""
+        C = self.num_heads * self.head_dim
+        q, k, v = (torch.randn(batch, 6, 7, C, generator=generator) for _ in range(3))
+        return q, k, v, torch.randn(batch, 42, C, generator=generator)
+
+    def weights(self, q, k):
+        """The explicit N x N weights (B, H, N, N) for q, k (B, H, N, D) before phi."""
+        q = q if self.normalise_q is None else self.normalise_q(q)
+        q, k = self.phi(q), self.phi(k)
+        if self.attention == 'linear':
+            return inline.linear_attention_weights(q, k)
+        return inline.inline_weights(q, k, self.scale, self.scale_by_count)
 
 
 class CSwinBlock(nn.Module):
@@ -725,10 +773,12 @@ class CSwinBlock(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.norm1 = nn.LayerNorm(dim)
         self.proj = nn.Linear(dim, dim)
-        if letter != 'S' or stripe is None or stripe >= max(grid):
-            self.attns = nn.ModuleList([StripeAttention(dim, num_heads, letter, options=options)])
+        if letter != 'S':
+            self.attns = nn.ModuleList([CSwinInLine(dim, num_heads, **inline_options(letter, options))])
+        elif stripe is None or stripe >= max(grid):
+            self.attns = nn.ModuleList([StripeAttention(dim, num_heads)])
         else:
-            self.attns = nn.ModuleList([StripeAttention(dim // 2, num_heads // 2, 'S', stripe, axis)
+            self.attns = nn.ModuleList([StripeAttention(dim // 2, num_heads // 2, stripe, axis)
                                         for axis in (0, 1)])
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.norm2 = nn.LayerNorm(dim)
@@ -845,7 +895,9 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
     name: one of MODELS (inline_<family>_<size>; the peers flatten_swin_t, flatten_pvt_t, flatten_pvt_s and
         transnormer_swin_t, our construction).
     checkpoint: weights to load (load_checkpoint: a path or a state dict).
-    fast: the fused InLine core of kernels.py (an error if it cannot be imported; never a silent fallback).
+    fast: False (the reference, inline.py); True or 'compile': the fast core of kernels.py (torch.compile);
+        'triton': the Triton kernel (triton_core.py, CUDA only). Switched on by kernels.enable_fast, which
+        first checks it against the reference; never a silent fallback.
     features_only: timm's backbone convention (FeatureBackbone): the stages out_indices as a list of maps,
         the checkpoint's head dropped.
     **overrides, kept in model.arch; each wins over the variant's own value:
@@ -869,9 +921,9 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
         try:
             import kernels
         except ImportError as e:
-            raise ImportError(f"fast=True needs kernels.py, which failed to import ({e}); "
+            raise ImportError(f"fast={fast!r} needs kernels.py, which failed to import ({e}); "
                               f"use fast=False for the reference path") from e
-        kernels.enable_fast(model)
+        kernels.enable_fast(model, 'compile' if fast is True else fast)
     return dense.FeatureBackbone(model, out_indices) if features_only else model
 
 

@@ -202,7 +202,7 @@ class NormAttention(nn.Module):
 
     dim, num_heads: C and H.
     qkv_bias, separate_q: as inline.InLineAttention's.
-    kernel: phi, one of inline.KERNELS ('one_plus_elu', 1 + elu, their default; 'relu' the other they use).
+    kernel: phi, one of inline.PHI ('one_plus_elu', 1 + elu, their default; 'relu' the other they use).
     norm: 'srmsnorm', their SimpleRMSNorm without parameters (simple_rms_norm, their vision default), or
         'layernorm', nn.LayerNorm(C) with its weight and bias (`norm`), their language code's default.
     leading_tokens: the tokens before the grid (a class token: 1); the grid is only checked, never used.
@@ -219,7 +219,7 @@ class NormAttention(nn.Module):
         if kernel == 'relu_affine':
             raise ValueError("NormAttention takes a stateless kernel: relu_affine is InLine's ablation")
         self.num_heads, self.leading_tokens = num_heads, leading_tokens
-        self.phi = inline.get_kernel(kernel)
+        self.phi = inline.get_phi(kernel)
         inline.add_projections(self, dim, qkv_bias, separate_q)
         self.norm = nn.LayerNorm(dim) if norm == 'layernorm' else simple_rms_norm
 

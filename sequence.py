@@ -136,7 +136,7 @@ def prefix_residual_weights(mlp, x):
     looks ahead: (B, N, T*C). The sums in fp32."""
     n = torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]  # (N, 1)
     m = (x.to(torch.promote_types(x.dtype, torch.float32)).cumsum(1) / n).to(x.dtype)  # (B, N, C)
-    return inline.mean_residual_weights(mlp, m)  # (B, N, T*C)
+    return inline.residual_weights(mlp, m)  # (B, N, T*C)
 
 
 def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
@@ -185,58 +185,77 @@ def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dil
     return o if r is None else o + sequence_residual(v, r, size, dilation, causal)  # Eq. 6
 
 
-def sequence_path(module, q, k, v, x, grid, scale):
-    """inline.reference_path on a sequence: Eq. 6's weights (from each prefix's mean if causal), then
-    module.core (or linear attention, then the same Eq. 6)."""
-    r = None
-    if module.residual is not None:  # (B, N, T*C) causal, else (B, T*C)
-        r = prefix_residual_weights(module.residual, x) if module.causal else inline.residual_weights(
-            module.residual, x)
-    if module.attention == 'linear':
-        o = (causal_linear_attention if module.causal else inline.linear_attention)(q, k, v)  # (B, H, N, D)
-        if r is None:
-            return o
-        return o + sequence_residual(v, r, module.local_size, module.dilation, module.causal)
-    return module.core(q, k, v, r, None, scale, module.local_size, module.dilation, module.causal,
-                       module.scale_by_count)  # Eq. 5 + Eq. 6
-
-
 # ---------------------------------------------------------------------------------------------------
 # The module
 
 class SequenceAttention(inline.InLineAttention):
-    """inline.InLineAttention on a 1-D sequence: x (B, N, C) -> (B, N, C), called with no grid. causal: Eq. 5
-    over each prefix, Eq. 6 over the last k tokens with weights from the prefix mean: no output sees a later
-    token; causal=False: both ways, Eq. 6 over the k tokens centred on each. The other options are
-    InLineAttention's (leading_tokens must be 0: a sequence has no grid to lead). step runs it token by token
-    for generation."""
+    """inline.InLineAttention on a 1-D sequence: x (B, N, C) -> (B, N, C), called with no grid, its forward the
+    same steps. causal: Eq. 5 over each prefix, Eq. 6 over the last k tokens with weights from the prefix
+    mean: no output sees a later token; causal=False: both ways, Eq. 5 over all N tokens and Eq. 6 over the
+    k tokens centred on each. attention='linear': division in place of Eq. 5 (the baseline). The other
+    options are InLineAttention's. step runs a causal module token by token, for generation. A class token
+    before a sequence read both ways: InLineAttention with grid (1, L) and leading_tokens=1, whose 3x3
+    neighbourhood on one row is Eq. 6 over the k = 3 tokens centred on each (the other taps see padding)."""
     token_dims = 1  # Eq. 6's neighbourhood is k tokens: T = k weights per channel
+    fast_cores = ('compile',)  # sequence_core_fast; kernels.enable_fast refuses another
 
-    def __init__(self, dim, num_heads, *, causal=True, **options):
+    def __init__(self, dim, num_heads, *, causal=True, attention='inline', allow_divergent=False, **options):
         leading = options.get('leading_tokens', 0)
         if not (isinstance(leading, int) and leading == 0):
-            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be 0 "
-                             f"on a 1-D sequence; got {leading!r}")
+            raise ValueError(f"a 1-D sequence has no leading tokens here (got leading_tokens={leading!r}): "
+                             f"for a class token before a sequence read both ways, use "
+                             f"inline.InLineAttention(dim, heads, leading_tokens=1) with grid (1, L), L the "
+                             f"sequence's length; a causal sequence has none (token 1 sees itself alone)")
+        if attention not in ('inline', 'linear'):
+            raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
+        if attention == 'linear':
+            inline.check_linear_options(options.get('kernel', 'identity'), allow_divergent,
+                                        options.get('nonneg'))
         super().__init__(dim, num_heads, **options)
-        self.causal = bool(causal)
-        self.core, self.path = sequence_core, sequence_path
+        self.causal, self.attention = bool(causal), attention
 
-    def check_tokens(self, N, grid):
+    def forward(self, x, grid=None):
+        B, N, C = self.check_input(x, grid)
+        if self.ape is not None:
+            x = x + self.ape  # (B, N, C)
+        q, k, v = self.project(x)  # (B, H, N, D) each
+        q, k = self.phi(q), self.phi(k)
+        r = None  # Eq. 6's weights: (B, N, T*C) from each prefix's mean if causal, else (B, T*C)
+        if self.residual is not None:
+            r = (prefix_residual_weights(self.residual, x) if self.causal
+                 else inline.residual_weights(self.residual, x.mean(dim=1)))
+        if self.attention == 'linear':  # the baseline: division in place of Eq. 5, then the same Eq. 6
+            o = (causal_linear_attention if self.causal else inline.linear_attention)(q, k, v)
+            o = o if r is None else o + sequence_residual(v, r, self.local_size, self.dilation, self.causal)
+        elif self.fast:  # the fast twin of sequence_core: the same arguments, the same result
+            o = sequence_core_fast(q, k, v, r, None, self.scale, self.local_size, self.dilation, self.causal,
+                                   self.scale_by_count)
+        else:
+            o = sequence_core(q, k, v, r, None, self.scale, self.local_size, self.dilation, self.causal,
+                              self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
+        return self.proj(o.transpose(1, 2).reshape(B, N, C))
+
+    def check_input(self, x, grid):
         if grid is not None:
             raise ValueError("this attention was built for a 1-D sequence (sequence.SequenceAttention): "
                              "call it with no grid")
+        return super().check_input(x, (1, x.shape[1]) if x.dim() == 3 else None)  # one row, no leading tokens
 
-    def check_shape(self):
+    def example_inputs(self, generator, batch=2):
         """kernels.enable_fast's check: a sequence of 130 tokens, three chunks of the fast causal core."""
-        return 2 * CHUNK + 2, None
+        return (torch.randn(batch, 2 * CHUNK + 2, self.proj.in_features, generator=generator),)
 
-    def explicit_weights(self, q, k):
-        if not self.causal:
-            return super().explicit_weights(q, k)
-        q, k, scale = self.prepare(q, k)
+    def weights(self, x, grid=None):
+        """The explicit N x N weights (B, H, N, N) this module applies to x (B, N, C): 0 above the diagonal
+        when causal."""
+        self.check_input(x, grid)
+        q, k, _ = self.project(x if self.ape is None else x + self.ape)
+        q, k = self.phi(q), self.phi(k)
         if self.attention == 'linear':
-            return causal_linear_attention_weights(q, k)
-        return causal_inline_weights(q, k, scale, self.scale_by_count)
+            return (causal_linear_attention_weights if self.causal else inline.linear_attention_weights)(q, k)
+        if self.causal:
+            return causal_inline_weights(q, k, self.scale, self.scale_by_count)
+        return inline.inline_weights(q, k, self.scale, self.scale_by_count)
 
     def step_attend(self, q_t, k_t, v_t, x_t, state=None):
         """One token of attend on a causal module, for generation: q_t, k_t, v_t (B, H, D) before phi, x_t
@@ -247,9 +266,8 @@ class SequenceAttention(inline.InLineAttention):
             raise ValueError("a step is causal InLine's: build the module with causal=True and "
                              "attention='inline'")
         eq5, x_sum, recent = state if state is not None else (None, 0, None)
-        q, k, scale = self.prepare(q_t.unsqueeze(2), k_t.unsqueeze(2))  # phi, on (B, H, 1, D)
-        # Eq. 5, (B, H, D)
-        o_t, eq5 = inline_step(q[:, :, 0], k[:, :, 0], v_t, eq5, scale, self.scale_by_count)
+        q, k = self.phi(q_t), self.phi(k_t)  # (B, H, D)
+        o_t, eq5 = inline_step(q, k, v_t, eq5, self.scale, self.scale_by_count)  # Eq. 5, (B, H, D)
         if self.residual is None:
             return o_t, (eq5, x_sum, recent)
         # (B, C), fp32 as prefix_residual_weights
@@ -266,18 +284,22 @@ class SequenceAttention(inline.InLineAttention):
         if self.ape is not None:
             raise ValueError("a step has no position embedding (ape): it is made for a fixed number of "
                              "tokens")
-        x, q, k, v = self.project(x_t.unsqueeze(1), None)  # (B, H, 1, D)
-        o_t, state = self.step_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], x[:, 0], state)  # (B, H, D)
+        self.check_input(x_t.unsqueeze(1), None)
+        q, k, v = self.project(x_t.unsqueeze(1))  # (B, H, 1, D)
+        o_t, state = self.step_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], x_t, state)  # (B, H, D)
         return self.proj(o_t.reshape(x_t.shape)), state  # (B, C)
 
 
 class DecoderBlock(nn.Module):
     """The README's decoder block, pre-norm: x + attn(norm1(x)), then x + mlp(norm2(x)), on (B, N, C); token i
-    sees tokens 1..i. kernels.enable_fast(block) swaps in the fast causal core."""
+    sees tokens 1..i. attn: an attention module of one's own, (B, N, C) -> (B, N, C) (the recall study's);
+    None: SequenceAttention(dim, heads, causal=True, **options). kernels.enable_fast(block) switches on the
+    fast causal core."""
 
-    def __init__(self, dim, heads, mlp_ratio=4, **options):
+    def __init__(self, dim, heads, mlp_ratio=4, attn=None, **options):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim), SequenceAttention(dim, heads, causal=True, **options)
+        attn = SequenceAttention(dim, heads, causal=True, **options) if attn is None else attn
+        self.norm1, self.attn = nn.LayerNorm(dim), attn
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
 
@@ -305,7 +327,7 @@ _cached_sequence_neighbourhood = functools.lru_cache(maxsize=32)(sequence_neighb
 # ---------------------------------------------------------------------------------------------------
 # The fast causal core, sequence_core(..., causal=True)'s twin: Eq. 5 over each prefix in chunks
 # (inline_chunked), Eq. 6 over the last k tokens with one weight per token. kernels.py's design: two graphs,
-# the backward in closed form, through kernels.run (its compile switches, cache retry and warning).
+# the backward in closed form, through kernels.compiled_call (its compile switches, cache lock and warning).
 
 # tokens per chunk: the CHUNK x CHUNK products cost N CHUNK D per head, the running D x D sums N D^2 / CHUNK
 CHUNK = 64
@@ -400,7 +422,7 @@ class CausalCore(torch.autograd.Function):
             # (B, M, H, D, T): r's channel T*c + t
             taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)
             taps = taps.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
-        o, k_s, v_s, v_first = kernels.run(causal_forward, q, k, v, taps, index, masks, scale, scale_by_count)
+        o, k_s, v_s, v_first = kernels.compiled_call(causal_forward, q, k, v, taps, index, masks, scale, scale_by_count)
         ctx.save_for_backward(q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t)
         ctx.scale, ctx.scale_by_count = scale, scale_by_count
         return o[:, :, :N]
@@ -412,7 +434,7 @@ class CausalCore(torch.autograd.Function):
         N = do.shape[2]
         with torch.autocast(q.device.type, enabled=False):
             do = F.pad(do, (0, 0, 0, M - N)).contiguous()  # (B, H, M, D)
-            dq, dk, dv, dtaps = kernels.run(causal_backward, do, q, k_s, v_s, v_first, taps, index, masks,
+            dq, dk, dv, dtaps = kernels.compiled_call(causal_backward, do, q, k_s, v_s, v_first, taps, index, masks,
                                             index_t, masks_t, ctx.scale, ctx.scale_by_count)
         # (B, N, T*C)
         dr = dtaps.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dtaps is not None else None
@@ -431,10 +453,11 @@ def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE
                          f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
                          f"{tuple(v.shape)}")
     if not causal:
-        table = None if r is None else kernels.neighbour_table(_cached_sequence_neighbourhood, N, q.device,
-                                                               size, dilation)
-        return kernels.apply_core(q, k, v, r, table, scale, scale_by_count)
-    q, scale = kernels.fold_scale(q, scale)
+        table = kernels.neighbour_table(_cached_sequence_neighbourhood, N, q.device, size, dilation)
+        return kernels.inline_core_fast(q, k, v, r, None, scale, size, dilation, scale_by_count, table=table)
+    if isinstance(scale, torch.Tensor):  # as kernels.inline_core_fast: s q^T Cov = (s q)^T Cov
+        q, scale = q * scale, 1.0
+    scale = inline.attention_scale(D) if scale is None else scale
     device = q.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -445,4 +468,3 @@ def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE
 
 causal_forward.chunk = causal_backward.chunk = CHUNK  # kernels.signature keys the chunk count
 kernels.COMPILED.update({f.__name__: torch.compile(f) for f in (causal_forward, causal_backward)})
-kernels.FAST_CORES[sequence_core] = sequence_core_fast

@@ -133,7 +133,7 @@ def get_args_parser():
            f'{", ".join(models.MODELS)}')
     a('--layout',
       help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
-    a('--kernel', help=f'phi of the I and L blocks: {", ".join(inline.KERNELS)}')
+    a('--kernel', help=f'phi of the I and L blocks: {", ".join(inline.PHI)}')
     a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
     a('--local-size', type=int, help='side k of Eq. 6\'s k x k neighbourhood (odd; released: 3)')
     a('--dilation', type=int, help='dilation of Eq. 6\'s neighbourhood')
@@ -160,9 +160,9 @@ def get_args_parser():
     a('--img-size', type=int,
       help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
       'DeiT 64, Swin with InLine windows smaller than the stage 224)')
-    a('--attention-impl', choices=['fast', 'reference'],
-      help='the InLine core: kernels.py (fast; the default) or '
-      'inline.py (reference; the default for vanilla linear attention, layout L, and the peers, F and N, '
+    a('--attention-impl', choices=['fast', 'triton', 'reference'],
+      help='the InLine core: kernels.py (fast, torch.compile; the default), triton_core.py (triton, the '
+      'Triton kernel; CUDA only) or inline.py (reference; the default for vanilla linear attention, layout L, and the peers, F and N, '
       'which have no fast path)')
     a('--drop-path', type=float, help='stochastic depth rate')
     a('--finetune',
@@ -455,10 +455,11 @@ def build_model(run, num_classes):
         model = models.create_model(args.model, num_classes=num_classes, **overrides)
     except (ValueError, TypeError) as e:
         fail(f'cannot build {args.model} with {overrides}: {e}')
-    if args.attention_impl == 'fast':  # checked against the reference on the run's device, before any step
+    if args.attention_impl != 'reference':  # checked against the reference on the run's device, before any step
         try:
             import kernels
-            kernels.enable_fast(model, device=run.device, log=print0)
+            kernels.enable_fast(model, 'compile' if args.attention_impl == 'fast' else 'triton',
+                                device=run.device, log=print0)
         except ImportError as e:
             fail(f'the fast attention path is unavailable ({e}); pass --attention-impl reference')
         except ValueError as e:

@@ -37,7 +37,7 @@ def experiment(name, model, overrides, table, reported, what, ours=False):
 T3 = {'relu': ('77.3', '79.8'), 'relu_affine': ('70.2', '80.0'), 'leakyrelu': ('does not converge', None),
       'identity': ('does not converge', '80.2')}
 for kernel, (linear, inline_) in T3.items():
-    signed = kernel not in inline.NON_NEGATIVE_KERNELS
+    signed = kernel not in inline.NON_NEGATIVE_PHI
     experiment(f't3_linear_{kernel}', 'inline_swin_t',
                dict(layout='LLLS', kernel=kernel, residual='none',
                     **({'allow_divergent': True} if signed else {})),

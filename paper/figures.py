@@ -45,7 +45,7 @@ def injectivity_weights(seed=0, D=8, keys=4):
     q = torch.randn(1, 1, 1, D, generator=g, dtype=torch.float64).abs()  # positive, so relu keeps all of q
     queries = torch.cat([a * q for a in (1, 2, 3, 4)]
                         + [torch.randn(1, 1, 4, D, generator=g, dtype=torch.float64)], dim=2)  # (1, 1, 8, D)
-    relu, relu_affine = inline.get_kernel('relu'), inline.get_kernel('relu_affine', D).double()
+    relu, relu_affine = inline.get_phi('relu'), inline.get_phi('relu_affine', D).double()
     with torch.no_grad():
         # A = I + noise; b = 0
         relu_affine.weight.add_(0.3 * torch.randn(D, D, generator=g, dtype=torch.float64))
@@ -246,10 +246,12 @@ def eq6_share(attn, x, grid):
     N weights do not hold (its weights are per channel)."""
     if getattr(attn, 'residual', None) is None:
         return torch.zeros(attn.num_heads)
-    x, q, k, v = attn.project(x, grid)
+    w = attn.weights(x, grid)  # Eq. 5's weights, (B, H, N, N)
+    x = x if attn.ape is None else x + attn.ape  # as the forward's
+    _, _, v = attn.project(x)  # (B, H, N, D)
     P = v.shape[2] - grid[0] * grid[1]
-    att = (attn.explicit_weights(q, k) @ v)[:, :, P:]  # Eq. 5, (B, H, hw, D)
-    r = inline.residual_weights(attn.residual, x)  # (B, T*C)
+    att = (w @ v)[:, :, P:]  # Eq. 5, (B, H, hw, D)
+    r = inline.residual_weights(attn.residual, x.mean(dim=1))  # (B, T*C)
     res = inline.local_residual(v, r, grid, attn.local_size, attn.dilation)[:, :, P:]  # Eq. 6, (B, H, hw, D)
     return (res.norm(dim=-1) / (att.norm(dim=-1) + res.norm(dim=-1)).clamp_min(1e-12)).mean((0, 2))
 

@@ -141,28 +141,29 @@ class CausalSoftmax(torch.nn.Module):
 
 
 class CausalInLine(sequence.SequenceAttention):
-    """sequence.SequenceAttention (causal) through short_sequence_core (T1's normalise_q is InLine's own
-    option)."""
+    """sequence.SequenceAttention (causal), its forward's steps with short_sequence_core in place of
+    sequence.sequence_core; normalise_q: q of unit length times a learned gain (inline.NormalisedQ)."""
 
-    def __init__(self, dim, num_heads, **options):
+    def __init__(self, dim, num_heads, normalise_q=False, **options):
         super().__init__(dim, num_heads, causal=True, **options)
-        if self.core is sequence.sequence_core:
-            self.core = short_sequence_core
+        self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
 
+    def project(self, x):
+        q, k, v = super().project(x)  # (B, H, N, D) each
+        return q if self.normalise_q is None else self.normalise_q(q), k, v
 
-class DecoderBlock(torch.nn.Module):
-    """The README's decoder block: x + attn(norm1(x)), then x + mlp(norm2(x)), on (B, N, C)."""
-
-    def __init__(self, dim, attn):
-        super().__init__()
-        self.norm1, self.attn = torch.nn.LayerNorm(dim), attn
-        self.norm2 = torch.nn.LayerNorm(dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
-                                       torch.nn.Linear(2 * dim, dim))
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x, grid=None):
+        B, N, C = self.check_input(x, grid)
+        q, k, v = self.project(x)  # (B, H, N, D) each
+        q, k = self.phi(q), self.phi(k)
+        r = None if self.residual is None else sequence.prefix_residual_weights(self.residual, x)  # (B, N, T*C)
+        if self.attention == 'linear':
+            o = sequence.causal_linear_attention(q, k, v)  # division, (B, H, N, D)
+            o = o if r is None else o + sequence.sequence_residual(v, r, self.local_size, causal=True)
+        else:
+            o = short_sequence_core(q, k, v, r, None, self.scale, self.local_size, self.dilation, True,
+                                    self.scale_by_count)  # (B, H, N, D)
+        return self.proj(o.transpose(1, 2).reshape(B, N, C))
 
 
 class RecallLM(torch.nn.Module):
@@ -177,11 +178,9 @@ class RecallLM(torch.nn.Module):
             del options['attention']
         self.embed = torch.nn.Embedding(3 * RECALL_VOCAB, width)
         self.pos = torch.nn.Parameter(0.02 * torch.randn(1, tokens, width))
-        self.blocks = torch.nn.Sequential(*[DecoderBlock(width,
-                                                         CausalSoftmax(width, RECALL_HEADS, **options)
-                                                         if softmax
-                                                         else CausalInLine(width, RECALL_HEADS, **options))
-                                            for _ in range(2)])
+        self.blocks = torch.nn.Sequential(*[sequence.DecoderBlock(
+            width, RECALL_HEADS, mlp_ratio=2, attn=CausalSoftmax(width, RECALL_HEADS, **options) if softmax
+            else CausalInLine(width, RECALL_HEADS, **options)) for _ in range(2)])
         self.norm, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, 3 * RECALL_VOCAB)
 
     def forward(self, x, answers=None):

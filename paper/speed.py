@@ -171,9 +171,10 @@ def model_step(dtype, device, batch=8):
     fast.load_state_dict(reference.state_dict())
     free = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
     free.load_state_dict(reference.state_dict())
-    for m in free.modules():  # a deliberate stand-in, so not through enable_fast's check
-        if hasattr(m, 'core'):
-            m.core = free_core
+    inline.FAST_CORES['free'] = free_core  # a deliberate stand-in, so not through enable_fast's check
+    for m in free.modules():
+        if hasattr(m, 'fast'):
+            m.fast = 'free'
 
     def step(model):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -182,9 +183,12 @@ def model_step(dtype, device, batch=8):
         model.zero_grad(set_to_none=True)
 
     compiled = torch.compile(fast)
-    ms = bench.time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
-                                   'fast + compile': lambda: step(compiled), 'free core': lambda: step(free)},
-                                  device, budget_s=60, max_rounds=15)
+    try:
+        ms = bench.time_interleaved({'reference': lambda: step(reference), 'fast': lambda: step(fast),
+                                     'fast + compile': lambda: step(compiled), 'free core': lambda: step(free)},
+                                    device, budget_s=60, max_rounds=15)
+    finally:
+        del inline.FAST_CORES['free']
     return {name: (statistics.median(t), bench.paired_ratio(ms, 'reference', name))
             for name, t in ms.items()}
 
@@ -227,23 +231,10 @@ def whole_step(model, x, y, dtype, training):
     model.zero_grad(set_to_none=True)
 
 
-def without_infer(model, f):
-    """f() with every InLine module's inference graph (kernels.fast_path) off: Eq. 6's weights, then the fast
-    core, two calls (inline.reference_path), as the fast path ran inference before that graph."""
-    saved = [(m, m.path) for m in model.modules() if getattr(m, 'path', None) is kernels.fast_path]
-    for m, _ in saved:
-        m.path = inline.reference_path
-    try:
-        return f()
-    finally:
-        for m, path in saved:
-            m.path = path
-
-
 def whole_point(row, dtype, device, rounds, compiled):
-    """One row of --whole at one dtype: ms of the softmax original, of InLine through the fast core, for
-    inference also without its inference graph (without_infer), and (compiled) of InLine under whole-model
-    torch.compile, in one interleaved run; speed-ups as medians of per-round ratios."""
+    """One row of --whole at one dtype: ms of the softmax original, of InLine through the fast core, and
+    (compiled) of InLine under whole-model torch.compile, in one interleaved run; speed-ups as medians of
+    per-round ratios."""
     what, name, softmax_name, side, batch, training = row
     drop = dict(drop_path_rate=0.0)  # no random depth: every round runs the same blocks
     softmax = create_experiment(softmax_name, img_size=side, **drop).train(training).to(device)
@@ -255,17 +246,13 @@ def whole_point(row, dtype, device, rounds, compiled):
         check_sdpa(softmax, x[:1])
     fns = {'softmax': lambda: whole_step(softmax, x, y, dtype, training),
            'InLine': lambda: whole_step(inline_model, x, y, dtype, training)}
-    if not training:
-        fns['two_calls'] = lambda: without_infer(inline_model,
-                                                 lambda: whole_step(inline_model, x, y, dtype, False))
     if compiled:
         compiled_model = torch.compile(inline_model)
         fns['compiled'] = lambda: whole_step(compiled_model, x, y, dtype, training)
     ms = bench.time_interleaved(fns, device, budget_s=1e9, max_rounds=rounds)
     out = dict(what=what, side=side, batch=batch, dtype=str(dtype)[6:], device=device.type, rounds=rounds,
                **{f'{n}_ms': statistics.median(t) for n, t in ms.items()},
-               speedup=bench.paired_ratio(ms, 'softmax', 'InLine'),
-               two_calls_speedup=None if training else bench.paired_ratio(ms, 'softmax', 'two_calls'))
+               speedup=bench.paired_ratio(ms, 'softmax', 'InLine'))
     if compiled:
         out.update(compiled_speedup=bench.paired_ratio(ms, 'softmax', 'compiled'),
                    compiled_over_fast=bench.paired_ratio(ms, 'InLine', 'compiled'))
@@ -278,22 +265,18 @@ PROFILE_GROUPS = {  # top-level operator -> what it is in a ViT forward
     'aten::add': 'residual adds', 'aten::conv2d': 'patch embedding', 'aten::cat': 'class token and position',
     'aten::to': 'casts and copies', 'aten::contiguous': 'casts and copies', 'aten::copy_': 'casts and copies',
 }
-CORE_LABEL = "InLine core with Eq. 6's weights, one graph (kernels.fast_path)"
+CORE_LABEL = 'InLine core (kernels.inline_core_fast)'
 PREDICTOR_LABEL = 'Eq. 6 predictor (residual_weights)'
 
 
 def forward_profile(model, x, dtype, rounds=5):
     """Where one forward (eval, inference_mode, batch 1) spends its time: {group: (ms, calls) per forward},
     from torch.profiler's top-level operators, grouped by PROFILE_GROUPS; the InLine core and Eq. 6's
-    predictor are labelled around their calls (with no gradient the fast path computes both in one graph,
-    kernels.fast_path), and the core split into its compiled graph's kernels (inductor's code and the GEMMs
-    it calls), dynamo's guards and wrappers around them, and its call in Python (checks, the table)."""
-    cores = [m for m in model.modules() if getattr(m, 'core', None) is not None]
-    saved = [(m, m.core, m.path) for m in cores], inline.residual_weights
-    for m in cores:
-        m.core = functools.partial(labelled_call, CORE_LABEL, m.core)
-        if m.path is kernels.fast_path:  # with no gradient, Eq. 6's weights and the core in one graph
-            m.path = functools.partial(labelled_call, CORE_LABEL, m.path)
+    predictor are labelled around their calls, and the core split into its compiled graph's kernels
+    (inductor's code and the GEMMs it calls), dynamo's guards and wrappers around them, and its call in
+    Python (checks, the table)."""
+    saved = dict(inline.FAST_CORES), inline.residual_weights
+    inline.FAST_CORES['compile'] = functools.partial(labelled_call, CORE_LABEL, kernels.inline_core_fast)
     inline.residual_weights = functools.partial(labelled_call, PREDICTOR_LABEL, inline.residual_weights)
     try:
         for _ in range(2):
@@ -302,8 +285,7 @@ def forward_profile(model, x, dtype, rounds=5):
             for _ in range(rounds):
                 whole_step(model, x, None, dtype, False)
     finally:
-        for m, core, path in saved[0]:
-            m.core, m.path = core, path
+        inline.FAST_CORES.update(saved[0])
         inline.residual_weights = saved[1]
     groups = {}
 
@@ -345,18 +327,15 @@ def cmd_speed_whole(args):
     info = machine(torch.get_num_threads())
     print("\nWhole models, InLine through the fast core against the softmax original built with "
           f"F.scaled_dot_product_attention, the same sizes; {rounds} interleaved rounds, ms = median, "
-          "speed-up = median of per-round ratios (softmax time / InLine time: above 1, InLine is faster); "
-          "without the inference graph: Eq. 6's weights and the fast core as two calls, as the fast path "
-          f"ran inference before kernels.fast_path's one graph. {device.type}: {info['cpu']}, AVX-512 BF16 "
+          "speed-up = median of per-round ratios (softmax time / InLine time: above 1, InLine is faster). "
+          f"{device.type}: {info['cpu']}, AVX-512 BF16 "
           f"{'yes' if info['avx512_bf16'] else 'no'}, AMX {'yes' if info['amx'] else 'no'}, "
           f"{info['threads']} threads, torch {info['torch']}.\n")
-    header = ['model', 'image', 'batch', 'dtype', 'softmax ms', 'InLine ms', 'InLine speed-up',
-              'speed-up without the inference graph']
+    header = ['model', 'image', 'batch', 'dtype', 'softmax ms', 'InLine ms', 'InLine speed-up']
     if args.compile:
         header += ['InLine compiled ms', 'compiled speed-up', 'compiled / fast core alone']
     print_table(header, [[r['what'], f"{r['side']} px", r['batch'], r['dtype'], f"{r['softmax_ms']:.1f}",
-                          f"{r['InLine_ms']:.1f}", f"{r['speedup']:.2f}x",
-                          '—' if r['two_calls_speedup'] is None else f"{r['two_calls_speedup']:.2f}x"] + ([
+                          f"{r['InLine_ms']:.1f}", f"{r['speedup']:.2f}x"] + ([
                           f"{r['compiled_ms']:.1f}", f"{r['compiled_speedup']:.2f}x",
                           f"{r['compiled_over_fast']:.2f}x"]
                           if args.compile else []) for r in rows])

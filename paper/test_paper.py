@@ -190,7 +190,7 @@ def test_most_frequent_guess_against_a_hand_count():
     assert recall.most_frequent_guess(x, y, 4) == 50.0
 
 
-def test_recall_models_run_the_reference_function():
+def test_recall_models_run_the_reference_function(monkeypatch):
     """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits, under either
     factor of Eq. 5; q-norm models give q and 2q the same weights (injectivity in q's length off), the others
     do not."""
@@ -199,24 +199,27 @@ def test_recall_models_run_the_reference_function():
     for name in ('InLine s/i', 'InLine 1+elu s', 'InLine s/i q-norm', 'linear 1+elu', 'floor phi=0',
                  'InLine s + Eq. 6'):
         model = recall.RecallLM(name, 16, 12).double()
-        cores = [m for m in model.modules() if hasattr(m, 'core')]
+        cores = [m for m in model.modules() if isinstance(m, sequence.SequenceAttention)]
         assert len(cores) == 2 and all(m.causal for m in cores)
         assert all(m.scale_by_count == recall.RECALL_MODELS[name].get('scale_by_count', True) for m in cores)
         logits = model(x)
         # the head at the answers only
         torch.testing.assert_close(model(x, 4), logits[:, -4:], rtol=0, atol=1e-12)
-        for m in cores:
-            m.core = sequence.sequence_core
-        torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
+        with monkeypatch.context() as patch:  # the reference's causal core in place of the explicit weights
+            patch.setattr(recall, 'short_sequence_core', sequence.sequence_core)
+            torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
         assert logits.shape == (3, 12, 3 * recall.RECALL_VOCAB)
     q = torch.randn(2, 2, 12, 8, dtype=torch.float64)
     normalise = inline.NormalisedQ(2, 8).double()
     torch.testing.assert_close(normalise(q), normalise(2 * q))
-    attn = recall.CausalInLine(16, 2, normalise_q=True, residual='none').double()
-    q, k, _ = qkv(2, 2, 12, 8)
-    assert (attn.explicit_weights(q, k) - attn.explicit_weights(2 * q, k)).abs().max() < 1e-12
-    attn = recall.CausalInLine(16, 2, residual='none').double()
-    assert (attn.explicit_weights(q, k) - attn.explicit_weights(2 * q, k)).abs().max() > 1e-3
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    for normalise_q, same in ((True, True), (False, False)):  # q doubled: qkv's first C rows times 2
+        attn = recall.CausalInLine(16, 2, normalise_q=normalise_q, residual='none').double()
+        before = attn.weights(x)
+        with torch.no_grad():
+            attn.qkv.weight[:16] *= 2
+            attn.qkv.bias[:16] *= 2
+        assert ((attn.weights(x) - before).abs().max() < 1e-12) == same
 
 
 def test_recall_softmax_adds_causal_eq6_token_by_token():
