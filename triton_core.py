@@ -277,13 +277,8 @@ def inline_core_triton(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dil
         raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C)"
                          f" = {(B, size * size * H * D)}, got {tuple(r.shape)}; the Triton core has no "
                          f"other Eq. 6 weights (inline.local_residual also takes them per token)")
-    if q.device.type != 'cuda' and not INTERPRETED:
-        raise RuntimeError(f"inline_core_triton runs on CUDA tensors, or on CPU ones under Triton's "
-                           f"interpreter (TRITON_INTERPRET=1 set before triton is first imported); "
-                           f"got {q.device.type} tensors: inline.inline_core or "
-                           f"kernels.inline_core_fast run there")
     if isinstance(scale, torch.Tensor):
-        q, scale = q * scale, 1.0  # s q^T Cov = (s q)^T Cov, so autograd gives the tensor's gradient
+        q, scale = (q * scale).to(q.dtype), 1.0  # s q^T Cov = (s q)^T Cov: autograd gives its gradient
     s = inline.attention_scale(D) if scale is None else float(scale)
     if torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
@@ -292,4 +287,9 @@ def inline_core_triton(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dil
     if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
         raise ValueError(f"q, k, v and r must share one dtype, fp32, fp16 or bf16; got "
                          f"{', '.join(sorted(map(str, dtypes)))}")
+    if q.device.type != 'cuda' and not INTERPRETED:
+        raise RuntimeError(f"inline_core_triton runs on CUDA tensors, or on CPU ones under Triton's "
+                           f"interpreter (TRITON_INTERPRET=1 set before triton is first imported); "
+                           f"got {q.device.type} tensors: inline.inline_core or "
+                           f"kernels.inline_core_fast run there")
     return InLineTriton.apply(q, k, v, r, tuple(grid), s, size, dilation, bool(scale_by_count))
