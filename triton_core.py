@@ -110,7 +110,8 @@ def inline_forward(q_ptr, v_ptr, r_ptr, v_mean_ptr, cov_ptr, o_ptr, N, D, P, h, 
     cov = tl.load(cov_ptr + bh * BLOCK_D * BLOCK_D + d[:, None] * BLOCK_D + d[None, :])
     v_mean = tl.load(v_mean_ptr + bh * BLOCK_D + d)  # (BLOCK_D,)
     q = load_rows(q_ptr, n, d, N, D)  # (BLOCK_N, BLOCK_D)
-    o = tl.dot(q, cov, input_precision=PRECISION) + v_mean[None, :]  # Eq. 5
+    # Eq. 5, summed over j: sum_j w_ij v_j = g q_i^T sum_j (k_j - k_mean) v_j^T + v_mean
+    o = tl.dot(q, cov, input_precision=PRECISION) + v_mean[None, :]
     if HAS_R:
         T: tl.constexpr = SIZE * SIZE
         # neighbour t = SIZE*dy + dx, row-major as inline.py counts; a loop, not unrolled: nine
@@ -214,8 +215,10 @@ def warps(BLOCK_D):
 
 
 def precision(dtype):
-    """tl.dot's input precision: fp32 inputs multiply exactly ('ieee'; TF32 would round them to 10
-    bits); fp16 and bf16 ones in TF32, which holds them exactly, in fp32's range. Sums are fp32 both."""
+    """tl.dot's input precision; its operands are fp32 tiles and it sums in fp32 either way. For fp32
+    inputs exact products ('ieee'). For fp16 and bf16 ones TF32 tensor cores: TF32 holds those inputs
+    exactly, in fp32's range (no overflow, as fp16 operands could), and cuts the centred k_c, v_c and the
+    (D, D) sums to 10 bits, about one fp16 rounding."""
     return 'ieee' if dtype == torch.float32 else 'tf32'
 
 
