@@ -11,6 +11,7 @@ and the reference's short demonstration. RESULTS.md shows each table under the c
     python bench.py --causal-bench          # the causal core against causal softmax SDPA, 1k to 16k tokens
     python bench.py --demo                  # injectivity, and the two forms of Eq. 5 agree
     python bench.py --peers                 # InLine against FLatten, a block and PVT-T, beside the rebuttal
+    python bench.py --gpu                   # on one GPU: reference, compiled, Triton, softmax; a Swin-T step
     (a whole-model training step, reference against fast core: python -m paper speed --model-step)
 
 Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of per-round
@@ -384,6 +385,145 @@ def _demo():
           f"constraint)")
 
 
+# ---------------------------------------------------------------------------------------------------
+# python bench.py --gpu: the reference, the compiled core, the Triton kernel (triton_core.py) and softmax
+# SDPA on one GPU, and a whole InLine-Swin-T training step with each InLine core. --device cpu: a smoke
+# test at tiny sizes (the Triton rows under the interpreter if TRITON_INTERPRET=1, else marked not run).
+
+# name: ((B, H, P, grid side, D) on a GPU, the same for the smoke test); P leading tokens (DeiT's class
+# token). Swin-T's stage 1 at the step's batch, 64; DeiT-T (3 heads of 64) at 224, 512 and 1024 px,
+# 1 + (px/16)^2 tokens, the batch shrinking as the tokens grow.
+GPU_CASES = {
+    'swin_t_stage1': ((64, 3, 0, 56, 32), (2, 3, 0, 8, 32)),
+    'deit_t_224px': ((64, 3, 1, 14, 64), (2, 3, 1, 4, 64)),
+    'deit_t_512px': ((32, 3, 1, 32, 64), (1, 3, 1, 6, 64)),
+    'deit_t_1024px': ((8, 3, 1, 64, 64), (1, 3, 1, 9, 64)),
+}
+GPU_CORES = ('reference', 'compiled', 'triton', 'sdpa')
+GPU_STEP_BATCH = 64  # the training step's; the smoke test's is 2, on SMOKE_SWIN
+SMOKE_SWIN = dict(img_size=64, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), softmax_window=2)
+
+
+def gpu_core(name, device):
+    """The core called name, (q, k, v, r, grid) -> o, or why it cannot run on device (a string)."""
+    if name == 'reference':
+        return inline.inline_core
+    if name == 'compiled':
+        return inline_core_fast
+    if name == 'sdpa':  # softmax attention, FlashAttention where it applies; no Eq. 6
+        return lambda q, k, v, r, grid: F.scaled_dot_product_attention(q, k, v)
+    try:
+        import triton_core  # here, not at the top: bench.py runs where triton is not installed
+    except ImportError as e:
+        return f"not run ({e})"
+    if device.type != 'cuda' and not triton_core.INTERPRETED:
+        return "not run (needs CUDA or TRITON_INTERPRET=1)"
+    return triton_core.inline_core_triton
+
+
+def gpu_ms(fn, device, rep_ms=100):
+    """Median ms of fn: triton.testing.do_bench on CUDA (rep_ms of calls, the L2 cache flushed before
+    each); elsewhere three calls after a warm-up."""
+    if device.type == 'cuda':
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode='median')
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def bench_gpu_case(name, dtype, device, smoke=False, cores=GPU_CORES):
+    """Rows of --gpu for one case and dtype: each core's forward (no gradient) and forward + backward
+    (the gradients of q, k, v and r) in ms, and the peak memory of forward + backward in MB."""
+    B, H, P, side, D = GPU_CASES[name][smoke]
+    N, grid = P + side * side, (side, side)
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
+    inputs = [t.requires_grad_() for t in (q, k, v, r)]
+    rows = []
+    for core_name in cores:
+        core = gpu_core(core_name, device)
+        row = dict(case=name, batch=B, tokens=N, dtype=str(dtype).replace('torch.', ''), core=core_name)
+        if isinstance(core, str):
+            rows.append(dict(row, status=core))
+            continue
+
+        def fwd():
+            with torch.no_grad():
+                core(q, k, v, r, grid)
+
+        def fwdbwd():  # SDPA leaves r unused
+            torch.autograd.grad(core(q, k, v, r, grid), inputs, do, allow_unused=True)
+
+        rows.append(dict(row, status='ok', fwd_ms=round(gpu_ms(fwd, device), 3),
+                         fwdbwd_ms=round(gpu_ms(fwdbwd, device), 3),
+                         peak_mb=round(peak_mb(fwdbwd, device), 1)))
+    return rows
+
+
+def bench_gpu_step(fast, device, smoke=False):
+    """A row of --gpu: one training step (forward, cross-entropy, backward) of InLine-Swin-T at 224 px
+    and batch 64 under bf16 autocast, built on device by models.create_model(fast=fast), in ms, and its
+    peak memory in MB. Not run where that does not build, or builds another core than fast names."""
+    B = 2 if smoke else GPU_STEP_BATCH
+    row = dict(case='inline_swin_t step', batch=B, tokens=None, dtype='bfloat16',
+               core={False: 'reference', 'compile': 'compiled', 'triton': 'triton'}[fast])
+    try:
+        with torch.device(device):
+            model = models.create_model('inline_swin_t', fast=fast, drop_path_rate=0.0,
+                                        **(SMOKE_SWIN if smoke else {}))
+    except (ValueError, RuntimeError, ImportError) as e:
+        return dict(row, status=f"not run ({(str(e).splitlines() or [''])[0]})")
+    built = sorted({getattr(m.core, '__name__', repr(m.core)) for m in model.modules() if hasattr(m, 'core')})
+    expected = {False: 'inline_core', 'compile': 'inline_core_fast', 'triton': 'inline_core_triton'}[fast]
+    if built != [expected]:
+        return dict(row, status=f"not run (fast={fast!r} built {', '.join(built)})")
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(B, 3, *model.img_size, generator=gen, device=device)
+    y = torch.randint(0, model.num_classes, (B,), generator=gen, device=device)
+
+    def step():
+        with torch.autocast(device.type, torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return dict(row, status='ok', step_ms=round(gpu_ms(step, device, rep_ms=2000), 1),
+                peak_mb=round(peak_mb(step, device), 1))
+
+
+def format_gpu_row(row):
+    """One line of --gpu's table."""
+    tokens = '' if row['tokens'] is None else row['tokens']
+    start = f"{row['case']:18s} {row['batch']:3d} {tokens:>6} {row['dtype']:>8s} {row['core']:>9s} |"
+    if row['status'] != 'ok':
+        return f"{start} {row['status']}"
+    if 'step_ms' in row:
+        return f"{start} {'':>8s} {row['step_ms']:8.1f} | {row['peak_mb']:8.1f}"
+    return f"{start} {row['fwd_ms']:8.3f} {row['fwdbwd_ms']:8.3f} | {row['peak_mb']:8.1f}"
+
+
+def bench_gpu(device):
+    """python bench.py --gpu: GPU_CASES in fp16 and bf16 with each of GPU_CORES, then the training step
+    with each InLine core; on a device other than CUDA, a smoke test at tiny sizes."""
+    smoke = device.type != 'cuda'
+    where = torch.cuda.get_device_name(device) if not smoke else f"{device.type}: a smoke test, tiny sizes"
+    print(f"# {where}\n"
+          f"{'case':18s} {'B':>3s} {'tokens':>6s} {'dtype':>8s} {'core':>9s} | {'fwd ms':>8s} "
+          f"{'f+b ms':>8s} | {'peak MB':>8s}   (a step: its ms under f+b)", flush=True)
+    for name in GPU_CASES:
+        for dtype in (torch.float16, torch.bfloat16):
+            for row in bench_gpu_case(name, dtype, device, smoke):
+                print(format_gpu_row(row), flush=True)
+    for fast in (False, 'compile', 'triton'):
+        print(format_gpu_row(bench_gpu_step(fast, device, smoke)), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
@@ -405,6 +545,8 @@ def main():
     parser.add_argument('--threads', type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument('--peers', action='store_true',
                         help="InLine against FLatten: one attention block and PVT-T (see bench_peers)")
+    parser.add_argument('--gpu', action='store_true', help="the four cores and an InLine-Swin-T training "
+                        "step on one GPU (see bench_gpu); --device cpu: a smoke test at tiny sizes")
     parser.add_argument('--rounds', type=int, default=9,
                         help="rounds of --peers, each timing every case once")
     args = parser.parse_args()
@@ -420,6 +562,8 @@ def main():
               f"{'MB':>6s}")
     if args.demo:
         _demo()
+    if args.gpu:
+        bench_gpu(device)
     if args.peers:
         bench_peers(device, dtypes, args.rounds)
     if args.compile:
