@@ -21,7 +21,7 @@ stopped. From the repository root:
     python -m paper ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
     python -m paper ablations --device cuda  # the same set where the miniatures converge (all 60,000 images)
     python -m paper ablations --dataset fashion_recall  # the test bed where attention must select
-    python -m paper ablations --dataset fashion_recall --rerun  # its rows still rising, at 16 epochs
+    python -m paper ablations --dataset fashion_recall --rerun [--seeds 1]  # every comparison at 16 epochs
     python -m paper recall [--no-train]    # InLine on sequences: associative recall (MQAR)
     python -m paper mosaics --png figures/fashion_recall.png  # the fashion_recall mosaics, with their labels
 
@@ -172,8 +172,8 @@ def add_ablations(sub, budget):
     p.add_argument('--claims', action='store_true',
                    help=f'the claim rows ({CLAIM_SEEDS} seeds) and their floors')
     p.add_argument('--rerun', action='store_true',
-                   help='fashion_recall: the rows still rising at 4 epochs and their references '
-                   '(MOSAIC_RERUN), at its epochs, precision and seeds')
+                   help='fashion_recall: every comparison again at 16 epochs (MOSAIC_RERUN: its epochs, '
+                   'precision and seeds a row; --seeds N: at most N a row, 1 for the pilot)')
     p.add_argument('--seeds', nargs='+', metavar='[TABLE=]N',
                    help=f'seeds (0, 1, ...): N for every table, TABLE=N '
                    f'for one (default {" ".join(f"{t}={n}" for t, n in SEEDS.items())})')

@@ -17,10 +17,10 @@ import data
 import models
 import train
 from paper.charts import ablations_pictures, print_table, short_name
-from paper.experiments import EXPERIMENTS, Experiment
+from paper.experiments import EXPERIMENTS, T1_REFERENCE, Experiment, paper_claim
 from paper.runs import Run, read_records, train_runs
-from paper.stats import (ALPHA, EQUIVALENT, MARGIN, PAPER_TIE, decide, holm, image_term, interval, is_tie,
-                         matched, mde, seeds_for, sign_flip_p, summarise)
+from paper.stats import (ALPHA, EQUIVALENT, MARGIN, PAPER_TIE, POWER, compare, half_width, holm, power,
+                         scores, seed_correlation, seeds_for, summarise, tests, verdict)
 
 
 # The ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py
@@ -53,17 +53,21 @@ BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=
 # stage) scores 1 in 3 at best. On CUDA, a scale at which the curves should flatten (not yet measured).
 MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
 MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
-# The rows still rising at MOSAIC_BUDGET's 4 epochs (the no-Eq. 6 rows gained 2.3-7.9 points over their
-# last quarter, TransNormer's 1.03, the others under 1), rerun with their references (`--rerun`): T3's pair,
-# R-res's none against local, T4's one-cell window against the whole stage (t4_window56_no_residual is
-# r_residual_none's model), TransNormer against InLine (r_residual_local).
-# 16 epochs: the pilot at 8 (r_residual_none, t3_inline_relu, seed 0) still gained 1.7 and 2.1 points over its
-# last quarter, at 16 r_residual_none 0.7 (RESULTS.md; those pilots in fp32, on a CPU that emulates bf16).
-# In bf16 as the 4-epoch rows, so that the budget is all that differs. 5 seeds a row; R-res 10: at 5 its
-# interval reached 0 (MDE 1.0 at sd 0.60), and the second look is read at Pocock's level too (RESULTS.md)
-MOSAIC_RERUN = dict(epochs=16, precision='bf16', seeds=('5', 'R-res=10'), rows=(
-    't3_linear_relu', 't3_inline_relu', 'r_residual_none', 'r_residual_local', 't4_window14_no_residual',
-    't4_window56_no_residual', 'p_transnormer_swin'))
+# The power plan, fixed before the 16-epoch batch (RESULTS.md, "Verdicts"): the pooled sd of the six
+# converged 16-epoch rows' seeds (points), and the seeds it asks of a new row: 80% power for TOST at Δ = 0
+# against InLine-Swin-T's 10 seeds, at Holm's strictest step
+PLAN_SD, PLAN_SEEDS = 0.25, 12
+# The converged budget: every comparison of MOSAIC_ROWS again at 16 epochs (`--rerun`), the family the README
+# quotes (RESULTS.md, "Verdicts"). 16 epochs: the pilot at 8 (r_residual_none, t3_inline_relu, seed 0) still
+# gained 1.7 and 2.1 points over its last quarter, at 16 r_residual_none 0.7. In bf16 as the 4-epoch rows, so
+# that the budget is all that differs. Seeds a row: those read at 16 epochs before the rules keep theirs (a
+# seed added after a look is a second look); the rows new to 16 epochs get PLAN_SEEDS, the power plan's
+MOSAIC_RERUN = dict(epochs=16, precision='bf16', seeds={
+    't3_linear_relu': 5, 't3_inline_relu': 5, 'r_residual_none': 10, 'r_residual_local': 10,
+    't4_window14_no_residual': 5, 't4_window56_no_residual': 10, 'p_transnormer_swin': 5,
+    's_swin_t': PLAN_SEEDS, 'inline_swin_t': 10, 't1_swin_softmax_normalised_q': PLAN_SEEDS,
+    't1_inline_normalised_q': PLAN_SEEDS,
+    'r_residual_plain': PLAN_SEEDS, 'p_flatten_swin': PLAN_SEEDS, 'p_flatten_swin_subtraction': PLAN_SEEDS})
 # a run at MOSAIC_BUDGET['cpu'] before any record: pilot 2's 1.5-2 CPU-minutes an epoch
 MOSAIC_RUN_CPU_MIN = 7.0
 # T1 in Swin, on this bed alone: in Fashion-MNIST's miniature (D 32) InLine's stage 3 has 16 tokens, not
@@ -195,21 +199,6 @@ def comparisons(chosen):
             tables = found.setdefault(frozenset((keys[name], keys[ref])), ([], name, ref))[0]
             tables += [t] * (t not in tables)
     return [(tuple(tables), name, ref) for tables, name, ref in found.values()]
-
-
-# The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's
-# corners of the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2)
-# with the APE held, and the matched row tests it parameter for parameter
-CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape': ('R-res: +2.2', 2.2),
-          'r_residual_none_matched': ('R-res: -2.2', -2.2),
-          # T1's claim, that softmax loses by losing injectivity (DeiT-T 72.2 -> 70.6 / 69.9), in Swin and in
-          # InLine
-          't1_swin_softmax_normalised_q': ('T1 (DeiT-T): -1.6', -1.6),
-          't1_inline_normalised_q': ('T1 (DeiT-T): -1.6', -1.6),
-          # the rebuttal: FLatten "without division" loses 0.2 points
-          'p_flatten_swin_subtraction': ('rebuttal: -0.2', -0.2)}
-# else t1_softmax
-T1_REFERENCE = {'t1_swin_softmax_normalised_q': 's_swin_t', 't1_inline_normalised_q': 'inline_swin_t'}
 
 
 def mini_kwargs(e):
@@ -401,29 +390,6 @@ def estimate(runs, every, records):
 # ---------------------------------------------------------------------------------------------------
 
 
-def reported_value(text):
-    """The paper's number as a float: the first figure given; 'does not converge' as -inf; None when
-    unreported."""
-    if text is None:
-        return None
-    if 'not converge' in text:
-        return float('-inf')
-    digits = ''.join(c if c.isdigit() or c == '.' else ' ' for c in text).split()
-    return float(digits[0]) if digits else None
-
-
-def paper_claim(name, ref, every):
-    """(text, difference) the paper gives for row minus reference; difference None where it gives none."""
-    if name in CLAIMS:
-        return CLAIMS[name]
-    if every[ref].table == 'floor':
-        return '—', None
-    paper, paper_ref = reported_value(every[name].reported), reported_value(every[ref].reported)
-    if paper is None or paper_ref is None:
-        return every[name].reported or '—', None
-    return f'{every[name].reported} vs {every[ref].reported}', paper - paper_ref
-
-
 def seeds_option(values, default):
     """--seeds N [TABLE=N ...] -> {table: seeds}: N for every table not named, or SEEDS without N."""
     table = dict(default) if not any('=' not in v for v in values or []) else {}
@@ -472,17 +438,27 @@ def choose(args, every):
     return {n: every[n] for n in chosen}, seeds
 
 
+def rerun_seeds(cap=None):
+    """seeds(name) of the 16-epoch rerun: MOSAIC_RERUN's, at most `cap` (--seeds N: the pilot's 1)."""
+    return lambda name: min(MOSAIC_RERUN['seeds'][name], cap or math.inf)
+
+
 def cmd_ablations(args):
+    cap = None
     if args.rerun:
         if args.dataset != 'fashion_recall' or args.only or args.claims or args.quick:
             train.fail('--rerun trains MOSAIC_RERUN on its own: with --dataset fashion_recall and none of '
                        '--only, --claims, --quick')
-        args.epochs, args.precision, args.only = (MOSAIC_RERUN[k] for k in ('epochs', 'precision', 'rows'))
-        args.seeds = args.seeds or list(MOSAIC_RERUN['seeds'])
+        if args.seeds and (len(args.seeds) > 1 or not args.seeds[0].isdigit() or int(args.seeds[0]) < 1):
+            train.fail(f'--rerun takes --seeds N, at most N seeds a row (1: the pilot), not {args.seeds}')
+        cap, args.seeds = args.seeds and int(args.seeds[0]), None
+        args.epochs, args.precision, args.only = MOSAIC_RERUN['epochs'], MOSAIC_RERUN['precision'], list(
+            MOSAIC_RERUN['seeds'])
     resolve_budget(args)
     resolve_data(args, need=not args.no_train)
     every = experiments(args.dataset)
     chosen, seeds = choose(args, every)
+    seeds = rerun_seeds(cap) if args.rerun else seeds
     runs, planned = plan_runs(chosen, every, seeds, args)
     records = read_records(args.results)
     minutes, source = estimate(runs, every, records)
@@ -496,98 +472,128 @@ def cmd_ablations(args):
            f'{minutes:.0f} {"GPU" if args.device == "cuda" else "CPU"}-minutes by {source}, about '
            f'{minutes / args.jobs // 60:.0f} h {minutes / args.jobs % 60:.0f} min {args.jobs} at a time' +
            (f' on {args.jobs} cores of their own' if args.device == 'cpu' else '')))
-    done = train_runs(runs, args, desc='ablation runs')
-    result = {n: summarise([done[r.key()] for r in planned[n] if r.key() in done]) for n in chosen}
-    mosaics = args.dataset == 'fashion_recall'
-    configs, rows, points, m = table_rows(chosen, planned, result, every,
-                                          MOSAICS['guess'] if mosaics else None)
+    train_runs(runs, args, desc='ablation runs')
+    records = read_records(args.results)  # again: the records read at the start lack the runs just trained
+    if args.dataset != 'fashion_recall':
+        t = budget_table(args, every, records, None)
+        ablations_pictures(args, *t[:4], t[6], t[4], comparisons(t[0]))
+        return t[5], t[6]
+    # the mosaics: both budgets' families, each in full, then side by side and the power plan
+    tables = [budget_table(argparse.Namespace(**{**vars(args), **b}), every, records, MOSAICS['guess'])
+              for b in mosaic_budgets(args)]
+    side_by_side(tables)
+    power_plan(tables[1])
+    t, rerun = tables
+    ablations_pictures(args, *t[:4], t[6], t[4], comparisons(t[0]),
+                       (MOSAIC_RERUN['epochs'], *rerun[:3], comparisons(rerun[0])))
+    return tables[0][5], tables[0][6]
+
+
+def mosaic_budgets(args):
+    """The two recipes of the mosaics' families: MOSAIC_BUDGET's MOSAIC_ROWS (or what the command chose) and
+    the 16-epoch rerun's rows, each with its own seeds."""
+    short = dict(epochs=budgets(args.dataset)[args.device]['epochs'], precision=PRECISION[args.device],
+                 rerun=False, only=None if args.rerun else args.only,
+                 seeds=None if args.rerun else args.seeds)
+    return [short, dict(epochs=MOSAIC_RERUN['epochs'], precision=MOSAIC_RERUN['precision'], rerun=True,
+                        quick=False, claims=False, only=list(MOSAIC_RERUN['seeds']), seeds=None)]
+
+
+def budget_table(args, every, records, guess):
+    """Print one recipe's family from the records: its configurations, then its comparisons, both tests of
+    each adjusted together by Holm. Returns (chosen, planned, records, result, points, configs, rows,
+    gains)."""
+    chosen, seeds = choose(args, every)
+    _, planned = plan_runs(chosen, every, rerun_seeds() if args.rerun else seeds, args)
+    result = {n: summarise([records[r.key()] for r in planned[n] if r.key() in records]) for n in chosen}
+    configs, rows, points, m = table_rows(chosen, planned, result, every, guess)
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
     bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the '
-           f'same {MOSAICS["val_images"]:,} test mosaics for every run' if mosaics
+           f'same {MOSAICS["val_images"]:,} test mosaics for every run' if guess is not None
            else 'validation on its test set')
-    print(f'\nAblations on the miniatures ({args.dataset}, {args.epochs} epochs x {args.train_images:,} '
-          f'training images, {bed}, {args.precision} on {args.device}): one row per distinct '
-          'configuration (names joined by = build one model), final-epoch top-1 (%), mean ± sd over (n) '
-          'seeds, beside the paper\'s ImageNet-1K top-1; over the φ = 0 floor: its mean minus the mean of '
-          f'its family\'s attention-free miniature (the gate: under it when less than {FLOOR_MARGIN:g}); '
-          'last quarter: the top-1 gained over the last quarter of the epochs (near 0: flat); a diverged '
-          'run is left out and named. * our construction (no released code).\n')
+    print(f'\nAblations on the miniatures ({family_name.replace(" images", " training images")}, {bed}, '
+          f'{args.precision} on {args.device}): one row per distinct configuration (names joined by = build '
+          'one model), final-epoch top-1 (%), mean ± sd over (n) seeds, beside the paper\'s ImageNet-1K '
+          'top-1; over the φ = 0 floor: its mean minus the mean of its family\'s attention-free miniature '
+          f'(the gate: under it when less than {FLOOR_MARGIN:g}); last quarter: the top-1 gained over the '
+          'last quarter of the epochs (near 0: flat); a diverged run is left out and named. * our '
+          'construction (no released code).\n')
     print_table(['configuration', 'tables', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)',
                  'over the φ = 0 floor', 'last quarter'], configs)
-    # the attention configurations' gaps to their floor
     gaps = [c[5] for c in configs if c[5] and c[1] != 'floor']
     if gaps and all('(under)' in g for g in gaps):
         print(f'\nNo configuration with attention clears its φ = 0 floor by {FLOOR_MARGIN:g} points: on this '
               'test bed the task does not need attention, and every comparison is untestable.')
-    header = ['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over',
-              'seeds', 'MDE at 80% power (its sd, df)', 'seeds for 1 point', 'p: t / sign-flip', 'verdict',
-              'Holm verdict']
-    print('\nComparisons, row minus reference, runs paired by seed number: the mean difference and its 95% '
-          'interval, over seeds and the test set\'s images (a two-way random-effects model, t on '
-          'Satterthwaite\'s degrees of freedom), or over seeds only (Student-t) where a record predates '
-          'per-image results: those leave out the test set\'s sampling error. MDE, the minimum detectable '
-          'effect at 80% power: the true difference a 5% two-sided paired t-test at these seeds catches 4 '
-          'times in 5, (t_0.975 + t_0.8) sqrt(sd² / n + the test set\'s term), sd the comparison\'s own '
-          'per-seed differences\' on n − 1 degrees of freedom (a rough figure at 2-4 df); seeds for 1 point: '
-          'how many would bring the MDE to 1 at that sd. p: the verdict\'s t-test (or TOST) beside the exact '
-          'sign-flip test of a zero difference over the seeds (no normality; at 5 seeds never under 0.0625). '
-          'Verdict (RESULTS.md, "Verdicts"): an ordering is reproduced when the interval excludes 0 on the '
-          'paper\'s side, contradicted on the other, "(t only)" where the sign-flip p is not under 5%; else '
-          f'{EQUIVALENT} where the interval lies inside ±{MARGIN:g} (TOST), with the paper\'s gap it '
-          f'excludes; a paper tie (≤ {PAPER_TIE}) is reproduced by that TOST, contradicted wholly outside '
-          '±1; else not resolved; untestable where a side is under its φ = 0 floor + '
-          f'{FLOOR_MARGIN:g} (p is still shown; on the mosaics, the guess stands for a recipe without '
-          'floor runs: the floor\'s ceiling). Holm verdict: the same test with its p adjusted by Holm\'s '
-          f'method over this table\'s family, "{family_name}": the {m} comparisons with a verdict, so that '
-          'the chance of any false verdict among them is at most 5%. † a claim row.\n')
-    print_table(header, rows)
-    # read again: the records read at the start lack the runs this command trained
-    rerun = side_by_side(args, every, read_records(args.results)) if mosaics else None
-    ablations_pictures(args, chosen, planned, done, result, rows, points, comparisons(chosen), rerun)
-    return configs, rows
+    print(f'\nThe family "{family_name}" (RESULTS.md, "Verdicts"): {m} comparisons, {2 * m} tests. Row '
+          'minus reference, Welch over all the seeds of each (unpaired), the 95% interval over seeds and the '
+          'test set\'s images (over seeds only where a record predates per-image results); r: the '
+          'correlation of the two rows\' top-1 over the seed numbers they share. Ordering test: Δ = 0 for a '
+          f'paper ordering, "beyond ±{MARGIN:g}" for a paper tie (≤ {PAPER_TIE}); TOST: within ±{MARGIN:g}; '
+          f'each p beside its Holm adjustment over all {2 * m} tests (a comparison not yet run enters with p '
+          '= 1). Verdict from the adjusted p\'s at 5%: reproduced, contradicted (a claim the paper makes, on '
+          f'the other side), {EQUIVALENT}, not resolved, untestable (a side under the gate: its φ = 0 floor '
+          f'+ {FLOOR_MARGIN:g}, or the guess where the recipe has no floor runs), not yet run. Power: '
+          f'TOST\'s at Δ = 0 / the ordering test\'s at |Δ| = {MARGIN:g}, at these seeds and sds, at '
+          f'Holm\'s strictest step (5% / {2 * max(m, 1)}). † a claim row.\n')
+    print_table(['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over',
+                 'seeds', 'r', 'ordering p / Holm', 'TOST p / Holm', 'power', 'verdict'], rows)
+    gains = {n: result[n].gain for n in chosen}
+    return chosen, planned, records, result, points, configs, rows, gains
 
 
-def side_by_side(args, every, records):
-    """MOSAIC_RERUN's comparisons at MOSAIC_BUDGET (in PRECISION) and at the rerun's budget, from the records:
-    each difference, the last-quarter gains of its two rows (near 0: converged) and the Holm verdict of each
-    budget's own family (its comparisons only), so a reader sees which verdicts the budget moved; returns the
-    rerun's (epochs, chosen, planned, records, comparisons) for its learning curves."""
-    recipes = [(budgets(args.dataset)[args.device]['epochs'], PRECISION[args.device], None),
-                (MOSAIC_RERUN['epochs'], MOSAIC_RERUN['precision'], list(MOSAIC_RERUN['seeds']))]
+def side_by_side(tables):
+    """The comparisons of both budgets side by side: each difference (seeds), the last-quarter gains of its
+    row / its reference (near 0: converged) and the verdict of each budget's family."""
     columns, labels = [], {}
-    for epochs, precision, seeds_flags in recipes:
-        a = argparse.Namespace(**{**vars(args), 'epochs': epochs, 'precision': precision, 'quick': False,
-                                  'claims': False, 'only': MOSAIC_RERUN['rows'], 'seeds': seeds_flags})
-        chosen, seeds = choose(a, every)
-        _, planned = plan_runs(chosen, every, seeds, a)
-        result = {n: summarise([records[r.key()] for r in planned[n] if r.key() in records]) for n in chosen}
-        _, rows, _, _ = table_rows(chosen, planned, result, every, MOSAICS['guess'])
+    for chosen, _, _, result, _, _, rows, gains in tables:
         cells = {}
         for r in rows:
             name, ref = r[1].rstrip('†').split(' − ')
-            gains = '' if None in (result[name].gain, result[ref].gain) else \
-                f'{result[name].gain:+.1f} / {result[ref].gain:+.1f}'
-            count = r[5].replace(' (seed ', '; seed ').rstrip(')')  # 3 (seed 4 unpaired): 3; seed 4 unpaired
-            diff = r[3] if r[3].endswith('(1 seed)') else f'{r[3]} ({count})' if r[3] else '—'
-            cells[r[1]] = [diff, gains, r[10]]
+            gain = '' if None in (gains[name], gains[ref]) else f'{gains[name]:+.1f} / {gains[ref]:+.1f}'
+            cells[r[1]] = [f'{r[3]} ({r[5]})' if r[3] else '—', gain, r[10]]
             labels.setdefault(r[1], r[2])
         columns.append(cells)
-    table = [[label, paper] + [x for cells in columns for x in cells.get(label, ['—', '', 'not run'])]
+    table = [[label, paper] + [x for cells in columns for x in cells.get(label, ['—', '', 'not planned'])]
              for label, paper in labels.items()]
-    heads = [f'{e} epochs, {p}' for e, p, _ in recipes]
-    print(f'\nThe rows still rising at {recipes[0][0]} epochs, rerun at {recipes[1][0]} (`python -m paper '
-          'ablations --dataset fashion_recall --rerun`): each comparison\'s difference [95% CI] (seeds), the '
-          'last-quarter gain of its row / its reference (near 0: converged), and the Holm verdict within '
-          'that budget\'s comparisons.\n')
-    print_table(['row − reference', 'paper (ImageNet)'] + [f'{h}: {c}' for h in heads for c in (
-        'difference', 'last quarter', 'Holm verdict')], table)
-    return recipes[1][0], chosen, planned, records, comparisons(chosen)
+    epochs = [f'{MOSAIC_BUDGET["cpu"]["epochs"]} epochs', f'{MOSAIC_RERUN["epochs"]} epochs']
+    print(f'\nBoth budgets side by side (`python -m paper ablations --dataset fashion_recall --rerun` trains '
+          f'the {epochs[1]}): each comparison\'s difference [95% CI] (seeds row / reference), the '
+          'last-quarter gain of its row / its reference (near 0: converged), and the verdict of that '
+          'budget\'s family.\n')
+    print_table(['row − reference', 'paper (ImageNet)'] + [f'{e}: {c}' for e in epochs for c in (
+        'difference', 'last quarter', 'verdict')], table)
+
+
+def power_plan(table):
+    """The 16-epoch family's power plan, fixed before its batch: each comparison's planned seeds and power at
+    PLAN_SD, beside the seeds and sds its records have now."""
+    chosen, _, _, result, _, _, rows, _ = table
+    level = ALPHA / (2 * sum(1 for r in rows if r[2] != '—'))
+    out = []
+    for r in rows:
+        if r[2] == '—':
+            continue
+        name, ref = r[1].rstrip('†').split(' − ')
+        n, n_ref = MOSAIC_RERUN['seeds'][name], MOSAIC_RERUN['seeds'][ref]
+        plan = power(PLAN_SD, n, PLAN_SD, n_ref, level)
+        tops = [list(result[x].top1.values()) for x in (name, ref)]
+        now = '' if min(map(len, tops)) < 2 else ' / '.join(f'{statistics.stdev(t):.2f}' for t in tops)
+        out.append([r[1], f'{n} / {n_ref}', f'{plan[0]:.2f} / {plan[1]:.2f}',
+                    seeds_for(PLAN_SD, n_ref, level) or '> 100', r[5], now or '—', r[9] or '—'])
+    print(f'\nThe {MOSAIC_RERUN["epochs"]}-epoch power plan (RESULTS.md, "Verdicts"), fixed before its '
+          f'batch: seeds planned (row / reference), the power at the pooled sd {PLAN_SD:g} of the '
+          'converged rows '
+          f'(TOST at Δ = 0 / ordering at |Δ| = {MARGIN:g}, Welch, noncentral t, at Holm\'s strictest step '
+          f'{level:.4f}), the seeds a row needs for {POWER:.0%} TOST power against its reference\'s planned '
+          'seeds; then the seeds and sds (row / reference) its records have now, and the power at those.\n')
+    print_table(['row − reference', 'seeds planned', 'power planned', 'seeds for 80% (TOST)', 'seeds now',
+                 'sd now', 'power now'], out)
 
 
 def table_rows(chosen, planned, result, every, guess=None):
     """The two tables: one row per distinct configuration (config_rows) and one per distinct comparison
     (comparison_rows), with each comparison's chart entry (label, mean, half-width, the paper's difference)
-    and the size of the Holm family. The gate: a configuration clears when its mean is FLOOR_MARGIN over the
+    and the size of the family. The gate: a configuration clears when its mean is FLOOR_MARGIN over the
     mean of its family's floor (the same recipe); a comparison with a side that does not, or no floor run, is
     untestable, whatever its p."""
     mean = {n: statistics.mean(result[n].top1.values()) if result[n].top1 else None for n in chosen}
@@ -629,53 +635,56 @@ def config_rows(chosen, planned, result, every, above, cleared, guess):
 
 
 def comparison_rows(chosen, result, every, above, cleared):
-    """One row per distinct comparison, row minus reference paired by seed: its difference and interval, MDE,
-    p (t or TOST, and the sign-flip), verdict and Holm verdict; with each row's chart entry (or None) and the
-    size of the Holm family."""
-    pairs = [(tables, name, ref, *matched(result[name], result[ref]))
-             for tables, name, ref in comparisons(chosen)]
-    rows, tested = [], []
-    for tables, name, ref, seeds, diffs, images in pairs:
+    """One row per distinct comparison, row minus reference, Welch over all seeds of each: its difference and
+    interval, seeds, seed correlation, both tests' p's beside their Holm adjustment over the family (every
+    comparison with a paper number not under the gate, both tests; p = 1 where not yet run), the power at
+    Holm's strictest step, the verdict; with each row's chart entry (or None) and the family's size."""
+    rows, family_ps = [], []
+    for tables, name, ref in comparisons(chosen):
+        a, b = result[name], result[ref]
         paper_text, paper_diff = paper_claim(name, ref, every)
         label = f'{name} − {ref}' + ('†' if name in CLAIM_ROWS and ref in CLAIM_ROWS else '')
+        row = [', '.join(tables), label, paper_text] + [''] * 8
+        rows.append((row, None))
         if untestable(every[name]) or untestable(every[ref]):
-            rows.append([', '.join(tables), label, paper_text, '', '', '', '', '', '', 'untestable', '',
-                         None])
+            row[10] = 'untestable'
             continue
-        unpaired = sorted((result[name].top1.keys() | result[ref].top1.keys() |
-                           set(result[name].diverged + result[ref].diverged)) - set(seeds))
-        count = f'{len(seeds)}' + (f' (seed {", ".join(map(str, unpaired))} unpaired)' if unpaired else '')
-        over = 'seeds only' if images is None else 'seeds and test images'
+        row[5] = f'{len(a.top1)} / {len(b.top1)}' + ''.join(
+            f'; seed {", ".join(map(str, s.diverged))} of {n} diverged' for s, n in ((a, name), (b, ref))
+            if s.diverged)
+        if min(len(a.top1), len(b.top1)) < 2:  # not yet run: in the family at p = 1
+            single = [s.top1 for s in (a, b)]
+            if all(single):
+                row[3] = f'{statistics.mean(single[0].values()) - statistics.mean(single[1].values()):+.1f}'
+            row[10] = 'not yet run' if paper_diff is not None else '—'
+            if paper_diff is not None:
+                family_ps.append((len(rows) - 1, 1.0, 1.0, 0.0))
+            continue
+        mean, se, df = compare(a, b)
+        half = half_width(se, df)
+        row[3] = f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]'
+        row[4] = 'seeds only' if scores(list(a.correct.values())) is None or scores(
+            list(b.correct.values())) is None else 'seeds and test images'
+        r = seed_correlation(a, b)
+        row[6] = '' if math.isnan(r) else f'{r:+.2f}'
+        rows[-1] = (row, (short_name(name), mean, half, paper_diff if paper_diff is not None and
+                          math.isfinite(paper_diff) else None))
         gate = None if cleared[name] and cleared[ref] else 'untestable (no floor run)' if None in (
             above[name], above[ref]) else 'untestable (under the floor)'
-        if len(seeds) < 2:
-            rows.append([', '.join(tables), label, paper_text, f'{diffs[0]:+.1f} (1 seed)' if seeds else '',
-                         over, count, '∞' if seeds else '', '', '', 'not run' if not seeds else gate or (
-                             'not resolved' if paper_diff is not None else '—'), '', None])
+        if paper_diff is None or gate:
+            row[10] = '—' if paper_diff is None else gate
             continue
-        mid, half = interval(diffs, images)
-        image_var = 0.0 if images is None else image_term(images)[0]  # the test set's term: two seeds or more
-        sd = statistics.stdev(diffs)  # this comparison's own spread, on len(seeds) - 1 degrees of freedom
-        word, p = decide(diffs, paper_diff, images)
-        exact = sign_flip_p(diffs)
-        if word in ('reproduced', 'contradicted') and not is_tie(paper_diff) and exact >= ALPHA:
-            word += ' (t only)'  # the sign-flip test cannot reject at these seeds: normality carries it
-        elif word == EQUIVALENT and abs(paper_diff) > MARGIN:
-            word += f' (excludes the paper\'s {paper_diff:+.1f})'
-        needed = seeds_for(sd, image_var)
-        rows.append([', '.join(tables), label, paper_text,
-                     f'{mid:+.1f} [{mid - half:+.1f}, {mid + half:+.1f}]', over, count,
-                     f'{mde(sd, len(seeds), image_var):.1f} (sd {sd:.2f}, {len(seeds) - 1} df)',
-                     '> 1000' if needed is None else str(needed),
-                     '' if p is None else f'{p:.3f} / {exact:.3f}',
-                     word if paper_diff is None else gate or word, '',
-                     (short_name(name), mid, half,
-                      paper_diff if paper_diff is not None and math.isfinite(paper_diff)
-                      else None)])
-        if p is not None and gate is None:  # Holm's family: the comparisons with a verdict, each its p
-            tested.append((len(rows) - 1, p, word))
-    for (i, _, word), q in zip(tested, holm([p for _, p, _ in tested])):
-        rows[i][10] = word.split(' (excludes')[0] if q < ALPHA else 'not resolved'
-    for r in rows:
-        r[10] = r[10] or ('—' if r[9] == '—' else r[9].split(' (')[0])
-    return [r[:11] for r in rows], [r[11] for r in rows], len(tested)
+        family_ps.append((len(rows) - 1, *tests(mean, se, df, paper_diff), mean))
+    m = len(family_ps)
+    adjusted = holm([p for _, p_order, p_tost, _ in family_ps for p in (p_order, p_tost)])
+    for k, (i, p_order, p_tost, mean) in enumerate(family_ps):
+        row, q_order, q_tost = rows[i][0], adjusted[2 * k], adjusted[2 * k + 1]
+        row[7], row[8] = (f'{p:.3f} / {q:.3f}' for p, q in ((p_order, q_order), (p_tost, q_tost)))
+        if row[10] == 'not yet run':
+            continue
+        _, paper_diff = paper_claim(*row[1].rstrip('†').split(' − '), every)
+        row[10] = verdict(paper_diff, mean, q_order, q_tost)
+        sds = [statistics.stdev(result[x].top1.values()) for x in row[1].rstrip('†').split(' − ')]
+        ns = [len(result[x].top1) for x in row[1].rstrip('†').split(' − ')]
+        row[9] = '{:.2f} / {:.2f}'.format(*power(sds[0], ns[0], sds[1], ns[1], ALPHA / (2 * m)))
+    return [r for r, _ in rows], [p for _, p in rows], m

@@ -1,9 +1,10 @@
-"""The lab's pictures and tables: markdown tables and PNG charts, heat maps and image tiles, drawn with
-Pillow.
+"""The lab's pictures and tables: markdown tables, and PNG charts, heat maps and weight maps drawn with
+matplotlib on its Agg canvas.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. No command of its own: every command of `python -m paper` draws through these
-(paper/__main__.py lists them).
+(paper/__main__.py lists them). Figures are built as matplotlib.figure.Figure objects on a FigureCanvasAgg, so
+that no global backend or pyplot state is switched (a library flips no global switch).
 """
 import math
 import os
@@ -11,18 +12,13 @@ import re
 import statistics
 
 import torch
-from PIL import Image, ImageDraw, ImageFont
-from torchvision.transforms import functional as TF
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
-
-# ---------------------------------------------------------------------------------------------------
-# Output: markdown tables and PNG pictures, drawn with Pillow (which torchvision brings). One place for all
-# drawing: heat-map cells, line/dot charts, image tiles.
-
-PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (140, 86, 75),
-           # 10 series before a colour repeats
-           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
-MARK = (230, 0, 120)  # identical rows, query tokens
+# the README's colours: red positive, blue negative, magenta for marks (identical rows, query tokens)
+RED, BLUE, MARK = (178 / 255, 24 / 255, 43 / 255), (33 / 255, 102 / 255, 172 / 255), (230 / 255, 0, 120 / 255)
+DPI = 100  # a figure's size in pixels is its size in inches times this
 
 
 def print_table(header, rows):
@@ -33,191 +29,138 @@ def print_table(header, rows):
         print('| ' + ' | '.join(str(c) for c in row) + ' |')
 
 
-def font(size=13):
-    return ImageFont.load_default(size=size)
+def figure(width, height):
+    """A white Figure of width x height pixels on an Agg canvas, its subplots laid out by matplotlib."""
+    fig = Figure(figsize=(width / DPI, height / DPI), dpi=DPI, layout='constrained', facecolor='white')
+    FigureCanvasAgg(fig)
+    return fig
 
 
-def diverging(t):
-    """t in [-1, 1] -> RGB: blue for negative, white at 0, red for positive."""
-    t = max(-1.0, min(1.0, t))
-    end = (178, 24, 43) if t >= 0 else (33, 102, 172)
-    return tuple(round(255 + abs(t) * (e - 255)) for e in end)
-
-
-def save_png(img, path):
+def save(fig, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    img.save(path, format='PNG', optimize=True)
-    print(f'picture: {path} ({img.width}x{img.height})')
+    fig.savefig(path, format='png', dpi=DPI)
+    width, height = (round(v * DPI) for v in fig.get_size_inches())
+    print(f'picture: {path} ({width}x{height})')
 
 
-def nice_ticks(lo, hi, n=5):
-    """About n round numbers spanning [lo, hi]."""
-    raw = (hi - lo) / max(n - 1, 1)
-    step = 10 ** math.floor(math.log10(raw))
-    step *= next(m for m in (1, 2, 5, 10) if m * step >= raw)
-    return [i * step for i in range(math.floor(lo / step), math.ceil(hi / step) + 1)]
+def chart(ax, series, *, title, xlabel, ylabel, xticks, xlabels=None, log_x=False, hlines=(), lines=True,
+          ylim=None):
+    """A line (or, lines=False, dot) chart on ax.
 
-
-def chart(draw, box, series, *, title, xlabel, ylabel, xticks, xlabels=None, log_x=False, hlines=(),
-          lines=True, ylim=None):
-    """A line (or, lines=False, dot) chart in box = (left, top, right, bottom) of draw.
-
-    series: [(label, xs, ys, errs or None)]; hlines: [(label, y)] drawn dashed; xticks the x positions to
-    label with xlabels (default the numbers themselves). Errors are drawn as vertical bars (+- err), cut at
-    ylim = (lo, hi) where given (a percentage's interval beyond 0 or 100, say)."""
-    left, top, right, bottom = box
-    x0, x1 = left + 58, right - 14
-    places, row, run = [], 0, 0  # each legend label's (x offset, row): labels wrap at the plot's width
-    for label, *_ in series:
-        width = len(str(label)) * 6 + 40
-        row, run = (row + 1, 0) if run + width > x1 - x0 and run else (row, run)
-        places.append((run, row))
-        run += width
-    rows = row + 1
-    y0, y1 = top + 44, bottom - 50 - 16 * rows  # the plotting area; title above, x label and legend below
-    ys = [y + s * (e or 0) for _, _, values, errs in series for y, e in zip(values, errs or [0] * len(values))
-          for s in (-1, 1) if y is not None and math.isfinite(y)] + [y for _, y in hlines]
-    lo, hi = (max(min(ys), ylim[0]), min(max(ys), ylim[1])) if ylim else (min(ys), max(ys))
-    pad = 0.08 * (hi - lo or abs(hi) or 1)
-    top_y = min(hi + pad, ylim[1]) if ylim else hi + pad
-    yt = nice_ticks(lo - pad if lo < 0 else max(lo - pad, 0), top_y)  # no negative axis for positive data
-    lo, hi = yt[0], yt[-1]
-    fx = (lambda x: math.log(x)) if log_x else (lambda x: x)
-    xa, xb = fx(min(xticks)), fx(max(xticks))
-    xspan = (xb - xa) or 1
-    margin = 0.06 * xspan if not lines else 0.0
-    px = lambda x: x0 + (fx(x) - xa + margin) / (xspan + 2 * margin) * (x1 - x0)  # noqa: E731
-    clip = (lambda y: min(max(y, lo), hi)) if ylim else (lambda y: y)  # noqa: E731
-    py = lambda y: y1 - (clip(y) - lo) / (hi - lo) * (y1 - y0)  # noqa: E731
-    draw.text(((left + right) / 2, top + 4), title, fill='black', font=font(14), anchor='ma')
-    for y in yt:
-        draw.line([(x0, py(y)), (x1, py(y))], fill=(225, 225, 225))
-        draw.text((x0 - 6, py(y)), f'{y:g}', fill='black', font=font(11), anchor='rm')
-    labels = [str(label) for label in xlabels or [f'{x:g}' for x in xticks]]
-    gap = min((px(b) - px(a) for a, b in zip(xticks, xticks[1:])), default=x1 - x0)
-    stagger = max(draw.textlength(label, font=font(11)) for label in labels) + 6 > gap  # else they overlap
-    for i, (x, label) in enumerate(zip(xticks, labels)):
-        down = 14 * (stagger and i % 2)  # every other label one row lower
-        draw.line([(px(x), y1), (px(x), y1 + 4 + down)], fill='black')
-        draw.text((px(x), y1 + 6 + down), label, fill='black', font=font(11), anchor='ma')
-    draw.rectangle([x0, y0, x1, y1], outline='black')
-    draw.text(((x0 + x1) / 2, y1 + 22 + 14 * stagger), xlabel, fill='black', font=font(12), anchor='ma')
-    draw.text((x0 - 50, y0 - 6), ylabel, fill='black', font=font(11), anchor='ld')
+    series: [(label, xs, ys, errs or None)], a y of None or nan left out; errors drawn as bars (± err);
+    hlines: [(label, y)] drawn dashed; xticks the x positions to label with xlabels (default the numbers
+    themselves); ylim = (lo, hi) bounds the axis where the data would pass it (a percentage's interval beyond
+    0 or 100, say)."""
+    markers = 'osD^vP*Xhp'
+    for i, (label, xs, ys, errs) in enumerate(series):
+        points = [(x, y, e) for x, y, e in zip(xs, ys, errs or [None] * len(xs))
+                  if y is not None and math.isfinite(y)]
+        if not points:
+            continue
+        x, y, e = zip(*points)
+        colour, marker = f'C{i % 10}', markers[i % len(markers)]
+        ax.plot(x, y, marker=marker, linestyle='-' if lines else 'none', color=colour, label=label, ms=5)
+        if any(e):
+            ax.errorbar(x, y, yerr=[v or 0 for v in e], fmt='none', ecolor=colour, capsize=3)
     for label, y in hlines:
-        for xs in range(int(x0), int(x1), 12):
-            draw.line([(xs, py(y)), (min(xs + 6, x1), py(y))], fill=(90, 90, 90), width=2)
-        draw.text((x1 - 4, py(y) + 4), label, fill=(90, 90, 90), font=font(11), anchor='ra')  # under the line
-    for i, (label, xs, values, errs) in enumerate(series):
-        c = PALETTE[i % len(PALETTE)]
-        points = [(px(x), py(y)) for x, y in zip(xs, values) if y is not None and math.isfinite(y)]
-        if lines and len(points) > 1:
-            draw.line(points, fill=c, width=2)
-        for j, (x, y) in enumerate(zip(xs, values)):
-            if y is None or not math.isfinite(y):
-                continue
-            if errs and errs[j]:
-                draw.line([(px(x), py(y - errs[j])), (px(x), py(y + errs[j]))], fill=c, width=2)
-            draw.ellipse([px(x) - 4, py(y) - 4, px(x) + 4, py(y) + 4], fill=c)
-    # the legend, its rows under the x label
-    for i, ((label, *_), (dx, row)) in enumerate(zip(series, places)):
-        legend_x, legend_y = x0 + dx, bottom - 12 - 16 * (rows - 1 - row)
-        draw.rectangle([legend_x, legend_y - 5, legend_x + 12, legend_y + 5], fill=PALETTE[i % len(PALETTE)])
-        draw.text((legend_x + 17, legend_y), str(label), fill='black', font=font(11), anchor='lm')
+        ax.axhline(y, linestyle='--', color='0.35', linewidth=1, label=label or None)
+    if log_x:
+        ax.set_xscale('log')
+    labels = [str(label) for label in xlabels or [f'{x:g}' for x in xticks]]
+    ax.set_xticks(xticks, labels, rotation=30 if max(map(len, labels)) > 6 else 0,
+                  ha='right' if max(map(len, labels)) > 6 else 'center', fontsize=8)
+    ax.minorticks_off()
+    if not lines:
+        ax.set_xlim(min(xticks) - 0.5, max(xticks) + 0.5)
+    if ylim:
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(max(lo, ylim[0]), min(hi, ylim[1]))
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def charts(path, panels, cols, size):
-    """Several charts side by side in one PNG: panels are chart()'s keyword arguments, size one panel's."""
-    W, H = size
-    img = Image.new('RGB', (min(cols, len(panels)) * W, math.ceil(len(panels) / cols) * H), 'white')
-    draw = ImageDraw.Draw(img)
-    for i, panel in enumerate(panels):
-        chart(draw, ((i % cols) * W, (i // cols) * H, (i % cols + 1) * W, (i // cols + 1) * H), **panel)
-    save_png(img, path)
+    """Several charts side by side in one PNG: panels are chart()'s keyword arguments, size one panel's
+    (width, height) in pixels."""
+    cols = min(cols, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig = figure(cols * size[0], rows * size[1])
+    axes = fig.subplots(rows, cols, squeeze=False).flatten()
+    for ax, panel in zip(axes, panels):
+        chart(ax, **panel)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    save(fig, path)
 
 
-def heatmaps(path, matrices, groups, labels, caption, cell=46):
-    """One heat map per matrix {title: (rows, cols)}, a number in every cell, a shared colour scale; the row
-    groups {title: [[i, j, ...]]} outlined and bracketed."""
-    pad_left, pad_top = 40, 46
+def heatmaps(path, matrices, groups, labels, caption):
+    """One heat map per matrix {title: (rows, cols)}, a number in every cell, a shared colour scale (blue
+    negative, white 0, red positive); the row groups {title: [[i, j, ...]]} outlined and bracketed."""
     vmax = max(w.abs().max().item() for w in matrices.values())
     R, C = next(iter(matrices.values())).shape
-    panel_w, panel_h = pad_left + C * cell + 40, pad_top + R * cell + 10
-    img = Image.new('RGB', (panel_w * len(matrices) + 10, panel_h + 30), 'white')
-    draw = ImageDraw.Draw(img)
-    for p, (name, w) in enumerate(matrices.items()):
-        ox = 10 + p * panel_w
-        draw.text((ox + pad_left + C * cell / 2, 8), name, fill='black', font=font(14), anchor='ma')
-        for j in range(C):
-            draw.text((ox + pad_left + (j + 0.5) * cell, 28), f'k{j + 1}', fill='black', font=font(11),
-                      anchor='ma')
+    fig = figure(len(matrices) * (60 + 46 * C), 110 + 46 * R)
+    axes = fig.subplots(1, len(matrices), squeeze=False)[0]
+    for ax, (name, w) in zip(axes, matrices.items()):
+        ax.imshow(w.numpy(), cmap='RdBu_r', vmin=-vmax, vmax=vmax)
         for i in range(R):
-            y = pad_top + i * cell
-            draw.text((ox + pad_left - 6, y + cell / 2), labels[i], fill='black', font=font(12), anchor='rm')
             for j in range(C):
-                x, value = ox + pad_left + j * cell, w[i, j].item()
-                draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=diverging(value / vmax))
-                draw.text((x + cell / 2, y + cell / 2), f'{value:.2f}', fill='black', font=font(11),
-                          anchor='mm')
-        xr = ox + pad_left + C * cell
+                ax.text(j, i, f'{w[i, j].item():.2f}', ha='center', va='center', fontsize=7)
+        ax.set_xticks(range(C), [f'k{j + 1}' for j in range(C)], fontsize=8)
+        ax.set_yticks(range(R), labels, fontsize=8)
+        ax.xaxis.tick_top()
+        ax.set_title(name, fontsize=10)
         for g in groups[name]:
             for i in g:
-                draw.rectangle([ox + pad_left, pad_top + i * cell, xr - 1, pad_top + (i + 1) * cell - 1],
-                               outline=MARK, width=3)
-            ya, yb = pad_top + g[0] * cell + cell / 2, pad_top + g[-1] * cell + cell / 2
-            draw.line([(xr + 6, ya), (xr + 12, ya), (xr + 12, yb), (xr + 6, yb)], fill=MARK, width=3)
-            draw.text((xr + 16, (ya + yb) / 2), '=', fill=MARK, font=font(18), anchor='lm')
-    draw.text((10, panel_h + 8), caption, fill='black', font=font(12))
-    save_png(img, path)
+                ax.add_patch(Rectangle((-0.5, i - 0.5), C, 1, fill=False, edgecolor=MARK, linewidth=2))
+            ax.plot([C - 0.4, C - 0.2, C - 0.2, C - 0.4], [g[0], g[0], g[-1], g[-1]], color=MARK,
+                    linewidth=2, clip_on=False)
+            ax.text(C - 0.1, (g[0] + g[-1]) / 2, '=', color=MARK, fontsize=14, va='center')
+    fig.text(0.01, 0.01, caption, fontsize=8)
+    fig.get_layout_engine().set(rect=(0, 0.06, 1, 0.94))
+    save(fig, path)
 
 
-def overlay(image, w, grid, scale, vmax):
+def overlay(image, w, grid, vmax):
     """image (3, S, S) in [0, 1] with the weights w (h, w) laid over it: red positive, blue negative, the
     colour's strength sqrt(|w| / vmax), so weights near 0 leave the image visible and small ones still show.
-    vmax is shared by every map of a figure: a flat map looks faint, a peaked one strong. Returns a PIL image,
-    S*scale wide."""
+    vmax is shared by every map of a figure: a flat map looks faint, a peaked one strong. Returns
+    (S, S, 3)."""
     t = (w / vmax).clamp(-1, 1).repeat_interleave(image.shape[1] // grid[0], 0)
     t = t.repeat_interleave(image.shape[2] // grid[1], 1)  # (S, S) in [-1, 1]
-    red, blue = torch.tensor(diverging(1.0)) / 255, torch.tensor(diverging(-1.0)) / 255
-    colour = torch.where(t[None] >= 0, red[:, None, None], blue[:, None, None])  # (3, S, S)
-    alpha = 0.85 * t.abs().sqrt()[None]
-    out = image * (1 - alpha) + colour * alpha
-    return TF.to_pil_image(out).resize((image.shape[2] * scale, image.shape[1] * scale), Image.NEAREST)
+    colour = torch.where(t[None] >= 0, torch.tensor(RED)[:, None, None], torch.tensor(BLUE)[:, None, None])
+    alpha = 0.85 * t.abs().sqrt()[None]  # (1, S, S)
+    return (image * (1 - alpha) + colour * alpha).permute(1, 2, 0).numpy()
 
 
 def image_grid(path, image, rows, queries, grid):
     """For each row (label, [one (h, w) weight map per query]): the image with the queries marked, then each
     query's map laid over it (overlay), all maps on one colour scale."""
     S = image.shape[1]
-    scale, top = max(1, 128 // S), 40
-    label_w = max(150, 16 + max(ImageDraw.Draw(Image.new('RGB', (1, 1))).textlength(label, font=font(12))
-                                for label, _ in rows))
-    label_w = math.ceil(label_w)
-    T = S * scale
-    img = Image.new('RGB', (label_w + (len(queries) + 1) * (T + 8), top + len(rows) * (T + 8) + 46), 'white')
-    draw = ImageDraw.Draw(img)
-    plain = TF.to_pil_image(image).resize((T, T), Image.NEAREST)
     vmax = max(tile.abs().max().item() for _, tiles in rows for tile in tiles)
-    cell = (T / grid[1], T / grid[0])
-    draw.text((label_w + T / 2, top - 8), 'image', fill='black', font=font(12), anchor='md')
-    for j, (y, x_) in enumerate(queries):
-        draw.text((label_w + (j + 1) * (T + 8) + T / 2, top - 8), f'query ({y},{x_})', fill='black',
-                  font=font(12), anchor='md')
+    fig = figure(200 + 150 * (len(queries) + 1), 60 + 150 * len(rows))
+    axes = fig.subplots(len(rows), len(queries) + 1, squeeze=False)
+    cell = (S / grid[1], S / grid[0])
     for i, (label, tiles) in enumerate(rows):
-        oy = top + i * (T + 8)
-        draw.text((label_w - 8, oy + T / 2), label, fill='black', font=font(12), anchor='rm')
-        img.paste(plain, (label_w, oy))
-        for j, ((y, x_), tile) in enumerate(zip(queries, tiles)):
-            ox = label_w + (j + 1) * (T + 8)
-            img.paste(overlay(image, tile, grid, scale, vmax), (ox, oy))
-            for bx in (label_w, ox):  # the query's patch, on the image and on its own map
-                draw.rectangle([bx + x_ * cell[0], oy + y * cell[1], bx + (x_ + 1) * cell[0] - 1,
-                                oy + (y + 1) * cell[1] - 1], outline=MARK, width=2)
-    draw.text((10, img.height - 40), 'weights on the token grid (class token not drawn), mean over heads;',
-              fill='black', font=font(12))
-    draw.text((10, img.height - 22),
-              f'red > 0, blue < 0; strength sqrt(|w| / {vmax:.3f}), the largest |w| shown', fill='black',
-              font=font(12))
-    save_png(img, path)
+        axes[i, 0].imshow(image.permute(1, 2, 0).numpy(), interpolation='nearest')
+        axes[i, 0].set_ylabel(label, rotation=0, ha='right', va='center', fontsize=9)
+        for j, ((y, x), tile) in enumerate(zip(queries, tiles)):
+            axes[i, j + 1].imshow(overlay(image, tile, grid, vmax), interpolation='nearest')
+            for ax in (axes[i, 0], axes[i, j + 1]):  # the query's patch, on the image and on its own map
+                ax.add_patch(Rectangle((x * cell[0] - 0.5, y * cell[1] - 0.5), cell[0], cell[1], fill=False,
+                                       edgecolor=MARK, linewidth=1.5))
+        for ax in axes[i]:
+            ax.set_xticks([])
+            ax.set_yticks([])
+    axes[0, 0].set_title('image', fontsize=9)
+    for j, (y, x) in enumerate(queries):
+        axes[0, j + 1].set_title(f'query ({y},{x})', fontsize=9)
+    fig.text(0.01, 0.01, 'weights on the token grid (class token not drawn), mean over heads; red > 0, '
+             f'blue < 0; strength sqrt(|w| / {vmax:.3f}), the largest |w| shown', fontsize=8)
+    fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
+    save(fig, path)
 
 
 # The ablations' pictures (paper/ablations.py)
@@ -241,11 +184,10 @@ def ablations_pictures(args, chosen, planned, done, result, rows, points, pairs,
         title=table, xlabel='', ylabel='top-1 minus the reference row\'s (points)', xticks=xs,
         xlabels=[label for label, _, _, _ in entries], hlines=[('', 0.0)], lines=False)
         for table, entries in panels.items() for xs in [list(range(1, len(entries) + 1))]] or [dict(
-        series=[('here', list(range(1, len(chosen) + 1)),
-                 [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)],
-                 title='top-1 here',
-        xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
-        xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
+            series=[('here', list(range(1, len(chosen) + 1)),
+                     [statistics.mean(result[n].top1.values() or [0]) for n in chosen], None)],
+            title='top-1 here', xlabel='', ylabel='top-1 (%)', xticks=list(range(1, len(chosen) + 1)),
+            xlabels=[short_name(n) for n in chosen], lines=False)], cols=4, size=(420, 330))
     name = os.path.basename(out)  # figures/ablations_quick.png -> figures/curves_quick.png
     curves = name.replace('ablations', 'curves') if 'ablations' in name else 'curves_' + name
     learning_curves(os.path.join(os.path.dirname(out), curves), chosen, planned, done, pairs)
@@ -258,8 +200,8 @@ def ablations_pictures(args, chosen, planned, done, result, rows, points, pairs,
 def learning_curves(path, chosen, planned, done, pairs):
     """One panel per table: validation top-1 by epoch, the mean over seeds, for every distinct configuration
     of the table and both sides of each comparison it makes (`pairs`: [(tables, row, reference)]; P's
-    InLine-Swin-T is R-res's row, the floor's its S row), so each panel holds its comparisons and a reader sees
-    whether training had flattened for every model the text speaks of."""
+    InLine-Swin-T is R-res's row, the floor's its S row), so each panel holds its comparisons and a reader
+    sees whether training had flattened for every model the text speaks of."""
     panels = []
     for table in dict.fromkeys(e.table for e in chosen.values()):
         series, drawn = [], set()
@@ -289,9 +231,10 @@ def short_name(name):
                            (r't4_window(\d+)_no_residual', r'w\1'),
                            (r't4_window(\d+)_residual', r'w\1 + res'), (r't10_kernel_(\w+)', r'\1'),
                            (r'r_residual_(\w+)', r'\1'), (r'r_dilation(\d)', r'dil \1'),
-                           (r't1_(?:swin_)?(\w+)_normalised_q', r'\1 normalised q'), (r's_(\w+)_t', r'softmax \1'),
-                           (r'inline_(\w+)_t', r'InLine \1'), (r'floor_(\w+)', r'floor \1'),
-                           (r'p_flatten_swin', 'FLatten'), (r'p_flatten_swin_subtraction', 'FLatten subtr.'),
+                           (r't1_(?:swin_)?(\w+)_normalised_q', r'\1 normalised q'),
+                           (r's_(\w+)_t', r'softmax \1'), (r'inline_(\w+)_t', r'InLine \1'),
+                           (r'floor_(\w+)', r'floor \1'), (r'p_flatten_swin', 'FLatten'),
+                           (r'p_flatten_swin_subtraction', 'FLatten subtr.'),
                            (r'p_transnormer_swin', 'TransNormer')):
         if re.fullmatch(pattern, name):
             return re.sub(pattern, short, name)

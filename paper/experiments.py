@@ -134,6 +134,47 @@ def describe(model):
     return ', '.join(parts)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The paper's claims: the difference it reports between two rows, which a comparison tests
+
+# The paper's claim for rows it has no number for but whose comparison tests one of its claims: R-res's
+# corners of the 2x2 test "Eq. 6 adds 2.2 points" (its r_residual_local 82.4 against r_residual_none 80.2)
+# with the APE held, and the matched row tests it parameter for parameter
+CLAIMS = {'r_residual_none_no_ape': ('R-res: -2.2', -2.2), 'r_residual_local_ape': ('R-res: +2.2', 2.2),
+          'r_residual_none_matched': ('R-res: -2.2', -2.2),
+          # T1's claim, that softmax loses by losing injectivity (DeiT-T 72.2 -> 70.6 / 69.9), in Swin and in
+          # InLine
+          't1_swin_softmax_normalised_q': ('T1 (DeiT-T): -1.6', -1.6),
+          't1_inline_normalised_q': ('T1 (DeiT-T): -1.6', -1.6),
+          # the rebuttal: FLatten "without division" loses 0.2 points
+          'p_flatten_swin_subtraction': ('rebuttal: -0.2', -0.2)}
+# else t1_softmax
+T1_REFERENCE = {'t1_swin_softmax_normalised_q': 's_swin_t', 't1_inline_normalised_q': 'inline_swin_t'}
+
+
+def reported_value(text):
+    """The paper's number as a float: the first figure given; 'does not converge' as -inf; None when
+    unreported."""
+    if text is None:
+        return None
+    if 'not converge' in text:
+        return float('-inf')
+    digits = ''.join(c if c.isdigit() or c == '.' else ' ' for c in text).split()
+    return float(digits[0]) if digits else None
+
+
+def paper_claim(name, ref, every):
+    """(text, difference) the paper gives for row minus reference; difference None where it gives none."""
+    if name in CLAIMS:
+        return CLAIMS[name]
+    if every[ref].table == 'floor':
+        return '—', None
+    paper, paper_ref = reported_value(every[name].reported), reported_value(every[ref].reported)
+    if paper is None or paper_ref is None:
+        return every[name].reported or '—', None
+    return f'{every[name].reported} vs {every[ref].reported}', paper - paper_ref
+
+
 # The paper's model table and its experiments by name, built on the meta device (no memory, no training)
 
 def cmd_models(args):

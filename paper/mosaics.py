@@ -12,7 +12,7 @@ repository root):
 import os
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2 as T
@@ -21,7 +21,6 @@ from torchvision.transforms.v2 import functional as F
 import data
 import train
 from data import TO_TENSOR, fail  # FashionRecall's argument `train` is the split
-from paper.charts import font, save_png
 
 NAME = 'fashion_recall'
 TRAIN_MOSAICS, TEST_MOSAICS = 20_000, 10_000  # unless --synthetic-train, --synthetic-val say otherwise
@@ -162,6 +161,10 @@ def register():
     train.DATASETS[NAME] = load
 
 
+def font(size=13):
+    return ImageFont.load_default(size=size)
+
+
 def cmd_mosaics(args):
     """Samples of train.py's --dataset fashion_recall, test split, each task a row, every mosaic under its
     label."""
@@ -182,4 +185,8 @@ def cmd_mosaics(args):
             img.paste(tile, (150 + i * (64 * scale + pad), y))
             draw.text((150 + i * (64 * scale + pad), y + 64 * scale + 6), classes[label], fill='black',
                       font=font(14))
-    save_png(img, args.png or os.path.join(args.out, 'mosaics.png'))
+    # the mosaics themselves, pixel for pixel: data drawn with Pillow, not a chart
+    path = args.png or os.path.join(args.out, 'mosaics.png')
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    img.save(path, format='PNG', optimize=True)
+    print(f'picture: {path} ({img.width}x{img.height})')

@@ -1,158 +1,139 @@
-"""The lab's statistics: Student's t from its own continued fraction, the intervals of paired comparisons over
-seeds and test images, the minimum detectable effect, the verdicts (with equivalence) and Holm's adjustment,
-the exact tests (the sign-flip test of paired seeds; Fisher's and Clopper-Pearson's for shares of seeds), and
-the summary of a configuration's run records.
+"""The lab's statistics, on scipy.stats: Welch's comparison of two configurations over seeds and the test
+set's images, its ordering test and TOST, their power, Holm's adjustment, the verdict words; Boschloo's test
+and Clopper-Pearson's interval for shares of seeds; one-sample intervals; the summary of a configuration's
+runs.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. No command of its own: `python -m paper ablations` and `python -m paper recall` read their
-verdicts through these (RESULTS.md, "Verdicts").
+verdicts through these, by the rules of RESULTS.md ("Verdicts"; "Recall, by the seeds that learn"). Every
+distribution (t, noncentral t, binomial, Boschloo's) is scipy's; what is written here is the arithmetic of
+means and variances around them, and Holm's few lines.
 """
-import functools
-import itertools
 import math
 import statistics
 from typing import NamedTuple
 
-import torch
+import numpy as np
+from scipy import stats
 
 from paper.runs import unpack_correct
 
-
-# Verdicts, fixed before the runs (RESULTS.md, "Verdicts"): t-tests of the mean difference of runs paired by
-# seed, its error over seeds and over the test set's images, computed here from the t distribution itself (no
-# table, no scipy); Holm's adjustment over a table's family
-
-MARGIN = 1.0  # top-1 points: TOST's tie margin, and the effect the claim rows' seeds are chosen to detect
-# the paper's own ties: rows 0.2 or less apart, as it reads T10 (82.4, 82.5) and T4 (82.3, 82.4)
+ALPHA = 0.05  # every family's level: the chance of any false rejection in it
+MARGIN = 0.5  # top-1 points: a difference that does not matter on the mosaics (RESULTS.md, "Verdicts")
+# the paper's ties: rows 0.2 or less apart, as it reads T10 (82.4, 82.5) and T4 (80.4, 80.2)
 PAPER_TIE = 0.2
-# every test's level (two-sided; TOST 2.5% a side) and the power seeds are chosen for
-ALPHA, POWER = 0.05, 0.8
+POWER = 0.8  # the power the seeds are planned for
+EQUIVALENT = f'equivalent within ±{MARGIN:g}'
 
 
-def incomplete_beta(x, a, b):
-    """The regularized incomplete beta function I_x(a, b) = B(x; a, b) / B(a, b), from its continued fraction
-    x^a (1-x)^b / (a B(a, b)) / (1 + d1 / (1 + d2 / ...)), d_2m = m (b - m) x / ((a + 2m - 1)(a + 2m)),
-    d_2m+1 = -(a + m)(a + b + m) x / ((a + 2m)(a + 2m + 1)), evaluated by Lentz's method; where it converges
-    slowly (x above the mean (a + 1) / (a + b + 2)) through I_x(a, b) = 1 - I_1-x(b, a)."""
-    if x <= 0 or x >= 1:
-        return float(x >= 1)
-    if x > (a + 1) / (a + b + 2):
-        return 1 - incomplete_beta(1 - x, b, a)
-    log_front = a * math.log(x) + b * math.log1p(-x) + math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-    tiny, f, c, d = 1e-300, 1e-300, 1e-300, 0.0  # f = c = tiny stands for the fraction's leading 0
-    for j in range(1, 1000):
-        m = (j - 1) // 2
-        num = (1.0 if j == 1 else m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if j % 2 == 1 else
-               -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))  # j = 1: 1; then d_1, d_2, ...
-        d = 1 / (1 + num * d if abs(1 + num * d) > tiny else tiny)
-        c = 1 + num / c if abs(1 + num / c) > tiny else tiny
-        f *= c * d
-        if abs(c * d - 1) < 1e-15:
-            break
-    return math.exp(log_front) / a * f
+# ---------------------------------------------------------------------------------------------------
+# A comparison's difference: Welch over seeds, plus the test set's term
 
 
-def t_cdf(t, df):
-    """P(T <= t) for Student's t with df degrees of freedom: 1 - I_x(df/2, 1/2) / 2 at x = df / (df + t^2)."""
-    if math.isinf(t):
-        return float(t > 0)
-    tail = incomplete_beta(df / (df + t * t), df / 2, 0.5) / 2  # P(T > |t|)
-    return 1 - tail if t > 0 else tail
+def residual_ms(y):
+    """The residual mean square of a two-way table y (seeds, M) of one configuration's per-image scores:
+    what is left after each seed's and each image's mean, on (n - 1)(M - 1) degrees of freedom."""
+    n, M = y.shape
+    r = y - y.mean(1, keepdims=True) - y.mean(0) + y.mean()
+    return float((r ** 2).sum()) / ((n - 1) * (M - 1))
 
 
-@functools.lru_cache(maxsize=None)
-def t_quantile(p, df):
-    """The t with P(T <= t) = p, by bisection on t_cdf (to 1e-12); infinite without degrees of freedom."""
-    if df < 1:
-        return math.inf if p > 0.5 else -math.inf if p < 0.5 else 0.0
-    lo, hi = -1.0, 1.0
-    while t_cdf(lo, df) > p:
-        lo *= 2
-    while t_cdf(hi, df) < p:
-        hi *= 2
-    while hi - lo > 1e-12 * max(1.0, abs(hi)):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
+def image_term(a, b=None):
+    """(variance, its share of Satterthwaite's denominator): what the test set's sampling adds to the
+    variance of a mean (b None) or of a difference of means (a's minus b's), points². a, b: per-image scores
+    (seeds, M), 100 where a run got the image right. D_j, the per-image mean over seeds (a's minus b's); its
+    variance over images less each side's residual_ms / seeds estimates the model x image variance, which over
+    M images adds itself / M (kept at 0 or more). With b None this is the two-way random-effects model of one
+    configuration (seed + image + residual)."""
+    sides = [a] if b is None else [a, b]
+    M = a.shape[1]
+    d = a.mean(0) - (0 if b is None else b.mean(0))  # (M,)
+    parts = [(float(d.var(ddof=1)) / M, M - 1)] + [
+        (residual_ms(y) / (len(y) * M), (len(y) - 1) * (M - 1)) for y in sides]
+    var = max(0.0, parts[0][0] - sum(v for v, _ in parts[1:]))
+    return var, sum(v ** 2 / df for v, df in parts)
 
 
-def image_term(images):
-    """(variance, its Satterthwaite term): what the test set's sampling adds to the variance of a comparison's
-    mean difference (points²), from `images`, the per-image differences (seeds, M): 1 where only the row's
-    model is right,
-    -1 where only the reference's is. The two-way random-effects model (seed + image + residual), one run per
-    seed and model, read by its mean squares: the mean's variance is (MS_seed + MS_image - MS_residual) / (n
-    M), of which MS_seed / (n M) is the seeds' term (sd² / n of the per-seed differences) and (MS_image -
-    MS_residual) / (n M) the test set's, kept at 0 or more; the second number is that term's share of
-    Satterthwaite's denominator, (MS_image² / (M - 1) + MS_residual² / ((n - 1)(M - 1))) / (n M)²."""
-    d = 100 * images.double()  # (n, M), points
-    n, M = d.shape
-    by_image = d.mean(0)  # (M,)
-    ms_image = n * by_image.var().item()
-    ms_residual = (d - d.mean(1, keepdim=True) - by_image
-                   + d.mean()).pow(2).sum().item() / ((n - 1) * (M - 1))
-    return (max(0.0, ms_image - ms_residual) / (n * M),
-            (ms_image ** 2 / (M - 1) + ms_residual ** 2 / ((n - 1) * (M - 1))) / (n * M) ** 2)
+def scores(correct):
+    """(seeds, M) per-image scores in points from a list of boolean tensors, or None where any is missing."""
+    if not correct or any(c is None for c in correct):
+        return None
+    return 100 * np.stack([c.numpy() for c in correct]).astype(np.float64)
 
 
-def paired(diffs, images=None):
-    """(mean, standard error, degrees of freedom) of a comparison's mean difference, from its per-seed
-    differences (points) and, where given, the per-image differences behind them (image_term; their rows in
-    the seeds' order). Seeds only: sd / sqrt(n) on n - 1 degrees of freedom, which holds the test set's images
-    fixed and so leaves out their sampling error (it shrinks with images, never with seeds). With images, the
-    test set's term is added, on Satterthwaite's degrees of freedom for the sum. Infinite error with one
-    seed."""
-    n, mean = len(diffs), statistics.mean(diffs)
-    if n < 2:
+def welch(a, b, images_a=None, images_b=None):
+    """(Δ, its standard error, degrees of freedom) of mean(a) - mean(b) over two rows' seeds, unpaired:
+    variance sd_a² / n_a + sd_b² / n_b, plus the test set's term where both rows give per-image scores
+    (images_*, (seeds, M)), on Welch-Satterthwaite's degrees of freedom. Without images this is
+    scipy.stats.ttest_ind(a, b, equal_var=False)'s (tested). Infinite error with under two seeds a side."""
+    mean = statistics.mean(a) - statistics.mean(b)
+    if len(a) < 2 or len(b) < 2:
         return mean, math.inf, 0
-    seeds = statistics.variance(diffs) / n
-    image_var, term = image_term(images) if images is not None else (0.0, 0.0)
-    if image_var == 0:
-        return mean, math.sqrt(seeds), n - 1
-    return mean, math.sqrt(seeds + image_var), (seeds + image_var) ** 2 / (seeds ** 2 / (n - 1) + term)
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    vi, term = (0.0, 0.0) if images_a is None or images_b is None else image_term(images_a, images_b)
+    denominator = va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1) + term
+    se = math.sqrt(va + vb + vi)
+    return mean, se, (se ** 4 / denominator if denominator else math.inf)
+
+
+def one_sample(values, images=None):
+    """(mean, standard error, degrees of freedom) of one set of values over seeds (a model's recall; the
+    differences of genuinely paired measurements), with the test set's term where images (seeds, M) are
+    given, on Satterthwaite's degrees of freedom."""
+    mean = statistics.mean(values)
+    if len(values) < 2:
+        return mean, math.inf, 0
+    seeds = statistics.variance(values) / len(values)
+    vi, term = (0.0, 0.0) if images is None else image_term(images)
+    se = math.sqrt(seeds + vi)
+    if se == 0:
+        return mean, 0.0, len(values) - 1
+    return mean, se, se ** 4 / (seeds ** 2 / (len(values) - 1) + term)
+
+
+def half_width(se, df, level=1 - ALPHA):
+    """The half-width of a two-sided `level` interval, t(1 - (1 - level) / 2, df) · se; infinite without
+    degrees of freedom."""
+    if df < 1 or math.isinf(se):
+        return math.inf
+    return float(stats.t.ppf(1 - (1 - level) / 2, df)) * se
+
+
+def interval(values, images=None):
+    """(mean, half-width) of one_sample's 95% interval."""
+    mean, se, df = one_sample(values, images)
+    return mean, half_width(se, df)
+
+
+def welch_text(a, b):
+    """b's mean minus a's ± Welch's 95% half-width, '-' without two values on each side."""
+    if len(a) < 2 or len(b) < 2:
+        return '-'
+    mean, se, df = welch(b, a)
+    return f'{mean:+.1f} ± {half_width(se, df) if se else 0.0:.1f}'
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two tests of a comparison, Holm, the verdict
 
 
 def upper(mean, delta, se, df):
-    """P(T > (mean - delta) / se): the one-sided p of "the true mean is delta or less"; with no spread (se =
-    0, every seed alike) 0 or 1."""
+    """P(T >= (mean - delta) / se): the one-sided p of H0 "the true difference is delta or less"."""
     if se == 0:
         return 0.0 if mean > delta else 1.0 if mean < delta else 0.5
-    return 1 - t_cdf((mean - delta) / se, df)
+    return float(stats.t.sf((mean - delta) / se, df))
 
 
-def interval(diffs, images=None):
-    """(mean, half-width) of the 95% interval of a comparison's mean difference, t(0.975, df) times paired's
-    standard error: over seeds, and over the test set's images where they are given; infinite with one
-    seed."""
-    mean, se, df = paired(diffs, images)
-    return mean, t_quantile(1 - ALPHA / 2, df) * se if df else math.inf
+def ordering_p(mean, se, df, margin=0.0):
+    """The two-sided p of H0 |Δ| <= margin: twice the smaller one-sided p, against +margin and -margin. At
+    margin 0, the t-test of Δ = 0 (a paper's ordering); at MARGIN, "beyond the margin" (a paper's tie)."""
+    return min(1.0, 2 * min(upper(mean, margin, se, df), 1 - upper(mean, -margin, se, df)))
 
 
-def mde(sd, seeds, image_var=0.0):
-    """The minimum detectable effect at 80% power: the true mean difference that the two-sided 5% paired
-    t-test on `seeds` seeds rejects 0 for with probability 0.8, (t_0.975,n-1 + t_0.8,n-1) sqrt(sd² / n +
-    image_var), the usual approximation to the noncentral t (it counts only the side the effect is on); sd,
-    the comparison's own per-seed differences'; image_var, the comparison's image_term, which more
-    seeds do not shrink."""
-    if seeds < 2:
-        return math.inf
-    t = t_quantile(1 - ALPHA / 2, seeds - 1) + t_quantile(POWER, seeds - 1)
-    return t * math.sqrt(sd ** 2 / seeds + image_var)
-
-
-def seeds_for(sd, image_var=0.0, effect=MARGIN):
-    """The fewest seeds (2 to 1000) whose mde is `effect` or less; None where none is (the test set's term
-    alone can keep it above)."""
-    return next((n for n in range(2, 1001) if mde(sd, n, image_var) <= effect), None)
-
-
-def tost(mean, se, df):
-    """(p that the true difference lies within +-MARGIN, p that it lies beyond it on one side): the two
-    one-sided tests of -MARGIN and +MARGIN at 2.5% each (the 95% interval inside +-MARGIN), the larger p
-    doubled to the 5% scale; and the whole interval outside +-MARGIN, likewise."""
-    inside = max(upper(mean, -MARGIN, se, df), 1 - upper(mean, MARGIN, se, df))  # H0: <= -M; H0: >= M
-    outside = min(upper(mean, MARGIN, se, df), 1 - upper(mean, -MARGIN, se, df))  # H0: <= M; H0: >= -M
-    return min(1.0, 2 * inside), min(1.0, 2 * outside)
+def tost_p(mean, se, df, margin=MARGIN):
+    """TOST's p of H0 |Δ| >= margin (Schuirmann): the larger of the one-sided p's of H0 Δ <= -margin and
+    H0 Δ >= +margin."""
+    return max(upper(mean, -margin, se, df), 1 - upper(mean, margin, se, df))
 
 
 def is_tie(paper_diff):
@@ -160,108 +141,73 @@ def is_tie(paper_diff):
     return round(abs(paper_diff), 1) <= PAPER_TIE
 
 
-def p_values(diffs, paper_diff, images=None):
-    """(p that the paper's claim is reproduced, p that it is contradicted), each rejected at ALPHA. A paper
-    ordering: the two-sided paired t-test of a zero mean, counted on the side the mean is on. A paper tie
-    (is_tie): tost, reproduced within +-MARGIN, contradicted beyond it. On paired's error: over seeds, and
-    over the test set where images (image_term) are given."""
-    mean, se, df = paired(diffs, images)
-    if df < 1:
+def tests(mean, se, df, paper_diff):
+    """(ordering p, TOST p) of a comparison against the paper's difference: a tie's ordering test is "beyond
+    ±MARGIN", an ordering's "Δ = 0"; (1, 1) without degrees of freedom."""
+    if df < 1 or math.isinf(se):
         return 1.0, 1.0
-    if is_tie(paper_diff):
-        return tost(mean, se, df)
-    p = min(1.0, 2 * min(upper(mean, 0, se, df), 1 - upper(mean, 0, se, df)))
-    return (p, 1.0) if mean != 0 and (mean > 0) == (paper_diff > 0) else (1.0, p)
-
-
-EQUIVALENT = f'equivalent within ±{MARGIN:g}'
-
-
-def decide(diffs, paper_diff, images=None):
-    """(verdict, its p): the paper's difference paper_diff against ours, the per-seed differences diffs (row
-    minus reference, seed by seed); ('—', None) when the paper gives no difference. An ordering is reproduced
-    when the 95% interval excludes 0 on the paper's side, contradicted on the other; else EQUIVALENT when
-    tost puts the interval within +-MARGIN (a size of effect the data rule out, whatever the paper's); a tie
-    is reproduced when the interval lies within +-MARGIN, contradicted when wholly outside. Else not resolved,
-    with its t-test's (or the tie's TOST's) smaller p. images: as in paired."""
-    if paper_diff is None:
-        return '—', None
-    reproduce, contradict = p_values(diffs, paper_diff, images)
-    if reproduce < ALPHA or contradict < ALPHA:
-        return ('reproduced', reproduce) if reproduce < contradict else ('contradicted', contradict)
-    mean, se, df = paired(diffs, images)
-    inside = tost(mean, se, df)[0] if df >= 1 and not is_tie(paper_diff) else 1.0
-    if inside < ALPHA:
-        return EQUIVALENT, inside
-    return 'not resolved', min(reproduce, contradict)
-
-
-def sign_flip_p(diffs):
-    """The exact two-sided p of the paired sign-flip (randomisation) test of a zero mean: were the two models
-    alike, each seed's difference would be as likely negative as positive, so p is the share of the 2^n sign
-    patterns whose mean lies as far from 0 as the observed one or farther. No normality and no test-set term:
-    with n seeds it cannot go below 2 / 2^n (0.0625 at 5 seeds)."""
-    if not diffs:
-        return 1.0
-    observed = abs(sum(diffs)) * (1 - 1e-12)
-    far = sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= observed
-              for signs in itertools.product((1, -1), repeat=len(diffs)))
-    return far / 2 ** len(diffs)
-
-
-def welch(a, b):
-    """b's mean minus a's, ± the Welch 95% half-width (t on Welch-Satterthwaite's degrees of freedom); '-'
-    without two values on each side."""
-    if len(a) < 2 or len(b) < 2:
-        return '-'
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    diff = statistics.mean(b) - statistics.mean(a)
-    if va + vb == 0:
-        return f'{diff:+.1f} ± 0.0'
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    return f'{diff:+.1f} ± {t_quantile(1 - ALPHA / 2, df) * math.sqrt(va + vb):.1f}'
+    return ordering_p(mean, se, df, MARGIN if is_tie(paper_diff) else 0.0), tost_p(mean, se, df)
 
 
 def holm(ps):
-    """Holm's step-down adjustment of p-values [p_1 .. p_m], in their order: the i-th smallest is multiplied
-    by m - i + 1, each kept at least the one before it, at most 1. Rejecting where the adjusted p < ALPHA
-    keeps the chance of any false rejection among the m at ALPHA."""
-    order, adjusted, running = sorted(range(len(ps)), key=lambda i: ps[i]), [1.0] * len(ps), 0.0
-    for rank, i in enumerate(order):
+    """Holm's step-down adjustment of p's in their order: the i-th smallest times m - i + 1, each at least
+    the one before, at most 1. Rejecting where the adjusted p < ALPHA keeps the chance of any false
+    rejection among the m at ALPHA, whatever their dependence."""
+    adjusted, running = [1.0] * len(ps), 0.0
+    for rank, i in enumerate(sorted(range(len(ps)), key=lambda i: ps[i])):
         running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
         adjusted[i] = running
     return adjusted
 
 
-def beta_quantile(p, a, b):
-    """The x with I_x(a, b) = p, by bisection on incomplete_beta (to 1e-12)."""
-    lo, hi = 0.0, 1.0
-    while hi - lo > 1e-12:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if incomplete_beta(mid, a, b) < p else (lo, mid)
-    return (lo + hi) / 2
+def verdict(paper_diff, mean, q_order, q_tost):
+    """The verdict word from the Holm-adjusted p's (RESULTS.md, "Verdicts"). A paper tie: reproduced by TOST,
+    contradicted by the test of "beyond ±MARGIN". A paper ordering: reproduced or contradicted by the side
+    its t-test rejects on (noting where TOST also puts it within the margin), else EQUIVALENT by TOST."""
+    if is_tie(paper_diff):
+        return 'reproduced' if q_tost < ALPHA else 'contradicted' if q_order < ALPHA else 'not resolved'
+    if q_order < ALPHA:
+        word = 'reproduced' if (mean > 0) == (paper_diff > 0) else 'contradicted'
+        return word + (f' (within ±{MARGIN:g})' if q_tost < ALPHA else '')
+    return EQUIVALENT if q_tost < ALPHA else 'not resolved'
+
+
+def power(sd_a, n_a, sd_b, n_b, level, image_var=0.0, margin=MARGIN):
+    """(TOST's power at Δ = 0, the ordering test's at |Δ| = margin) of a Welch comparison at `level`, from
+    the noncentral t on n_a + n_b - 2 degrees of freedom, noncentrality margin / se. TOST's is the bound
+    1 - 2 P(T' <= t(1 - level)): each one-sided test fails with that chance at most."""
+    se = math.sqrt(sd_a ** 2 / n_a + sd_b ** 2 / n_b + image_var)
+    df = n_a + n_b - 2
+    nc = margin / se
+    tost = 1 - 2 * stats.nct.cdf(stats.t.ppf(1 - level, df), df, nc)
+    return max(0.0, float(tost)), float(stats.nct.sf(stats.t.ppf(1 - level / 2, df), df, nc))
+
+
+def seeds_for(sd, n_ref, level, image_var=0.0, which=0, most=100):
+    """The fewest seeds (2 to `most`) of a row that give power(...)[which] >= POWER against a reference of
+    n_ref seeds (None: as many as the row), both at sd; None where none does."""
+    return next((n for n in range(2, most + 1)
+                 if power(sd, n, sd, n_ref or n, level, image_var)[which] >= POWER), None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shares of seeds: Boschloo and Clopper-Pearson
+
+
+def boschloo(k1, n1, k2, n2):
+    """Boschloo's exact two-sided p that two shares (k1 of n1, k2 of n2) are equal: each group's size is
+    fixed, the design this unconditional test is built for (scipy.stats.boschloo_exact)."""
+    return float(stats.boschloo_exact([[k1, k2], [n1 - k1, n2 - k2]], alternative='two-sided').pvalue)
 
 
 def clopper_pearson(k, n):
-    """The exact 95% interval (lo, hi) of a share from k successes in n trials: the shares whose binomial
-    tails make k just significant at 2.5% each side, Beta(k, n - k + 1)'s 2.5% point and Beta(k + 1, n -
-    k)'s 97.5% point (0 and 1 at the edges). It holds its coverage at any n, the few seeds here included."""
-    lo = 0.0 if k == 0 else beta_quantile(ALPHA / 2, k, n - k + 1)
-    hi = 1.0 if k == n else beta_quantile(1 - ALPHA / 2, k + 1, n - k)
-    return lo, hi
+    """The exact 95% interval (lo, hi) of a share, k of n (scipy.stats.binomtest's Clopper-Pearson)."""
+    ci = stats.binomtest(k, n).proportion_ci(confidence_level=1 - ALPHA, method='exact')
+    return ci.low, ci.high
 
 
-def fisher_exact(k1, n1, k2, n2):
-    """The two-sided p of Fisher's exact test that two shares (k1 of n1, k2 of n2) are equal: with the
-    margins fixed, the successes of the first group are hypergeometric, and p sums the probabilities of every
-    table no more likely than the observed one."""
-    total, hits = n1 + n2, k1 + k2
-
-    def prob(x):  # P(the first group has x of the hits)
-        return math.comb(n1, x) * math.comb(n2, hits - x) / math.comb(total, hits)
-    observed = prob(k1)
-    return min(1.0, sum(q for x in range(max(0, hits - n2), min(n1, hits) + 1)
-                        if (q := prob(x)) <= observed * (1 + 1e-9)))
+# ---------------------------------------------------------------------------------------------------
+# A configuration's runs
 
 
 class Summary(NamedTuple):
@@ -289,19 +235,23 @@ def summarise(records):
     last = {r['seed']: r['epochs'][-1] for r in done}
     return Summary({s: e['val_acc1'] for s, e in sorted(last.items())},
                    {s: unpack_correct(e['val_correct'], e['val_images']) if 'val_correct' in e else None
-                    for s, e in last.items()},
+                    for s, e in sorted(last.items())},
                    sorted(r['seed'] for r in records if r['state'] == 'diverged'),
                    statistics.mean(gains) if gains else None)
 
 
-def matched(a, b):
-    """A comparison of two Summaries, paired by seed number (the runs of one seed share their initialisation
-    stream and data order; a seed one side lacks drops that pair, never shifts the others): (the seeds, the
-    per-seed differences a - b in points, the per-image differences (seeds, images) where every run of those
-    seeds kept its per-image results, else None)."""
+def compare(a, b):
+    """Welch's (Δ, se, df) of Summary a minus Summary b on all their seeds, with the test set's term where
+    every run of both kept its per-image results."""
+    return welch(list(a.top1.values()), list(b.top1.values()),
+                 scores(list(a.correct.values())), scores(list(b.correct.values())))
+
+
+def seed_correlation(a, b):
+    """The correlation of two Summaries' top-1 over the seed numbers they share (nan under 3): what pairing
+    by seed would gain (positive) or cost (negative)."""
     seeds = sorted(a.top1.keys() & b.top1.keys())
-    diffs = [a.top1[s] - b.top1[s] for s in seeds]
-    if not seeds or any(a.correct[s] is None or b.correct[s] is None for s in seeds):
-        return seeds, diffs, None
-    return seeds, diffs, torch.stack([a.correct[s].to(torch.int8) - b.correct[s].to(torch.int8)
-                                      for s in seeds])
+    x, y = [a.top1[s] for s in seeds], [b.top1[s] for s in seeds]
+    if len(seeds) < 3 or statistics.pstdev(x) == 0 or statistics.pstdev(y) == 0:
+        return math.nan
+    return float(stats.pearsonr(x, y).statistic)
