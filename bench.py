@@ -479,9 +479,8 @@ def bench_gpu_step(fast, device, smoke=False):
                                         **(SMOKE_SWIN if smoke else {}))
     except (ValueError, RuntimeError, ImportError) as e:
         return dict(row, status=f"not run ({(str(e).splitlines() or [''])[0]})")
-    built = sorted({getattr(m.core, '__name__', repr(m.core)) for m in model.modules() if hasattr(m, 'core')})
-    expected = {False: 'inline_core', 'compile': 'inline_core_fast', 'triton': 'inline_core_triton'}[fast]
-    if built != [expected]:
+    built = sorted({str(m.fast) for m in model.modules() if isinstance(m, inline.InLineBase)})
+    if built != [str(fast)]:  # each InLine module's switch: False, 'compile' or 'triton'
         return dict(row, status=f"not run (fast={fast!r} built {', '.join(built)})")
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(B, 3, *model.img_size, generator=gen, device=device)

@@ -167,6 +167,29 @@ def test_core_refuses_what_it_does_not_compute():
             triton_core.inline_core_triton(q, k, v, None, (3, 4))
 
 
+def test_create_model_with_triton_is_refused_on_a_cpu_model():
+    """create_model(fast='triton') on a CPU model, outside the interpreter, says why and what to use instead;
+    under the interpreter the model builds and enable_fast checks the kernel against the reference on each
+    attention configuration, as it checks the compiled core."""
+    import models
+    small = dict(img_size=64, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), softmax_window=2,
+                 num_classes=3)
+    if not INTERPRETED:
+        with pytest.raises(ValueError, match=r"fast='triton' runs InLine's Triton kernel, which needs a CUDA "
+                                             r"device \(the model is on cpu\); on the CPU use "
+                                             r"fast='compile'"):
+            models.create_model('inline_swin_t', fast='triton', **small)
+        return
+    torch.manual_seed(0)
+    reference = models.create_model('inline_swin_t', **small).eval()
+    fast = models.create_model('inline_swin_t', fast='triton', **small).eval()
+    fast.load_state_dict(reference.state_dict())
+    assert {m.fast for m in fast.modules() if isinstance(m, inline.InLineBase)} == {'triton'}
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------
 # CUDA: the same comparisons compiled, bf16 among them, and Swin-T's stage 1; the speed is bench.py's
 
