@@ -1,11 +1,13 @@
-"""Checkpoint files: the released format, read as weights only and fitted to a model; train.py's, written
-atomically and resumed exactly.
+"""Checkpoint files: the released format, read as weights only and fitted to a model; train.py's,
+written atomically and resumed exactly.
 
-InLine attention: Han et al., NeurIPS 2024, arXiv 2412.06590. models.create_model(checkpoint=...) loads
-through load_checkpoint. For train.py, its run (a train.Run) and training state (a train.Training) come in as
-arguments; OUTPUT_DIR holds checkpoint.pt (the latest, which a rerun of the same command resumes), best.pt (a
-link to the best epoch's), metrics.jsonl (the checkpoint's log) and val_correct.pt (the last validation's
-per-image results, which the lab reads).
+InLine attention: Han et al., NeurIPS 2024, arXiv 2412.06590. models.create_model(checkpoint=...)
+loads through load_checkpoint. For train.py, its run (a train.Run) and training state (a
+train.Training) come in as arguments; OUTPUT_DIR holds checkpoint.pt (the latest, which a rerun of
+the same command resumes), best.pt (a link to the best epoch's), metrics.jsonl (the checkpoint's
+log) and val_correct.pt (the last validation's per-image results, which the lab reads). print0
+and fail, how every rank of train.py speaks, live here beside the files, so that the backbones
+(models.py loads checkpoints) never import the data module.
 """
 import contextlib
 import json
@@ -14,13 +16,27 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data import fail, print0
+# --------------------------------------------------------------------------------------------------
+# How every rank speaks: only rank 0 prints, and bad input stops every rank with one message
+
+def print0(*args, **kwargs):
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def fail(message):
+    """Stop on bad input. Every rank checks the same arguments and files and meets the same error;
+    rank 0 says it."""
+    print0(f'error: {message}', file=sys.stderr)
+    raise SystemExit(1)
+
 
 # ---------------------------------------------------------------------------------------------------
 # The released format {'model': state_dict}, and train.py's, which uses the same key

@@ -5,15 +5,12 @@ InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Li
 arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args) returns (training set,
 validation set) for the flags train.py resolved. The small datasets are read from their files as distributed
 (Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no download is needed where they are installed.
-print0 and fail are how every rank speaks: only rank 0 prints, and bad input stops every rank with one
-message.
 """
 import gzip
 import math
 import os
 import pickle
 import struct
-import sys
 
 import torch
 import torch.nn as nn
@@ -23,6 +20,8 @@ from torchvision import datasets
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
 
+from checkpoints import fail, print0
+
 NO_EVAL_CROP = ('inline_swin_b_384',)  # its config's TEST.CROP is False: resized straight to 384 x 384
 SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10,
                   'cifar100': datasets.CIFAR100}
@@ -30,18 +29,6 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with the mean colour
 BICUBIC = T.InterpolationMode.BICUBIC
 TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
-
-
-def print0(*args, **kwargs):
-    if int(os.environ.get('RANK', 0)) == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def fail(message):
-    """Stop on bad input. Every rank checks the same arguments and files and meets the same error; rank 0 says
-    it."""
-    print0(f'error: {message}', file=sys.stderr)
-    raise SystemExit(1)
 
 
 class SyntheticShapes(Dataset):

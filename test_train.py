@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 from torchvision import datasets
 
-import bench
 import data
 import models
 import train
@@ -69,6 +68,16 @@ def printed(stdout, prefix):
 
 def load_checkpoint_file(path):
     return torch.load(path, map_location='cpu', weights_only=True)
+
+
+def test_imports_go_one_way():
+    """In a fresh interpreter: the backbones import neither the data module (fail and print0 live in
+    checkpoints.py) nor train.py, and train.py imports no benchmark."""
+    code = ('import sys, models; print(sorted({"data", "train"} & set(sys.modules))); '
+            'import train; print(sorted({"bench"} & set(sys.modules)))')
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                            check=True, cwd=os.path.dirname(TRAIN))
+    assert result.stdout.split('\n')[:2] == ['[]', '[]'], result.stdout
 
 
 @pytest.fixture(scope='module')
@@ -652,7 +661,7 @@ def fake_machine(monkeypatch, amx, avx512_bf16, gpu_bf16, speedup):
                         lambda including_emulation=True: including_emulation or gpu_bf16)
     monkeypatch.setattr(torch.cuda, 'get_device_name', never if gpu_bf16 is None else
                         lambda device=None: 'Fake GPU')
-    monkeypatch.setattr(bench, 'bf16_speedup', never if speedup is None else lambda: speedup)
+    monkeypatch.setattr(train, 'bf16_speedup', never if speedup is None else lambda: speedup)
 
 
 @pytest.mark.parametrize('machine', AMP_MACHINES)
@@ -680,7 +689,8 @@ def test_resolve_takes_the_default_precision_and_amp_overrides_it(machine, monke
 def test_bf16_probe_leaves_the_random_streams_and_the_threads_as_they_were():
     torch.manual_seed(0)
     threads, state = torch.get_num_threads(), torch.get_rng_state()
-    speedup = bench.bf16_speedup.__wrapped__(rounds=1)  # a fresh measurement, not the process's cached one
+    # a fresh measurement, not the process's cached one
+    speedup = train.bf16_speedup.__wrapped__(rounds=1)
     print(f'bf16 probe on this CPU: bf16 {speedup:.2f}x the speed of fp32')
     assert 0 < speedup < math.inf and torch.get_num_threads() == threads \
         and torch.equal(torch.get_rng_state(), state)

@@ -32,6 +32,7 @@ weights.
 import argparse
 import ast
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -52,12 +53,11 @@ from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
-import bench
 import inline
 import models
-from checkpoints import (CHECKPOINT, EMA_KEYS, load_weights, read_checkpoint, resume, save_checkpoint,
-                         save_correct)
-from data import DATASETS, ResumableSampler, SyntheticShapes, count_images, fail, load_data, print0
+from checkpoints import (CHECKPOINT, EMA_KEYS, fail, load_weights, print0, read_checkpoint, resume,
+                         save_checkpoint, save_correct)
+from data import DATASETS, ResumableSampler, SyntheticShapes, count_images, load_data
 
 # ------------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is
@@ -393,10 +393,29 @@ def default_amp(device):
     if not getattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)():
         return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
     # AVX-512 BF16 alone decides nothing: bf16 trained 2x faster on one such CPU, slower on another
-    x = bench.bf16_speedup()
+    x = bf16_speedup()
     why = (f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, '
            '1.25x needed')
     return ('bf16' if x >= 1.25 else 'fp32'), why  # 1.25: a whole training step gains less than the probe
+
+
+@functools.cache
+def bf16_speedup(rounds=7):
+    """fp32 time / bf16 time of a transformer MLP's training step (LayerNorm, 128 -> 512 -> 128,
+    2048 tokens): median of interleaved rounds, one thread, process CPU time (two threads on a
+    shared machine scattered it). ~0.5 s, once."""
+    with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
+        mlp = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+        x = torch.randn(2048, 128)
+    threads, seconds = torch.get_num_threads(), {False: [], True: []}
+    torch.set_num_threads(1)
+    for bf16 in [False, True] * (rounds + 1):  # the first pair warms up
+        start = time.process_time()
+        with torch.autocast('cpu', torch.bfloat16, enabled=bf16):
+            mlp(x).float().square().mean().backward()
+        seconds[bf16].append(time.process_time() - start)
+    torch.set_num_threads(threads)
+    return sorted(a / b for a, b in zip(seconds[False][1:], seconds[True][1:]))[rounds // 2]
 
 
 def check_args(args):
@@ -735,12 +754,26 @@ def fit(run, raw, train_set, val_set):
     print0(f'done: best acc@1 {t.best_acc:.2f}; checkpoints and metrics.jsonl in {args.output_dir}')
 
 
+def throughput(run, model, x, warmup=10, timed=30):
+    """--throughput: inference images/s of model on the batch x, in the training precision: `warmup`
+    batches (compilation included), then `timed` batches timed."""
+    sync = torch.cuda.synchronize if x.device.type == 'cuda' else lambda: None
+    for i in range(warmup + timed):
+        if i == warmup:
+            sync()
+            start = time.perf_counter()
+        with torch.no_grad(), run.autocast(training=True):
+            model(x)
+    sync()
+    return timed * len(x) / (time.perf_counter() - start)
+
+
 def main(args):
     run = setup(args)
     if args.throughput:  # random input, the released 1000-class head
         x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=run.device)
         model = build_model(run, num_classes=1000).eval()
-        speed = bench.throughput(model, x, lambda: run.autocast(training=True))
+        speed = throughput(run, model, x)
         return print0(f'throughput: {speed:.1f} images/s (one process, batch {args.batch_size}, '
                       f'{args.img_size} px, {args.amp})')
     train_set, val_set = load_data(args)
