@@ -80,6 +80,21 @@ def test_imports_go_one_way():
     assert result.stdout.split('\n')[:2] == ['[]', '[]'], result.stdout
 
 
+def test_docstrings_name_only_sections_the_readme_has():
+    """Every README section the code names as (README, "..."), in docstrings and comments, wrapped
+    lines joined, is a heading of the README."""
+    root = os.path.dirname(TRAIN)
+    with open(os.path.join(root, 'README.md')) as f:
+        headings = {line.lstrip('#').strip() for line in f if line.startswith('#')}
+    named = []
+    for folder in (root, os.path.join(root, 'paper')):
+        for file in sorted(f for f in os.listdir(folder) if f.endswith('.py')):
+            with open(os.path.join(folder, file)) as f:
+                text = re.sub(r'\s*\n\s*(#\s*)?', ' ', f.read())  # wrapped lines joined
+            named += [(file, name) for name in re.findall(r'README, "([A-Z][^"]*)"', text)]
+    assert named and [(f, n) for f, n in named if n not in headings] == []
+
+
 @pytest.fixture(scope='module')
 def two_process_run(tmp_path_factory):
     """Two processes under torchrun, two epochs of the synthetic task; shared by the tests below."""

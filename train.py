@@ -1,8 +1,8 @@
 """Train and evaluate the InLine backbones: plain DDP, the authors' recipe to the letter, resumable.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README, "Training and
-evaluation"); without it, a small recipe for a built-in synthetic task.
+arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README,
+"Training"); without it, a small recipe for a built-in synthetic task.
 
 The main job: no dataset, no download; >= 90% validation accuracy in minutes on a 2-core CPU
 (README, "Quick start"):
@@ -100,10 +100,10 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
                  cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1,
                  mixup=0.0, cutmix=0.0, mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0,
                  color_jitter=0.0, random_erase=0.0, synthetic_train=12_800, synthetic_val=2_000)
-# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28; README, "Training
-# and evaluation"): 224 px, the one size below 448 at which they tile every stage they are smaller than, and
-# fewer, smaller steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a
-# step see 5e-4.
+# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28): 224 px,
+# the one size below 448 at which they tile every stage they are smaller than, and fewer, smaller
+# steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a step
+# see 5e-4.
 SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3,
                           synthetic_train=640, synthetic_val=320, lr=1.6e-2)
 # Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (load_data),
