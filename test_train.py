@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import gzip
 import hashlib
+import io
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 from torchvision import datasets
 
+import checkpoints
 import data
 import models
 import train
@@ -317,6 +319,33 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_pa
     assert torch.equal(*correct)
     assert sorted(os.listdir(interrupted)) == ['best.pt', 'checkpoint.pt', 'ema_val_correct.pt',
                                                'metrics.jsonl', 'val_correct.pt']  # no .tmp
+
+
+def test_a_save_that_fails_halfway_leaves_the_last_checkpoint_readable(tmp_path, monkeypatch):
+    """checkpoint.pt is written to a temporary file renamed over it: a save that dies after half its
+    bytes (a full disk) leaves the last good checkpoint whole and readable."""
+    run = resolved(SYNTHETIC_ARGS + ['--output-dir', str(tmp_path)])
+    torch.manual_seed(0)
+    raw = models.create_model('inline_deit_t', img_size=32, num_classes=10)
+    t, _, _ = train.prepare_training(run, raw, data.SyntheticShapes(48, 32, 0, True))
+    checkpoints.save_checkpoint(run, t)
+    path = tmp_path / 'checkpoint.pt'
+    good = path.read_bytes()
+    save = torch.save
+
+    def save_half(obj, f):  # writes half of what torch.save would, then fails as a full disk does
+        whole = io.BytesIO()
+        save(obj, whole)
+        half = whole.getvalue()[:len(whole.getvalue()) // 2]
+        named = isinstance(f, (str, os.PathLike))  # a path, or a file object (save_checkpoint's)
+        with open(f, 'wb') if named else contextlib.nullcontext(f) as out:
+            out.write(half)
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(torch, 'save', save_half)
+    t.epoch = 1
+    with pytest.raises(OSError, match='No space left'):
+        checkpoints.save_checkpoint(run, t)
+    assert path.read_bytes() == good and load_checkpoint_file(path)['epoch'] == 0
 
 
 # ------------------------------------------------------------------------------------------ real images
@@ -623,6 +652,20 @@ def test_recipe_is_the_released_table(name, monkeypatch):
         assert a.ema_decay == (pytest.approx(0.9996 ** (batch * 8 / 4096)) if 'cswin' in name else 0)
         assert a.img_size == (384 if name.endswith('_384') else 288 if name == 'inline_deit_s' else
                               448 if name == 'inline_deit_b' else 224)
+
+
+@pytest.mark.parametrize('name', ['inline_deit_t', 'inline_swin_b'])
+def test_recipe_threshold_is_100_steps_at_the_authors_total_batch(name, monkeypatch):
+    """An ImageFolder takes the released recipe from 100 optimizer steps an epoch at the authors'
+    total batch, the table's per-process batch x their 8 processes (inline_deit_t: 512 x 8 = 4,096
+    images a step, so 409,600 images), whatever this run's processes; one image fewer takes the
+    small-data recipe."""
+    threshold = 100 * RELEASED_RECIPE[name][0] * 8
+    for images, recipe in ((threshold - 1, 'small'), (threshold, 'released')):
+        monkeypatch.setattr(train, 'count_images', lambda folder: images)
+        for world in (1, 8):
+            run = resolved(['--model', name, '--data-path', 'imagenet'], world)
+            assert run.args.recipe == recipe, (images, world)
 
 
 @pytest.mark.parametrize('name', TINY)
