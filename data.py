@@ -10,6 +10,7 @@ import gzip
 import math
 import os
 import pickle
+import signal
 import struct
 
 import torch
@@ -316,3 +317,10 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self):
         return super().__len__() - self.start
+
+
+def ignore_interrupt(worker_id):
+    """A DataLoader worker's start: Ctrl-C signals the whole process group, and only the training
+    process acts on it (it ends the step, then saves); a worker that stopped at it could leave that
+    step without its next batch."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

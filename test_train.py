@@ -273,24 +273,30 @@ def final_weights(output_dir):
     return {**ckpt['model'], **{f'ema.{k}': v for k, v in ckpt['model_ema'].items()}}
 
 
-def interrupt(args, output_dir, sig):
-    """Start a two-process run; once epoch 1 is saved, send `sig` to torchrun (SIGTERM: it forwards it to
-    the workers) or to torchrun and both workers (SIGKILL: nothing gets to clean up)."""
-    process = subprocess.Popen(command(args, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+def interrupt(args, output_dir, sig, nproc=2):
+    """Start a run (torchrun with two processes); once epoch 1 is saved, send `sig` to torchrun
+    (SIGTERM: it forwards it to the workers), to torchrun and both workers (SIGKILL: nothing gets to
+    clean up), or to the whole process group (SIGINT, as Ctrl-C in a terminal sends it: torchrun,
+    the workers and their data-loading processes)."""
+    # its own process group, as a shell's job
+    process = subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 300
     while not os.path.exists(os.path.join(output_dir, 'metrics.jsonl')):
         assert process.poll() is None and time.time() < deadline, 'the run ended before epoch 1 was saved'
         time.sleep(0.05)
     time.sleep(0.3)  # into epoch 2
     assert process.poll() is None, 'the run ended before it could be interrupted'
-    with open(f'/proc/{process.pid}/task/{process.pid}/children') as f:
-        workers = [int(pid) for pid in f.read().split()]
-    for pid in [process.pid] + (workers if sig == signal.SIGKILL else []):
-        os.kill(pid, sig)
+    if sig == signal.SIGINT:
+        os.killpg(process.pid, sig)
+    else:
+        with open(f'/proc/{process.pid}/task/{process.pid}/children') as f:
+            workers = [int(pid) for pid in f.read().split()]
+        for pid in [process.pid] + (workers if sig == signal.SIGKILL else []):
+            os.kill(pid, sig)
     output, _ = process.communicate(timeout=120)
     assert len(metrics(output_dir)) < 3, 'the interruption came too late to test anything'
-    return output
+    return output, process.returncode
 
 
 @pytest.fixture(scope='module')
@@ -300,14 +306,18 @@ def uninterrupted(tmp_path_factory):
     return output_dir
 
 
-@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM], ids=['kill-9', 'sigterm'])
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM, signal.SIGINT],
+                         ids=['kill-9', 'sigterm', 'ctrl-c'])
 def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_path):
+    """Ctrl-C runs with a data-loading process (--workers 1), which the terminal's SIGINT reaches
+    too; on the synthetic task the loader's processes change no number."""
     reference, interrupted = uninterrupted, str(tmp_path / 'interrupted')
-    output = interrupt(RESUMABLE + ['--output-dir', interrupted], interrupted, sig)
-    if sig == signal.SIGTERM:  # saved where it stopped, mid-epoch
-        assert 'SIGTERM: saved' in output \
-            and load_checkpoint_file(os.path.join(interrupted, 'checkpoint.pt'))['step'] > 0
-    result = run_train(RESUMABLE + ['--output-dir', interrupted], nproc=2)  # the same command, rerun
+    args = RESUMABLE + ['--output-dir', interrupted] + ['--workers', '1'] * (sig == signal.SIGINT)
+    output, _ = interrupt(args, interrupted, sig)
+    if sig != signal.SIGKILL:  # saved where it stopped, mid-epoch; no worker's traceback
+        assert f'{sig.name}: saved' in output and 'KeyboardInterrupt' not in output, output[-3000:]
+        assert load_checkpoint_file(os.path.join(interrupted, 'checkpoint.pt'))['step'] > 0
+    result = run_train(args, nproc=2)  # the same command, rerun
     assert 'resumed from' in result.stdout
     expected, got = final_weights(reference), final_weights(interrupted)
     assert expected.keys() == got.keys()
@@ -346,6 +356,19 @@ def test_a_save_that_fails_halfway_leaves_the_last_checkpoint_readable(tmp_path,
     with pytest.raises(OSError, match='No space left'):
         checkpoints.save_checkpoint(run, t)
     assert path.read_bytes() == good and load_checkpoint_file(path)['epoch'] == 0
+
+
+def test_ctrl_c_saves_at_the_step_and_says_how_to_continue(tmp_path):
+    """python train.py in a terminal, Ctrl-C mid-epoch: the step ends, the checkpoint is saved
+    there, the command to continue is printed, and the run exits cleanly, with no traceback."""
+    output_dir = str(tmp_path / 'a run')  # a space, which the printed --resume must quote
+    output, code = interrupt(RESUMABLE + ['--output-dir', output_dir, '--workers', '1'], output_dir,
+                             signal.SIGINT, nproc=1)
+    saved = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
+    assert code == 0 and 'Traceback' not in output, output[-3000:]
+    assert f'SIGINT: saved {output_dir}/checkpoint.pt at epoch 2, step {saved["step"]}; ' in output
+    assert saved['epoch'] == 1 and saved['step'] > 0
+    assert f"rerun the same command (or give --resume '{output_dir}/checkpoint.pt')" in output
 
 
 # ------------------------------------------------------------------------------------------ real images

@@ -26,8 +26,8 @@ Inference throughput (images/s of one process, at the model's released image siz
     python train.py --model inline_swin_t --throughput --batch-size 64
 
 Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written atomically every
-epoch; SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uninterrupted run's
-weights.
+epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits; on CPU, a run killed with -9 and
+rerun ends with an uninterrupted run's weights.
 """
 import argparse
 import ast
@@ -38,6 +38,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -57,7 +58,8 @@ import inline
 import models
 from checkpoints import (CHECKPOINT, EMA_KEYS, fail, load_weights, print0, read_checkpoint, resume,
                          save_checkpoint, save_correct)
-from data import DATASETS, ResumableSampler, SyntheticShapes, count_images, load_data
+from data import (DATASETS, ResumableSampler, SyntheticShapes, count_images, ignore_interrupt,
+                  load_data)
 
 # ------------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is
@@ -541,13 +543,14 @@ class Training:
     criterion: nn.Module
     steps_per_epoch: int
     epoch: int = 0  # the next epoch to run
-    step: int = 0  # optimizer steps already done in it (non-zero only after SIGTERM)
+    step: int = 0  # optimizer steps already done in it (non-zero only after SIGTERM or SIGINT)
     best_acc: float = -1.0
     log: list = field(default_factory=list)
 
 
 def train_one_epoch(run, t, loader, epoch, stop):
-    """One pass over the loader; returns (mean loss, images/s, optimizer steps done, stopped by SIGTERM)."""
+    """One pass over the loader; returns (mean loss, images/s, optimizer steps done, stopped by a
+    signal)."""
     args, device = run.args, run.device
     t.model.train()
     desc = f'epoch {epoch + 1}/{args.epochs + args.cooldown_epochs}'
@@ -568,7 +571,7 @@ def train_one_epoch(run, t, loader, epoch, stop):
         micro_loss += loss.item()
         if not last_micro:
             continue
-        # one small all-reduce per step: the mean loss, and whether any rank saw a bad loss or a SIGTERM
+        # one small all-reduce per step: the mean loss, whether any rank saw a bad loss or a signal
         flags = torch.tensor([micro_loss, not math.isfinite(micro_loss), stop.is_set()], device=device)
         if run.world > 1:
             dist.all_reduce(flags)
@@ -636,7 +639,8 @@ def val_loader(run, val_set):
     padding)."""
     subset = Subset(val_set, range(run.rank, len(val_set), run.world))
     return DataLoader(subset, run.args.batch_size, num_workers=run.args.workers,
-                      pin_memory=run.device.type == 'cuda', generator=torch.Generator())
+                      pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
+                      worker_init_fn=ignore_interrupt)
 
 
 def evaluate_checkpoint(run, model, val_set):
@@ -660,7 +664,8 @@ def prepare_training(run, raw, train_set):
     args, num_classes = run.args, len(train_set.classes)
     sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
-                        pin_memory=run.device.type == 'cuda', generator=torch.Generator())
+                        pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
+                        worker_init_fn=ignore_interrupt)
     steps_per_epoch = len(loader) // args.accum_steps
     if steps_per_epoch == 0:
         fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} accumulation '
@@ -709,13 +714,19 @@ def prepare_training(run, raw, train_set):
 
 
 def fit(run, raw, train_set, val_set):
-    """Train epoch after epoch, validating and saving after each; SIGTERM saves mid-epoch and stops."""
+    """Train epoch after epoch, validating and saving after each; SIGTERM or SIGINT (Ctrl-C) saves
+    mid-epoch and stops."""
     args = run.args
     t, sampler, loader = prepare_training(run, raw, train_set)
     val = val_loader(run, val_set)
     os.makedirs(args.output_dir, exist_ok=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, received = threading.Event(), []  # set by SIGTERM or SIGINT: the step ends, then a save
+
+    def interrupt(sig, frame):
+        received.append(signal.Signals(sig).name)
+        stop.set()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C too: no KeyboardInterrupt mid-step
+        signal.signal(sig, interrupt)
     epochs, start = args.epochs + args.cooldown_epochs, time.perf_counter()
     for epoch in range(t.epoch, epochs):
         sampler.set_epoch(epoch)
@@ -727,8 +738,10 @@ def fit(run, raw, train_set, val_set):
         if stopped:
             t.step += steps
             save_checkpoint(run, t)
-            print0(f'SIGTERM: saved {os.path.join(args.output_dir, CHECKPOINT)} '
-                   f'at epoch {epoch + 1}, step {t.step}; rerun to continue')
+            latest = os.path.join(args.output_dir, CHECKPOINT)
+            why = received[0] if received else 'stopped with the other processes'
+            print0(f'{why}: saved {latest} at epoch {epoch + 1}, step {t.step}; to continue, rerun '
+                   f'the same command (or give --resume {shlex.quote(latest)})')
             return
         validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0],
@@ -785,6 +798,10 @@ def main(args):
 
 
 if __name__ == '__main__':
-    main(get_args_parser().parse_args())
+    try:
+        main(get_args_parser().parse_args())
+    except KeyboardInterrupt:  # before training starts or after it ends: nothing to save
+        print0('interrupted (Ctrl-C) outside the training loop: nothing was saved')
+        raise SystemExit(130)
     if dist.is_initialized():
         dist.destroy_process_group()
