@@ -31,7 +31,7 @@ import checkpoints
 import data
 import models
 import train
-from test_models import SMALL, TINY, perturb
+from test_models import SMALL, TINY, bicubic, perturb
 
 # ===================================================================================================
 # train.py, run as a user runs it: in a subprocess (one process, or two under torchrun with gloo), on
@@ -888,6 +888,21 @@ def test_finetune_starts_from_the_ema_weights(tmp_path):
                     '--finetune', path])
     model = train.build_model(run, num_classes=10)
     assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
+
+
+def test_finetune_resizes_an_authors_file_from_its_variants_own_grid(tmp_path):
+    """The authors' files record no image size: --finetune reads them at the variant's registered
+    size (inline_deit_t: 224 px, a 14x14 grid) and resizes to the run's (64 px, 4x4), bicubic."""
+    small = dict(embed_dim=32, depth=1, num_heads=2)
+    source = perturb(models.create_model('inline_deit_t', num_classes=10, **small))  # 224 px
+    path = str(tmp_path / 'authors.pth')
+    torch.save({'model': source.state_dict()}, path)
+    run = resolved(['--model', 'inline_deit_t', '--model-kwargs', 'embed_dim=32', 'depth=1',
+                    'num_heads=2', '--img-size', '64', '--attention-impl', 'reference',
+                    '--finetune', path])
+    model = train.build_model(run, num_classes=10)
+    stored = source.pos_embed.detach()
+    torch.testing.assert_close(model.pos_embed[:, 1:], bicubic(stored[:, 1:], (14, 14), (4, 4)))
 
 
 def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):

@@ -489,7 +489,7 @@ def build_model(run, num_classes):
     if args.finetune:
         saved = read_checkpoint(args.finetune)
         key = next((k for k in EMA_KEYS if saved.get(k) is not None), 'model')
-        load_weights(model, saved, key, args.finetune)
+        load_weights(model, saved, key, args.finetune, models.released_img_size(args.model))
         print0(f'initial weights: {args.finetune} ({key})')
     model.set_grad_checkpointing(args.grad_checkpoint)
     print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, '
@@ -649,7 +649,8 @@ def evaluate_checkpoint(run, model, val_set):
     two apart."""
     loader = val_loader(run, val_set)
     for key in ('model', *(k for k in EMA_KEYS if run.saved.get(k) is not None)):
-        load_weights(model, run.saved, key, run.saved_path)
+        load_weights(model, run.saved, key, run.saved_path,
+                     models.released_img_size(run.args.model))
         result = evaluate(run, model, loader)
         result['correct_sha256'] = hashlib.sha256(result.pop('correct').numpy().tobytes()).hexdigest()[:16]
         print0(f'eval {"model" if key == "model" else "ema"}: {json.dumps(result)}')
