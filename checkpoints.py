@@ -15,6 +15,7 @@ import math
 import os
 import pickle
 import random
+import shlex
 import shutil
 import sys
 import warnings
@@ -56,13 +57,14 @@ def read_file(path):
     except pickle.UnpicklingError as e:
         stripped = os.path.splitext(path)[0] + '.weights.pth'
         keep = ', '.join(map(repr, ('model',) + EMA_KEYS))
+        strip = (f"import torch; c = torch.load({os.fspath(path)!r}, map_location='cpu', "
+                 f"weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
+                 f"{os.fspath(stripped)!r})")
         raise ValueError(
             f"{path} holds Python objects besides weights (such as the authors' yacs config), which "
             f"torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\n"
             f"If you trust the file, keep only its weights once:\n"
-            f"python -c \"import torch; c = torch.load({path!r}, "
-            f"map_location='cpu', weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
-            f"{stripped!r})\"\nand pass {stripped} instead.") from None
+            f"python -c {shlex.quote(strip)}\nand pass {shlex.quote(stripped)} instead.") from None
     except Exception as e:  # a text file, a truncated download: torch.load's own error says little
         raise ValueError(f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}); "
                          f"a checkpoint is a file torch.save wrote, such as train.py's {CHECKPOINT} or "
@@ -210,7 +212,9 @@ def mismatch(path, saved, model, missing, unexpected):
     if saved.get('args') and saved.get('arch') is not None:
         name, run_keys = saved['args']['model'], ('img_size', 'num_classes', 'drop_path_rate')
         sizes = {k: v for k, v in saved['arch'].items() if k not in run_keys}
-        given = ' '.join(f'{k}={v!r}'.replace(' ', '') for k, v in sizes.items())
+        # as train.py's --model-kwargs reads them, each quoted for the shell: 'depths=(2,2,2,2)'
+        given = ' '.join(shlex.quote(f'{k}={v}' if isinstance(v, str) else
+                                     f'{k}={v!r}'.replace(' ', '')) for k, v in sizes.items())
         lines.append(f"it holds a {name} built with {sizes or 'its defaults'}: rebuild it with "
                      f"models.create_model({name!r}, **those), or train.py --model {name}"
                      + f" --model-kwargs {given}" * bool(sizes))

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -905,17 +906,47 @@ def test_finetune_resizes_an_authors_file_from_its_variants_own_grid(tmp_path):
     torch.testing.assert_close(model.pos_embed[:, 1:], bicubic(stored[:, 1:], (14, 14), (4, 4)))
 
 
+def test_finetune_from_another_models_checkpoint_names_it_and_how_to_rebuild_it(tmp_path, capsys):
+    """A train.py checkpoint of a Swin under --finetune of a DeiT: the refusal names the model the
+    file records and the command that rebuilds it, which a shell reads back into its sizes."""
+    sizes = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 1, 2, 2), layout='IISS')
+    source = models.create_model('inline_swin_t', img_size=32, num_classes=10, **sizes)
+    path = str(tmp_path / 'swin.pt')
+    torch.save({'model': source.state_dict(), 'args': {'model': 'inline_swin_t', 'img_size': 32},
+                'arch': source.arch}, path)
+    run = resolved(['--model', 'inline_deit_t', '--img-size', '32', '--attention-impl', 'reference',
+                    '--finetune', path])
+    with pytest.raises(SystemExit):
+        train.build_model(run, num_classes=10)
+    error = capsys.readouterr().err
+    assert f'cannot load {path} (model)' in error and 'it holds a inline_swin_t built with' in error
+    command = re.search(r'or (train\.py --model .*)$', error, re.MULTILINE).group(1)
+    assert ("--model-kwargs embed_dim=16 'depths=(1,1,2,1)' 'num_heads=(1,1,2,2)' layout=IISS"
+            in command)
+    rebuilt = train.get_args_parser().parse_args(shlex.split(command)[1:])
+    assert rebuilt.model == 'inline_swin_t' and train.model_kwargs(rebuilt) == sizes
+
+
+def test_commands_to_paste_are_quoted_for_the_shell(capsys):
+    """--help's --model-kwargs example, and the refusal of a pair without '=', quote the brackets
+    that bash would read as syntax."""
+    helped = ' '.join(train.get_args_parser().format_help().split())
+    assert "'depths=(1,1,2,1)' embed_dim=48" in helped
+    assert "(e.g. 'depths=(1,1,2,1)' embed_dim=48)" in refused(['--model-kwargs', 'depths'], capsys)
+
+
 def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
     """The authors' CSwin file: {'model', 'state_dict_ema'} and their yacs config, which weights_only=True
     refuses. Refused with a line that strips it; stripped, evaluated with its weights and then its EMA
-    weights, each giving the loss computed here from the eval transform and the model."""
+    weights, each giving the loss computed here from the eval transform and the model. The file's
+    name has a space and a quote, which the printed command must carry through the shell."""
     torch.manual_seed(0)
     root = str(tmp_path / 'data')
     write_image_folder(root, {'train': 1, 'val': 3})
     small = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(2, 2, 4, 4))
     model = perturb(models.create_model('inline_cswin_t', img_size=32, num_classes=2, **small))
     ema = perturb(models.create_model('inline_cswin_t', img_size=32, num_classes=2, **small), seed=1)
-    path = str(tmp_path / 'inline_cswin_t.pth')
+    path = str(tmp_path / "the authors' cswin_t.pth")
     torch.save({'model': model.state_dict(), 'state_dict_ema': ema.state_dict(),
                 'config': argparse.Namespace()}, path)
     args = ['--model', 'inline_cswin_t', '--model-kwargs', 'embed_dim=16', 'depths=(1,1,1,1)',
@@ -927,8 +958,9 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
     with pytest.raises(ValueError, match='weights_only=True'):
         models.load_checkpoint(model, path)
     strip = next(line for line in error.splitlines() if line.startswith('python -c '))
-    subprocess.run([sys.executable, '-c', strip[len('python -c '):].strip('"')], check=True)
-    args[-1] = str(tmp_path / 'inline_cswin_t.weights.pth')
+    subprocess.run([sys.executable] + shlex.split(strip)[1:], check=True)  # as a shell reads it
+    args[-1] = shlex.split(re.search(r'\nand pass (.+) instead', error).group(1))[0]
+    assert args[-1] == str(tmp_path / "the authors' cswin_t.weights.pth")
     error = refused(args, capsys)  # not one of our synthetic runs
     assert '--eval of' in error and 'needs --data-path' in error
     result = run_train(args + ['--data-path', root])

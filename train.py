@@ -147,8 +147,8 @@ def get_args_parser():
       help="T1: the blocks whose q is L2-normalised with a learned per-head gain, "
       "S (softmax), I (InLine) or SI")
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
-      help='more create_model overrides, values as Python literals, else strings: '
-           'depths=(1,1,2,1) embed_dim=48')
+      help='more create_model overrides, values as Python literals, else strings, each quoted '
+           "for the shell where it has brackets: 'depths=(1,1,2,1)' embed_dim=48")
     a('--dataset', choices=list(DATASETS),
       help='default: synthetic, imagefolder with --data-path; the small ones '
       'read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
@@ -250,7 +250,8 @@ def model_kwargs(args):
     for item in args.model_kwargs or []:
         key, sep, value = item.partition('=')
         if not sep or not key.isidentifier():
-            fail(f'--model-kwargs takes KEY=VALUE pairs (e.g. depths=(1,1,2,1) embed_dim=48), not {item!r}')
+            fail(f"--model-kwargs takes KEY=VALUE pairs (e.g. 'depths=(1,1,2,1)' embed_dim=48), "
+                 f"not {item!r}")
         if key in RUN_KEYS:
             fail(f'--model-kwargs {key}: train.py sets it; use --{RUN_KEYS[key]}')
         try:
