@@ -18,6 +18,7 @@ import random
 import shlex
 import shutil
 import sys
+import tempfile
 import warnings
 
 import torch
@@ -238,6 +239,18 @@ def resize_grid(tokens, old_grid, new_grid, mode):
 # train.py's files
 
 CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
+
+
+def check_output_dir(path):
+    """Create OUTPUT_DIR and prove it writable, before anything is built: a run must not train only
+    to find it cannot save."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        fail(f'--output-dir {path} cannot be created or written to ({e.strerror or e}): give a '
+             'folder you can write in, or leave the flag out for runs/<model>-<data>')
 
 
 def read_checkpoint(path):

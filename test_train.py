@@ -419,6 +419,33 @@ def test_a_small_image_folder_gets_the_small_recipe_and_learns(tmp_path):
     assert len(log) == 3 and log[-1]['val_images'] == 16 and log[-1]['val_acc1'] > 50
 
 
+def test_an_unreadable_image_stops_at_a_saved_step_and_skip_bad_images_goes_on(tmp_path):
+    """One broken file among 8 x 2 training images: the run stops at the step that met it, saved
+    there, naming the file with its folder; rerun with --skip-bad-images it resumes and leaves the
+    file out, listed every epoch; a broken validation image is left out of the counts and listed."""
+    root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
+    write_image_folder(root, {'train': 8, 'val': 3})
+    for split, folder in (('train', 'red'), ('val', 'blue')):
+        with open(os.path.join(root, split, folder, 'broken.png'), 'wb') as f:
+            f.write(b'\x89PNG not a png at all')
+    args = TINY_ARGS + ['--data-path', root, '--batch-size', '2', '--epochs', '2', '--output-dir',
+                        output_dir]
+    result = run_train(args, ok=False)
+    assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+    saved = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
+    assert (f"1 unreadable image(s) under {root}: train/red/broken.png (cannot identify image "
+            f"file), met at epoch 1, step {saved['step'] + 1}; saved") in result.stderr
+    assert saved['epoch'] == 0 and 'rerun the same command with --skip-bad-images' in result.stderr
+    result = run_train(args + ['--skip-bad-images'])
+    assert 'resumed from' in result.stdout
+    for epoch in (1, 2):
+        assert f'warning: epoch {epoch} left out 1 unreadable image(s) under {root}: ' \
+               f'train/red/broken.png' in result.stdout
+    assert result.stdout.count('val/blue/broken.png (cannot identify image file), left out of the '
+                               'validation') == 2
+    assert [e['val_images'] for e in metrics(output_dir)] == [6, 6]  # 7 files, 6 images
+
+
 # ----------------------------------------------------------- small datasets, read from their own files
 def write_idx(path, array):
     """An IDX file as MNIST's are distributed: gzipped, 0 0 8 D, D big-endian sizes, uint8 data."""
@@ -556,6 +583,9 @@ def bad_data(root, case):
         write_image_folder(root, {'train': 2, 'val': 1})
         with open(os.path.join(root, 'train', 'red', 'broken.png'), 'wb') as f:
             f.write(b'not a png at all')
+    elif case == 'other-classes':  # equal counts, one folder named differently
+        write_image_folder(root, {'train': 2, 'val': 1})
+        os.rename(os.path.join(root, 'val', 'blue'), os.path.join(root, 'val', 'green'))
     return ['--data-path', root, '--accum-steps', '1', '--epochs', '1', '--warmup-epochs', '0',
             '--batch-size', '5']
 
@@ -564,7 +594,13 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
     'no-train': ('no-train', 'has no train/ folder'),
     'no-val': ('no-val', 'has no val/ folder'),
     'no-images': ('no-images', 'no images in'),
-    'undecodable': ('undecodable', 'cannot decode image'),
+    'undecodable': ('undecodable', '1 unreadable image(s) under'),
+    'other-classes': ('other-classes', 'must hold the same class folders: only in train/: blue; '
+                                       'only in val/: green'),
+    'no-data-path': (['--data-path', 'no/such/folder'],
+                     '--data-path no/such/folder does not exist'),
+    'output-dir-unwritable': (['--output-dir', '/dev/null/run'],
+                              '--output-dir /dev/null/run cannot be created or written to'),
     'one-class': ('one-class', 'has 1 class(es) (red): a classifier needs at least two'),
     'recipe-released-without-folder': (['--recipe', 'released'],
                                        "--recipe released is the authors' ImageNet-1K"),
@@ -587,8 +623,11 @@ def test_bad_input_gets_a_clear_error(case, tmp_path):
     result = run_train(SYNTHETIC_ARGS + ['--output-dir', str(tmp_path / 'run')] + extra, ok=False)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-2000:]
-    if case == 'undecodable':
-        assert 'broken.png' in result.stderr
+    if case == 'undecodable':  # named with its split and class folder, and how to go on
+        assert 'train/red/broken.png (cannot identify image file)' in result.stderr
+        assert '--skip-bad-images' in result.stderr
+    if case == 'output-dir-unwritable':  # said before the data is read and the model built
+        assert 'data:' not in result.stdout and 'model:' not in result.stdout
 
 
 # ------------------------------------------------------------------------------ the recipe, in process

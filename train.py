@@ -27,7 +27,8 @@ Inference throughput (images/s of one process, at the model's released image siz
 
 Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written atomically every
 epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits; on CPU, a run killed with -9 and
-rerun ends with an uninterrupted run's weights.
+rerun ends with an uninterrupted run's weights. An image that cannot be read stops the run at a
+saved step, naming it; --skip-bad-images leaves such files out, listed every epoch.
 """
 import argparse
 import ast
@@ -56,10 +57,10 @@ from tqdm import tqdm
 
 import inline
 import models
-from checkpoints import (CHECKPOINT, EMA_KEYS, fail, load_weights, print0, read_checkpoint, resume,
-                         save_checkpoint, save_correct)
-from data import (DATASETS, ResumableSampler, SyntheticShapes, count_images, ignore_interrupt,
-                  load_data)
+from checkpoints import (CHECKPOINT, EMA_KEYS, check_output_dir, fail, load_weights, print0,
+                         read_checkpoint, resume, save_checkpoint, save_correct)
+from data import (DATASETS, GO_ON, ResumableSampler, SyntheticShapes, count_images,
+                  ignore_interrupt, leave_out_unreadable, load_data, unreadable)
 
 # ------------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is
@@ -169,6 +170,9 @@ def get_args_parser():
     a('--drop-path', type=float, help='stochastic depth rate')
     a('--finetune',
       help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
+    a('--skip-bad-images', action='store_true',
+      help='leave out images that cannot be read, counted and listed every epoch (without it, the '
+      'first stops the run at a saved step, naming it)')
     a('--grad-checkpoint', action='store_true',
       help='recompute each block in the backward: less memory, slower')
     a('--synthetic-train', type=int,
@@ -547,33 +551,39 @@ class Training:
     step: int = 0  # optimizer steps already done in it (non-zero only after SIGTERM or SIGINT)
     best_acc: float = -1.0
     log: list = field(default_factory=list)
+    unreadable: list = field(default_factory=list)  # this epoch's unreadable images, on this rank
 
 
 def train_one_epoch(run, t, loader, epoch, stop):
-    """One pass over the loader; returns (mean loss, images/s, optimizer steps done, stopped by a
-    signal)."""
+    """One pass over the loader; returns (mean loss, images/s, optimizer steps done, why it stopped
+    early: None, 'signal', or 'unreadable' for an image it could not read, without
+    --skip-bad-images)."""
     args, device = run.args, run.device
     t.model.train()
     desc = f'epoch {epoch + 1}/{args.epochs + args.cooldown_epochs}'
     bar = tqdm(total=t.steps_per_epoch - t.step, desc=desc, leave=False, disable=run.rank != 0,
                mininterval=1.0, dynamic_ncols=True)
-    losses, step, micro_loss, speed, stopped, start = [], 0, 0.0, 0.0, False, time.perf_counter()
+    losses, step, micro_loss, speed, stopped, start = [], 0, 0.0, 0.0, None, time.perf_counter()
+    unread = []  # this step's unreadable images on this rank
     for i, (x, y) in enumerate(loader):
         if step == t.steps_per_epoch - t.step:  # the last incomplete accumulation group is dropped
             break
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y, weight = leave_out_unreadable(x, y, unread, args.skip_bad_images)
         if t.mix is not None:
             x, y = t.mix(x, y)  # y becomes (B, classes) soft targets
         last_micro = (i + 1) % args.accum_steps == 0
         with t.model.no_sync() if run.world > 1 and not last_micro else contextlib.nullcontext():
             with run.autocast(training=True):
-                loss = t.criterion(t.model(x), y) / args.accum_steps
+                loss = t.criterion(t.model(x), y) * weight / args.accum_steps
             t.scaler.scale(loss).backward()
         micro_loss += loss.item()
         if not last_micro:
             continue
-        # one small all-reduce per step: the mean loss, whether any rank saw a bad loss or a signal
-        flags = torch.tensor([micro_loss, not math.isfinite(micro_loss), stop.is_set()], device=device)
+        # one small all-reduce per step: the mean loss, whether any rank saw a bad loss, a signal or
+        # an image it could not read
+        flags = torch.tensor([micro_loss, not math.isfinite(micro_loss), stop.is_set(),
+                              len(unread)], device=device)
         if run.world > 1:
             dist.all_reduce(flags)
         if flags[1] > 0:
@@ -584,6 +594,11 @@ def train_one_epoch(run, t, loader, epoch, stop):
             bar.close()
             fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step {t.step + step + 1}; '
                  f'stopped, {kept}. Try a lower --lr, --clip-grad, or --amp fp32.')
+        t.unreadable, unread = t.unreadable + unread, []
+        if flags[3] > 0 and not args.skip_bad_images:  # this step is dropped; fit saves the last
+            t.optimizer.zero_grad(set_to_none=True)
+            stopped = 'unreadable'
+            break
         if args.clip_grad > 0:
             t.scaler.unscale_(t.optimizer)
             nn.utils.clip_grad_norm_(t.raw.parameters(), args.clip_grad)
@@ -599,7 +614,8 @@ def train_one_epoch(run, t, loader, epoch, stop):
         bar.set_postfix(loss=f'{losses[-1]:.3f}', lr=f'{t.scheduler.get_last_lr()[0]:.2e}',
                         img_s=f'{speed:.0f}', refresh=False)
         bar.update()
-        if stopped := flags[2].item() > 0:
+        if flags[2] > 0:
+            stopped = 'signal'
             break
     bar.close()
     return sum(losses) / max(len(losses), 1), speed, step, stopped
@@ -608,31 +624,39 @@ def train_one_epoch(run, t, loader, epoch, stop):
 @torch.no_grad()
 def evaluate(run, model, loader):
     """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got right, a
-    bool tensor in the validation set's own order; each rank holds a disjoint slice, summed here."""
+    bool tensor in the validation set's own order; each rank holds a disjoint slice, summed here.
+    Images that cannot be read (label -1 - index, data.ImageFolder) are left out of the counts and
+    returned as `unreadable`, their indices."""
     model.eval()
     # loss sum, top-1 hits, top-5 hits, images
     totals = torch.zeros(4, dtype=torch.float64, device=run.device)
-    rights = []  # top-1 right or not, image by image in the loader's order
+    rights, misses = [], []  # top-1 right or not, unreadable or not, in the loader's order
     for x, y in loader:
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        read = y >= 0  # (B,)
+        y = y.clamp(min=0)
         with run.autocast(training=False):
             logits = model(x).float()
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices  # (B, 5)
-        hits = top5 == y[:, None]  # (B, 5): the top 5 against y
+        hits = (top5 == y[:, None]) & read[:, None]  # (B, 5): the top 5 against y
         rights.append(hits[:, 0].int())
-        totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction='sum').double(),
-                               hits[:, 0].sum().double(), hits.any(1).sum().double(),
-                               totals.new_tensor(len(y))])
-    correct = torch.zeros(len(loader.dataset.dataset), dtype=torch.int32, device=run.device)  # (images,)
+        misses.append((~read).int())
+        loss = nn.functional.cross_entropy(logits, y, reduction='none')[read]
+        totals += torch.stack([loss.sum().double(), hits[:, 0].sum().double(),
+                               hits.any(1).sum().double(), read.sum().double()])
+    # (2, images): right, unreadable
+    correct = torch.zeros(2, len(loader.dataset.dataset), dtype=torch.int32, device=run.device)
     if rights:  # a rank of more ranks than images has none: it adds zeros
         places = torch.as_tensor(loader.dataset.indices, device=run.device)  # val_loader's Subset
-        correct[places] = torch.cat(rights)
+        correct[:, places] = torch.stack([torch.cat(rights), torch.cat(misses)])
     if run.world > 1:
         dist.all_reduce(totals)
         dist.all_reduce(correct)
     loss, top1, top5, n = totals.tolist()
-    return {'loss': loss / n, 'acc1': 100 * top1 / n, 'acc5': 100 * top5 / n, 'images': int(n),
-            'correct': correct.cpu().bool()}
+    seen = max(n, 1)  # no image read: zeros
+    return {'loss': loss / seen, 'acc1': 100 * top1 / seen, 'acc5': 100 * top5 / seen,
+            'images': int(n), 'correct': correct[0].cpu().bool(),
+            'unreadable': correct[1].nonzero().flatten().tolist()}
 
 
 def val_loader(run, val_set):
@@ -653,6 +677,8 @@ def evaluate_checkpoint(run, model, val_set):
         load_weights(model, run.saved, key, run.saved_path,
                      models.released_img_size(run.args.model))
         result = evaluate(run, model, loader)
+        if names := unreadable(val_set, result.pop('unreadable'), run.args.data_path, gather=False):
+            print0(f'warning: {names}, left out of the validation')
         result['correct_sha256'] = hashlib.sha256(result.pop('correct').numpy().tobytes()).hexdigest()[:16]
         print0(f'eval {"model" if key == "model" else "ema"}: {json.dumps(result)}')
     if run.saved.get('log'):
@@ -721,7 +747,6 @@ def fit(run, raw, train_set, val_set):
     args = run.args
     t, sampler, loader = prepare_training(run, raw, train_set)
     val = val_loader(run, val_set)
-    os.makedirs(args.output_dir, exist_ok=True)
     stop, received = threading.Event(), []  # set by SIGTERM or SIGINT: the step ends, then a save
 
     def interrupt(sig, frame):
@@ -741,16 +766,23 @@ def fit(run, raw, train_set, val_set):
             t.step += steps
             save_checkpoint(run, t)
             latest = os.path.join(args.output_dir, CHECKPOINT)
+            if stopped == 'unreadable':
+                fail(f'{unreadable(train_set, t.unreadable, args.data_path)}, met at epoch '
+                     f'{epoch + 1}, step {t.step + 1}; saved {latest} at step {t.step}. {GO_ON}')
             why = received[0] if received else 'stopped with the other processes'
             print0(f'{why}: saved {latest} at epoch {epoch + 1}, step {t.step}; to continue, rerun '
                    f'the same command (or give --resume {shlex.quote(latest)})')
             return
+        if args.skip_bad_images and (names := unreadable(train_set, t.unreadable, args.data_path)):
+            print0(f'warning: epoch {epoch + 1} left out {names}')
+        t.unreadable = []
         validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0],
                  'images_per_s': speed}
         for prefix, module in (('val', raw), ('ema_val', t.ema.module if t.ema is not None else None)):
             if validate and module is not None:
                 result = evaluate(run, module, val)
+                bad_val = result.pop('unreadable')  # the same on every rank
                 save_correct(run, f'{prefix}_correct', result.pop('correct'))  # OUTPUT_DIR/val_correct.pt
                 entry.update({f'{prefix}_{k}': v for k, v in result.items()})
         entry['arch'] = json.loads(json.dumps(raw.arch))  # as metrics.jsonl has it
@@ -760,6 +792,12 @@ def fit(run, raw, train_set, val_set):
         t.log.append(entry)
         t.epoch, t.step = epoch + 1, 0
         save_checkpoint(run, t, is_best)
+        if validate and bad_val:
+            names = unreadable(val_set, bad_val, args.data_path, gather=False)  # every rank's
+            names += ', left out of the validation'
+            if not args.skip_bad_images:
+                fail(f'{names}; epoch {epoch + 1} is saved. {GO_ON}')
+            print0(f'warning: {names}')
         print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}' +
                (f'  val loss {entry["val_loss"]:.4f}  acc@1 {entry["val_acc1"]:.2f}  '
                 f'acc@5 {entry["val_acc5"]:.2f}' if validate else '') +
@@ -791,6 +829,8 @@ def main(args):
         speed = throughput(run, model, x)
         return print0(f'throughput: {speed:.1f} images/s (one process, batch {args.batch_size}, '
                       f'{args.img_size} px, {args.amp})')
+    if not args.eval:  # before the data and the model: a run that cannot save says so first
+        check_output_dir(args.output_dir)
     train_set, val_set = load_data(args)
     model = build_model(run, num_classes=len(val_set.classes))
     if args.eval:
