@@ -25,7 +25,6 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -76,38 +75,6 @@ def paired_ratio(ms, a, b):
     """The median over rounds of a's time / b's. Each round times the two back to back, so a drift in the
     machine's speed (other jobs on a shared machine) cancels, where it would skew a ratio of two medians."""
     return statistics.median(x / y for x, y in zip(ms[a], ms[b]))
-
-
-def throughput(model, x, autocast, warmup=10, timed=30):
-    """Inference images/s of model on the batch x (train.py --throughput): `warmup` batches (compilation
-    included), then `timed` batches, each under autocast() (a context)."""
-    for i in range(warmup + timed):
-        if i == warmup:
-            _sync(x.device)
-            start = time.perf_counter()
-        with torch.no_grad(), autocast():
-            model(x)
-    _sync(x.device)
-    return timed * len(x) / (time.perf_counter() - start)
-
-
-@functools.cache
-def bf16_speedup(rounds=7):
-    """fp32 time / bf16 time of a transformer MLP's training step (LayerNorm, 128 -> 512 -> 128, 2048 tokens):
-    median of interleaved rounds, one thread, process CPU time (two threads on a shared machine scattered it).
-    ~0.5 s, once."""
-    with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
-        mlp = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
-        x = torch.randn(2048, 128)
-    threads, seconds = torch.get_num_threads(), {False: [], True: []}
-    torch.set_num_threads(1)
-    for bf16 in [False, True] * (rounds + 1):  # the first pair warms up
-        start = time.process_time()
-        with torch.autocast('cpu', torch.bfloat16, enabled=bf16):
-            mlp(x).float().square().mean().backward()
-        seconds[bf16].append(time.process_time() - start)
-    torch.set_num_threads(threads)
-    return sorted(a / b for a, b in zip(seconds[False][1:], seconds[True][1:]))[rounds // 2]
 
 
 def peak_mb(fn, device):

@@ -1,11 +1,13 @@
-"""Checkpoint files: the released format, read as weights only and fitted to a model; train.py's, written
-atomically and resumed exactly.
+"""Checkpoint files: the released format, read as weights only and fitted to a model; train.py's,
+written atomically and resumed exactly.
 
-InLine attention: Han et al., NeurIPS 2024, arXiv 2412.06590. models.create_model(checkpoint=...) loads
-through load_checkpoint. For train.py, its run (a train.Run) and training state (a train.Training) come in as
-arguments; OUTPUT_DIR holds checkpoint.pt (the latest, which a rerun of the same command resumes), best.pt (a
-link to the best epoch's), metrics.jsonl (the checkpoint's log) and val_correct.pt (the last validation's
-per-image results, which the lab reads).
+InLine attention: Han et al., NeurIPS 2024, arXiv 2412.06590. models.create_model(checkpoint=...)
+loads through load_checkpoint. For train.py, its run (a train.Run) and training state (a
+train.Training) come in as arguments; OUTPUT_DIR holds checkpoint.pt (the latest, which a rerun of
+the same command resumes), best.pt (a link to the best epoch's), metrics.jsonl (the checkpoint's
+log) and val_correct.pt (the last validation's per-image results, which the lab reads). print0
+and fail, how every rank of train.py speaks, live here beside the files, so that the backbones
+(models.py loads checkpoints) never import the data module.
 """
 import contextlib
 import json
@@ -13,14 +15,30 @@ import math
 import os
 import pickle
 import random
+import shlex
 import shutil
+import sys
+import tempfile
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data import fail, print0
+# --------------------------------------------------------------------------------------------------
+# How every rank speaks: only rank 0 prints, and bad input stops every rank with one message
+
+def print0(*args, **kwargs):
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def fail(message):
+    """Stop on bad input. Every rank checks the same arguments and files and meets the same error;
+    rank 0 says it."""
+    print0(f'error: {message}', file=sys.stderr)
+    raise SystemExit(1)
+
 
 # ---------------------------------------------------------------------------------------------------
 # The released format {'model': state_dict}, and train.py's, which uses the same key
@@ -40,107 +58,180 @@ def read_file(path):
     except pickle.UnpicklingError as e:
         stripped = os.path.splitext(path)[0] + '.weights.pth'
         keep = ', '.join(map(repr, ('model',) + EMA_KEYS))
+        strip = (f"import torch; c = torch.load({os.fspath(path)!r}, map_location='cpu', "
+                 f"weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
+                 f"{os.fspath(stripped)!r})")
         raise ValueError(
             f"{path} holds Python objects besides weights (such as the authors' yacs config), which "
             f"torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\n"
             f"If you trust the file, keep only its weights once:\n"
-            f"python -c \"import torch; c = torch.load({path!r}, "
-            f"map_location='cpu', weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
-            f"{stripped!r})\"\nand pass {stripped} instead.") from None
+            f"python -c {shlex.quote(strip)}\nand pass {shlex.quote(stripped)} instead.") from None
     except Exception as e:  # a text file, a truncated download: torch.load's own error says little
         raise ValueError(f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}); "
                          f"a checkpoint is a file torch.save wrote, such as train.py's {CHECKPOINT} or "
                          f"a released .pth") from None
 
 
-def resize_parameter(model, name, value, shape):
-    """Fit a checkpoint's position embedding or relative position table to a model built for another
-    image size (bicubic, as the released 384 px fine-tuning did); anything else is returned as is.
-    The checkpoint's grid is read as square (the released ones all are), else as the model's aspect."""
-    if name.endswith('relative_position_bias_table'):  # ((2w - 1)^2, H) -> ((2w' - 1)^2, H)
-        old, new = math.isqrt(value.shape[0]), math.isqrt(shape[0])
-        table = value.T.reshape(1, -1, old, old)  # (1, H, 2w - 1, 2w - 1)
-        table = F.interpolate(table, size=(new, new), mode='bicubic', align_corners=False)
-        return table.reshape(-1, new * new).T  # ((2w' - 1)^2, H)
-    if name.startswith('pos_embed') and value.shape[-1] == shape[-1]:
-        P = 1 if name == 'pos_embed' else 0  # DeiT's class token has a position embedding off the grid
-        new_grid = model.grid if name == 'pos_embed' else model.grids[int(name[len('pos_embed'):]) - 1]
-        n = value.shape[1] - P
-        h = math.isqrt(n) if math.isqrt(n) ** 2 == n else round(math.sqrt(n * new_grid[0] / new_grid[1]))
-        if h == 0 or n % h:
-            raise RuntimeError(f"cannot tell the grid of the checkpoint's {n} {name} vectors: "
-                               f"neither square nor of the model's aspect ratio; "
-                               f"build the model at the checkpoint's image size")
+def load_checkpoint(model, checkpoint, img_size=None, key='model'):
+    """Load released or project weights into model: strict on parameters, ignoring the buffers we
+    rebuild; a different num_classes drops the head (with a warning); position embeddings and
+    relative position tables are resized to the model's image size (resize_positions).
 
-        grid = resize_grid(value[:, P:], (h, n // h), new_grid, 'bicubic')  # (1, h'*w', C)
-        return torch.cat([value[:, :P], grid], dim=1)  # (1, P + h'*w', C)
-    return value
-
-
-def load_checkpoint(model, checkpoint):
-    """Load released or project weights into model: strict on parameters, ignoring the buffers we rebuild;
-    a different num_classes drops the head (with a warning); a different image size resizes.
-
-    checkpoint: a file's path (its 'model' entry, or the whole file if it is a bare state dict), or a state
-    dict already in memory (e.g. the EMA weights train.py read from its own file)."""
-    if isinstance(checkpoint, (str, os.PathLike)):
-        path = checkpoint
-        checkpoint = read_file(path)
-        state = checkpoint.get('model', checkpoint) if isinstance(checkpoint, dict) else None
-    else:
-        path, state = 'the state dict', checkpoint
+    checkpoint: a file's path, or what such a file holds, in memory: {'model': state_dict, ...}
+        (train.py's, the authors'), or the state dict itself.
+    img_size: (H, W) or an int, the image size the weights were trained at, for a checkpoint that
+        records none (the authors' files: their variant's own, models.released_img_size); the size a
+        checkpoint records (trained_img_size) wins.
+    key: which weights of the file: 'model', or an EMA's (EMA_KEYS)."""
+    named = isinstance(checkpoint, (str, os.PathLike))
+    path, saved = (checkpoint, read_file(checkpoint)) if named else ('the state dict', checkpoint)
+    state = saved.get(key, saved) if isinstance(saved, dict) else None
     if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
-        held = state if isinstance(checkpoint, dict) else checkpoint
-        raise ValueError(f"{path} is not a checkpoint: it holds {type(held).__name__}, not a state dict of "
-                         "tensors ({'model': state_dict}, or the state dict itself)")
+        held = state if isinstance(saved, dict) else saved
+        raise ValueError(f"{path} is not a checkpoint: it holds {type(held).__name__}, not a state "
+                         "dict of tensors ({'model': state_dict}, or the state dict itself)")
     own = model.state_dict()
-    state = {k: v for k, v in state.items() if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
+    state = {k: v for k, v in state.items()
+             if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
     head = [k for k in state if k.startswith('head.')]
     if any(k not in own or own[k].shape != state[k].shape for k in head):
         (classes, width), (mine, my_width) = state['head.weight'].shape, own['head.weight'].shape
         differ = (f'{classes} classes, not {mine}' if classes != mine
                   else f'{width} features wide, not {my_width}')
-        warnings.warn(f"{path}: the checkpoint's head ({classes} classes x {width} features) does not fit "
-                      f"this model's ({mine} x {my_width}): {differ}; keeping the model's new head")
+        warnings.warn(f"{path}: the checkpoint's head ({classes} classes x {width} features) does "
+                      f"not fit this model's ({mine} x {my_width}): {differ}; keeping the model's "
+                      f"new head")
         state = {k: v for k, v in state.items() if k not in head}
         own = {k: v for k, v in own.items() if not k.startswith('head.')}
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     if missing or unexpected:
-        raise RuntimeError(mismatch(path, checkpoint, model, missing, unexpected))
-    state = {k: v if v.shape == own[k].shape else resize_parameter(model, k, v, own[k].shape)
-             for k, v in state.items()}
+        raise RuntimeError(mismatch(path, saved, model, missing, unexpected))
+    recorded = trained_img_size(saved)
+    trained = recorded or (pair_of(img_size) if img_size else None)
+    state = resize_positions(model, state, own, trained, recorded is not None, path)
     wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}"
              for k, v in state.items() if v.shape != own[k].shape]
     if wrong:
-        raise RuntimeError(f"{path}: shapes that cannot be resized: {wrong}")
-    model.load_state_dict(state, strict=False)  # everything is checked above; strict=False for a dropped head
+        raise RuntimeError(f"{path}: shapes that cannot be resized: {wrong}" + recorded(saved))
+    model.load_state_dict(state, strict=False)  # all checked above; strict=False for a dropped head
     return model
 
 
-def mismatch(path, checkpoint, model, missing, unexpected):
-    """Why a checkpoint's keys do not fit model, in a few lines: the sizes a train.py checkpoint stores and
-    how to rebuild them, else how many keys differ, with the first of each."""
+def pair_of(size):
+    """(H, W) from an image size given as an int or a pair."""
+    return tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+
+
+def trained_img_size(saved):
+    """(H, W): the image size a checkpoint records it was trained at, train.py's (its model's
+    overrides, 'arch', else its flags, 'args'); None for a bare state dict or the authors' files."""
+    for record in ('arch', 'args'):
+        size = saved.get(record) if isinstance(saved, dict) else None
+        if isinstance(size, dict) and size.get('img_size') is not None:
+            return pair_of(size['img_size'])
+    return None
+
+
+def resize_positions(model, state, own, trained, recorded, path):
+    """state with its position embeddings (model.position_grids) resampled from their grids at the
+    image size the checkpoint was trained at (`trained`; None: unknown) to the model's, bicubic on
+    the grid, leading vectors (DeiT's class token) kept apart, as timm's resample_abs_pos_embed;
+    and its relative position tables resized to the model's windows (resize_table). A grid is never
+    guessed from a vector count: 144 vectors are 12x12 or 9x16. A size the file records must fit its
+    vectors; a size given for a file that records none (recorded False: the variant's own) is used
+    where it fits them. Without one that fits, an equal count is taken as the same grid (a file
+    loaded at the size it was trained at), and another count is refused."""
+    state = dict(state)
+    grids = model.position_grids(model.img_size) if hasattr(model, 'position_grids') else {}
+    before = model.position_grids(trained) if trained and grids else {}
+    for name, (P, grid) in grids.items():
+        value, n = state[name], state[name].shape[1] - P
+        if value.shape[-1] != own[name].shape[-1]:
+            continue  # other channels: another model's, which the shape check names
+        old = before[name][1] if name in before else None
+        if old is None or (n != old[0] * old[1] and not recorded):  # no size that fits the file
+            if value.shape != own[name].shape:
+                raise RuntimeError(unknown_grid(path, name, n, grid, model.img_size, trained, old))
+            continue
+        if n != old[0] * old[1]:
+            raise RuntimeError(
+                f"{path}: {name} holds {n} position vectors, but the {trained[0]}x{trained[1]} "
+                f"px the checkpoint records make a {old[0]}x{old[1]} grid of {old[0] * old[1]} "
+                f"for this {model.name}: the file does not match its record, so it cannot be "
+                f"resized to the model's {grid[0]}x{grid[1]}")
+        if old != grid:
+            resized = resize_grid(value[:, P:], old, grid, 'bicubic')  # (1, h'*w', C)
+            state[name] = torch.cat([value[:, :P], resized], dim=1)  # (1, P + h'*w', C)
+    for name, value in state.items():
+        if name.endswith('relative_position_bias_table') and value.shape != own[name].shape:
+            state[name] = resize_table(value, own[name].shape)
+    return state
+
+
+def unknown_grid(path, name, n, grid, img_size, given, given_grid):
+    """The refusal where a checkpoint's grid cannot be known: the grids its count could be, and the
+    one of the size given for it, which does not fit."""
+    could = [f'{h}x{n // h}' for h in range(1, n + 1)
+             if n % h == 0 and max(h, n // h) <= 4 * min(h, n // h)]  # aspect ratios up to 4:1
+    return (f"{path}: cannot tell the grid {name}'s {n} position vectors were trained on (it could "
+            f"be {' or '.join(could) or 'none of a sensible shape'}), so it cannot be resized to "
+            f"this model's {grid[0]}x{grid[1]} ({img_size[0]}x{img_size[1]} px): the file records "
+            f"no image size" + (f", and the {given[0]}x{given[1]} px given for it make "
+                                f"{given_grid[0]}x{given_grid[1]}" if given_grid else '') +
+            f". Give the size it was trained at, load_checkpoint(model, path, "
+            f"img_size=(H, W)) (train.py gives the variant's own for a file without one), or build "
+            f"the model at it")
+
+
+def resize_table(table, shape):
+    """A relative position table ((2w - 1)^2, H) -> ((2w' - 1)^2, H) for another window: bicubic
+    on the (2w - 1) x (2w - 1) grid of offsets, each head apart, as timm's
+    resize_rel_pos_bias_table."""
+    old, new = math.isqrt(table.shape[0]), math.isqrt(shape[0])
+    if table.shape[1] != shape[1] or old ** 2 != table.shape[0] or new ** 2 != shape[0]:
+        return table  # not two square tables of the same heads: left to the shape check
+    grid = table.T.reshape(1, -1, old, old)  # (1, H, 2w - 1, 2w - 1)
+    grid = F.interpolate(grid, size=(new, new), mode='bicubic', align_corners=False,
+                         antialias=False)  # (1, H, 2w' - 1, 2w' - 1)
+    return grid.reshape(-1, new * new).T  # ((2w' - 1)^2, H)
+
+
+def recorded(saved):
+    """What a train.py checkpoint says it holds, for a refusal: '' where it records nothing."""
+    args = saved.get('args') if isinstance(saved, dict) else None
+    held = isinstance(args, dict) and 'model' in args
+    return f"; the file holds a {args['model']}" if held else ''
+
+
+def mismatch(path, saved, model, missing, unexpected):
+    """Why a checkpoint's keys do not fit model, in a few lines: the model and sizes a train.py
+    checkpoint records and how to rebuild them, else how many keys differ, the first of each."""
     first = lambda keys: ', '.join(keys[:3]) + ', ...' * (len(keys) > 3)  # noqa: E731
     lines = [f"{path} does not fit this {model.name}: {len(missing)} of its keys missing "
              f"({first(missing)}), {len(unexpected)} unexpected ({first(unexpected)})"]
-    saved = checkpoint if isinstance(checkpoint, dict) else {}
+    saved = saved if isinstance(saved, dict) else {}
     if saved.get('args') and saved.get('arch') is not None:
         name, run_keys = saved['args']['model'], ('img_size', 'num_classes', 'drop_path_rate')
         sizes = {k: v for k, v in saved['arch'].items() if k not in run_keys}
-        given = ' '.join(f'{k}={v!r}'.replace(' ', '') for k, v in sizes.items())
+        # as train.py's --model-kwargs reads them, each quoted for the shell: 'depths=(2,2,2,2)'
+        given = ' '.join(shlex.quote(f'{k}={v}' if isinstance(v, str) else
+                                     f'{k}={v!r}'.replace(' ', '')) for k, v in sizes.items())
         lines.append(f"it holds a {name} built with {sizes or 'its defaults'}: rebuild it with "
                      f"models.create_model({name!r}, **those), or train.py --model {name}"
                      + f" --model-kwargs {given}" * bool(sizes))
     else:
-        lines.append("another variant's or another size's weights: choose the variant (models.MODELS) and "
-                     "the sizes (embed_dim, depths, num_heads, ...) they were trained with")
+        lines.append("another variant's or another size's weights: choose the variant "
+                     "(models.MODELS) and the sizes (embed_dim, depths, num_heads, ...) they were "
+                     "trained with")
     return '\n'.join(lines)
 
 
 def resize_grid(tokens, old_grid, new_grid, mode):
-    """Resample tokens laid out on a grid, (1, h*w, C) -> (1, h'*w', C): position embeddings."""
+    """Resample tokens laid out on a grid, (1, h*w, C) -> (1, h'*w', C): position embeddings. No
+    antialiasing, as timm's resize_rel_pos_bias_table (it would act only when shrinking)."""
     x = tokens.transpose(1, 2).reshape(1, tokens.shape[2], *old_grid)  # (1, C, h, w)
-    x = F.interpolate(x, size=new_grid, mode=mode, align_corners=False)  # (1, C, h', w')
+    x = F.interpolate(x, size=new_grid, mode=mode, align_corners=False,
+                      antialias=False)  # (1, C, h', w')
     return x.flatten(2).transpose(1, 2)  # (1, h'*w', C)
 
 
@@ -148,6 +239,18 @@ def resize_grid(tokens, old_grid, new_grid, mode):
 # train.py's files
 
 CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
+
+
+def check_output_dir(path):
+    """Create OUTPUT_DIR and prove it writable, before anything is built: a run must not train only
+    to find it cannot save."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        fail(f'--output-dir {path} cannot be created or written to ({e.strerror or e}): give a '
+             'folder you can write in, or leave the flag out for runs/<model>-<data>')
 
 
 def read_checkpoint(path):
@@ -161,11 +264,11 @@ def read_checkpoint(path):
         fail(f'cannot read checkpoint {path}: {e}')
 
 
-def load_weights(model, saved, key, path):
+def load_weights(model, saved, key, path, img_size):
     """saved[key] (the whole of saved for a bare state dict) into model, with load_checkpoint's
-    checks."""
+    checks; img_size: the variant's own, for a file that records none."""
     try:
-        load_checkpoint(model, saved.get(key, saved))
+        load_checkpoint(model, saved, img_size, key)
     except RuntimeError as e:
         fail(f'cannot load {path} ({key}): {e}')
 

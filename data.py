@@ -5,23 +5,24 @@ InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Li
 arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args) returns (training set,
 validation set) for the flags train.py resolved. The small datasets are read from their files as distributed
 (Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no download is needed where they are installed.
-print0 and fail are how every rank speaks: only rank 0 prints, and bad input stops every rank with one
-message.
 """
 import gzip
 import math
 import os
 import pickle
+import signal
 import struct
-import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Subset
 from torchvision import datasets
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
+
+from checkpoints import fail, print0
 
 NO_EVAL_CROP = ('inline_swin_b_384',)  # its config's TEST.CROP is False: resized straight to 384 x 384
 SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10,
@@ -30,18 +31,6 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FILL = [round(255 * m) for m in MEAN]  # RandAugment's geometric ops fill with the mean colour
 BICUBIC = T.InterpolationMode.BICUBIC
 TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
-
-
-def print0(*args, **kwargs):
-    if int(os.environ.get('RANK', 0)) == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def fail(message):
-    """Stop on bad input. Every rank checks the same arguments and files and meets the same error; rank 0 says
-    it."""
-    print0(f'error: {message}', file=sys.stderr)
-    raise SystemExit(1)
 
 
 class SyntheticShapes(Dataset):
@@ -172,11 +161,71 @@ def eval_transform(img_size, crop=True):
 
 
 def load_rgb(path):
-    try:
-        with Image.open(path) as img:
-            return img.convert('RGB')
-    except Exception as e:  # name the file: one bad image among a million must be findable
-        raise RuntimeError(f'cannot decode image {path}: {e}') from None
+    """An image file as RGB; PIL raises for a file it cannot read."""
+    with Image.open(path) as img:
+        return img.convert('RGB')
+
+
+class ImageFolder(datasets.ImageFolder):
+    """torchvision's ImageFolder, which does not stop at a file it cannot read (truncated, not an
+    image): it returns a blank image (zeros, the transforms' output shape) with the label
+    -1 - index, so that train.py learns, from whichever process read it, which file it was
+    (samples[-1 - label]) and decides: leave it out (--skip-bad-images) or stop at a saved step and
+    name it."""
+
+    def __init__(self, root, transform, img_size):
+        super().__init__(root, transform, loader=load_rgb)
+        self.blank = torch.zeros(3, img_size, img_size)  # (3, S, S), as TO_TENSOR ends
+
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        try:
+            img = self.loader(path)
+        except Exception:  # PIL raises OSError, ValueError, SyntaxError... for a broken file
+            return self.blank, -1 - index
+        return self.transform(img), label
+
+
+def leave_out_unreadable(x, y, found, skip):
+    """(x, y, weight) of a batch, its unreadable images (label -1 - index, ImageFolder) noted in
+    `found`: left out where skip (--skip-bad-images) and others remain, else kept with weight 0 (the
+    step is dropped, or has nothing to learn from)."""
+    bad = y < 0
+    if not bad.any():
+        return x, y, 1.0
+    found += (-1 - y[bad]).tolist()
+    if skip and not bad.all():
+        return x[~bad], y[~bad], 1.0
+    return x, y.clamp(min=0), 0.0
+
+
+def unreadable(dataset, indices, root, gather=True, shown=20):
+    """'N unreadable image(s) under ROOT: train/a/1.png (why), ...', '' for none: the images of
+    `indices`, every rank's where gather (each rank then calls this), each file named with its split
+    and class folder, and why PIL cannot read it."""
+    found = [indices]
+    if gather and dist.is_initialized():
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, indices)
+    folder = getattr(dataset, 'dataset', dataset)  # an ImageFolder, or the Subset of one
+    paths = [folder.samples[i][0] for i in sorted(set(sum(found, [])))]
+    if not paths:
+        return ''
+
+    def why(path):
+        try:
+            load_rgb(path)
+        except Exception as e:
+            return str(e).replace(f" '{path}'", '') or type(e).__name__
+        return 'readable now'
+    named = ', '.join(f'{os.path.relpath(p, root)} ({why(p)})' for p in paths[:shown])
+    more = f', and {len(paths) - shown} more' if len(paths) > shown else ''
+    return f'{len(paths)} unreadable image(s) under {root}: {named}{more}'
+
+
+# what a run that met an unreadable image says, after naming it
+GO_ON = ('To go on, rerun the same command with --skip-bad-images (unreadable images left out, '
+         'counted and listed every epoch), or replace or remove the files and rerun it')
 
 
 def read_idx(path):
@@ -257,7 +306,7 @@ def load_image_folder(args):
         transforms = zip(('train', 'val'), small_transforms(args))
     for split, transform in transforms:
         try:
-            found.append(datasets.ImageFolder(os.path.join(root, split), transform, loader=load_rgb))
+            found.append(ImageFolder(os.path.join(root, split), transform, args.img_size))
         except FileNotFoundError as e:
             fail(f'no images in {os.path.join(root, split)}: {e}')
     return found
@@ -293,13 +342,21 @@ DATASETS = {'synthetic': load_synthetic, 'imagefolder': load_image_folder,
 def load_data(args):
     """(training set, validation set) of --dataset, with --train-subset of the training images (not
     synthetic)."""
+    root = args.data_path
+    if root and not os.path.isdir(root) and not getattr(args, 'download', False):
+        holds = ('train/<class>/<image> and val/<class>/<image>' if args.dataset == 'imagefolder'
+                 else f"{args.dataset}'s files (or add --download)")
+        fail(f'--data-path {root} does not exist{" as a folder" * os.path.exists(root)}: give the '
+             f'folder that holds {holds}')
     train_set, val_set = DATASETS[args.dataset](args)
     if len(train_set.classes) < 2:
         fail(f'{args.dataset} in {args.data_path} has {len(train_set.classes)} class(es) '
              f'({", ".join(train_set.classes)}): a classifier needs at least two, one folder each')
-    if train_set.classes != val_set.classes:
-        fail(f'train/ has {len(train_set.classes)} classes and val/ has {len(val_set.classes)}; '
-             'they must match')
+    if train_set.classes != val_set.classes:  # the class folders, each split's sorted
+        only = [', '.join(sorted(set(a) - set(b))) or 'none' for a, b in
+                ((train_set.classes, val_set.classes), (val_set.classes, train_set.classes))]
+        fail(f'train/ and val/ of {args.data_path} must hold the same class folders: only in '
+             f'train/: {only[0]}; only in val/: {only[1]}')
     if args.dataset == 'synthetic':
         print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), '
                f'{args.img_size} px, {len(train_set):,} fresh training images per epoch, '
@@ -329,3 +386,10 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self):
         return super().__len__() - self.start
+
+
+def ignore_interrupt(worker_id):
+    """A DataLoader worker's start: Ctrl-C signals the whole process group, and only the training
+    process acts on it (it ends the step, then saves); a worker that stopped at it could leave that
+    step without its next batch."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

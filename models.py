@@ -307,6 +307,13 @@ class Backbone(nn.Module):
     def forward(self, x):
         return self.forward_head(self.forward_features(x))
 
+    def position_grids(self, img_size):
+        """{parameter name: (P, (h, w))}: every parameter that holds one vector per token of a grid
+        (a position embedding), P leading vectors off the grid first, with the grid it has when the
+        model is built for img_size. load_checkpoint resizes these from the grids a checkpoint was
+        trained on to the model's; a family without any has none."""
+        return {}
+
     def no_weight_decay(self):
         """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu;
         T1's gain (inline.NormalisedQ) is a temperature, which decay would pull towards uniform weights."""
@@ -358,6 +365,10 @@ class InLineDeiT(Backbone):
 
     def forward_head(self, x):
         return self.head(x[:, 0])  # the class token, (B, C) -> (B, num_classes)
+
+    def position_grids(self, img_size):
+        H, W = pair(img_size)  # the class token's vector first, then one per patch
+        return {'pos_embed': (1, (H // self.patch_size, W // self.patch_size))}
 
     def no_weight_decay(self):
         return super().no_weight_decay() | {'pos_embed', 'cls_token'}
@@ -415,6 +426,18 @@ class InLinePVT(Backbone):
             stages.append(to_map(x, grid))
             x = stages[-1]  # (B, C, h, w), the next stage's image
         return stages if return_stages else stages[-1].flatten(2).transpose(1, 2)  # no final norm in PVT
+
+    def position_grids(self, img_size):
+        """Each stage's position embedding on its grid; FLatten's positional_encoding on the keys,
+        the grid reduced by the block's sr_ratio."""
+        found = {}
+        for i, (h, w) in enumerate(stage_grids(pair(img_size))):
+            found[f'pos_embed{i + 1}'] = (0, (h, w))
+            for j, block in enumerate(getattr(self, f'block{i + 1}')):
+                if hasattr(block.attn, 'positional_encoding'):
+                    r = block.attn.sr_ratio
+                    found[f'block{i + 1}.{j}.attn.positional_encoding'] = (0, (h // r, w // r))
+        return found
 
     # no_weight_decay: Backbone's alone. The released PVT decays its position embeddings: its model (the
     # authors' `models/inline_pvt.py`) exempts only a class token that InLine-PVT does not have.
@@ -615,7 +638,9 @@ class InLineSwin(Backbone):
     window: the InLine window side; None = the whole stage, as every released model (its window 56 at
         224 px, 96 at 384 px in `cfgs/inline_swin_*.yaml`, covers stage 1 and so every stage); smaller
         windows are the window ablation of Table 4 (SwinBlock).
-    softmax_window: the S window: 7 at 224 px, 12 at 384 px (the authors' configs).
+    softmax_window: the S window; None: the authors' for the image size, 12 at 384 x 384 px as in
+        their 384 px configs (Swin's too), else 7 as in their 224 px configs, kept at every other
+        size. A checkpoint's relative position tables are resized to it (load_checkpoint).
     mlp_ratio, num_classes, drop_path_rate: MLP width over C, head outputs (0: none), final stochastic depth.
     ape: the authors' position embedding inside each InLine or linear attention; None: authors_ape's rule.
     **attention: the attention options (attention_options).
@@ -623,7 +648,7 @@ class InLineSwin(Backbone):
     family = 'swin'
 
     def __init__(self, img_size=224, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24),
-                 layout='IIIS', window=None, softmax_window=7, mlp_ratio=4., num_classes=1000,
+                 layout='IIIS', window=None, softmax_window=None, mlp_ratio=4., num_classes=1000,
                  drop_path_rate=0.2, ape=None, **attention):
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSMFN', drop_path_rate, attention)
@@ -632,6 +657,8 @@ class InLineSwin(Backbone):
             raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), "
                              f"got {window!r}")
         self.window, self.num_features = window, embed_dim * 8
+        if softmax_window is None:  # the authors' configs: 12 at 384 px, 7 at 224 px and elsewhere
+            softmax_window = 12 if self.img_size == (384, 384) else 7
         self.patch_embed = PatchEmbed(3, embed_dim, 4, norm_eps=1e-5)
         self.layers = nn.ModuleList()
         for i, (letters, grid) in enumerate(zip(layout, stage_grids(self.img_size))):
@@ -667,6 +694,18 @@ class InLineSwin(Backbone):
                 x = layer.downsample(x, grid)  # (B, h*w/4, 2C)
                 grid = (grid[0] // 2, grid[1] // 2)
         return stages if return_stages else self.norm(x)
+
+    def position_grids(self, img_size):
+        """The APE of an I or L block and FLatten's positional_encoding (F): one vector per token of
+        a window, the block's window clipped to the stage, or the whole stage."""
+        found = {}
+        for i, grid in enumerate(stage_grids(pair(img_size))):
+            for j, block in enumerate(self.layers[i].blocks):
+                window = grid if block.window is None else tuple(min(block.window, s) for s in grid)
+                for name in ('ape', 'positional_encoding'):
+                    if getattr(block.attn, name, None) is not None:
+                        found[f'layers.{i}.blocks.{j}.attn.{name}'] = (0, window)
+        return found
 
     def no_weight_decay(self):
         return super().no_weight_decay() | {name for name, _ in self.named_parameters()
@@ -885,6 +924,13 @@ MODELS = {  # name: (its family's class, its sizes), the rest the class's defaul
     # its NormAttention over the whole stage in 3-4; the rebuttal's "TransNormer 30M" cannot be traced to it
     'transnormer_swin_t': (InLineSwin, dict(layout='SSNN')),
 }
+
+
+def released_img_size(name):
+    """(H, W): the image size variant `name` is registered at, which its released weights were
+    trained at (the authors' files record none: train.py gives this to load_checkpoint for them)."""
+    cls, sizes = MODELS[name]
+    return pair(sizes.get('img_size', inspect.signature(cls).parameters['img_size'].default))
 
 
 def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_indices=(0, 1, 2, 3),

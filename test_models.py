@@ -267,9 +267,10 @@ def test_checkpoint_with_other_classes_and_size(name, tmp_path):
     small = dict(SMALL[name], num_classes=5)
     source = models.create_model(name, **small)
     path = tmp_path / 'project.pth'
-    torch.save({'model': source.state_dict(), 'args': {'model': name}, 'epoch': 1}, path)  # train.py's format
-    # twice the size: the same aspect ratio, so the old grid can be told from its length
-    H, W = small['img_size']
+    # train.py's format: its flags and its model's overrides, the image size among them
+    torch.save({'model': source.state_dict(), 'args': {'model': name}, 'arch': source.arch,
+                'epoch': 1}, path)
+    H, W = small['img_size']  # twice the size: every grid the file records is resized
     bigger = dict(small, img_size=(2 * H, 2 * W), num_classes=7,
                   **({'softmax_window': 4} if name == 'inline_swin_t' else {}))
     with pytest.warns(UserWarning, match='5 classes, not 7'):
@@ -283,6 +284,132 @@ def test_checkpoint_with_other_classes_and_size(name, tmp_path):
     assert resized > 0 and model(torch.randn(1, 3, 2 * H, 2 * W)).shape == (1, 7)
     if name == 'inline_deit_t':  # the class token's position embedding is kept, not resampled
         assert torch.equal(model.pos_embed[:, 0], source.pos_embed[:, 0])
+
+
+def on_grid(tokens, grid):
+    """(1, h*w, C) tokens, row-major on the (h, w) grid, laid out as a map (1, C, h, w) entry by
+    entry: token y*w + x is the map's (y, x)."""
+    h, w = grid
+    return torch.stack([torch.stack([tokens[0, y * w + x] for x in range(w)], dim=-1)
+                        for y in range(h)], dim=-2)[None]  # (1, C, h, w)
+
+
+def bicubic(tokens, old, new):
+    """The expected resize of tokens on grid `old` to `new`: F.interpolate of the explicit map, as
+    timm resamples position embeddings (bicubic, align_corners=False, no antialiasing)."""
+    out = F.interpolate(on_grid(tokens, old), size=new, mode='bicubic', align_corners=False,
+                        antialias=False)  # (1, C, h', w')
+    return out.flatten(2).transpose(1, 2)  # (1, h'*w', C), row-major
+
+
+DEIT = dict(embed_dim=32, depth=1, num_heads=2)  # patch 16
+
+
+def saved_deit(tmp_path, img_size, record=True):
+    """A DeiT trained at img_size, saved as train.py saves it (record: its arch, the image size in
+    it) or as a bare state dict (the authors' format)."""
+    torch.manual_seed(0)
+    source = models.create_model('inline_deit_t', img_size=img_size, **DEIT)
+    path = tmp_path / 'deit.pth'
+    record = {'args': {'model': 'inline_deit_t'}, 'arch': source.arch} if record else {}
+    torch.save({'model': source.state_dict(), **record}, path)
+    return source.pos_embed.detach(), path
+
+
+def test_deit_position_embedding_is_resized_from_the_grid_the_checkpoint_records(tmp_path):
+    """Trained at 144x256 px: a 9x16 grid of 144 vectors (a perfect square, which is not its shape).
+    At 288x512 px it is the bicubic resize of the 9x16 grid to 18x32, the class token's vector kept;
+    at 192x192 px, 12x12 of the same count, it is resized too, not taken as it is."""
+    pos, path = saved_deit(tmp_path, (144, 256))
+    for img_size, grid in (((288, 512), (18, 32)), ((192, 192), (12, 12))):
+        model = models.create_model('inline_deit_t', img_size=img_size, checkpoint=path, **DEIT)
+        torch.testing.assert_close(model.pos_embed[:, 1:], bicubic(pos[:, 1:], (9, 16), grid))
+        assert torch.equal(model.pos_embed[:, :1], pos[:, :1])  # the class token's, off the grid
+        model(torch.randn(1, 3, *img_size))
+    # the top-right token of the 9x16 grid lands at the top right, not at column 11.5 of 12x12
+    model = models.create_model('inline_deit_t', img_size=(288, 512), checkpoint=path, **DEIT)
+    assert model.pos_embed[0, 1 + 31].sub(pos[0, 1 + 15]).norm() < model.pos_embed[0, 1 + 31].sub(
+        pos[0, 1 + 11]).norm()
+
+
+def test_a_grid_the_checkpoint_does_not_record_is_refused_naming_both(tmp_path):
+    """A bare state dict records no image size: another count is refused, naming the grids the count
+    could be and the model's; given the size it was trained at (train.py gives the variant's own),
+    it resizes from that grid."""
+    pos, path = saved_deit(tmp_path, (144, 256), record=False)
+    model = models.create_model('inline_deit_t', img_size=(288, 512), **DEIT)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "cannot tell the grid pos_embed's 144 position vectors were trained on (it could be "
+            "6x24 or 8x18 or 9x16 or 12x12 or 16x9 or 18x8 or 24x6), so it cannot be resized to "
+            "this model's 18x32 (288x512 px): the file records no image size")):
+        models.load_checkpoint(model, path)
+    with pytest.raises(RuntimeError, match=re.escape("records no image size, and the 224x224 px "
+                                                     "given for it make 14x14")):
+        models.load_checkpoint(model, path, img_size=224)  # a size given that does not fit
+    models.load_checkpoint(model, path, img_size=(144, 256))
+    torch.testing.assert_close(model.pos_embed[:, 1:], bicubic(pos[:, 1:], (9, 16), (18, 32)))
+    # a file that records a size its vectors do not fit is refused, naming both grids
+    state = torch.load(path, weights_only=True)
+    torch.save(dict(state, arch={'img_size': (160, 256)}), path)
+    with pytest.raises(RuntimeError, match=r"holds 144 position vectors, but the 160x256 px the "
+                                           r"checkpoint records make a 10x16 grid of 160"):
+        models.load_checkpoint(model, path)
+
+
+def test_pvt_position_embeddings_are_resized_stage_by_stage(tmp_path):
+    torch.manual_seed(0)
+    small = SMALL['inline_pvt_t']
+    source = models.create_model('inline_pvt_t', **small)  # 64x96 px: stage grids 16x24 ... 2x3
+    torch.save({'model': source.state_dict(), 'arch': source.arch}, tmp_path / 'pvt.pth')
+    model = models.create_model('inline_pvt_t', checkpoint=tmp_path / 'pvt.pth',
+                                **dict(small, img_size=(128, 160)))
+    for i, (old, new) in enumerate([((16, 24), (32, 40)), ((8, 12), (16, 20)), ((4, 6), (8, 10)),
+                                    ((2, 3), (4, 5))]):
+        stored, loaded = (getattr(m, f'pos_embed{i + 1}') for m in (source, model))
+        torch.testing.assert_close(loaded, bicubic(stored.detach(), old, new))
+
+
+@pytest.mark.parametrize('residual', ['none', 'plain'])
+def test_swin_ape_ablation_is_resized_at_twice_the_size(residual, tmp_path):
+    """Swin's ablations without Eq. 6 carry the authors' APE, one vector per token of the stage
+    (the InLine window covers it): fine-tuned at twice the size, each is the bicubic resize of its
+    grid."""
+    torch.manual_seed(0)
+    small = dict(SMALL['inline_swin_t'], residual=residual, layout='IIIS')
+    source = models.create_model('inline_swin_t', **small)  # 64x96 px: stage 1 is 16x24
+    assert source.ape
+    torch.save({'model': source.state_dict(), 'arch': source.arch}, tmp_path / 'swin.pth')
+    model = models.create_model('inline_swin_t', checkpoint=tmp_path / 'swin.pth',
+                                **dict(small, img_size=(128, 192)))
+    apes = [k for k in source.state_dict() if k.endswith('.ape')]
+    assert len(apes) == 6  # the I blocks of stages 1 to 3
+    for k in apes:
+        old = models.stage_grids((64, 96))[int(k.split('.')[1])]
+        new = models.stage_grids((128, 192))[int(k.split('.')[1])]
+        torch.testing.assert_close(model.state_dict()[k], bicubic(source.state_dict()[k], old, new))
+    model(torch.randn(1, 3, 128, 192))
+
+
+def test_swin_at_384_takes_the_released_window_and_resizes_its_tables(tmp_path):
+    """At 384 px the softmax stage takes the authors' window 12 (inline_swin_b_384's); elsewhere
+    Swin's 7 is kept. A 224 px checkpoint's 13x13 tables of offsets are resized to 23x23, each head
+    apart, bicubic (timm's resize_rel_pos_bias_table)."""
+    small = dict(embed_dim=16, depths=(1, 1, 1, 2), num_heads=(1, 1, 2, 2))
+    last = {size: meta_model('inline_swin_t', img_size=size, **small).layers[3]
+            for size in (224, 384, 448)}  # the softmax stage
+    windows = {size: {block.window for block in stage.blocks} for size, stage in last.items()}
+    assert windows == {224: {7}, 384: {12}, 448: {7}}
+    torch.manual_seed(0)
+    source = models.create_model('inline_swin_t', **small)
+    torch.save({'model': source.state_dict(), 'arch': source.arch}, tmp_path / 'swin224.pth')
+    model = models.create_model('inline_swin_t', img_size=384, checkpoint=tmp_path / 'swin224.pth',
+                                **small)
+    for j in range(2):
+        k = f'layers.3.blocks.{j}.attn.relative_position_bias_table'
+        stored, loaded = source.state_dict()[k], model.state_dict()[k]  # (13^2, H), (23^2, H)
+        heads = stored.T.reshape(1, -1, 13, 13)  # (1, H, 13, 13): head h's offsets (dy, dx)
+        expected = F.interpolate(heads, size=(23, 23), mode='bicubic', align_corners=False)
+        torch.testing.assert_close(loaded, expected.reshape(-1, 23 * 23).T)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -101,9 +101,10 @@ LAYOUTS = {  # id: (FocusedLinearAttention's layout arguments, grid)
 }
 
 
-def explicit_flatten(m, x, grid):
-    """FLatten's attention built literally: projections, k + positional_encoding, the slow kernel, the N x n
-    weights of the division per head, the slow dwc on v (resampled to N tokens with reduction), proj."""
+def explicit_flatten_weights(m, x, grid):
+    """FLatten's weights built literally, entry by entry: projections, k + positional_encoding, the
+    slow kernel, the N x n weights of the division (or of Eq. 5) per head. Returns them (B, H, N, n)
+    and v (B, H, n, D)."""
     B, N, C = x.shape
     H = m.num_heads
     if hasattr(m, 'qkv'):
@@ -119,15 +120,26 @@ def explicit_flatten(m, x, grid):
     n = k.shape[1]
     q, k = slow_kernel(q, m.scale, 3), slow_kernel(k + m.positional_encoding, m.scale, 3)
     q, k, v = (t.reshape(B, -1, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, ., D)
-    o = torch.zeros(B, H, N, C // H, **f64)
+    weights = torch.zeros(B, H, N, n, **f64)
     k_mean = k.mean(2)  # (B, H, D)
     for i in range(N):
         scores = torch.stack([(q[:, :, i] * k[:, :, j]).sum(-1) for j in range(n)], dim=-1)  # (B, H, n)
         if m.normalisation == 'division':
-            weights = scores / (scores.sum(-1, keepdim=True) + n * 1e-6)
+            weights[:, :, i] = scores / (scores.sum(-1, keepdim=True) + n * 1e-6)
         else:  # Eq. 5 with the released s/N: s/N (q_i.k_j - q_i.k_mean) + 1/N
-            weights = (C // H) ** -0.5 / n * (scores - (q[:, :, i] * k_mean).sum(-1, keepdim=True)) + 1 / n
-        o[:, :, i] = (weights.unsqueeze(-1) * v).sum(2)
+            centred = scores - (q[:, :, i] * k_mean).sum(-1, keepdim=True)
+            weights[:, :, i] = (C // H) ** -0.5 / n * centred + 1 / n
+    return weights, v
+
+
+def explicit_flatten(m, x, grid):
+    """FLatten's attention built literally: the explicit weights times v, the slow dwc on v
+    (resampled to N tokens with reduction), proj."""
+    B, N, C = x.shape
+    H = m.num_heads
+    weights, v = explicit_flatten_weights(m, x, grid)
+    o = weights @ v  # (B, H, N, D)
+    n = v.shape[2]
     if n != N:
         v = F.interpolate(v.transpose(-2, -1).reshape(B * H, -1, n), size=N, mode='linear')
         v = v.reshape(B, H, -1, N).transpose(-2, -1)
@@ -137,14 +149,18 @@ def explicit_flatten(m, x, grid):
 
 @pytest.mark.parametrize('layout', LAYOUTS)
 def test_flatten_attention_equals_explicit_form(layout):
+    """The module's output, and its weights() (the matrix the lab draws), against the explicit form;
+    every parameter random, so a weights() that left out the positional encoding would differ."""
     options, grid = LAYOUTS[layout]
     N = grid[0] * grid[1]
     m = randomise(peers.FocusedLinearAttention(12, 3, N, **options).double())
+    assert m.positional_encoding.abs().min() > 0
     x = torch.randn(2, N, 12, **f64)
     with torch.no_grad():  # the slow forms read numbers one by one
         torch.testing.assert_close(m(x, grid), explicit_flatten(m, x, grid))
+        weights = m.weights(x, grid)
+        torch.testing.assert_close(weights, explicit_flatten_weights(m, x, grid)[0])
     B, H, n = 2, 3, N // options.get('sr_ratio', 1) ** 2
-    weights = m.weights(x, grid)
     assert weights.shape == (B, H, N, n)
     if options.get('normalisation') == 'subtraction':  # Eq. 5's rows sum to 1 exactly, and go negative
         torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, N, **f64))

@@ -5,10 +5,12 @@ import argparse
 import contextlib
 import gzip
 import hashlib
+import io
 import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -26,11 +28,11 @@ import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 from torchvision import datasets
 
-import bench
+import checkpoints
 import data
 import models
 import train
-from test_models import SMALL, TINY, perturb
+from test_models import SMALL, TINY, bicubic, perturb
 
 # ===================================================================================================
 # train.py, run as a user runs it: in a subprocess (one process, or two under torchrun with gloo), on
@@ -69,6 +71,31 @@ def printed(stdout, prefix):
 
 def load_checkpoint_file(path):
     return torch.load(path, map_location='cpu', weights_only=True)
+
+
+def test_imports_go_one_way():
+    """In a fresh interpreter: the backbones import neither the data module (fail and print0 live in
+    checkpoints.py) nor train.py, and train.py imports no benchmark."""
+    code = ('import sys, models; print(sorted({"data", "train"} & set(sys.modules))); '
+            'import train; print(sorted({"bench"} & set(sys.modules)))')
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                            check=True, cwd=os.path.dirname(TRAIN))
+    assert result.stdout.split('\n')[:2] == ['[]', '[]'], result.stdout
+
+
+def test_docstrings_name_only_sections_the_readme_has():
+    """Every README section the code names as (README, "..."), in docstrings and comments, wrapped
+    lines joined, is a heading of the README."""
+    root = os.path.dirname(TRAIN)
+    with open(os.path.join(root, 'README.md')) as f:
+        headings = {line.lstrip('#').strip() for line in f if line.startswith('#')}
+    named = []
+    for folder in (root, os.path.join(root, 'paper')):
+        for file in sorted(f for f in os.listdir(folder) if f.endswith('.py')):
+            with open(os.path.join(folder, file)) as f:
+                text = re.sub(r'\s*\n\s*(#\s*)?', ' ', f.read())  # wrapped lines joined
+            named += [(file, name) for name in re.findall(r'README, "([A-Z][^"]*)"', text)]
+    assert named and [(f, n) for f, n in named if n not in headings] == []
 
 
 @pytest.fixture(scope='module')
@@ -247,24 +274,30 @@ def final_weights(output_dir):
     return {**ckpt['model'], **{f'ema.{k}': v for k, v in ckpt['model_ema'].items()}}
 
 
-def interrupt(args, output_dir, sig):
-    """Start a two-process run; once epoch 1 is saved, send `sig` to torchrun (SIGTERM: it forwards it to
-    the workers) or to torchrun and both workers (SIGKILL: nothing gets to clean up)."""
-    process = subprocess.Popen(command(args, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+def interrupt(args, output_dir, sig, nproc=2):
+    """Start a run (torchrun with two processes); once epoch 1 is saved, send `sig` to torchrun
+    (SIGTERM: it forwards it to the workers), to torchrun and both workers (SIGKILL: nothing gets to
+    clean up), or to the whole process group (SIGINT, as Ctrl-C in a terminal sends it: torchrun,
+    the workers and their data-loading processes)."""
+    # its own process group, as a shell's job
+    process = subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 300
     while not os.path.exists(os.path.join(output_dir, 'metrics.jsonl')):
         assert process.poll() is None and time.time() < deadline, 'the run ended before epoch 1 was saved'
         time.sleep(0.05)
     time.sleep(0.3)  # into epoch 2
     assert process.poll() is None, 'the run ended before it could be interrupted'
-    with open(f'/proc/{process.pid}/task/{process.pid}/children') as f:
-        workers = [int(pid) for pid in f.read().split()]
-    for pid in [process.pid] + (workers if sig == signal.SIGKILL else []):
-        os.kill(pid, sig)
+    if sig == signal.SIGINT:
+        os.killpg(process.pid, sig)
+    else:
+        with open(f'/proc/{process.pid}/task/{process.pid}/children') as f:
+            workers = [int(pid) for pid in f.read().split()]
+        for pid in [process.pid] + (workers if sig == signal.SIGKILL else []):
+            os.kill(pid, sig)
     output, _ = process.communicate(timeout=120)
     assert len(metrics(output_dir)) < 3, 'the interruption came too late to test anything'
-    return output
+    return output, process.returncode
 
 
 @pytest.fixture(scope='module')
@@ -274,14 +307,18 @@ def uninterrupted(tmp_path_factory):
     return output_dir
 
 
-@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM], ids=['kill-9', 'sigterm'])
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM, signal.SIGINT],
+                         ids=['kill-9', 'sigterm', 'ctrl-c'])
 def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_path):
+    """Ctrl-C runs with a data-loading process (--workers 1), which the terminal's SIGINT reaches
+    too; on the synthetic task the loader's processes change no number."""
     reference, interrupted = uninterrupted, str(tmp_path / 'interrupted')
-    output = interrupt(RESUMABLE + ['--output-dir', interrupted], interrupted, sig)
-    if sig == signal.SIGTERM:  # saved where it stopped, mid-epoch
-        assert 'SIGTERM: saved' in output \
-            and load_checkpoint_file(os.path.join(interrupted, 'checkpoint.pt'))['step'] > 0
-    result = run_train(RESUMABLE + ['--output-dir', interrupted], nproc=2)  # the same command, rerun
+    args = RESUMABLE + ['--output-dir', interrupted] + ['--workers', '1'] * (sig == signal.SIGINT)
+    output, _ = interrupt(args, interrupted, sig)
+    if sig != signal.SIGKILL:  # saved where it stopped, mid-epoch; no worker's traceback
+        assert f'{sig.name}: saved' in output and 'KeyboardInterrupt' not in output, output[-3000:]
+        assert load_checkpoint_file(os.path.join(interrupted, 'checkpoint.pt'))['step'] > 0
+    result = run_train(args, nproc=2)  # the same command, rerun
     assert 'resumed from' in result.stdout
     expected, got = final_weights(reference), final_weights(interrupted)
     assert expected.keys() == got.keys()
@@ -293,6 +330,46 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_pa
     assert torch.equal(*correct)
     assert sorted(os.listdir(interrupted)) == ['best.pt', 'checkpoint.pt', 'ema_val_correct.pt',
                                                'metrics.jsonl', 'val_correct.pt']  # no .tmp
+
+
+def test_a_save_that_fails_halfway_leaves_the_last_checkpoint_readable(tmp_path, monkeypatch):
+    """checkpoint.pt is written to a temporary file renamed over it: a save that dies after half its
+    bytes (a full disk) leaves the last good checkpoint whole and readable."""
+    run = resolved(SYNTHETIC_ARGS + ['--output-dir', str(tmp_path)])
+    torch.manual_seed(0)
+    raw = models.create_model('inline_deit_t', img_size=32, num_classes=10)
+    t, _, _ = train.prepare_training(run, raw, data.SyntheticShapes(48, 32, 0, True))
+    checkpoints.save_checkpoint(run, t)
+    path = tmp_path / 'checkpoint.pt'
+    good = path.read_bytes()
+    save = torch.save
+
+    def save_half(obj, f):  # writes half of what torch.save would, then fails as a full disk does
+        whole = io.BytesIO()
+        save(obj, whole)
+        half = whole.getvalue()[:len(whole.getvalue()) // 2]
+        named = isinstance(f, (str, os.PathLike))  # a path, or a file object (save_checkpoint's)
+        with open(f, 'wb') if named else contextlib.nullcontext(f) as out:
+            out.write(half)
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(torch, 'save', save_half)
+    t.epoch = 1
+    with pytest.raises(OSError, match='No space left'):
+        checkpoints.save_checkpoint(run, t)
+    assert path.read_bytes() == good and load_checkpoint_file(path)['epoch'] == 0
+
+
+def test_ctrl_c_saves_at_the_step_and_says_how_to_continue(tmp_path):
+    """python train.py in a terminal, Ctrl-C mid-epoch: the step ends, the checkpoint is saved
+    there, the command to continue is printed, and the run exits cleanly, with no traceback."""
+    output_dir = str(tmp_path / 'a run')  # a space, which the printed --resume must quote
+    output, code = interrupt(RESUMABLE + ['--output-dir', output_dir, '--workers', '1'], output_dir,
+                             signal.SIGINT, nproc=1)
+    saved = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
+    assert code == 0 and 'Traceback' not in output, output[-3000:]
+    assert f'SIGINT: saved {output_dir}/checkpoint.pt at epoch 2, step {saved["step"]}; ' in output
+    assert saved['epoch'] == 1 and saved['step'] > 0
+    assert f"rerun the same command (or give --resume '{output_dir}/checkpoint.pt')" in output
 
 
 # ------------------------------------------------------------------------------------------ real images
@@ -340,6 +417,33 @@ def test_a_small_image_folder_gets_the_small_recipe_and_learns(tmp_path):
     assert 'warning: 6 optimizer step(s) an epoch' in result.stdout
     log = metrics(output_dir)
     assert len(log) == 3 and log[-1]['val_images'] == 16 and log[-1]['val_acc1'] > 50
+
+
+def test_an_unreadable_image_stops_at_a_saved_step_and_skip_bad_images_goes_on(tmp_path):
+    """One broken file among 8 x 2 training images: the run stops at the step that met it, saved
+    there, naming the file with its folder; rerun with --skip-bad-images it resumes and leaves the
+    file out, listed every epoch; a broken validation image is left out of the counts and listed."""
+    root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
+    write_image_folder(root, {'train': 8, 'val': 3})
+    for split, folder in (('train', 'red'), ('val', 'blue')):
+        with open(os.path.join(root, split, folder, 'broken.png'), 'wb') as f:
+            f.write(b'\x89PNG not a png at all')
+    args = TINY_ARGS + ['--data-path', root, '--batch-size', '2', '--epochs', '2', '--output-dir',
+                        output_dir]
+    result = run_train(args, ok=False)
+    assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+    saved = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
+    assert (f"1 unreadable image(s) under {root}: train/red/broken.png (cannot identify image "
+            f"file), met at epoch 1, step {saved['step'] + 1}; saved") in result.stderr
+    assert saved['epoch'] == 0 and 'rerun the same command with --skip-bad-images' in result.stderr
+    result = run_train(args + ['--skip-bad-images'])
+    assert 'resumed from' in result.stdout
+    for epoch in (1, 2):
+        assert f'warning: epoch {epoch} left out 1 unreadable image(s) under {root}: ' \
+               f'train/red/broken.png' in result.stdout
+    assert result.stdout.count('val/blue/broken.png (cannot identify image file), left out of the '
+                               'validation') == 2
+    assert [e['val_images'] for e in metrics(output_dir)] == [6, 6]  # 7 files, 6 images
 
 
 # ----------------------------------------------------------- small datasets, read from their own files
@@ -479,6 +583,9 @@ def bad_data(root, case):
         write_image_folder(root, {'train': 2, 'val': 1})
         with open(os.path.join(root, 'train', 'red', 'broken.png'), 'wb') as f:
             f.write(b'not a png at all')
+    elif case == 'other-classes':  # equal counts, one folder named differently
+        write_image_folder(root, {'train': 2, 'val': 1})
+        os.rename(os.path.join(root, 'val', 'blue'), os.path.join(root, 'val', 'green'))
     return ['--data-path', root, '--accum-steps', '1', '--epochs', '1', '--warmup-epochs', '0',
             '--batch-size', '5']
 
@@ -487,7 +594,13 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
     'no-train': ('no-train', 'has no train/ folder'),
     'no-val': ('no-val', 'has no val/ folder'),
     'no-images': ('no-images', 'no images in'),
-    'undecodable': ('undecodable', 'cannot decode image'),
+    'undecodable': ('undecodable', '1 unreadable image(s) under'),
+    'other-classes': ('other-classes', 'must hold the same class folders: only in train/: blue; '
+                                       'only in val/: green'),
+    'no-data-path': (['--data-path', 'no/such/folder'],
+                     '--data-path no/such/folder does not exist'),
+    'output-dir-unwritable': (['--output-dir', '/dev/null/run'],
+                              '--output-dir /dev/null/run cannot be created or written to'),
     'one-class': ('one-class', 'has 1 class(es) (red): a classifier needs at least two'),
     'recipe-released-without-folder': (['--recipe', 'released'],
                                        "--recipe released is the authors' ImageNet-1K"),
@@ -510,8 +623,11 @@ def test_bad_input_gets_a_clear_error(case, tmp_path):
     result = run_train(SYNTHETIC_ARGS + ['--output-dir', str(tmp_path / 'run')] + extra, ok=False)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-2000:]
-    if case == 'undecodable':
-        assert 'broken.png' in result.stderr
+    if case == 'undecodable':  # named with its split and class folder, and how to go on
+        assert 'train/red/broken.png (cannot identify image file)' in result.stderr
+        assert '--skip-bad-images' in result.stderr
+    if case == 'output-dir-unwritable':  # said before the data is read and the model built
+        assert 'data:' not in result.stdout and 'model:' not in result.stdout
 
 
 # ------------------------------------------------------------------------------ the recipe, in process
@@ -601,6 +717,20 @@ def test_recipe_is_the_released_table(name, monkeypatch):
                               448 if name == 'inline_deit_b' else 224)
 
 
+@pytest.mark.parametrize('name', ['inline_deit_t', 'inline_swin_b'])
+def test_recipe_threshold_is_100_steps_at_the_authors_total_batch(name, monkeypatch):
+    """An ImageFolder takes the released recipe from 100 optimizer steps an epoch at the authors'
+    total batch, the table's per-process batch x their 8 processes (inline_deit_t: 512 x 8 = 4,096
+    images a step, so 409,600 images), whatever this run's processes; one image fewer takes the
+    small-data recipe."""
+    threshold = 100 * RELEASED_RECIPE[name][0] * 8
+    for images, recipe in ((threshold - 1, 'small'), (threshold, 'released')):
+        monkeypatch.setattr(train, 'count_images', lambda folder: images)
+        for world in (1, 8):
+            run = resolved(['--model', name, '--data-path', 'imagenet'], world)
+            assert run.args.recipe == recipe, (images, world)
+
+
 @pytest.mark.parametrize('name', TINY)
 def test_weight_decay_groups(name):
     """As released: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative
@@ -652,7 +782,7 @@ def fake_machine(monkeypatch, amx, avx512_bf16, gpu_bf16, speedup):
                         lambda including_emulation=True: including_emulation or gpu_bf16)
     monkeypatch.setattr(torch.cuda, 'get_device_name', never if gpu_bf16 is None else
                         lambda device=None: 'Fake GPU')
-    monkeypatch.setattr(bench, 'bf16_speedup', never if speedup is None else lambda: speedup)
+    monkeypatch.setattr(train, 'bf16_speedup', never if speedup is None else lambda: speedup)
 
 
 @pytest.mark.parametrize('machine', AMP_MACHINES)
@@ -680,7 +810,8 @@ def test_resolve_takes_the_default_precision_and_amp_overrides_it(machine, monke
 def test_bf16_probe_leaves_the_random_streams_and_the_threads_as_they_were():
     torch.manual_seed(0)
     threads, state = torch.get_num_threads(), torch.get_rng_state()
-    speedup = bench.bf16_speedup.__wrapped__(rounds=1)  # a fresh measurement, not the process's cached one
+    # a fresh measurement, not the process's cached one
+    speedup = train.bf16_speedup.__wrapped__(rounds=1)
     print(f'bf16 probe on this CPU: bf16 {speedup:.2f}x the speed of fp32')
     assert 0 < speedup < math.inf and torch.get_num_threads() == threads \
         and torch.equal(torch.get_rng_state(), state)
@@ -799,17 +930,62 @@ def test_finetune_starts_from_the_ema_weights(tmp_path):
     assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
 
 
+def test_finetune_resizes_an_authors_file_from_its_variants_own_grid(tmp_path):
+    """The authors' files record no image size: --finetune reads them at the variant's registered
+    size (inline_deit_t: 224 px, a 14x14 grid) and resizes to the run's (64 px, 4x4), bicubic."""
+    small = dict(embed_dim=32, depth=1, num_heads=2)
+    source = perturb(models.create_model('inline_deit_t', num_classes=10, **small))  # 224 px
+    path = str(tmp_path / 'authors.pth')
+    torch.save({'model': source.state_dict()}, path)
+    run = resolved(['--model', 'inline_deit_t', '--model-kwargs', 'embed_dim=32', 'depth=1',
+                    'num_heads=2', '--img-size', '64', '--attention-impl', 'reference',
+                    '--finetune', path])
+    model = train.build_model(run, num_classes=10)
+    stored = source.pos_embed.detach()
+    torch.testing.assert_close(model.pos_embed[:, 1:], bicubic(stored[:, 1:], (14, 14), (4, 4)))
+
+
+def test_finetune_from_another_models_checkpoint_names_it_and_how_to_rebuild_it(tmp_path, capsys):
+    """A train.py checkpoint of a Swin under --finetune of a DeiT: the refusal names the model the
+    file records and the command that rebuilds it, which a shell reads back into its sizes."""
+    sizes = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 1, 2, 2), layout='IISS')
+    source = models.create_model('inline_swin_t', img_size=32, num_classes=10, **sizes)
+    path = str(tmp_path / 'swin.pt')
+    torch.save({'model': source.state_dict(), 'args': {'model': 'inline_swin_t', 'img_size': 32},
+                'arch': source.arch}, path)
+    run = resolved(['--model', 'inline_deit_t', '--img-size', '32', '--attention-impl', 'reference',
+                    '--finetune', path])
+    with pytest.raises(SystemExit):
+        train.build_model(run, num_classes=10)
+    error = capsys.readouterr().err
+    assert f'cannot load {path} (model)' in error and 'it holds a inline_swin_t built with' in error
+    command = re.search(r'or (train\.py --model .*)$', error, re.MULTILINE).group(1)
+    assert ("--model-kwargs embed_dim=16 'depths=(1,1,2,1)' 'num_heads=(1,1,2,2)' layout=IISS"
+            in command)
+    rebuilt = train.get_args_parser().parse_args(shlex.split(command)[1:])
+    assert rebuilt.model == 'inline_swin_t' and train.model_kwargs(rebuilt) == sizes
+
+
+def test_commands_to_paste_are_quoted_for_the_shell(capsys):
+    """--help's --model-kwargs example, and the refusal of a pair without '=', quote the brackets
+    that bash would read as syntax."""
+    helped = ' '.join(train.get_args_parser().format_help().split())
+    assert "'depths=(1,1,2,1)' embed_dim=48" in helped
+    assert "(e.g. 'depths=(1,1,2,1)' embed_dim=48)" in refused(['--model-kwargs', 'depths'], capsys)
+
+
 def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
     """The authors' CSwin file: {'model', 'state_dict_ema'} and their yacs config, which weights_only=True
     refuses. Refused with a line that strips it; stripped, evaluated with its weights and then its EMA
-    weights, each giving the loss computed here from the eval transform and the model."""
+    weights, each giving the loss computed here from the eval transform and the model. The file's
+    name has a space and a quote, which the printed command must carry through the shell."""
     torch.manual_seed(0)
     root = str(tmp_path / 'data')
     write_image_folder(root, {'train': 1, 'val': 3})
     small = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(2, 2, 4, 4))
     model = perturb(models.create_model('inline_cswin_t', img_size=32, num_classes=2, **small))
     ema = perturb(models.create_model('inline_cswin_t', img_size=32, num_classes=2, **small), seed=1)
-    path = str(tmp_path / 'inline_cswin_t.pth')
+    path = str(tmp_path / "the authors' cswin_t.pth")
     torch.save({'model': model.state_dict(), 'state_dict_ema': ema.state_dict(),
                 'config': argparse.Namespace()}, path)
     args = ['--model', 'inline_cswin_t', '--model-kwargs', 'embed_dim=16', 'depths=(1,1,1,1)',
@@ -821,8 +997,9 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
     with pytest.raises(ValueError, match='weights_only=True'):
         models.load_checkpoint(model, path)
     strip = next(line for line in error.splitlines() if line.startswith('python -c '))
-    subprocess.run([sys.executable, '-c', strip[len('python -c '):].strip('"')], check=True)
-    args[-1] = str(tmp_path / 'inline_cswin_t.weights.pth')
+    subprocess.run([sys.executable] + shlex.split(strip)[1:], check=True)  # as a shell reads it
+    args[-1] = shlex.split(re.search(r'\nand pass (.+) instead', error).group(1))[0]
+    assert args[-1] == str(tmp_path / "the authors' cswin_t.weights.pth")
     error = refused(args, capsys)  # not one of our synthetic runs
     assert '--eval of' in error and 'needs --data-path' in error
     result = run_train(args + ['--data-path', root])

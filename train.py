@@ -1,8 +1,8 @@
 """Train and evaluate the InLine backbones: plain DDP, the authors' recipe to the letter, resumable.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README, "Training and
-evaluation"); without it, a small recipe for a built-in synthetic task.
+arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README,
+"Training"); without it, a small recipe for a built-in synthetic task.
 
 The main job: no dataset, no download; >= 90% validation accuracy in minutes on a 2-core CPU
 (README, "Quick start"):
@@ -26,17 +26,20 @@ Inference throughput (images/s of one process, at the model's released image siz
     python train.py --model inline_swin_t --throughput --batch-size 64
 
 Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written atomically every
-epoch; SIGTERM saves and exits; on CPU, a run killed with -9 and rerun ends with an uninterrupted run's
-weights.
+epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits; on CPU, a run killed with -9 and
+rerun ends with an uninterrupted run's weights. An image that cannot be read stops the run at a
+saved step, naming it; --skip-bad-images leaves such files out, listed every epoch.
 """
 import argparse
 import ast
 import contextlib
+import functools
 import hashlib
 import json
 import math
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -52,12 +55,12 @@ from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
-import bench
 import inline
 import models
-from checkpoints import (CHECKPOINT, EMA_KEYS, load_weights, read_checkpoint, resume, save_checkpoint,
-                         save_correct)
-from data import DATASETS, ResumableSampler, SyntheticShapes, count_images, fail, load_data, print0
+from checkpoints import (CHECKPOINT, EMA_KEYS, check_output_dir, fail, load_weights, print0,
+                         read_checkpoint, resume, save_checkpoint, save_correct)
+from data import (DATASETS, GO_ON, ResumableSampler, SyntheticShapes, count_images,
+                  ignore_interrupt, leave_out_unreadable, load_data, unreadable)
 
 # ------------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is
@@ -100,10 +103,10 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
                  cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1,
                  mixup=0.0, cutmix=0.0, mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0,
                  color_jitter=0.0, random_erase=0.0, synthetic_train=12_800, synthetic_val=2_000)
-# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28; README, "Training
-# and evaluation"): 224 px, the one size below 448 at which they tile every stage they are smaller than, and
-# fewer, smaller steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a
-# step see 5e-4.
+# The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28): 224 px,
+# the one size below 448 at which they tile every stage they are smaller than, and fewer, smaller
+# steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a step
+# see 5e-4.
 SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3,
                           synthetic_train=640, synthetic_val=320, lr=1.6e-2)
 # Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (load_data),
@@ -145,8 +148,8 @@ def get_args_parser():
       help="T1: the blocks whose q is L2-normalised with a learned per-head gain, "
       "S (softmax), I (InLine) or SI")
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
-      help='more create_model overrides, values as Python literals, else strings: '
-           'depths=(1,1,2,1) embed_dim=48')
+      help='more create_model overrides, values as Python literals, else strings, each quoted '
+           "for the shell where it has brackets: 'depths=(1,1,2,1)' embed_dim=48")
     a('--dataset', choices=list(DATASETS),
       help='default: synthetic, imagefolder with --data-path; the small ones '
       'read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
@@ -167,6 +170,9 @@ def get_args_parser():
     a('--drop-path', type=float, help='stochastic depth rate')
     a('--finetune',
       help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
+    a('--skip-bad-images', action='store_true',
+      help='leave out images that cannot be read, counted and listed every epoch (without it, the '
+      'first stops the run at a saved step, naming it)')
     a('--grad-checkpoint', action='store_true',
       help='recompute each block in the backward: less memory, slower')
     a('--synthetic-train', type=int,
@@ -248,7 +254,8 @@ def model_kwargs(args):
     for item in args.model_kwargs or []:
         key, sep, value = item.partition('=')
         if not sep or not key.isidentifier():
-            fail(f'--model-kwargs takes KEY=VALUE pairs (e.g. depths=(1,1,2,1) embed_dim=48), not {item!r}')
+            fail(f"--model-kwargs takes KEY=VALUE pairs (e.g. 'depths=(1,1,2,1)' embed_dim=48), "
+                 f"not {item!r}")
         if key in RUN_KEYS:
             fail(f'--model-kwargs {key}: train.py sets it; use --{RUN_KEYS[key]}')
         try:
@@ -393,10 +400,29 @@ def default_amp(device):
     if not getattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)():
         return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
     # AVX-512 BF16 alone decides nothing: bf16 trained 2x faster on one such CPU, slower on another
-    x = bench.bf16_speedup()
+    x = bf16_speedup()
     why = (f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, '
            '1.25x needed')
     return ('bf16' if x >= 1.25 else 'fp32'), why  # 1.25: a whole training step gains less than the probe
+
+
+@functools.cache
+def bf16_speedup(rounds=7):
+    """fp32 time / bf16 time of a transformer MLP's training step (LayerNorm, 128 -> 512 -> 128,
+    2048 tokens): median of interleaved rounds, one thread, process CPU time (two threads on a
+    shared machine scattered it). ~0.5 s, once."""
+    with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
+        mlp = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+        x = torch.randn(2048, 128)
+    threads, seconds = torch.get_num_threads(), {False: [], True: []}
+    torch.set_num_threads(1)
+    for bf16 in [False, True] * (rounds + 1):  # the first pair warms up
+        start = time.process_time()
+        with torch.autocast('cpu', torch.bfloat16, enabled=bf16):
+            mlp(x).float().square().mean().backward()
+        seconds[bf16].append(time.process_time() - start)
+    torch.set_num_threads(threads)
+    return sorted(a / b for a, b in zip(seconds[False][1:], seconds[True][1:]))[rounds // 2]
 
 
 def check_args(args):
@@ -468,7 +494,7 @@ def build_model(run, num_classes):
     if args.finetune:
         saved = read_checkpoint(args.finetune)
         key = next((k for k in EMA_KEYS if saved.get(k) is not None), 'model')
-        load_weights(model, saved, key, args.finetune)
+        load_weights(model, saved, key, args.finetune, models.released_img_size(args.model))
         print0(f'initial weights: {args.finetune} ({key})')
     model.set_grad_checkpointing(args.grad_checkpoint)
     print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, '
@@ -522,35 +548,42 @@ class Training:
     criterion: nn.Module
     steps_per_epoch: int
     epoch: int = 0  # the next epoch to run
-    step: int = 0  # optimizer steps already done in it (non-zero only after SIGTERM)
+    step: int = 0  # optimizer steps already done in it (non-zero only after SIGTERM or SIGINT)
     best_acc: float = -1.0
     log: list = field(default_factory=list)
+    unreadable: list = field(default_factory=list)  # this epoch's unreadable images, on this rank
 
 
 def train_one_epoch(run, t, loader, epoch, stop):
-    """One pass over the loader; returns (mean loss, images/s, optimizer steps done, stopped by SIGTERM)."""
+    """One pass over the loader; returns (mean loss, images/s, optimizer steps done, why it stopped
+    early: None, 'signal', or 'unreadable' for an image it could not read, without
+    --skip-bad-images)."""
     args, device = run.args, run.device
     t.model.train()
     desc = f'epoch {epoch + 1}/{args.epochs + args.cooldown_epochs}'
     bar = tqdm(total=t.steps_per_epoch - t.step, desc=desc, leave=False, disable=run.rank != 0,
                mininterval=1.0, dynamic_ncols=True)
-    losses, step, micro_loss, speed, stopped, start = [], 0, 0.0, 0.0, False, time.perf_counter()
+    losses, step, micro_loss, speed, stopped, start = [], 0, 0.0, 0.0, None, time.perf_counter()
+    unread = []  # this step's unreadable images on this rank
     for i, (x, y) in enumerate(loader):
         if step == t.steps_per_epoch - t.step:  # the last incomplete accumulation group is dropped
             break
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y, weight = leave_out_unreadable(x, y, unread, args.skip_bad_images)
         if t.mix is not None:
             x, y = t.mix(x, y)  # y becomes (B, classes) soft targets
         last_micro = (i + 1) % args.accum_steps == 0
         with t.model.no_sync() if run.world > 1 and not last_micro else contextlib.nullcontext():
             with run.autocast(training=True):
-                loss = t.criterion(t.model(x), y) / args.accum_steps
+                loss = t.criterion(t.model(x), y) * weight / args.accum_steps
             t.scaler.scale(loss).backward()
         micro_loss += loss.item()
         if not last_micro:
             continue
-        # one small all-reduce per step: the mean loss, and whether any rank saw a bad loss or a SIGTERM
-        flags = torch.tensor([micro_loss, not math.isfinite(micro_loss), stop.is_set()], device=device)
+        # one small all-reduce per step: the mean loss, whether any rank saw a bad loss, a signal or
+        # an image it could not read
+        flags = torch.tensor([micro_loss, not math.isfinite(micro_loss), stop.is_set(),
+                              len(unread)], device=device)
         if run.world > 1:
             dist.all_reduce(flags)
         if flags[1] > 0:
@@ -561,6 +594,11 @@ def train_one_epoch(run, t, loader, epoch, stop):
             bar.close()
             fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step {t.step + step + 1}; '
                  f'stopped, {kept}. Try a lower --lr, --clip-grad, or --amp fp32.')
+        t.unreadable, unread = t.unreadable + unread, []
+        if flags[3] > 0 and not args.skip_bad_images:  # this step is dropped; fit saves the last
+            t.optimizer.zero_grad(set_to_none=True)
+            stopped = 'unreadable'
+            break
         if args.clip_grad > 0:
             t.scaler.unscale_(t.optimizer)
             nn.utils.clip_grad_norm_(t.raw.parameters(), args.clip_grad)
@@ -576,7 +614,8 @@ def train_one_epoch(run, t, loader, epoch, stop):
         bar.set_postfix(loss=f'{losses[-1]:.3f}', lr=f'{t.scheduler.get_last_lr()[0]:.2e}',
                         img_s=f'{speed:.0f}', refresh=False)
         bar.update()
-        if stopped := flags[2].item() > 0:
+        if flags[2] > 0:
+            stopped = 'signal'
             break
     bar.close()
     return sum(losses) / max(len(losses), 1), speed, step, stopped
@@ -585,31 +624,39 @@ def train_one_epoch(run, t, loader, epoch, stop):
 @torch.no_grad()
 def evaluate(run, model, loader):
     """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got right, a
-    bool tensor in the validation set's own order; each rank holds a disjoint slice, summed here."""
+    bool tensor in the validation set's own order; each rank holds a disjoint slice, summed here.
+    Images that cannot be read (label -1 - index, data.ImageFolder) are left out of the counts and
+    returned as `unreadable`, their indices."""
     model.eval()
     # loss sum, top-1 hits, top-5 hits, images
     totals = torch.zeros(4, dtype=torch.float64, device=run.device)
-    rights = []  # top-1 right or not, image by image in the loader's order
+    rights, misses = [], []  # top-1 right or not, unreadable or not, in the loader's order
     for x, y in loader:
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        read = y >= 0  # (B,)
+        y = y.clamp(min=0)
         with run.autocast(training=False):
             logits = model(x).float()
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices  # (B, 5)
-        hits = top5 == y[:, None]  # (B, 5): the top 5 against y
+        hits = (top5 == y[:, None]) & read[:, None]  # (B, 5): the top 5 against y
         rights.append(hits[:, 0].int())
-        totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction='sum').double(),
-                               hits[:, 0].sum().double(), hits.any(1).sum().double(),
-                               totals.new_tensor(len(y))])
-    correct = torch.zeros(len(loader.dataset.dataset), dtype=torch.int32, device=run.device)  # (images,)
+        misses.append((~read).int())
+        loss = nn.functional.cross_entropy(logits, y, reduction='none')[read]
+        totals += torch.stack([loss.sum().double(), hits[:, 0].sum().double(),
+                               hits.any(1).sum().double(), read.sum().double()])
+    # (2, images): right, unreadable
+    correct = torch.zeros(2, len(loader.dataset.dataset), dtype=torch.int32, device=run.device)
     if rights:  # a rank of more ranks than images has none: it adds zeros
         places = torch.as_tensor(loader.dataset.indices, device=run.device)  # val_loader's Subset
-        correct[places] = torch.cat(rights)
+        correct[:, places] = torch.stack([torch.cat(rights), torch.cat(misses)])
     if run.world > 1:
         dist.all_reduce(totals)
         dist.all_reduce(correct)
     loss, top1, top5, n = totals.tolist()
-    return {'loss': loss / n, 'acc1': 100 * top1 / n, 'acc5': 100 * top5 / n, 'images': int(n),
-            'correct': correct.cpu().bool()}
+    seen = max(n, 1)  # no image read: zeros
+    return {'loss': loss / seen, 'acc1': 100 * top1 / seen, 'acc5': 100 * top5 / seen,
+            'images': int(n), 'correct': correct[0].cpu().bool(),
+            'unreadable': correct[1].nonzero().flatten().tolist()}
 
 
 def val_loader(run, val_set):
@@ -617,7 +664,8 @@ def val_loader(run, val_set):
     padding)."""
     subset = Subset(val_set, range(run.rank, len(val_set), run.world))
     return DataLoader(subset, run.args.batch_size, num_workers=run.args.workers,
-                      pin_memory=run.device.type == 'cuda', generator=torch.Generator())
+                      pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
+                      worker_init_fn=ignore_interrupt)
 
 
 def evaluate_checkpoint(run, model, val_set):
@@ -626,8 +674,11 @@ def evaluate_checkpoint(run, model, val_set):
     two apart."""
     loader = val_loader(run, val_set)
     for key in ('model', *(k for k in EMA_KEYS if run.saved.get(k) is not None)):
-        load_weights(model, run.saved, key, run.saved_path)
+        load_weights(model, run.saved, key, run.saved_path,
+                     models.released_img_size(run.args.model))
         result = evaluate(run, model, loader)
+        if names := unreadable(val_set, result.pop('unreadable'), run.args.data_path, gather=False):
+            print0(f'warning: {names}, left out of the validation')
         result['correct_sha256'] = hashlib.sha256(result.pop('correct').numpy().tobytes()).hexdigest()[:16]
         print0(f'eval {"model" if key == "model" else "ema"}: {json.dumps(result)}')
     if run.saved.get('log'):
@@ -641,7 +692,8 @@ def prepare_training(run, raw, train_set):
     args, num_classes = run.args, len(train_set.classes)
     sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
-                        pin_memory=run.device.type == 'cuda', generator=torch.Generator())
+                        pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
+                        worker_init_fn=ignore_interrupt)
     steps_per_epoch = len(loader) // args.accum_steps
     if steps_per_epoch == 0:
         fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} accumulation '
@@ -690,13 +742,18 @@ def prepare_training(run, raw, train_set):
 
 
 def fit(run, raw, train_set, val_set):
-    """Train epoch after epoch, validating and saving after each; SIGTERM saves mid-epoch and stops."""
+    """Train epoch after epoch, validating and saving after each; SIGTERM or SIGINT (Ctrl-C) saves
+    mid-epoch and stops."""
     args = run.args
     t, sampler, loader = prepare_training(run, raw, train_set)
     val = val_loader(run, val_set)
-    os.makedirs(args.output_dir, exist_ok=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, received = threading.Event(), []  # set by SIGTERM or SIGINT: the step ends, then a save
+
+    def interrupt(sig, frame):
+        received.append(signal.Signals(sig).name)
+        stop.set()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C too: no KeyboardInterrupt mid-step
+        signal.signal(sig, interrupt)
     epochs, start = args.epochs + args.cooldown_epochs, time.perf_counter()
     for epoch in range(t.epoch, epochs):
         sampler.set_epoch(epoch)
@@ -708,15 +765,24 @@ def fit(run, raw, train_set, val_set):
         if stopped:
             t.step += steps
             save_checkpoint(run, t)
-            print0(f'SIGTERM: saved {os.path.join(args.output_dir, CHECKPOINT)} '
-                   f'at epoch {epoch + 1}, step {t.step}; rerun to continue')
+            latest = os.path.join(args.output_dir, CHECKPOINT)
+            if stopped == 'unreadable':
+                fail(f'{unreadable(train_set, t.unreadable, args.data_path)}, met at epoch '
+                     f'{epoch + 1}, step {t.step + 1}; saved {latest} at step {t.step}. {GO_ON}')
+            why = received[0] if received else 'stopped with the other processes'
+            print0(f'{why}: saved {latest} at epoch {epoch + 1}, step {t.step}; to continue, rerun '
+                   f'the same command (or give --resume {shlex.quote(latest)})')
             return
+        if args.skip_bad_images and (names := unreadable(train_set, t.unreadable, args.data_path)):
+            print0(f'warning: epoch {epoch + 1} left out {names}')
+        t.unreadable = []
         validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0],
                  'images_per_s': speed}
         for prefix, module in (('val', raw), ('ema_val', t.ema.module if t.ema is not None else None)):
             if validate and module is not None:
                 result = evaluate(run, module, val)
+                bad_val = result.pop('unreadable')  # the same on every rank
                 save_correct(run, f'{prefix}_correct', result.pop('correct'))  # OUTPUT_DIR/val_correct.pt
                 entry.update({f'{prefix}_{k}': v for k, v in result.items()})
         entry['arch'] = json.loads(json.dumps(raw.arch))  # as metrics.jsonl has it
@@ -726,6 +792,12 @@ def fit(run, raw, train_set, val_set):
         t.log.append(entry)
         t.epoch, t.step = epoch + 1, 0
         save_checkpoint(run, t, is_best)
+        if validate and bad_val:
+            names = unreadable(val_set, bad_val, args.data_path, gather=False)  # every rank's
+            names += ', left out of the validation'
+            if not args.skip_bad_images:
+                fail(f'{names}; epoch {epoch + 1} is saved. {GO_ON}')
+            print0(f'warning: {names}')
         print0(f'epoch {epoch + 1}/{epochs}  train loss {loss:.4f}' +
                (f'  val loss {entry["val_loss"]:.4f}  acc@1 {entry["val_acc1"]:.2f}  '
                 f'acc@5 {entry["val_acc5"]:.2f}' if validate else '') +
@@ -735,14 +807,30 @@ def fit(run, raw, train_set, val_set):
     print0(f'done: best acc@1 {t.best_acc:.2f}; checkpoints and metrics.jsonl in {args.output_dir}')
 
 
+def throughput(run, model, x, warmup=10, timed=30):
+    """--throughput: inference images/s of model on the batch x, in the training precision: `warmup`
+    batches (compilation included), then `timed` batches timed."""
+    sync = torch.cuda.synchronize if x.device.type == 'cuda' else lambda: None
+    for i in range(warmup + timed):
+        if i == warmup:
+            sync()
+            start = time.perf_counter()
+        with torch.no_grad(), run.autocast(training=True):
+            model(x)
+    sync()
+    return timed * len(x) / (time.perf_counter() - start)
+
+
 def main(args):
     run = setup(args)
     if args.throughput:  # random input, the released 1000-class head
         x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=run.device)
         model = build_model(run, num_classes=1000).eval()
-        speed = bench.throughput(model, x, lambda: run.autocast(training=True))
+        speed = throughput(run, model, x)
         return print0(f'throughput: {speed:.1f} images/s (one process, batch {args.batch_size}, '
                       f'{args.img_size} px, {args.amp})')
+    if not args.eval:  # before the data and the model: a run that cannot save says so first
+        check_output_dir(args.output_dir)
     train_set, val_set = load_data(args)
     model = build_model(run, num_classes=len(val_set.classes))
     if args.eval:
@@ -752,6 +840,10 @@ def main(args):
 
 
 if __name__ == '__main__':
-    main(get_args_parser().parse_args())
+    try:
+        main(get_args_parser().parse_args())
+    except KeyboardInterrupt:  # before training starts or after it ends: nothing to save
+        print0('interrupted (Ctrl-C) outside the training loop: nothing was saved')
+        raise SystemExit(130)
     if dist.is_initialized():
         dist.destroy_process_group()

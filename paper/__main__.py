@@ -1,10 +1,10 @@
 """The lab: the paper's figures and tables, rerun small on one machine, with pictures.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. One subcommand per figure or group of tables of the paper (README, "The paper's
-experiments"). Each prints a table (markdown, for the README), draws a PNG (OUT/<subcommand>.png, or --png
-PATH) and keeps what it has finished under OUT (default runs/paper/), so a rerun resumes where the last one
-stopped. From the repository root:
+arXiv 2412.06590. One subcommand per figure or group of tables of the paper (README, "The evidence
+in brief"). Each prints a table (markdown, for the README), draws a PNG (OUT/<subcommand>.png, or
+--png PATH) and keeps what it has finished under OUT (default runs/paper/), so a rerun resumes where
+the last one stopped. From the repository root:
 
     python -m paper models                 # every released variant: params and GMACs beside the authors'
     python -m paper experiments            # every experiment of the paper by name, with the paper's top-1

@@ -20,7 +20,8 @@ from torchvision.transforms.v2 import functional as F
 
 import data
 import train
-from data import TO_TENSOR, fail  # FashionRecall's argument `train` is the split
+from checkpoints import fail
+from data import TO_TENSOR  # FashionRecall's argument `train` is the split
 
 NAME = 'fashion_recall'
 TRAIN_MOSAICS, TEST_MOSAICS = 20_000, 10_000  # unless --synthetic-train, --synthetic-val say otherwise
