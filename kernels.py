@@ -250,7 +250,7 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
         if r is not None:  # built once per shape; traced into a compiled model's graph, a constant there
             build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
             table = build(N, tuple(grid), q.device, size, dilation)
-    T = size * size if table is None else table[0].shape[0]
+    T = table[0].shape[0] if r is not None else None  # Eq. 6's neighbours
     if r is not None and r.shape != (B, T * H * D):
         raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = {(B, T * H * D)}, "
                          f"got {tuple(r.shape)}; the fast core has no other Eq. 6 weights "

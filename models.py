@@ -962,7 +962,8 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
     model = cls(**{**sizes, **overrides})
     model.arch = dict(overrides)
     if checkpoint is not None:
-        load_checkpoint(model, checkpoint)
+        # resized from the image size the file records, else (the authors' files) from the variant's own
+        load_checkpoint(model, checkpoint, img_size=released_img_size(name))
     if fast:
         try:
             import kernels
