@@ -128,8 +128,15 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
 
 
 # sequence.py adds its causal core's two
+def core_inference(q, k, v, taps, index, masks, scale, scale_by_count, dtype):
+    """core_forward's output alone, q, k, v cast to dtype and laid out inside the graph: the same forward
+    where no gradient is asked, without the outputs the backward keeps."""
+    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
+    return core_forward(q, k, v, taps, index, masks, scale, scale_by_count)[0]
+
+
 # the graphs by name; sequence.py adds its causal core's two
-COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward)}
+COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward, core_inference)}
 _compile_error = []  # filled once if the compiler cannot run here
 
 
@@ -259,17 +266,20 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
         q, scale = q * scale, 1.0
     scale = inline.attention_scale(D) if scale is None else scale
     device = q.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else q.dtype
+    taps = r.reshape(B, H, D, -1).transpose(-2, -1).to(dtype).contiguous() if r is not None else None
+    index, masks = table if taps is not None else (None, None)  # taps (B, H, T, D)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r))):
+        # No gradient: one graph casts q, k, v and lays them out itself (outside, each would cost a copy);
+        # outside autocast only where it is on, since a graph called under the switch costs more
+        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+            return compiled_call(core_inference, q, k, v, taps, index, masks, scale, bool(scale_by_count),
+                                 dtype)
     # One memory layout for every caller, so one graph serves them all (the matmuls would copy strided views)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
-    index, masks = table if taps is not None else (None, None)
+    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
     with torch.autocast(device, enabled=False):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, taps)):
-            return InLineCore.apply(q, k, v, taps, index, masks, scale, bool(scale_by_count))
-        return compiled_call(core_forward, q, k, v, taps, index, masks, scale, bool(scale_by_count))[0]
+        return InLineCore.apply(q, k, v, taps, index, masks, scale, bool(scale_by_count))
 
 
 inline.FAST_CORES['compile'] = inline_core_fast
