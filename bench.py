@@ -1,6 +1,7 @@
-"""Benchmarks of the InLine attention cores (arXiv 2412.06590): the fast core (kernels.py) against the
-reference (inline.py), softmax SDPA and the matmul floor; the causal core (sequence.py) against causal SDPA;
-and the reference's short demonstration. RESULTS.md shows each table under the command that printed it.
+"""Benchmarks of the InLine attention cores (arXiv 2412.06590): the fast core (kernels.py) against
+the reference (inline.py), softmax SDPA and the matmul floor; the causal core (sequence.py) against
+causal SDPA; and the reference's short demonstration. RESULTS.md shows each table under the command
+that printed it.
 
     python bench.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python bench.py --bench --json          # the same, one JSON object per case
@@ -14,8 +15,8 @@ and the reference's short demonstration. RESULTS.md shows each table under the c
     python bench.py --gpu                   # on one GPU: reference, compiled, Triton, softmax; a Swin-T step
     (a whole-model training step, reference against fast core: python -m paper speed --model-step)
 
-Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of per-round
-ratios. Notation as in inline.py.
+Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of
+per-round ratios. Notation as in inline.py.
 """
 import argparse
 import functools
@@ -51,8 +52,9 @@ def _sync(device):
 
 
 def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
-    """{name: [ms per round]}: every round calls each fn once; as many rounds as the slowest fn's budget
-    allows. warm_up=False: a first call longer than the budget is its own timing (softmax at 65k tokens)."""
+    """{name: [ms per round]}: every round calls each fn once; as many rounds as the slowest fn's
+    budget allows. warm_up=False: a first call longer than the budget is its own timing (softmax at
+    65k tokens)."""
     first = {}
     for name, fn in fns.items():
         for _ in range(2):
@@ -72,8 +74,9 @@ def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
 
 
 def paired_ratio(ms, a, b):
-    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift in the
-    machine's speed (other jobs on a shared machine) cancels, where it would skew a ratio of two medians."""
+    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift
+    in the machine's speed (other jobs on a shared machine) cancels, where it would skew a ratio of
+    two medians."""
     return statistics.median(x / y for x, y in zip(ms[a], ms[b]))
 
 
@@ -142,10 +145,10 @@ CAUSAL_TOKENS = (1024, 2048, 4096, 8192, 16384)
 
 
 def bench_causal(N, dtype, device, B=1, H=4, D=64):
-    """One row of --causal-bench: the fast causal core, Eq. 5 alone and with Eq. 6 over 3 tokens, against
-    causal softmax (F.scaled_dot_product_attention(is_causal=True)), forward and forward + backward, in one
-    interleaved run. (The reference's (B, H, N, D, D) prefix sums need 1 GB per tensor at 16k tokens: it is
-    left out.)"""
+    """One row of --causal-bench: the fast causal core, Eq. 5 alone and with Eq. 6 over 3 tokens,
+    against causal softmax (F.scaled_dot_product_attention(is_causal=True)), forward and forward +
+    backward, in one interleaved run. (The reference's (B, H, N, D, D) prefix sums need 1 GB per
+    tensor at 16k tokens: it is left out.)"""
     gen = torch.Generator(device).manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
     r = 0.1 * torch.randn(B, N, 3 * H * D, generator=gen, device=device, dtype=dtype)
@@ -168,9 +171,9 @@ def bench_causal(N, dtype, device, B=1, H=4, D=64):
 
 
 def bench_compile(device, dtype=torch.float32):
-    """What the fast core's first use in a process costs: its first forward and backward on a small case,
-    which compile the two graphs, or load them where the inductor cache (TORCHINDUCTOR_CACHE_DIR) already
-    holds them."""
+    """What the fast core's first use in a process costs: its first forward and backward on a small
+    case, which compile the two graphs, or load them where the inductor cache
+    (TORCHINDUCTOR_CACHE_DIR) already holds them."""
     q, k, v, do = (torch.randn(2, 3, 64, 32, device=device, dtype=dtype, requires_grad=True)
                    for _ in range(4))
     r = torch.randn(2, 9 * 96, device=device, dtype=dtype, requires_grad=True)
@@ -181,9 +184,9 @@ def bench_compile(device, dtype=torch.float32):
 
 
 def bench_choices(device):
-    """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too (the
-    forward graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to it, against one
-    through compiled_call's switches, marks and lock (one head of 49 tokens)."""
+    """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too
+    (the forward graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to
+    it, against one through compiled_call's switches, marks and lock (one head of 49 tokens)."""
     def inputs(B, H, side):  # core_forward's arguments as InLineCore passes them
         gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
         return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
@@ -222,11 +225,11 @@ PER_CALL = {  # python bench.py --per-call: (batch, heads, tokens before the gri
 
 
 def bench_per_call(device, dtypes):
-    """What one call of the fast core costs beside its work, forward only, in one interleaved run per case:
-    the whole call without and with a gradient asked (the autograd Function), the two GEMMs of Eq. 5 alone
-    (K^T V and Q Cov, eager: the work no implementation avoids) and softmax SDPA on the same q, k, v. Call
-    minus GEMMs is what the call adds: the fused passes over q, k, v (means, centring, Eq. 6) and the cost of
-    calling a compiled graph."""
+    """What one call of the fast core costs beside its work, forward only, in one interleaved run
+    per case: the whole call without and with a gradient asked (the autograd Function), the two
+    GEMMs of Eq. 5 alone (K^T V and Q Cov, eager: the work no implementation avoids) and softmax
+    SDPA on the same q, k, v. Call minus GEMMs is what the call adds: the fused passes over q, k, v
+    (means, centring, Eq. 6) and the cost of calling a compiled graph."""
     print(f"{'case':44s} {'dtype':>8s} | {'call us':>8s} {'w/ grad':>8s} | {'GEMMs':>7s} "
           f"{'call - GEMMs':>12s} | {'SDPA us':>8s}")
     for name, (B, H, P, side, D) in PER_CALL.items():
@@ -249,11 +252,12 @@ def bench_per_call(device, dtypes):
                   f"{us['gemms']:7.0f} {us['call'] - us['gemms']:12.0f} | {us['sdpa']:8.0f}", flush=True)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # python bench.py --peers: InLine against FLatten (peers.py), beside the authors' rebuttal
 
 # name: (grid side, C, heads, PVT's q and kv), the stage-1 shapes of Swin-T (InLine's and FLatten's
-# whole-stage blocks) and PVT-T (FLatten's heads; neither InLine-PVT nor FLatten-PVT reduces k and v: sr 1)
+# whole-stage blocks) and PVT-T (FLatten's heads; neither InLine-PVT nor FLatten-PVT reduces k and
+# v: sr 1)
 PEER_BLOCKS = {'Swin-T stage 1': (56, 96, 3, False), 'PVT-T stage 1': (56, 64, 1, True)}
 PEER_MODELS = {'PVT-T infer B1': 1, 'PVT-T train B8': 8}  # inline_pvt_t against flatten_pvt_t: batch
 PEER_IMG = 224  # their image side, px
@@ -261,11 +265,12 @@ REBUTTAL = {'block': 1.8, 'PVT-T': 1.2}  # "1.8x faster than a FLatten block", "
 
 
 def bench_peers(device, dtypes, rounds):
-    """One interleaved run, every dtype in it (bf16 by autocast, as one trains in it): an attention block of
-    InLine (the reference path, inline.py, as the authors' code runs it) and of FLatten at each PEER_BLOCKS
-    shape, batch 8, forward and forward + backward, and inline_pvt_t against flatten_pvt_t (inference, and a
-    training step: forward, cross-entropy, backward, AdamW). Prints medians and FLatten / InLine, the median
-    of per-round ratios, beside the rebuttal's GPU figures."""
+    """One interleaved run, every dtype in it (bf16 by autocast, as one trains in it): an attention
+    block of InLine (the reference path, inline.py, as the authors' code runs it) and of FLatten at
+    each PEER_BLOCKS shape, batch 8, forward and forward + backward, and inline_pvt_t against
+    flatten_pvt_t (inference, and a training step: forward, cross-entropy, backward, AdamW). Prints
+    medians and FLatten / InLine, the median of per-round ratios, beside the rebuttal's GPU
+    figures."""
     gen = torch.Generator(device).manual_seed(0)
     blocks = {name: {'inline': inline.InLineAttention(C, H, separate_q=q_kv).to(device),
                      'flatten': peers.FocusedLinearAttention(C, H, side * side, separate_q=q_kv).to(device)}
@@ -320,8 +325,9 @@ def bench_peers(device, dtypes, rounds):
                   f"{rebuttal:7.1f}x", flush=True)
 
 
-# ---------------------------------------------------------------------------------------------------
-# python bench.py --demo: the reference demonstrated (the timings of whole models: python -m paper speed)
+# --------------------------------------------------------------------------------------------------
+# python bench.py --demo: the reference demonstrated (the timings of whole models: python -m paper
+# speed)
 
 def _demo():
     torch.manual_seed(0)
@@ -352,14 +358,15 @@ def _demo():
           f"constraint)")
 
 
-# ---------------------------------------------------------------------------------------------------
-# python bench.py --gpu: the reference, the compiled core, the Triton kernel (triton_core.py) and softmax
-# SDPA on one GPU, and a whole InLine-Swin-T training step with each InLine core. --device cpu: a smoke
-# test at tiny sizes (the Triton rows under the interpreter if TRITON_INTERPRET=1, else marked not run).
+# --------------------------------------------------------------------------------------------------
+# python bench.py --gpu: the reference, the compiled core, the Triton kernel (triton_core.py) and
+# softmax SDPA on one GPU, and a whole InLine-Swin-T training step with each InLine core. --device
+# cpu: a smoke test at tiny sizes (the Triton rows under the interpreter if TRITON_INTERPRET=1, else
+# marked not run).
 
-# name: ((B, H, P, grid side, D) on a GPU, the same for the smoke test); P leading tokens (DeiT's class
-# token). Swin-T's stage 1 at the step's batch, 64; DeiT-T (3 heads of 64) at 224, 512 and 1024 px,
-# 1 + (px/16)^2 tokens, the batch shrinking as the tokens grow.
+# name: ((B, H, P, grid side, D) on a GPU, the same for the smoke test); P leading tokens
+# (DeiT's class token). Swin-T's stage 1 at the step's batch, 64; DeiT-T (3 heads of 64) at 224, 512
+# and 1024 px, 1 + (px/16)^2 tokens, the batch shrinking as the tokens grow.
 GPU_CASES = {
     'swin_t_stage1': ((64, 3, 0, 56, 32), (2, 3, 0, 8, 32)),
     'deit_t_224px': ((64, 3, 1, 14, 64), (2, 3, 1, 4, 64)),
@@ -389,8 +396,8 @@ def gpu_core(name, device):
 
 
 def gpu_ms(fn, device, rep_ms=100):
-    """Median ms of fn: triton.testing.do_bench on CUDA (rep_ms of calls, the L2 cache flushed before
-    each); elsewhere three calls after a warm-up."""
+    """Median ms of fn: triton.testing.do_bench on CUDA (rep_ms of calls, the L2 cache flushed
+    before each); elsewhere three calls after a warm-up."""
     if device.type == 'cuda':
         import triton.testing
         return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode='median')
@@ -404,8 +411,9 @@ def gpu_ms(fn, device, rep_ms=100):
 
 
 def bench_gpu_case(name, dtype, device, smoke=False, cores=GPU_CORES):
-    """Rows of --gpu for one case and dtype: each core's forward (no gradient) and forward + backward
-    (the gradients of q, k, v and r) in ms, and the peak memory of forward + backward in MB."""
+    """Rows of --gpu for one case and dtype: each core's forward (no gradient) and forward +
+    backward (the gradients of q, k, v and r) in ms, and the peak memory of forward + backward in
+    MB."""
     B, H, P, side, D = GPU_CASES[name][smoke]
     N, grid = P + side * side, (side, side)
     gen = torch.Generator(device).manual_seed(0)
@@ -434,9 +442,10 @@ def bench_gpu_case(name, dtype, device, smoke=False, cores=GPU_CORES):
 
 
 def bench_gpu_step(fast, device, smoke=False):
-    """A row of --gpu: one training step (forward, cross-entropy, backward) of InLine-Swin-T at 224 px
-    and batch 64 under bf16 autocast, built on device by models.create_model(fast=fast), in ms, and its
-    peak memory in MB. Not run where that does not build, or builds another core than fast names."""
+    """A row of --gpu: one training step (forward, cross-entropy, backward) of InLine-Swin-T at 224
+    px and batch 64 under bf16 autocast, built on device by models.create_model(fast=fast), in ms,
+    and its peak memory in MB. Not run where that does not build, or builds another core than fast
+    names."""
     B = 2 if smoke else GPU_STEP_BATCH
     row = dict(case='inline_swin_t step', batch=B, tokens=None, dtype='bfloat16',
                core={False: 'reference', 'compile': 'compiled', 'triton': 'triton'}[fast])
@@ -475,8 +484,8 @@ def format_gpu_row(row):
 
 
 def bench_gpu(device):
-    """python bench.py --gpu: GPU_CASES in fp16 and bf16 with each of GPU_CORES, then the training step
-    with each InLine core; on a device other than CUDA, a smoke test at tiny sizes."""
+    """python bench.py --gpu: GPU_CASES in fp16 and bf16 with each of GPU_CORES, then the training
+    step with each InLine core; on a device other than CUDA, a smoke test at tiny sizes."""
     smoke = device.type != 'cuda'
     where = torch.cuda.get_device_name(device) if not smoke else f"{device.type}: a smoke test, tiny sizes"
     print(f"# {where}\n"

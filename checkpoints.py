@@ -40,7 +40,7 @@ def fail(message):
     raise SystemExit(1)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The released format {'model': state_dict}, and train.py's, which uses the same key
 
 REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')  # released buffers our models compute instead
@@ -48,9 +48,9 @@ EMA_KEYS = ('model_ema', 'state_dict_ema')  # EMA weights beside 'model': train.
 
 
 def read_file(path):
-    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the file. A
-    file that also holds other Python objects (the authors' training files keep their yacs config) is refused
-    with a ValueError that gives the line keeping only its weights."""
+    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the
+    file. A file that also holds other Python objects (the authors' training files keep their yacs
+    config) is refused with a ValueError that gives the line keeping only its weights."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
@@ -235,7 +235,7 @@ def resize_grid(tokens, old_grid, new_grid, mode):
     return x.flatten(2).transpose(1, 2)  # (1, h'*w', C)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # train.py's files
 
 CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
@@ -274,7 +274,8 @@ def load_weights(model, saved, key, path, img_size):
 
 
 def link_atomic(src, dst):
-    """dst becomes the same file as src (a hard link, or a copy where links are unsupported), atomically."""
+    """dst becomes the same file as src (a hard link, or a copy where links are unsupported),
+    atomically."""
     if os.path.exists(dst) and os.path.samefile(src, dst):  # renaming a link onto itself would leave dst.tmp
         return
     with contextlib.suppress(FileNotFoundError):
@@ -313,7 +314,8 @@ def save_checkpoint(run, t, is_best=False):
 
 
 def publish(run, t, is_best):
-    """best.pt and metrics.jsonl follow checkpoint.pt (redone on resume, in case a kill came in between)."""
+    """best.pt and metrics.jsonl follow checkpoint.pt (redone on resume, in case a kill came in
+    between)."""
     if run.rank != 0:
         return
     out = run.args.output_dir
@@ -326,8 +328,8 @@ def publish(run, t, is_best):
 
 
 def resume(run, t):
-    """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, EMA, log and random
-    streams."""
+    """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, EMA, log and
+    random streams."""
     saved, path, args = run.saved, run.saved_path, run.args
     try:
         t.raw.load_state_dict(saved['model'])
@@ -357,8 +359,9 @@ def resume(run, t):
 
 
 def save_correct(run, name, correct):
-    """OUTPUT_DIR/<name>.pt: evaluate's per-image results (a bool tensor, one entry per validation image in
-    the validation set's order), which the lab reads; written by rank 0 atomically, as checkpoints are."""
+    """OUTPUT_DIR/<name>.pt: evaluate's per-image results (a bool tensor, one entry per validation
+    image in the validation set's order), which the lab reads; written by rank 0 atomically, as
+    checkpoints are."""
     if run.rank == 0:
         path = os.path.join(run.args.output_dir, f'{name}.pt')
         torch.save(correct, path + '.tmp')

@@ -1,10 +1,12 @@
-"""The data train.py trains on: the synthetic task, ImageFolders (ImageNet-1K), Fashion-MNIST and CIFAR, and
-the released augmentation (timm's RandAugment, Mixup/CutMix in train.py) and evaluation transforms.
+"""The data train.py trains on: the synthetic task, ImageFolders (ImageNet-1K), Fashion-MNIST and
+CIFAR, and the released augmentation (timm's RandAugment, Mixup/CutMix in train.py) and evaluation
+transforms.
 
-InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args) returns (training set,
-validation set) for the flags train.py resolved. The small datasets are read from their files as distributed
-(Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no download is needed where they are installed.
+InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
+NeurIPS 2024, arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args)
+returns (training set, validation set) for the flags train.py resolved. The small datasets are read
+from their files as distributed (Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no
+download is needed where they are installed.
 """
 import gzip
 import math
@@ -35,9 +37,9 @@ TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN
 
 class SyntheticShapes(Dataset):
     """Ten procedurally drawn classes: five shapes at a random place, size and rotation, four stripe
-    orientations and a checkerboard, each under random colours and noise. Sample i is a pure function of
-    (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so nothing needs
-    saving."""
+    orientations and a checkerboard, each under random colours and noise. Sample i is a pure
+    function of (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so
+    nothing needs saving."""
     classes = ['disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°', 'stripes 90°',
                'stripes 135°', 'checkerboard']
 
@@ -88,15 +90,17 @@ class SyntheticShapes(Dataset):
 
 
 def affine(img, shear=(0.0, 0.0), translate=(0.0, 0.0)):
-    """timm's shear and translation, PIL's affine map about the top-left corner: output pixel (x, y) reads
-    input (x + shear_x * y + translate_x, y + shear_y * x + translate_y). torchvision takes the shear as an
-    angle and the translation as where the content moves, hence atan and the minus."""
+    """timm's shear and translation, PIL's affine map about the top-left corner: output pixel (x, y)
+    reads input (x + shear_x * y + translate_x, y + shear_y * x + translate_y). torchvision takes
+    the shear as an angle and the translation as where the content moves, hence atan and the
+    minus."""
     return F.affine(img, angle=0.0, translate=[-t for t in translate], scale=1.0, center=[0, 0],
                     interpolation=BICUBIC, shear=[math.degrees(math.atan(s)) for s in shear], fill=FILL)
 
 
 def posterize(img, bits):
-    """Keep each channel's top `bits` bits; 0 bits is black, which PIL's posterize refuses to compute."""
+    """Keep each channel's top `bits` bits; 0 bits is black, which PIL's posterize refuses to
+    compute."""
     return F.posterize(img, bits) if bits > 0 else img.point(lambda _: 0)
 
 
@@ -105,7 +109,8 @@ def solarize_add(img, add):
     return img.point([min(255, i + add) if i < 128 else i for i in range(256)] * len(img.getbands()))
 
 
-# timm's RandAugment ops for 'inc1', on PIL images as timm's: (image, f = magnitude / 10, sign) -> image
+# timm's RandAugment ops for 'inc1', on PIL images as timm's: (image, f = magnitude / 10, sign) ->
+# image
 RANDAUG_OPS = {
     'AutoContrast': lambda img, f, s: F.autocontrast(img),
     'Equalize': lambda img, f, s: F.equalize(img),
@@ -126,8 +131,9 @@ RANDAUG_OPS = {
 
 
 class RandAugment(nn.Module):
-    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy):
-    each of num_ops operations, drawn with replacement, applied with probability 0.5 at its own magnitude."""
+    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another
+    policy): each of num_ops operations, drawn with replacement, applied with probability 0.5 at its
+    own magnitude."""
     def __init__(self, num_ops, magnitude, std, prob=0.5):
         super().__init__()
         self.num_ops, self.magnitude, self.std, self.prob = num_ops, magnitude, std, prob
@@ -153,9 +159,9 @@ def train_transform(args):
 
 
 def eval_transform(img_size, crop=True):
-    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224), aspect
-    not kept, then the centre img x img; without crop (inline_swin_b_384's config) straight to img x img.
-    Bicubic."""
+    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224),
+    aspect not kept, then the centre img x img; without crop (inline_swin_b_384's config) straight
+    to img x img. Bicubic."""
     side = int(img_size * 256 / 224) if crop else img_size
     return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + TO_TENSOR)
 
@@ -229,8 +235,8 @@ GO_ON = ('To go on, rerun the same command with --skip-bad-images (unreadable im
 
 
 def read_idx(path):
-    """An IDX file (MNIST's format, gzipped or not) as a uint8 tensor: bytes 0 0 8 D, D big-endian sizes,
-    data."""
+    """An IDX file (MNIST's format, gzipped or not) as a uint8 tensor: bytes 0 0 8 D, D big-endian
+    sizes, data."""
     with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
         data = f.read()
     shape = struct.unpack(f'>{data[3]}I', data[4:4 + 4 * data[3]])
@@ -238,9 +244,9 @@ def read_idx(path):
 
 
 def read_small(name, root, train):
-    """(images (N, 3, H, W) uint8, grayscale as 3 equal channels; labels; class names) from the files as
-    distributed, in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled
-    python batches."""
+    """(images (N, 3, H, W) uint8, grayscale as 3 equal channels; labels; class names) from the
+    files as distributed, in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX
+    files, CIFAR's pickled python batches."""
     if name == 'fashion_mnist':
         folders = (root, os.path.join(root, 'FashionMNIST', 'raw'))
         for folder, ext in [(f, e) for f in folders for e in ('.gz', '')]:
@@ -282,20 +288,22 @@ class TensorImages(Dataset):
 
 
 def load_synthetic(args):
-    """The synthetic task: fresh images every training epoch (fit sets the epoch), a fixed validation set."""
+    """The synthetic task: fresh images every training epoch (fit sets the epoch), a fixed
+    validation set."""
     return (SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True),
             SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False))
 
 
 def count_images(folder):
-    """The image files under folder, as ImageFolder counts them (0 for a folder that is not there)."""
+    """The image files under folder, as ImageFolder counts them (0 for a folder that is not
+    there)."""
     return sum(name.lower().endswith(datasets.folder.IMG_EXTENSIONS) for _, _, names in os.walk(folder)
                for name in names)
 
 
 def load_image_folder(args):
-    """ROOT/train and ROOT/val as ImageFolders (ImageNet-1K's layout), with the released transforms or, on the
-    small-data recipe, the small datasets' (small_transforms)."""
+    """ROOT/train and ROOT/val as ImageFolders (ImageNet-1K's layout), with the released transforms
+    or, on the small-data recipe, the small datasets' (small_transforms)."""
     root, found = args.data_path, []
     for split in ('train', 'val'):
         if not os.path.isdir(os.path.join(root, split)):
@@ -313,8 +321,8 @@ def load_image_folder(args):
 
 
 def load_small(args):
-    """A small dataset's training and test sets from its files (--download fetches them), resized, then
-    (training) randomly cropped with an eighth of padding and flipped: the small-image recipe's
+    """A small dataset's training and test sets from its files (--download fetches them), resized,
+    then (training) randomly cropped with an eighth of padding and flipped: the small-image recipe's
     augmentation."""
     root = args.data_path or 'data'
     if args.download:  # torchvision fetches every split's files at once
@@ -324,17 +332,17 @@ def load_small(args):
 
 
 def small_transforms(args):
-    """(training, validation) transforms of the small-data recipe: resized to a square, then (training)
-    randomly cropped with an eighth of padding and flipped."""
+    """(training, validation) transforms of the small-data recipe: resized to a square, then
+    (training) randomly cropped with an eighth of padding and flipped."""
     resize = [T.ToImage(), T.Resize((args.img_size, args.img_size), BICUBIC, antialias=True)]
     augment = [T.RandomCrop(args.img_size, padding=args.img_size // 8, padding_mode='reflect'),
                T.RandomHorizontalFlip()]
     return T.Compose(resize + augment + TO_TENSOR), T.Compose(resize + TO_TENSOR)
 
 
-# --dataset NAME -> load(args) -> (training set, validation set), each with .classes. train.py's --dataset
-# choices are these keys; a dataset other than synthetic and imagefolder trains with train.py's small-image
-# recipe (SMALL). The lab adds its own (paper/).
+# --dataset NAME -> load(args) -> (training set, validation set), each with .classes. train.py's
+# --dataset choices are these keys; a dataset other than synthetic and imagefolder trains with
+# train.py's small-image recipe (SMALL). The lab adds its own (paper/).
 DATASETS = {'synthetic': load_synthetic, 'imagefolder': load_image_folder,
             **{name: load_small for name in SMALL_DATASETS}}
 
@@ -372,13 +380,14 @@ def load_data(args):
 
 
 def subset_indices(total, size):
-    """--train-subset's images: the first `size` of one fixed random order of the `total` (the same whatever
-    --seed, and a larger subset holds every smaller one)."""
+    """--train-subset's images: the first `size` of one fixed random order of the `total` (the same
+    whatever --seed, and a larger subset holds every smaller one)."""
     return torch.randperm(total, generator=torch.Generator().manual_seed(0))[:size].tolist()
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can skip the first `start` samples of an epoch (resuming after SIGTERM)."""
+    """DistributedSampler that can skip the first `start` samples of an epoch (resuming after
+    SIGTERM)."""
     start = 0
 
     def __iter__(self):

@@ -1,11 +1,12 @@
 """Dense prediction with the InLine backbones, as the paper ran it on COCO and ADE20K.
 
-InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. The paper puts PVT and Swin in Mask R-CNN and Semantic FPN; the authors released no
-dense-prediction code. Here the backbones follow timm's features_only convention (FeatureBackbone),
-torchvision's FPN goes under them for its MaskRCNN, FasterRCNN and RetinaNet (BackboneWithFPN), and
-SemanticFPN is the Semantic FPN head. An example that runs in seconds on a CPU (test_models.py's
-test_detection_example_trains_mask_rcnn_with_inline_swin_t runs it as written):
+InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
+NeurIPS 2024, arXiv 2412.06590. The paper puts PVT and Swin in Mask R-CNN and Semantic FPN; the
+authors released no dense-prediction code. Here the backbones follow timm's features_only convention
+(FeatureBackbone), torchvision's FPN goes under them for its MaskRCNN, FasterRCNN and RetinaNet
+(BackboneWithFPN), and SemanticFPN is the Semantic FPN head. An example that runs in seconds on a
+CPU (test_models.py's test_detection_example_trains_mask_rcnn_with_inline_swin_t runs it as
+written):
 
     import torch
     import torch.nn.functional as F
@@ -51,11 +52,13 @@ test_detection_example_trains_mask_rcnn_with_inline_swin_t runs it as written):
     loss = F.cross_entropy(logits, torch.randint(0, 150, (2, 96, 128)))
     loss.backward()
 
-A COCO run goes through torchvision's references/detection/train.py with this model for get_model(...).
+A COCO run goes through torchvision's references/detection/train.py with this model for
+get_model(...).
 
-This file needs nothing of models.py: a backbone is any of its hierarchical models, which give their four
-stage maps with forward_features(x, return_stages=True); models.create_model(features_only=True) wraps one
-here. Shapes: B batch, C_i stage i's channels, r_i = 4, 8, 16, 32 its stride, (H, W) the image.
+This file needs nothing of models.py: a backbone is any of its hierarchical models, which give their
+four stage maps with forward_features(x, return_stages=True);
+models.create_model(features_only=True) wraps one here. Shapes: B batch, C_i stage i's channels,
+r_i = 4, 8, 16, 32 its stride, (H, W) the image.
 """
 import math
 from collections import OrderedDict
@@ -67,10 +70,10 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.ops.misc import Conv2dNormActivation
 
 # A LayerNorm on each output stage where the family's own dense backbone has one: Swin's detection
-# backbone (norm0..norm3) and CSwin's segmentation backbone (norm1..norm4) do; PVT's (v1, the lineage
-# of InLine-PVT: whai362/PVT detection/pvt.py) returns the raw stage maps. DeiT is isotropic, one
-# stride-16 map and a class token: the paper's dense results use PVT and Swin, so it is refused rather
-# than given a feature pyramid (ViTDet's) that no InLine result was measured with.
+# backbone (norm0..norm3) and CSwin's segmentation backbone (norm1..norm4) do; PVT's (v1, the
+# lineage of InLine-PVT: whai362/PVT detection/pvt.py) returns the raw stage maps. DeiT is
+# isotropic, one stride-16 map and a class token: the paper's dense results use PVT and Swin, so it
+# is refused rather than given a feature pyramid (ViTDet's) that no InLine result was measured with.
 OUTPUT_NORMS = {'pvt': False, 'swin': True, 'cswin': True}
 
 
@@ -81,8 +84,8 @@ def stage_channels(model):
 
 
 class FeatureInfo(list):
-    """timm's model.feature_info, the part detection code reads: one dict per output (num_chs, reduction,
-    module) and the lists channels() and reduction()."""
+    """timm's model.feature_info, the part detection code reads: one dict per output (num_chs,
+    reduction, module) and the lists channels() and reduction()."""
 
     def channels(self):
         return [f['num_chs'] for f in self]
@@ -94,9 +97,10 @@ class FeatureInfo(list):
 class FeatureBackbone(nn.Module):
     """timm's features_only model: images (B, 3, H, W) -> [(B, C_i, H / r_i, W / r_i)] for i in
     out_indices, r_i = 4, 8, 16, 32, with the output norms of OUTPUT_NORMS (keys norms.j). Any image
-    size: H and W not multiples of 32 are zero-padded at the bottom and right first, as Swin's detection
-    backbone pads (so maps are ceil(H / r_i)); PVT's position embeddings are resized per input. The
-    classifier's head and final norm are removed; stages after the last selected one still run."""
+    size: H and W not multiples of 32 are zero-padded at the bottom and right first, as Swin's
+    detection backbone pads (so maps are ceil(H / r_i)); PVT's position embeddings are resized per
+    input. The classifier's head and final norm are removed; stages after the last selected one
+    still run."""
 
     def __init__(self, model, out_indices=(0, 1, 2, 3)):
         super().__init__()
@@ -133,10 +137,10 @@ def fpn_inputs(features):
 class BackboneWithFPN(nn.Module):
     """A FeatureBackbone under torchvision's FeaturePyramidNetwork: images -> OrderedDict of maps of
     out_channels each, '0', '1', ... for the selected stages, then extra_blocks' ('pool' by default,
-    LastLevelMaxPool as in torchvision's Mask R-CNN). It has what torchvision's MaskRCNN, FasterRCNN and
-    RetinaNet ask of a backbone (forward to an OrderedDict, out_channels). For RetinaNet, as torchvision
-    builds it: out_indices=(1, 2, 3) and extra_blocks=LastLevelP6P7(out_channels, out_channels), five
-    levels."""
+    LastLevelMaxPool as in torchvision's Mask R-CNN). It has what torchvision's MaskRCNN, FasterRCNN
+    and RetinaNet ask of a backbone (forward to an OrderedDict, out_channels). For RetinaNet, as
+    torchvision builds it: out_indices=(1, 2, 3) and extra_blocks=LastLevelP6P7(out_channels,
+    out_channels), five levels."""
 
     def __init__(self, backbone, out_channels=256, extra_blocks=None):
         super().__init__()
@@ -151,11 +155,12 @@ class BackboneWithFPN(nn.Module):
 
 
 class SemanticFPN(nn.Module):
-    """The semantic branch of Panoptic FPN (Kirillov et al., CVPR 2019), the paper's ADE20K head for PVT:
-    an FPN of fpn_channels over the stages; from each level, repeated until stride 4, a 3x3 conv to
-    `channels` + GroupNorm(32) + ReLU + 2x bilinear upsampling (one conv, no upsampling, at stride 4);
-    their sum -> dropout -> 1x1 conv -> bilinear to the image: (B, 3, H, W) -> logits (B, classes, H, W).
-    GroupNorm as in Kirillov et al.; the PVT authors' mmseg config (fpn_pvt_*) uses SyncBN there."""
+    """The semantic branch of Panoptic FPN (Kirillov et al., CVPR 2019), the paper's ADE20K head for
+    PVT: an FPN of fpn_channels over the stages; from each level, repeated until stride 4, a 3x3
+    conv to `channels` + GroupNorm(32) + ReLU + 2x bilinear upsampling (one conv, no upsampling, at
+    stride 4); their sum -> dropout -> 1x1 conv -> bilinear to the image: (B, 3, H, W) -> logits
+    (B, classes, H, W). GroupNorm as in Kirillov et al.; the PVT authors' mmseg config (fpn_pvt_*)
+    uses SyncBN there."""
 
     def __init__(self, backbone, num_classes, fpn_channels=256, channels=128, dropout=0.1):
         super().__init__()

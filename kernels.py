@@ -1,18 +1,22 @@
 """The fast InLine attention core: Eq. 5 + Eq. 6 as two compiled graphs with a closed-form backward.
 
-Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590.
-`inline_core_fast` takes the arguments, layout and result of inline.inline_core, the reference it replaces,
-and is inline.FAST_CORES['compile']: an InLineAttention with fast='compile' calls it in place of inline_core,
-with and without a gradient, and nothing else changes. `enable_fast(model)` (create_model(name, fast=True))
-turns that switch on in every InLine module once the module's forward on the fast core gives the reference's
-output and every gradient, with parameters drawn away from their initial values: a change the fast core does
-not follow is refused when the model is built. test_inline.py proves the two equal; bench.py measures them.
+Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv
+2412.06590. `inline_core_fast` takes the arguments, layout and result of inline.inline_core, the
+reference it replaces, and is inline.FAST_CORES['compile']: an InLineAttention with fast='compile'
+calls it in place of inline_core, with and without a gradient, and nothing else changes.
+`enable_fast(model)` (create_model(name, fast=True)) turns that switch on in every InLine module
+once the module's forward on the fast core gives the reference's output and every gradient, with
+parameters drawn away from their initial values: a change the fast core does not follow is refused
+when the model is built. test_inline.py proves the two equal; bench.py measures them.
 
-- The backward is in closed form (the means' gradients vanish); compiled models trace both into their graph.
-- Eq. 5 in centred-covariance form, as inline.py; sums accumulate in fp32, fp16's pre-scaled (sum_scale).
-- B, H and N are symbolic: one graph per dtype, head dim and T serves every batch, head count and grid.
-- A graph compiles or loads under compile_lock, a file lock per graph; if it cannot, the core runs its closed
-  form eagerly after one warning that names any broken cache file.
+- The backward is in closed form (the means' gradients vanish); compiled models trace both into
+  their graph.
+- Eq. 5 in centred-covariance form, as inline.py; sums accumulate in fp32, fp16's pre-scaled
+  (sum_scale).
+- B, H and N are symbolic: one graph per dtype, head dim and T serves every batch, head count and
+  grid.
+- A graph compiles or loads under compile_lock, a file lock per graph; if it cannot, the core runs
+  its closed form eagerly after one warning that names any broken cache file.
 """
 import contextlib
 import copy
@@ -32,12 +36,13 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 import inline
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Eq. 6 on the token axis: neighbour t of grid token n sits at n + (dy - 1) * w + (dx - 1)
 
 def neighbourhood(N, grid, device, size=inline.LOCAL_SIZE, dilation=1):
-    """index (T, N): token n's neighbour t (row-major as inline.local_residual counts), clamped into [0, N)
-    so every read is in bounds; masks (T, N, 1): 1 where n and its neighbour are on the grid, else 0."""
+    """index (T, N): token n's neighbour t (row-major as inline.local_residual counts), clamped into
+    [0, N) so every read is in bounds; masks (T, N, 1): 1 where n and its neighbour are on the grid,
+    else 0."""
     h, w = grid
     with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
         n = torch.arange(N, device=device)
@@ -55,17 +60,19 @@ _cached_neighbourhood = functools.lru_cache(maxsize=32)(neighbourhood)
 
 
 def neighbour_table(cached, *args):
-    """A neighbour table from its per-shape cache, or built in a torch.compile'd model's graph, a constant."""
+    """A neighbour table from its per-shape cache, or built in a torch.compile'd model's graph, a
+    constant."""
     return cached.__wrapped__(*args) if torch.compiler.is_compiling() else cached(*args)
 
 
 def neighbours(x, index, flip=False):
-    """The T gathers x[:, :, index[t]] (B, H, N, D); flip: offset T - 1 - t, minus t's (Eq. 6 transposed)."""
+    """The T gathers x[:, :, index[t]] (B, H, N, D); flip: offset T - 1 - t, minus t's
+    (Eq. 6 transposed)."""
     T = index.shape[0]
     return [x[:, :, index[T - 1 - t if flip else t]] for t in range(T)]
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The two halves, each compiled to one graph. taps (B, H, T, D) is r with neighbour t before channel
 
 def wide(x):
@@ -74,8 +81,9 @@ def wide(x):
 
 
 def sum_scale(dtype, N):
-    """The factor one operand of a GEMM summing over N tokens is scaled by: in fp16 (max 65504) N^-1/2, so
-    that N (k - k_mean)^T v or q^T dO stays in range where its mean does; bf16 has fp32's range."""
+    """The factor one operand of a GEMM summing over N tokens is scaled by: in fp16 (max 65504)
+    N^-1/2, so that N (k - k_mean)^T v or q^T dO stays in range where its mean does; bf16 has fp32's
+    range."""
     return N ** -0.5 if dtype == torch.float16 else 1.0
 
 
@@ -85,15 +93,17 @@ def token_major(x):
 
 
 def core_forward(q, k, v, taps, index, masks, scale, scale_by_count):
-    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D)
-    as the GEMM's operands, v_mean (B, H, 1, D) and g N Cov (B, H, D, D), g = inline.eq5_gain."""
+    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean)
+    (B, H, N, D) as the GEMM's operands, v_mean (B, H, 1, D) and g N Cov (B, H, D, D), g =
+    inline.eq5_gain."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     k_mean = wide(k).mean(2, keepdim=True)  # (B, H, 1, D)
     v_mean = wide(v).mean(2, keepdim=True)  # (B, H, 1, D)
     k_c = ((wide(k) - k_mean) * c).to(dtype)  # (B, H, N, D)
     v_c = (wide(v) - v_mean).to(dtype)  # (B, H, N, D), written by the same kernel as k_c
-    # Cov centred in fp32, then rounded (inline.inline_attention says why); g N / N is folded into it
+    # Cov centred in fp32, then rounded (inline.inline_attention says why); g N / N is folded into
+    # it
     gain = inline.eq5_gain(scale, N, scale_by_count)
     cov = (wide(k_c.transpose(-2, -1) @ v_c) * (gain / c)).to(dtype)  # (B, H, D, D)
     o = wide(q @ cov) + v_mean  # Eq. 5: g N q_i^T Cov + v_mean, (B, H, N, D)
@@ -134,7 +144,8 @@ _compile_error = []  # filled once if the compiler cannot run here
 
 
 def compile_options():
-    """torch.compile's switches: equal sizes stay two symbols, only symbolic_sizes makes one; no limit of 8"""
+    """torch.compile's switches: equal sizes stay two symbols, only symbolic_sizes makes one; no
+    limit of 8"""
     stack = contextlib.ExitStack()
     stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64,
                                                    fail_on_recompile_limit_hit=True))
@@ -144,8 +155,9 @@ def compile_options():
 
 
 def symbolic_sizes(args, N):
-    """B, H and N compile as symbols (dims 0 and 1 of each (B, H, ...) tensor, and those of size N but the
-    last); D and T stay constants, so the loops over channels vectorise with no remainder loop."""
+    """B, H and N compile as symbols (dims 0 and 1 of each (B, H, ...) tensor, and those of size N
+    but the last); D and T stay constants, so the loops over channels vectorise with no remainder
+    loop."""
     for a in args:
         if isinstance(a, torch.Tensor):
             for d in range(a.dim()):
@@ -154,8 +166,9 @@ def symbolic_sizes(args, N):
 
 
 def signature(f, args):
-    """A key for what dynamo's guards on f's graph check: device, modes, D and B, H, N as 0, 1 or more, the
-    dtypes, T, the other arguments, f.chunk's count; a guard no key foresees makes the call compile another."""
+    """A key for what dynamo's guards on f's graph check: device, modes, D and B, H, N as 0, 1 or
+    more, the dtypes, T, the other arguments, f.chunk's count; a guard no key foresees makes the
+    call compile another."""
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // f.chunk, 2),) if hasattr(f, 'chunk') else ()
     return (f.__name__, x.device, x.is_inference(), torch.is_grad_enabled(), x.shape[3],
@@ -171,10 +184,11 @@ COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, ImportError, OSError)
 
 @contextlib.contextmanager
 def compile_lock(key):
-    """Held while the graph of signature key compiles or loads: an exclusive lock on one file per graph in the
-    inductor cache folder. Processes on one machine (torchrun's ranks, parallel runs) that need the same graph
-    then compile it once, the others waiting to load it, instead of writing the same cache files at once,
-    which can corrupt them. The lock goes with the file's descriptor: a process that dies releases it."""
+    """Held while the graph of signature key compiles or loads: an exclusive lock on one file per
+    graph in the inductor cache folder. Processes on one machine (torchrun's ranks, parallel runs)
+    that need the same graph then compile it once, the others waiting to load it, instead of writing
+    the same cache files at once, which can corrupt them. The lock goes with the file's descriptor:
+    a process that dies releases it."""
     name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
     path = os.path.join(cache_dir(), 'locks', f'inline-{name}.lock')
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -184,9 +198,10 @@ def compile_lock(key):
 
 
 def compiled_call(f, *args):
-    """f(*args) through its compiled graph (compiled, or loaded from the inductor cache, under compile_lock
-    at its first use); eagerly where the model around it is compiled (f is then traced into that graph) and
-    while enable_fast checks; eagerly after one warning if this machine cannot compile."""
+    """f(*args) through its compiled graph (compiled, or loaded from the inductor cache, under
+    compile_lock at its first use); eagerly where the model around it is compiled (f is then traced
+    into that graph) and while enable_fast checks; eagerly after one warning if this machine cannot
+    compile."""
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
     if torch.compiler.is_compiling() or _checking or _compile_error:
         return f(*args)
@@ -239,11 +254,12 @@ class InLineCore(torch.autograd.Function):
 
 def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, scale_by_count=True,
                      table=None):
-    """inline.inline_core's arguments, layout and result, with and without a gradient: the same graph's
-    forward (core_forward), through InLineCore where a gradient is asked. scale_by_count is a Python bool,
-    part of the graphs' signature; a tensor scale joins q (s q^T Cov = (s q)^T Cov). Under autocast the
-    inputs are cast to its dtype, as the reference's matmuls would be. table: a neighbour table (index,
-    masks) of one's own, sequence.py's 1-D one; None: Eq. 6's on grid (neighbourhood)."""
+    """inline.inline_core's arguments, layout and result, with and without a gradient: the same
+    graph's forward (core_forward), through InLineCore where a gradient is asked. scale_by_count is
+    a Python bool, part of the graphs' signature; a tensor scale joins q (s q^T Cov = (s q)^T Cov).
+    Under autocast the inputs are cast to its dtype, as the reference's matmuls would be. table: a
+    neighbour table (index, masks) of one's own, sequence.py's 1-D one; None: Eq. 6's on grid
+    (neighbourhood)."""
     B, H, N, D = q.shape
     if table is None:
         inline.check_grid(N, grid)
@@ -262,7 +278,8 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v, r = (t.to(dtype) if t is not None else None for t in (q, k, v, r))
-    # One memory layout for every caller, so one graph serves them all (the matmuls would copy strided views)
+    # One memory layout for every caller, so one graph serves them all (the matmuls would copy
+    # strided views)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
     index, masks = table if taps is not None else (None, None)
@@ -275,11 +292,12 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
 inline.FAST_CORES['compile'] = inline_core_fast
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # enable_fast: the check that the fast twin computes what the module computes, then the switch
 
 def configuration(module):
-    """What decides a module's computation besides its weights: class, plain attributes, parameter names."""
+    """What decides a module's computation besides its weights: class, plain attributes, parameter
+    names."""
     plain = (bool, int, float, str, tuple, type(None))  # not the head count: H is symbolic in every graph
     attributes = sorted((k, v) for k, v in vars(module).items()
                         if isinstance(v, plain) and k not in ('training', 'num_heads'))
@@ -287,8 +305,9 @@ def configuration(module):
 
 
 def forward_and_gradients(module, inputs, upstream, prefix=''):
-    """{quantity: tensor or None}: module's output on inputs, and with a gradient, the gradients of every
-    floating-point input and parameter for the upstream gradient; with none, the output alone."""
+    """{quantity: tensor or None}: module's output on inputs, and with a gradient, the gradients of
+    every floating-point input and parameter for the upstream gradient; with none, the output
+    alone."""
     inputs = [t.detach().to(upstream.dtype).requires_grad_() if torch.is_tensor(t) and t.is_floating_point()
               else t for t in inputs]
     with torch.no_grad():
@@ -302,8 +321,9 @@ def forward_and_gradients(module, inputs, upstream, prefix=''):
 
 
 def difference(exact, reference, fast):
-    """Why fast is not the reference's number, or None: it may err by twice the fp32 reference's own error
-    from exact (float64), plus 1e-5 of the largest value. None (no gradient reaches it) counts as 0."""
+    """Why fast is not the reference's number, or None: it may err by twice the fp32 reference's own
+    error from exact (float64), plus 1e-5 of the largest value. None (no gradient reaches it) counts
+    as 0."""
     if exact is None and fast is None:
         return None
     size = (exact if exact is not None else fast).abs().max().item()
@@ -320,8 +340,9 @@ def difference(exact, reference, fast):
 
 @contextlib.contextmanager
 def outside_function_modes():
-    """Run without the torch-function modes in force (a model built under `with torch.device('meta')`): a
-    graph compiled under a mode is guarded on it, and every later call without it would compile again."""
+    """Run without the torch-function modes in force (a model built under `with
+    torch.device('meta')`): a graph compiled under a mode is guarded on it, and every later call
+    without it would compile again."""
     modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
     try:
         yield
@@ -331,10 +352,10 @@ def outside_function_modes():
 
 
 def check_against_reference(path, module, fast, device):
-    """Raise ValueError unless module's forward with fast on gives the reference's output and gradients
-    (within difference), with and without a gradient, on copies whose every parameter is drawn away from its
-    initial value (a change that agrees at initialisation is caught too); the model and the random state
-    are untouched."""
+    """Raise ValueError unless module's forward with fast on gives the reference's output and
+    gradients (within difference), with and without a gradient, on copies whose every parameter is
+    drawn away from its initial value (a change that agrees at initialisation is caught too); the
+    model and the random state are untouched."""
     with outside_function_modes():
         generator = torch.Generator().manual_seed(0)
         reference = copy.deepcopy(module)
@@ -374,12 +395,13 @@ def check_against_reference(path, module, fast, device):
 
 
 def enable_fast(model, fast='compile', device=None, log=print):
-    """Turn the switch `fast` on in every InLine module of model: its forward then calls the fast twin
-    inline.FAST_CORES[fast] in place of inline.inline_core. Returns how many modules it switched. All are
-    checked first, so a model is fast throughout or refused: linear attention and the peers (peers.py) by
-    name, a change the fast core does not follow by one module of each configuration (check_against_
-    reference). fast: 'compile' (this file, any device) or 'triton' (triton_core.py, CUDA). device: where the
-    check runs (the model's, else the CPU); log=None: silent."""
+    """Turn the switch `fast` on in every InLine module of model: its forward then calls the fast
+    twin inline.FAST_CORES[fast] in place of inline.inline_core. Returns how many modules it
+    switched. All are checked first, so a model is fast throughout or refused: linear attention and
+    the peers (peers.py) by name, a change the fast core does not follow by one module of each
+    configuration (check_against_ reference). fast: 'compile' (this file, any device) or 'triton'
+    (triton_core.py, CUDA). device: where the check runs (the model's, else the CPU); log=None:
+    silent."""
     peers = sorted({m.no_fast_path for m in model.modules() if hasattr(m, 'no_fast_path')})  # peers.py's
     if peers:
         raise ValueError(f"the fast core is InLine's alone; {' and '.join(peers)} "

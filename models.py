@@ -1,4 +1,5 @@
-"""The four InLine backbones (DeiT, PVT, Swin, CSwin), all 15 released variants, and the peers' models.
+"""The four InLine backbones (DeiT, PVT, Swin, CSwin), all 15 released variants, and the peers'
+models.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. The attention itself lives in inline.py and is imported, never copied; this file
@@ -13,13 +14,13 @@ checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights lo
     model = create_model('inline_swin_t', window=7, residual='none')            # a Table 4 ablation
     model = create_model('inline_pvt_s', features_only=True)                    # stage maps (dense.py)
 
-Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla linear attention
-(division normalisation, relu kernel by default), the paper's baseline; S = softmax attention (DeiT: over all
-tokens; PVT: with spatial reduction; Swin: shifted windows with relative position bias; CSwin: cross-shaped
-stripes); M = the stage's first k blocks are I and the rest S, k after the letters ('IIMS2'). PVT and Swin
-also take the peers (peers.py): F = FLatten's focused linear attention, N = TransNormer's NormAttention.
-The other switches are attention_options' and InLineSwin's; the lab (paper/) names the paper's combinations of
-them.
+Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla linear
+attention (division normalisation, relu kernel by default), the paper's baseline; S = softmax
+attention (DeiT: over all tokens; PVT: with spatial reduction; Swin: shifted windows with relative
+position bias; CSwin: cross-shaped stripes); M = the stage's first k blocks are I and the rest S, k
+after the letters ('IIMS2'). PVT and Swin also take the peers (peers.py): F = FLatten's focused
+linear attention, N = TransNormer's NormAttention. The other switches are attention_options' and
+InLineSwin's; the lab (paper/) names the paper's combinations of them.
 
 Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C = H*D channels,
 (h, w) the token grid, P leading tokens off the grid (DeiT's class token), nW windows per image,
@@ -42,9 +43,10 @@ import inline
 import peers
 from checkpoints import load_checkpoint, resize_grid
 
-# The authors' figures for each variant at its released size: params and GMACs of their model definitions,
-# counted as count_macs counts, and the ImageNet-1K top-1 the paper reports for the released weights (README,
-# "Models", shows the table; `python -m paper models` prints ours beside it).
+# The authors' figures for each variant at its released size: params and GMACs of their model
+# definitions, counted as count_macs counts, and the ImageNet-1K top-1 the paper reports for the
+# released weights (README, "Models", shows the table; `python -m paper models` prints ours beside
+# it).
 RELEASED = {
     'inline_deit_t': (6_477_736, 1.109, 74.5), 'inline_deit_s': (16_734_760, 4.966, 80.2),
     'inline_deit_b': (23_797_096, 17.169, 82.3),
@@ -54,13 +56,14 @@ RELEASED = {
     'inline_swin_b': (88_350_120, 15.398, 84.1), 'inline_swin_b_384': (88_465_320, 46.200, None),
     'inline_cswin_t': (20_604_520, 4.312, 83.2), 'inline_cswin_s': (33_032_872, 6.773, 83.8),
     'inline_cswin_b': (73_413_640, 14.885, 84.5), 'inline_cswin_b_384': (73_413_640, 46.220, 85.7),
-    # the peers: FLatten's (their README's top-1; -PVT-S's from their paper) and our TransNormer-Swin-T, whose
-    # params and GMACs are our construction's and whose top-1 is the rebuttal's "TransNormer 30M 4.5G 79.9"
+    # the peers: FLatten's (their README's top-1; -PVT-S's from their paper) and our
+    # TransNormer-Swin-T, whose params and GMACs are our construction's and whose top-1 is the
+    # rebuttal's "TransNormer 30M 4.5G 79.9"
     'flatten_swin_t': (29_192_384, 4.483, 82.1), 'flatten_pvt_t': (12_150_504, 2.037, 77.8),
     'flatten_pvt_s': (21_670_248, 4.030, 81.7), 'transnormer_swin_t': (28_268_074, 4.473, 79.9),
 }
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Pieces every family shares
 
 def pair(size):
@@ -77,8 +80,8 @@ def check_image_size(size, stride, what):
 
 def parse_layout(layout, depths, letters):
     """One attention letter per block of every stage: 'IIMS2' with depths (2, 2, 5, 2) ->
-    [['I', 'I'], ['I', 'I'], ['I', 'I', 'S', 'S', 'S'], ['S', 'S']]. M: the stage's first k blocks are I,
-    the rest S, with k written after the stage letters."""
+    [['I', 'I'], ['I', 'I'], ['I', 'I', 'S', 'S', 'S'], ['S', 'S']]. M: the stage's first k blocks
+    are I, the rest S, with k written after the stage letters."""
     stages, k = layout[:len(depths)], layout[len(depths):]
     if set(stages) & set(peers.LETTERS) - set(letters):
         raise ValueError(f"layout {layout!r}: F (FLatten) and N (TransNormer) are built in the PVT and Swin "
@@ -106,8 +109,8 @@ def stage_grids(img_size):
 INLINE_DEFAULTS = {name: p.default for cls in (inline.InLineBase, inline.LinearAttention)
                    for name, p in inspect.signature(cls.__init__).parameters.items()
                    if p.kind is p.KEYWORD_ONLY}
-# every family's attention switches and their defaults: InLineBase's, but the kernel (None: each letter's,
-# below), and normalise_q, the letters of the blocks it acts on
+# every family's attention switches and their defaults: InLineBase's, but the kernel (None: each
+# letter's, below), and normalise_q, the letters of the blocks it acts on
 ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residual', 'local_size', 'dilation',
                                                                          'nonneg')},
                          normalise_q='', allow_divergent=INLINE_DEFAULTS['allow_divergent'],
@@ -116,11 +119,11 @@ ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residu
 
 def attention_options(family, options, letters):
     """The attention switches a family was given, checked and completed with the defaults:
-    kernel (phi; None: identity for I, relu for L, 1 + elu for N), residual ('local' Eq. 6, 'plain', 'none'),
-    local_size (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the letters, 'S' and/or
-    'I', of the blocks whose q is L2-normalised with a learned per-head gain, inline.NormalisedQ),
-    allow_divergent (L with a signed kernel); focusing_factor, kernel_size, focused_normalisation (F),
-    output_norm (N): the peers' (peers.make_peer).
+    kernel (phi; None: identity for I, relu for L, 1 + elu for N), residual ('local' Eq. 6, 'plain',
+    'none'), local_size (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the
+    letters, 'S' and/or 'I', of the blocks whose q is L2-normalised with a learned per-head gain,
+    inline.NormalisedQ), allow_divergent (L with a signed kernel); focusing_factor, kernel_size,
+    focused_normalisation (F), output_norm (N): the peers' (peers.make_peer).
     letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
@@ -141,8 +144,9 @@ def attention_options(family, options, letters):
 
 
 def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
-    """I: InLine attention (identity kernel unless given); L: vanilla linear attention (relu unless given);
-    S: softmax attention over all tokens (DeiT), with PVT's spatial reduction sr_ratio."""
+    """I: InLine attention (identity kernel unless given); L: vanilla linear attention
+    (relu unless given); S: softmax attention over all tokens (DeiT), with PVT's spatial reduction
+    sr_ratio."""
     if letter == 'S':
         return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q='S' in options['normalise_q'],
                                 **kwargs)
@@ -172,11 +176,11 @@ class Mlp(nn.Sequential):
 
 
 class SoftmaxAttention(nn.Module):
-    """Softmax attention over all tokens, DeiT's (`qkv`) and PVT's (`q`, `kv`, with spatial reduction: keys
-    and values from the map downsampled by a conv of size and stride sr_ratio, then LayerNorm; keys `sr`,
-    `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1 ablation (ours): softmax over
-    L2-normalised queries times a learned per-head gain (inline.NormalisedQ), so q and a*q (a > 0) get the
-    same weights; scale D^-1/2 as usual."""
+    """Softmax attention over all tokens, DeiT's (`qkv`) and PVT's (`q`, `kv`, with spatial
+    reduction: keys and values from the map downsampled by a conv of size and stride sr_ratio, then
+    LayerNorm; keys `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1
+    ablation (ours): softmax over L2-normalised queries times a learned per-head gain
+    (inline.NormalisedQ), so q and a*q (a > 0) get the same weights; scale D^-1/2 as usual."""
 
     def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False,
                  leading_tokens=0):
@@ -220,7 +224,8 @@ class SoftmaxAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block around InLine attention, DeiT's and PVT's: x (B, P + h*w, C) on grid (h, w)."""
+    """Pre-norm block around InLine attention, DeiT's and PVT's: x (B, P + h*w, C) on grid
+    (h, w)."""
 
     def __init__(self, dim, mlp_ratio, drop_path, eps, attn):
         super().__init__()
@@ -236,7 +241,8 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Non-overlapping patches: conv of size and stride = patch, optional LayerNorm. Keys proj, norm."""
+    """Non-overlapping patches: conv of size and stride = patch, optional LayerNorm. Keys proj,
+    norm."""
 
     def __init__(self, in_chans, dim, patch, norm_eps=None):
         super().__init__()
@@ -264,9 +270,10 @@ class Backbone(nn.Module):
         self.grad_checkpointing = enable
 
     def setup(self, img_size, stride, layout, depths, letters, drop_path_rate, attention):
-        """The opening every family's constructor shares: the image size (a multiple of the total stride), the
-        layout parsed into one letter per block of every stage, the attention options checked against it, and
-        the stochastic depth rate of every block. Returns (letters, rates), each one list per stage."""
+        """The opening every family's constructor shares: the image size (a multiple of the total
+        stride), the layout parsed into one letter per block of every stage, the attention options
+        checked against it, and the stochastic depth rate of every block. Returns (letters, rates),
+        each one list per stage."""
         self.img_size, self.layout = pair(img_size), layout
         check_image_size(self.img_size, stride, self.name)
         letters = parse_layout(layout, depths, letters)
@@ -283,8 +290,8 @@ class Backbone(nn.Module):
         return block(x, *args)
 
     def init_weights(self):
-        """Truncated normal (std .02) for Linear weights, zero biases, LayerNorm ones/zeros; convolutions keep
-        PyTorch's default init: the released code's initialisation."""
+        """Truncated normal (std .02) for Linear weights, zero biases, LayerNorm ones/zeros;
+        convolutions keep PyTorch's default init: the released code's initialisation."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 trunc_normal_(m.weight, std=.02)
@@ -315,13 +322,14 @@ class Backbone(nn.Module):
         return {}
 
     def no_weight_decay(self):
-        """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not towards relu;
-        T1's gain (inline.NormalisedQ) is a temperature, which decay would pull towards uniform weights."""
+        """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not
+        towards relu; T1's gain (inline.NormalisedQ) is a temperature, which decay would pull
+        towards uniform weights."""
         return {name for name, _ in self.named_parameters()
                 if name.endswith(('phi.weight', 'normalise_q.gain'))}
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # InLine-DeiT: isotropic, patch 16, one class token that takes part in attention but not in Eq. 6
 
 class InLineDeiT(Backbone):
@@ -374,14 +382,15 @@ class InLineDeiT(Backbone):
         return super().no_weight_decay() | {'pos_embed', 'cls_token'}
 
 
-# ---------------------------------------------------------------------------------------------------
-# InLine-PVT: four stages of patch embedding + position embedding + InLine blocks, no spatial reduction
+# --------------------------------------------------------------------------------------------------
+# InLine-PVT: four stages of patch embedding + position embedding + InLine blocks, no spatial
+# reduction
 
 class InLinePVT(Backbone):
     """sr_ratios: the S blocks' spatial reduction per stage; la_sr_ratios: the F blocks' (FLatten's
-    PVT_LA_SR_RATIOS, 1111 in every released model). unused_norm: the LayerNorm `norm` over the last stage
-    that FLatten-PVT defines and never applies (its forward's call is commented out), kept so that their
-    checkpoints load key for key; it takes no part in the forward."""
+    PVT_LA_SR_RATIOS, 1111 in every released model). unused_norm: the LayerNorm `norm` over the last
+    stage that FLatten-PVT defines and never applies (its forward's call is commented out), kept so
+    that their checkpoints load key for key; it takes no part in the forward."""
     family = 'pvt'
 
     def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2),
@@ -412,7 +421,8 @@ class InLinePVT(Backbone):
         self.reset_classifier(num_classes)
 
     def forward_features(self, x, return_stages=False):
-        """(B, 3, H_img, W_img) -> stage-4 tokens (B, h*w, C), or the four maps [(B, C_i, h_i, w_i)]."""
+        """(B, 3, H_img, W_img) -> stage-4 tokens (B, h*w, C), or the four maps [(B, C_i, h_i,
+        w_i)]."""
         check_image_size(x.shape[2:], 32, self.name)
         stages = []
         for i in range(4):
@@ -439,11 +449,12 @@ class InLinePVT(Backbone):
                     found[f'block{i + 1}.{j}.attn.positional_encoding'] = (0, (h // r, w // r))
         return found
 
-    # no_weight_decay: Backbone's alone. The released PVT decays its position embeddings: its model (the
-    # authors' `models/inline_pvt.py`) exempts only a class token that InLine-PVT does not have.
+    # no_weight_decay: Backbone's alone. The released PVT decays its position embeddings: its model
+    # (the authors' `models/inline_pvt.py`) exempts only a class token that InLine-PVT does not
+    # have.
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Windows, shared by Swin (square windows) and CSwin (stripes: full height or full width)
 
 def to_windows(x, wh, ww):
@@ -462,8 +473,8 @@ def from_windows(x, wh, ww, h, w):
 
 def window_mask(h, w, wh, ww, sh, sw, device):
     """Additive mask (nW, wh*ww, wh*ww) for the (wh, ww) windows of an (h, w) map padded to whole
-    windows and rolled by (-sh, -sw): -100 between two tokens that were not in the same region before
-    the roll (Swin's mask) or where one is padding; None when nothing needs masking."""
+    windows and rolled by (-sh, -sw): -100 between two tokens that were not in the same region
+    before the roll (Swin's mask) or where one is padding; None when nothing needs masking."""
     Hp, Wp = h + -h % wh, w + -w % ww
     if (sh, sw, Hp, Wp) == (0, 0, h, w):
         return None
@@ -491,11 +502,13 @@ def masked_softmax_attention(q, k, v, scale, bias=None, mask=None):
     return o.flatten(0, 1)  # (B*nW, H, N, D)
 
 
-# ---------------------------------------------------------------------------------------------------
-# InLine-Swin: hierarchical; I blocks attend over the whole stage, S blocks are Swin's shifted windows
+# --------------------------------------------------------------------------------------------------
+# InLine-Swin: hierarchical; I blocks attend over the whole stage, S blocks are Swin's shifted
+# windows
 
 def relative_position_index(wh, ww, window, device):
-    """(wh*ww, wh*ww) indices into a ((2*window - 1)^2, H) table of biases by relative offset (dy, dx)."""
+    """(wh*ww, wh*ww) indices into a ((2*window - 1)^2, H) table of biases by relative offset
+    (dy, dx)."""
     y, x = torch.meshgrid(torch.arange(wh, device=device), torch.arange(ww, device=device), indexing='ij')
     y, x = y.flatten(), x.flatten()  # (N,), N = wh*ww
     dy = y[:, None] - y[None, :] + window - 1  # (N, N), in [0, 2*window - 2]
@@ -530,18 +543,19 @@ class WindowAttention(nn.Module):
 class SwinBlock(nn.Module):
     """Pre-norm block: x + DropPath(attention(LN(x))), then x + DropPath(MLP(LN(x))); x (B, h*w, C).
 
-    letter: 'S' Swin's softmax in windows with a relative position bias; 'I' InLine; 'L' vanilla linear;
-        'F', 'N' the peers (peers.make_peer), windowed and shifted as I (FLatten-Swin's window 56 covers
-        stages 1 and 2: one window, no shift, as their `models/flatten_swin.py` has).
-    window: the window side in tokens; for I/L, None is the whole map (every released model). Smaller I/L
-        windows are the authors' window ablation (Table 4; their `models/inline_swin.py`): rolled as Swin's
-        softmax blocks are, but with NO mask, so tokens wrapped across the border attend to each other; every
-        window is its own InLine attention, with its own means, Eq. 6 weights and zero padding at the
-        window's edges.
+    letter: 'S' Swin's softmax in windows with a relative position bias; 'I' InLine; 'L' vanilla
+        linear; 'F', 'N' the peers (peers.make_peer), windowed and shifted as I (FLatten-Swin's
+        window 56 covers stages 1 and 2: one window, no shift, as their `models/flatten_swin.py`
+        has).
+    window: the window side in tokens; for I/L, None is the whole map (every released model).
+        Smaller I/L windows are the authors' window ablation (Table 4; their
+        `models/inline_swin.py`): rolled as Swin's softmax blocks are, but with NO mask, so tokens
+        wrapped across the border attend to each other; every window is its own InLine attention,
+        with its own means, Eq. 6 weights and zero padding at the window's edges.
     shift: roll the map by window/2 first (odd blocks), along each axis the window does not cover.
-    options: the attention options (attention_options) of an I, L, F or N block; ape_tokens: the authors'
-        position embedding inside an I or L attention, one per window size (shared by the stage's windows),
-        or None; tokens: an F block's window tokens (its positional_encoding's N).
+    options: the attention options (attention_options) of an I, L, F or N block; ape_tokens: the
+        authors' position embedding inside an I or L attention, one per window size (shared by the
+        stage's windows), or None; tokens: an F block's window tokens (its positional_encoding's N).
     """
 
     def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, options, ape_tokens=None,
@@ -569,13 +583,14 @@ class SwinBlock(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
     def windowed_attention(self, y, grid):
-        """The attention in (wh, ww) windows of the normalised map y (B, h*w, C), Swin's cyclic shift first
-        on odd blocks: softmax masked across the roll's seams, or every window its own InLine (or peer's)
-        attention, unmasked (the authors' window ablation)."""
+        """The attention in (wh, ww) windows of the normalised map y (B, h*w, C), Swin's cyclic
+        shift first on odd blocks: softmax masked across the roll's seams, or every window its own
+        InLine (or peer's) attention, unmasked (the authors' window ablation)."""
         B, N, C = y.shape
         h, w = grid
         wh, ww = min(self.window, h), min(self.window, w)  # never beyond the map
-        # Swin's cyclic shift of odd blocks: half a window along each axis that the window does not cover
+        # Swin's cyclic shift of odd blocks: half a window along each axis that the window does not
+        # cover
         sh, sw = (self.window // 2 if self.shift and side < size else 0 for side, size in ((wh, h), (ww, w)))
         y = y.view(B, h, w, C)  # (B, h, w, C)
         if self.letter == 'S':  # a map that does not tile is zero-padded after the norm, as Swin does for
@@ -596,7 +611,8 @@ class SwinBlock(nn.Module):
 
 
 class PatchMerging(nn.Module):
-    """2x2 neighbours concatenated -> LayerNorm(4C) -> Linear 4C -> 2C: (B, h*w, C) -> (B, h*w/4, 2C)."""
+    """2x2 neighbours concatenated -> LayerNorm(4C) -> Linear 4C -> 2C: (B, h*w, C) ->
+    (B, h*w/4, 2C)."""
 
     def __init__(self, dim):
         super().__init__()
@@ -606,7 +622,8 @@ class PatchMerging(nn.Module):
     def forward(self, x, grid):
         B, N, C = x.shape
         x = x.view(B, *grid, C)  # (B, h, w, C)
-        # Swin's order: (even row, even col), (odd, even), (even, odd), (odd, odd); the weights depend on it
+        # Swin's order: (even row, even col), (odd, even), (even, odd), (odd, odd); the weights
+        # depend on it
         x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]],
                       dim=-1)  # (B, h/2, w/2, 4C)
         return self.reduction(self.norm(x.view(B, -1, 4 * C)))  # (B, h*w/4, 2C)
@@ -622,10 +639,10 @@ class SwinStage(nn.Module):
 
 
 def authors_ape(options):
-    """The authors' rule for the APE in their ablations: on exactly where Eq. 6 gives the attention no
-    position of its own, with no residual or the plain one (a neighbourhood of the token alone); without Eq. 6
-    nothing else does (their answer in their repository's issue #6; paper/experiments.py). Their
-    final models, with Eq. 6, have none."""
+    """The authors' rule for the APE in their ablations: on exactly where Eq. 6 gives the attention
+    no position of its own, with no residual or the plain one (a neighbourhood of the token alone);
+    without Eq. 6 nothing else does (their answer in their repository's issue #6;
+    paper/experiments.py). Their final models, with Eq. 6, have none."""
     return (inline.neighbourhood_size(options['residual'], options['local_size']) or 1) == 1
 
 
@@ -633,16 +650,19 @@ class InLineSwin(Backbone):
     """InLine-Swin: patch 4, four stages joined by patch merging, final norm, token-mean head.
 
     img_size: int or (H, W), multiples of 32.
-    embed_dim, depths, num_heads: stage 1's width (doubled at every stage), blocks and heads per stage.
+    embed_dim, depths, num_heads: stage 1's width (doubled at every stage), blocks and heads per
+        stage.
     layout: one attention letter per stage (I, L, S, M<k>: module docstring).
-    window: the InLine window side; None = the whole stage, as every released model (its window 56 at
-        224 px, 96 at 384 px in `cfgs/inline_swin_*.yaml`, covers stage 1 and so every stage); smaller
-        windows are the window ablation of Table 4 (SwinBlock).
+    window: the InLine window side; None = the whole stage, as every released model (its window 56
+        at 224 px, 96 at 384 px in `cfgs/inline_swin_*.yaml`, covers stage 1 and so every stage);
+        smaller windows are the window ablation of Table 4 (SwinBlock).
     softmax_window: the S window; None: the authors' for the image size, 12 at 384 x 384 px as in
         their 384 px configs (Swin's too), else 7 as in their 224 px configs, kept at every other
         size. A checkpoint's relative position tables are resized to it (load_checkpoint).
-    mlp_ratio, num_classes, drop_path_rate: MLP width over C, head outputs (0: none), final stochastic depth.
-    ape: the authors' position embedding inside each InLine or linear attention; None: authors_ape's rule.
+    mlp_ratio, num_classes, drop_path_rate: MLP width over C, head outputs (0: none), final
+        stochastic depth.
+    ape: the authors' position embedding inside each InLine or linear attention; None: authors_ape's
+        rule.
     **attention: the attention options (attention_options).
     """
     family = 'swin'
@@ -712,13 +732,13 @@ class InLineSwin(Backbone):
                                             if name.endswith('relative_position_bias_table')}
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # InLine-CSwin: cross-shaped windows; every branch adds LePE, a depthwise 3x3 conv of V
 
 class StripeAttention(nn.Module):
-    """One softmax branch of a CSwin block (key attns.i): attention within windows of the map, plus LePE
-    (get_v, a depthwise 3x3 conv of v). axis None: one window over the whole map; 0: vertical stripes (full
-    height, `stripe` wide); 1: horizontal stripes."""
+    """One softmax branch of a CSwin block (key attns.i): attention within windows of the map, plus
+    LePE (get_v, a depthwise 3x3 conv of v). axis None: one window over the whole map; 0: vertical
+    stripes (full height, `stripe` wide); 1: horizontal stripes."""
 
     def __init__(self, dim, num_heads, stripe=None, axis=None):
         super().__init__()
@@ -726,8 +746,8 @@ class StripeAttention(nn.Module):
         self.get_v = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)  # LePE
 
     def forward(self, q, k, v, x=None):
-        """q, k, v (B, h, w, C) this branch's channels of the maps (x, the block input, unused). Returns
-        (B, h*w, C)."""
+        """q, k, v (B, h, w, C) this branch's channels of the maps (x, the block input, unused).
+        Returns (B, h*w, C)."""
         B, h, w, C = q.shape
         wh, ww = (h, w) if self.axis is None else (
             (h, min(self.stripe, w)) if self.axis == 0 else (min(self.stripe, h), w))
@@ -747,10 +767,11 @@ class StripeAttention(nn.Module):
 
 
 class CSwinInLine(inline.InLineBase):
-    """The InLine (or linear) branch of a CSwin block (key attns.0), over the whole map: InLineAttention's
-    steps between CSwin's own projections, plus LePE (get_v). Its Eq. 6 weights come from the block input x,
-    not the normalised one (CSwin's quirk, as released). attention 'linear': division in place of Eq. 5;
-    normalise_q: q of unit length times a learned gain (inline.NormalisedQ)."""
+    """The InLine (or linear) branch of a CSwin block (key attns.0), over the whole map:
+    InLineAttention's steps between CSwin's own projections, plus LePE (get_v). Its Eq. 6 weights
+    come from the block input x, not the normalised one (CSwin's quirk, as released). attention
+    'linear': division in place of Eq. 5; normalise_q: q of unit length times a learned gain
+    (inline.NormalisedQ)."""
 
     def __init__(self, dim, num_heads, *, attention='inline', normalise_q=False, allow_divergent=False,
                  **options):
@@ -763,8 +784,8 @@ class CSwinInLine(inline.InLineBase):
         self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
 
     def forward(self, q, k, v, x):
-        """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of the
-        block input, read only by Eq. 6's weights. Returns (B, h*w, C)."""
+        """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of
+        the block input, read only by Eq. 6's weights. Returns (B, h*w, C)."""
         B, h, w, C = q.shape
         lepe = self.get_v(v.permute(0, 3, 1, 2)).flatten(2).unflatten(1, (self.num_heads, -1))  # (B, H, D, N)
         q, k, v = (t.reshape(B, h * w, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
@@ -798,11 +819,13 @@ class CSwinInLine(inline.InLineBase):
 
 
 class CSwinBlock(nn.Module):
-    """LN -> one qkv -> one branch over the whole map (InLine, or when a stripe covers the map) or two
-    half-channel, half-head branches over vertical and horizontal stripes -> proj; then the MLP.
+    """LN -> one qkv -> one branch over the whole map (InLine, or when a stripe covers the map) or
+    two half-channel, half-head branches over vertical and horizontal stripes -> proj; then the MLP.
 
-    letter: 'S' softmax in stripes with LePE; 'I' InLine or 'L' vanilla linear over the whole map, with LePE.
-    stripe: the S stripe width in tokens; None (the last stage) or >= the map: one branch over the whole map.
+    letter: 'S' softmax in stripes with LePE; 'I' InLine or 'L' vanilla linear over the whole map,
+        with LePE.
+    stripe: the S stripe width in tokens; None (the last stage) or >= the map: one branch over the
+        whole map.
     grid: the stage's (h, w), which decides between one branch and two.
     options: the attention options (attention_options) of an I or L block.
     """
@@ -852,8 +875,9 @@ class MergeBlock(nn.Module):
 
 
 class InLineCSwin(Backbone):
-    """stripes: the S stripe width per stage (1, 2, 7, 7 at 224 px). The last stage is always one branch
-    over the whole map, as in the released code; I stages always attend over the whole map."""
+    """stripes: the S stripe width per stage (1, 2, 7, 7 at 224 px). The last stage is always one
+    branch over the whole map, as in the released code; I stages always attend over the whole
+    map."""
     family = 'cswin'
 
     def __init__(self, img_size=224, embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16),
@@ -892,7 +916,7 @@ class InLineCSwin(Backbone):
         return stages if return_stages else self.norm(x)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Registry: each variant is only its sizes; keyword overrides win
 
 SWIN_B = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2',
@@ -916,12 +940,14 @@ MODELS = {  # name: (its family's class, its sizes), the rest the class's defaul
     'inline_cswin_b': (InLineCSwin, CSWIN_B),
     'inline_cswin_b_384': (InLineCSwin, dict(CSWIN_B, img_size=384, stripes=(1, 2, 12, 12),
                                              drop_path_rate=0.7)),
-    # the peers (peers.py), their authors' configs `cfgs/flatten_swin_t.yaml`, `cfgs/flatten_pvt_{t,s}.yaml`
+    # the peers (peers.py), their authors' configs `cfgs/flatten_swin_t.yaml`,
+    # `cfgs/flatten_pvt_{t,s}.yaml`
     'flatten_swin_t': (InLineSwin, dict(layout='FFSS', window=56)),
     'flatten_pvt_t': (InLinePVT, FLATTEN_PVT),
     'flatten_pvt_s': (InLinePVT, dict(FLATTEN_PVT, depths=(3, 4, 6, 3))),
-    # OUR CONSTRUCTION, no released code: TransNormer's DiagAttention as Swin's window softmax in stages 1-2,
-    # its NormAttention over the whole stage in 3-4; the rebuttal's "TransNormer 30M" cannot be traced to it
+    # OUR CONSTRUCTION, no released code: TransNormer's DiagAttention as Swin's window softmax in
+    # stages 1-2, its NormAttention over the whole stage in 3-4; the rebuttal's "TransNormer 30M"
+    # cannot be traced to it
     'transnormer_swin_t': (InLineSwin, dict(layout='SSNN')),
 }
 
@@ -938,14 +964,14 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
 
     """Build a registered variant.
 
-    name: one of MODELS (inline_<family>_<size>; the peers flatten_swin_t, flatten_pvt_t, flatten_pvt_s and
-        transnormer_swin_t, our construction).
+    name: one of MODELS (inline_<family>_<size>; the peers flatten_swin_t, flatten_pvt_t,
+        flatten_pvt_s and transnormer_swin_t, our construction).
     checkpoint: weights to load (load_checkpoint: a path or a state dict).
-    fast: False (the reference, inline.py); True or 'compile': the fast core of kernels.py (torch.compile);
-        'triton': the Triton kernel (triton_core.py, CUDA only). Switched on by kernels.enable_fast, which
-        first checks it against the reference; never a silent fallback.
-    features_only: timm's backbone convention (FeatureBackbone): the stages out_indices as a list of maps,
-        the checkpoint's head dropped.
+    fast: False (the reference, inline.py); True or 'compile': the fast core of kernels.py
+        (torch.compile); 'triton': the Triton kernel (triton_core.py, CUDA only). Switched on by
+        kernels.enable_fast, which first checks it against the reference; never a silent fallback.
+    features_only: timm's backbone convention (FeatureBackbone): the stages out_indices as a list of
+        maps, the checkpoint's head dropped.
     **overrides, kept in model.arch; each wins over the variant's own value:
         img_size: int or (H, W).
         num_classes: head outputs; 0 for none.
@@ -962,7 +988,8 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
     model = cls(**{**sizes, **overrides})
     model.arch = dict(overrides)
     if checkpoint is not None:
-        # resized from the image size the file records, else (the authors' files) from the variant's own
+        # resized from the image size the file records, else (the authors' files) from the variant's
+        # own
         load_checkpoint(model, checkpoint, img_size=released_img_size(name))
     if fast:
         try:
@@ -974,7 +1001,7 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_
     return dense.FeatureBackbone(model, out_indices) if features_only else model
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Cost, counted as the paper counts it (`python -m paper models` prints every variant's)
 
 def count_macs(model, img_size=None):

@@ -1,20 +1,20 @@
 """Train and evaluate the InLine backbones: plain DDP, the authors' recipe to the letter, resumable.
 
-InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README,
-"Training"); without it, a small recipe for a built-in synthetic task.
+InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
+NeurIPS 2024, arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below;
+README, "Training"); without it, a small recipe for a built-in synthetic task.
 
 The main job: no dataset, no download; >= 90% validation accuracy in minutes on a 2-core CPU
 (README, "Quick start"):
     torchrun --standalone --nproc_per_node=2 train.py --model inline_swin_t
-Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or --download),
-CIFAR too:
+Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or
+--download), CIFAR too:
     python train.py --model inline_deit_t --dataset fashion_mnist --data-path DIR --img-size 64 \
         --train-subset 5000
 
-ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs (total
-batch = the variant's per-process batch x 8; fewer processes reach it by gradient accumulation, printed at
-start):
+ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs
+(total batch = the variant's per-process batch x 8; fewer processes reach it by gradient
+accumulation, printed at start):
     torchrun --standalone --nproc_per_node=8 train.py --model inline_swin_t --data-path DIR
     # the 384 px variants fine-tune from the 224 px weights (from their EMA where the file has one: CSwin)
     torchrun --standalone --nproc_per_node=8 train.py --model inline_cswin_b_384 --data-path DIR \
@@ -25,10 +25,10 @@ Evaluate a checkpoint, ours or the authors' released file (and its EMA weights w
 Inference throughput (images/s of one process, at the model's released image size):
     python train.py --model inline_swin_t --throughput --batch-size 64
 
-Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written atomically every
-epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits; on CPU, a run killed with -9 and
-rerun ends with an uninterrupted run's weights. An image that cannot be read stops the run at a
-saved step, naming it; --skip-bad-images leaves such files out, listed every epoch.
+Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written
+atomically every epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits; on CPU, a run killed
+with -9 and rerun ends with an uninterrupted run's weights. An image that cannot be read stops the
+run at a saved step, naming it; --skip-bad-images leaves such files out, listed every epoch.
 """
 import argparse
 import ast
@@ -62,10 +62,11 @@ from checkpoints import (CHECKPOINT, EMA_KEYS, check_output_dir, fail, load_weig
 from data import (DATASETS, GO_ON, ResumableSampler, SyntheticShapes, count_images,
                   ignore_interrupt, leave_out_unreadable, load_data, unreadable)
 
-# ------------------------------------------------------------------------------------------------- recipe
+# ------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is
 # inline_pvt_b.yaml).
-# Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer). clip 0: none.
+# Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer).
+# clip 0: none.
 COLUMNS = ('batch_size', 'lr', 'epochs', 'warmup_epochs', 'warmup_lr', 'min_lr', 'cooldown_epochs',
            'weight_decay', 'clip_grad', 'drop_path')
 VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
@@ -84,7 +85,8 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
     'inline_cswin_s':     (128, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.05, 0.0, 0.4),
     'inline_cswin_b':     (64, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.1, 0.0, 0.5),
     'inline_cswin_b_384': (32, 5e-6, 20, 0, 5e-6, 5e-7, 10, 1e-8, 0.0, 0.7),
-    # the peers: FLatten's `cfgs/flatten_*.yaml` over their config.py's defaults; ours with Swin-T's recipe
+    # the peers: FLatten's `cfgs/flatten_*.yaml` over their config.py's defaults; ours with Swin-T's
+    # recipe
     'flatten_swin_t':     (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.2),
     'flatten_pvt_t':      (128, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
     'flatten_pvt_s':      (64, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
@@ -92,13 +94,13 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
 }
 # the total batch is the table's per-process batch x 8 processes, as the authors' README launches
 PROCESSES = 8
-# shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in the
-# released runs
+# shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in
+# the released runs
 RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
                 randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
 EMA_FAMILIES = ('cswin',)  # decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
-# The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed and none
-# of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
+# The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed
+# and none of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
 SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr=1e-5, min_lr=1e-5,
                  cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1,
                  mixup=0.0, cutmix=0.0, mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0,
@@ -109,14 +111,15 @@ SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr
 # see 5e-4.
 SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3,
                           synthetic_train=640, synthetic_val=320, lr=1.6e-2)
-# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (load_data),
-# batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left a DeiT learning in its
-# last epoch
+# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip
+# (load_data), batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left
+# a DeiT learning in its last epoch
 SMALL = ({k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')}
          | dict(batch_size=64, lr=6e-3, epochs=15, warmup_epochs=1))
-# An ImageFolder gets the released recipe where an epoch gives RELEASED_MIN_STEPS optimizer steps or more at
-# the authors' total batch (ImageNet-1K: 1,251 at 1,024), else SMALL with the small datasets' crop and flip
-# (1,437 images get one step an epoch from the released recipe, and 20 warm-up epochs)
+# An ImageFolder gets the released recipe where an epoch gives RELEASED_MIN_STEPS optimizer steps or
+# more at the authors' total batch (ImageNet-1K: 1,251 at 1,024), else SMALL with the small
+# datasets' crop and flip (1,437 images get one step an epoch from the released recipe, and 20
+# warm-up epochs)
 RELEASED_MIN_STEPS = 100
 FEW_STEPS = 10  # fewer optimizer steps an epoch than this, or a warm-up as long as the run, is said at start
 # never taken from a checkpoint
@@ -223,11 +226,11 @@ def get_args_parser():
     return p
 
 
-# ---------------------------------------------------------------------------------------- resolving a run
+# ---------------------------------------------------------------------------------- resolving a run
 @dataclass
 class Run:
-    """What every part of a run shares: the resolved flags, where it runs, and the checkpoint it starts
-    from."""
+    """What every part of a run shares: the resolved flags, where it runs, and the checkpoint it
+    starts from."""
     args: argparse.Namespace
     rank: int = 0
     world: int = 1
@@ -242,14 +245,16 @@ class Run:
     saved_path: str = None
 
     def autocast(self, training):
-        """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was given."""
+        """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was
+        given."""
         dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(self.args.amp)  # None: fp32
         enabled = dtype is not None and (training or self.amp_given)
         return torch.autocast(self.device.type, dtype, enabled=enabled)
 
 
 def model_kwargs(args):
-    """--model-kwargs KEY=VALUE ... and the named architecture flags given, as create_model overrides."""
+    """--model-kwargs KEY=VALUE ... and the named architecture flags given, as create_model
+    overrides."""
     kwargs = {}
     for item in args.model_kwargs or []:
         key, sep, value = item.partition('=')
@@ -266,8 +271,8 @@ def model_kwargs(args):
 
 
 def resolve_architecture(run):
-    """The model and its create_model overrides (run.arch: --model-kwargs and the architecture flags), and
-    run.name, the output folder's name without the data."""
+    """The model and its create_model overrides (run.arch: --model-kwargs and the architecture
+    flags), and run.name, the output folder's name without the data."""
     args = run.args
     run.arch = model_kwargs(args)
     args.model = args.model or 'inline_swin_t'
@@ -277,7 +282,8 @@ def resolve_architecture(run):
 
 
 def dataset(args):
-    """--dataset, or what --data-path implies: an ImageFolder with it, the synthetic task without."""
+    """--dataset, or what --data-path implies: an ImageFolder with it, the synthetic task
+    without."""
     return args.dataset or ('imagefolder' if args.data_path else 'synthetic')
 
 
@@ -289,10 +295,10 @@ def default_output_dir(run):
 
 
 def open_checkpoint(run):
-    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval), --resume FILE,
-    else OUTPUT_DIR/checkpoint.pt where it exists. Its saved arguments fill the flags left unset, and another
-    model or architecture than the flags ask for is refused; the authors' files save neither, and are taken as
-    the flags say."""
+    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval),
+    --resume FILE, else OUTPUT_DIR/checkpoint.pt where it exists. Its saved arguments fill the flags
+    left unset, and another model or architecture than the flags ask for is refused; the authors'
+    files save neither, and are taken as the flags say."""
     args = run.args
     path = args.checkpoint or args.resume
     if path is None:  # where this command's flags put its output folder
@@ -325,8 +331,9 @@ def open_checkpoint(run):
 
 
 def resolve(run):
-    """Fill every flag left unset, from the checkpoint the run starts from, then from the recipe: VARIANTS on
-    an ImageFolder (ImageNet), SMALL on a small dataset, else SYNTHETIC; set the total batch."""
+    """Fill every flag left unset, from the checkpoint the run starts from, then from the recipe:
+    VARIANTS on an ImageFolder (ImageNet), SMALL on a small dataset, else SYNTHETIC; set the total
+    batch."""
     open_checkpoint(run)  # which resolves the architecture
     args = run.args
     args.dataset = dataset(args)
@@ -354,7 +361,8 @@ def resolve(run):
     run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
         args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet else 0.0
-    # kernels.enable_fast refuses a model with linear attention or a peer's (F, N): they have no fast path
+    # kernels.enable_fast refuses a model with linear attention or a peer's (F, N): they have no
+    # fast path
     if args.attention_impl is None:
         layout = str(run.arch.get('layout', models.MODELS[args.model][1].get('layout', '')))
         args.attention_impl = 'reference' if set(layout) & set('LFN') else 'fast'
@@ -371,8 +379,8 @@ def resolve(run):
 
 
 def choose_recipe(args):
-    """Set args.recipe: 'released' or 'small' for an ImageFolder (from its size, unless given), 'small' for
-    the small datasets, 'synthetic'; returns why, for the recipe: line."""
+    """Set args.recipe: 'released' or 'small' for an ImageFolder (from its size, unless given),
+    'small' for the small datasets, 'synthetic'; returns why, for the recipe: line."""
     if args.dataset != 'imagefolder':
         if args.recipe == 'released':
             fail("--recipe released is the authors' ImageNet-1K recipe: give --data-path of an ImageFolder")
@@ -388,8 +396,8 @@ def choose_recipe(args):
 
 
 def default_amp(device):
-    """(--amp's default, the fact it rests on): bf16 where it is faster than fp32, else fp16 on CUDA, else
-    fp32."""
+    """(--amp's default, the fact it rests on): bf16 where it is faster than fp32, else fp16 on
+    CUDA, else fp32."""
     if device.type == 'cuda':  # emulated bf16 (before Ampere) is slower: fp16 there, with the loss scaler
         gpu = torch.cuda.get_device_name(device)
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -441,8 +449,8 @@ def check_args(args):
 
 
 def setup(args):
-    """Rank, world size and device from torchrun's environment (a plain `python train.py` is rank 0 of 1); the
-    checkpoint to start from; every flag resolved."""
+    """Rank, world size and device from torchrun's environment (a plain `python train.py` is rank 0
+    of 1); the checkpoint to start from; every flag resolved."""
     rank, world, local_rank = (int(os.environ.get(k, 0)) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'))
     run = Run(args, rank, max(world, 1))
     local, gpus = int(os.environ.get('LOCAL_WORLD_SIZE', 1)), torch.cuda.device_count()
@@ -468,7 +476,7 @@ def setup(args):
     return run
 
 
-# ---------------------------------------------------------------------------------- model and optimizer
+# ------------------------------------------------------------------------------ model and optimizer
 def build_model(run, num_classes):
     """The variant at the run's image size and drop path, with the fast core unless --attention-impl
     reference."""
@@ -505,9 +513,9 @@ def build_model(run, num_classes):
 
 
 def build_optimizer(model, args, total_batch, steps_per_epoch):
-    """(AdamW, its per-step schedule): no weight decay on 1-D parameters (biases, norms) and the model's
-    no_weight_decay() names; a cosine to --min-lr whose start a linear warm-up replaces, then
-    --cooldown-epochs at --min-lr, as timm's CosineLRScheduler ran in the released trainer."""
+    """(AdamW, its per-step schedule): no weight decay on 1-D parameters (biases, norms) and the
+    model's no_weight_decay() names; a cosine to --min-lr whose start a linear warm-up replaces,
+    then --cooldown-epochs at --min-lr, as timm's CosineLRScheduler ran in the released trainer."""
     skip = model.no_weight_decay()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -515,7 +523,8 @@ def build_optimizer(model, args, total_batch, steps_per_epoch):
             exempt = param.ndim <= 1 or name in skip or name.split('.')[-1] in skip
             (no_decay if exempt else decay).append(param)
     groups = [{'params': decay, 'weight_decay': args.weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
-    # the rates are given per 512 images and scale linearly with the total batch, as the released trainer's
+    # the rates are given per 512 images and scale linearly with the total batch, as the released
+    # trainer's
     peak, warmup_lr, min_lr = (lr * total_batch / 512 for lr in (args.lr, args.warmup_lr, args.min_lr))
     optimizer = torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.999), eps=1e-8, fused=True)
     warmup, total = round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch
@@ -529,12 +538,12 @@ def build_optimizer(model, args, total_batch, steps_per_epoch):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / peak)
 
 
-# ---------------------------------------------------------------------------------------------- threads
+# ------------------------------------------------------------------------------------------ threads
 def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
 
 
-# --------------------------------------------------------------------------------------- train and eval
+# ----------------------------------------------------------------------------------- train and eval
 @dataclass
 class Training:
     """What fit() builds once and every epoch uses; a checkpoint holds all of it."""
@@ -623,10 +632,10 @@ def train_one_epoch(run, t, loader, epoch, stop):
 
 @torch.no_grad()
 def evaluate(run, model, loader):
-    """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got right, a
-    bool tensor in the validation set's own order; each rank holds a disjoint slice, summed here.
-    Images that cannot be read (label -1 - index, data.ImageFolder) are left out of the counts and
-    returned as `unreadable`, their indices."""
+    """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got
+    right, a bool tensor in the validation set's own order; each rank holds a disjoint slice, summed
+    here. Images that cannot be read (label -1 - index, data.ImageFolder) are left out of the counts
+    and returned as `unreadable`, their indices."""
     model.eval()
     # loss sum, top-1 hits, top-5 hits, images
     totals = torch.zeros(4, dtype=torch.float64, device=run.device)
@@ -669,9 +678,9 @@ def val_loader(run, val_set):
 
 
 def evaluate_checkpoint(run, model, val_set):
-    """--eval: the file's weights, then its EMA weights where it has them (ours or the authors' CSwin). The
-    per-image results are printed as their SHA-256 (16 hex digits of the bool tensor's bytes): enough to tell
-    two apart."""
+    """--eval: the file's weights, then its EMA weights where it has them (ours or the authors'
+    CSwin). The per-image results are printed as their SHA-256 (16 hex digits of the bool tensor's
+    bytes): enough to tell two apart."""
     loader = val_loader(run, val_set)
     for key in ('model', *(k for k in EMA_KEYS if run.saved.get(k) is not None)):
         load_weights(model, run.saved, key, run.saved_path,
@@ -687,8 +696,8 @@ def evaluate_checkpoint(run, model, val_set):
 
 @torch.no_grad()
 def prepare_training(run, raw, train_set):
-    """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from the
-    checkpoint to resume; the recipe and the schedule they run, printed."""
+    """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from
+    the checkpoint to resume; the recipe and the schedule they run, printed."""
     args, num_classes = run.args, len(train_set.classes)
     sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,

@@ -1,4 +1,5 @@
-"""InLine attention's core in Triton: Eq. 5 + Eq. 6 as five kernels, beside the reference they replace.
+"""InLine attention's core in Triton: Eq. 5 + Eq. 6 as five kernels, beside the reference they
+replace.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. `inline_core_triton` takes the arguments, layout and result of inline.inline_core
@@ -13,9 +14,10 @@ tokens; T = size^2 neighbours in Eq. 6; g = inline.eq5_gain(s, N); Cov' = g N Co
               5. inline_backward per (b, h, block):  dq, dk, dv in closed form, Eq. 6 transposed
 
 Every sum accumulates in fp32, whatever the inputs (fp32, fp16, bf16). tl.dot needs sides >= 16, so
-the head dim is padded to BLOCK_D = max(16, next power of 2) by masked loads: zero columns add nothing.
-It runs on CUDA, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set before triton is
-first imported), which is how test_triton.py proves it against the reference without a GPU:
+the head dim is padded to BLOCK_D = max(16, next power of 2) by masked loads: zero columns add
+nothing. It runs on CUDA, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set
+before triton is first imported), which is how test_triton.py proves it against the reference
+without a GPU:
 
     python -m pytest -q test_triton.py                      # starts the interpreted run itself
     TRITON_INTERPRET=1 python -m pytest -q test_triton.py   # that run alone
@@ -31,13 +33,14 @@ BLOCK_N = 64  # tokens a program holds at once; with warps() below, no register 
 INTERPRETED = triton.knobs.runtime.interpret  # as the kernels below were decorated: numpy on CPU
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Eq. 6's neighbourhood on the token axis, and the loads every kernel shares
 
 @triton.jit
 def neighbour(n, N, P, h, w, dy, dx):
-    """Tokens n (BLOCK_N,) -> the token (dy, dx) away on the grid from each, and whether it counts: n
-    and it both on the (h, w) grid after the P leading tokens (never neighbours), so zero padding."""
+    """Tokens n (BLOCK_N,) -> the token (dy, dx) away on the grid from each, and whether it counts:
+    n and it both on the (h, w) grid after the P leading tokens (never neighbours), so zero
+    padding."""
     g = tl.maximum(n - P, 0)  # grid index; the leading tokens are masked by n >= P below
     y, x = g // w, g % w
     ok = (n >= P) & (n < N) & (y + dy >= 0) & (y + dy < h) & (x + dx >= 0) & (x + dx < w)
@@ -62,7 +65,7 @@ def load_tap(r_ptr, bh, d, D, t, T):
     return tl.load(r_ptr + T * (bh * D + d) + t, mask=d < D, other=0.).to(tl.float32)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Forward
 
 @triton.jit
@@ -71,8 +74,8 @@ def eq5_covariance(k_ptr, v_ptr, k_mean_ptr, v_mean_ptr, cov_ptr, N, D, gain,
     """Per (b, h): k_mean, v_mean (D,) and Cov' = g N Cov = g sum_j (k_j - k_mean)(v_j - v_mean)^T,
     gain = g. Two passes over the tokens, as inline.inline_attention: the means, then the centred
     products, so Cov is the reference's sum and keeps its precision where the means are large, which
-    K^T V / N - k_mean^T v_mean would cancel away. The second read of k and v is N*D elements, against
-    N*D^2 multiply-adds."""
+    K^T V / N - k_mean^T v_mean would cancel away. The second read of k and v is N*D elements,
+    against N*D^2 multiply-adds."""
     bh = tl.program_id(0).to(tl.int64)
     k_ptr += bh * N * D
     v_ptr += bh * N * D
@@ -125,7 +128,7 @@ def inline_forward(q_ptr, v_ptr, r_ptr, v_mean_ptr, cov_ptr, o_ptr, N, D, P, h, 
     tl.store(o_ptr + bh * N * D + n[:, None] * D + d[None, :], o, mask=rows)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Backward. With k_c = k - k_mean, v_c = v - v_mean, Cov' = g sum_j k_c,j v_c,j^T and G = g Q^T dO:
 #   dq = dO Cov'^T, dk = v_c G^T, dv = k_c G + mean_i dO_i (from + v_mean) + Eq. 6 transposed.
 # The means' own gradients vanish: each meets a column sum of k_c or v_c, which is 0.
@@ -153,7 +156,8 @@ def eq5_sums(q_ptr, do_ptr, g_ptr, do_mean_ptr, N, D, gain,
 def eq6_taps(do_ptr, v_ptr, dr_ptr, N, D, P, h, w, dilation,
              SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per (b, h, neighbour t): the gradient of Eq. 6's weights, dr[b, T*c + t] = sum_i dO_i * v at
-    neighbour t of i, for the head's channels c. One program a sum: no atomics, the same every run."""
+    neighbour t of i, for the head's channels c. One program a sum: no atomics, the same every
+    run."""
     bh, t = tl.program_id(0).to(tl.int64), tl.program_id(1)
     do_ptr += bh * N * D
     v_ptr += bh * N * D
@@ -201,7 +205,7 @@ def inline_backward(q_ptr, k_ptr, v_ptr, do_ptr, r_ptr, k_mean_ptr, v_mean_ptr, 
     tl.store(dv_ptr + where, dv, mask=rows)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The launches, and autograd
 
 def block_d(D):
@@ -210,15 +214,16 @@ def block_d(D):
 
 
 def warps(BLOCK_D):
-    """Warps per program: 8 at D = 64, where 4 spill registers in the per-block kernels (ptxas, sm_90)."""
+    """Warps per program: 8 at D = 64, where 4 spill registers in the per-block kernels
+    (ptxas, sm_90)."""
     return 8 if BLOCK_D >= 64 else 4
 
 
 def precision(dtype):
-    """tl.dot's input precision; its operands are fp32 tiles and it sums in fp32 either way. For fp32
-    inputs exact products ('ieee'). For fp16 and bf16 ones TF32 tensor cores: TF32 holds those inputs
-    exactly, in fp32's range (no overflow, as fp16 operands could), and cuts the centred k_c, v_c and the
-    (D, D) sums to 10 bits, about one fp16 rounding."""
+    """tl.dot's input precision; its operands are fp32 tiles and it sums in fp32 either way. For
+    fp32 inputs exact products ('ieee'). For fp16 and bf16 ones TF32 tensor cores: TF32 holds those
+    inputs exactly, in fp32's range (no overflow, as fp16 operands could), and cuts the centred k_c,
+    v_c and the (D, D) sums to 10 bits, about one fp16 rounding."""
     return 'ieee' if dtype == torch.float32 else 'tf32'
 
 
@@ -266,10 +271,11 @@ class InLineTriton(torch.autograd.Function):
 
 def inline_core_triton(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1,
                        scale_by_count=True):
-    """inline.inline_core's arguments, layout and result, in Triton: q, k, v (B, H, N, D) through phi;
-    r (B, T*C) or None; grid (h, w) after P = N - h*w leading tokens; scale None, a number or a tensor
-    that broadcasts against (B, H, N, 1). Under autocast the inputs are cast to its dtype, as the
-    reference's matmuls would be. Refused: r per token, and CPU tensors outside the interpreter."""
+    """inline.inline_core's arguments, layout and result, in Triton: q, k, v (B, H, N, D) through
+    phi; r (B, T*C) or None; grid (h, w) after P = N - h*w leading tokens; scale None, a number or a
+    tensor that broadcasts against (B, H, N, 1). Under autocast the inputs are cast to its dtype, as
+    the reference's matmuls would be. Refused: r per token, and CPU tensors outside the
+    interpreter."""
     B, H, N, D = q.shape
     inline.check_grid(N, grid)
     if not (isinstance(size, int) and size % 2 == 1 and size >= 1
