@@ -164,7 +164,8 @@ def bench_causal(N, dtype, device, B=1, H=4, D=64):
     ms = time_interleaved(fns, device, budget_s=60, max_rounds=9)
     row = dict(tokens=N, dtype=str(dtype).replace('torch.', ''), B=B, H=H, D=D)
     row.update({key: round(statistics.median(t), 2) for key, t in ms.items()})
-    for name in ('eq5', 'eq56'):  # how many times faster than causal SDPA: medians of per-round ratios
+    # how many times faster than causal SDPA: medians of per-round ratios
+    for name in ('eq5', 'eq56'):
         for part in ('fwd', 'fwdbwd'):
             row[f'{name}_{part}_speedup'] = round(paired_ratio(ms, f'sdpa_{part}_ms', f'{name}_{part}_ms'), 2)
     return row
@@ -217,7 +218,8 @@ def bench_choices(device):
           f"through the switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
 
 
-PER_CALL = {  # python bench.py --per-call: (batch, heads, tokens before the grid, grid side, head dim)
+# python bench.py --per-call: (batch, heads, tokens before the grid, grid side, head dim)
+PER_CALL = {
     'InLine-DeiT-T, 224 px (197 tokens)': (1, 6, 1, 14, 32),
     'InLine-Swin-T windows of 7x7 (49 tokens)': (64, 3, 0, 7, 32),
     'InLine-Swin-T stage 1 (56x56 tokens)': (1, 3, 0, 56, 32),
@@ -259,9 +261,11 @@ def bench_per_call(device, dtypes):
 # whole-stage blocks) and PVT-T (FLatten's heads; neither InLine-PVT nor FLatten-PVT reduces k and
 # v: sr 1)
 PEER_BLOCKS = {'Swin-T stage 1': (56, 96, 3, False), 'PVT-T stage 1': (56, 64, 1, True)}
-PEER_MODELS = {'PVT-T infer B1': 1, 'PVT-T train B8': 8}  # inline_pvt_t against flatten_pvt_t: batch
+# inline_pvt_t against flatten_pvt_t: batch
+PEER_MODELS = {'PVT-T infer B1': 1, 'PVT-T train B8': 8}
 PEER_IMG = 224  # their image side, px
-REBUTTAL = {'block': 1.8, 'PVT-T': 1.2}  # "1.8x faster than a FLatten block", "1.2x speed up" (RTX 3090 GPU)
+# "1.8x faster than a FLatten block", "1.2x speed up" (RTX 3090 GPU)
+REBUTTAL = {'block': 1.8, 'PVT-T': 1.2}
 
 
 def bench_peers(device, dtypes, rounds):

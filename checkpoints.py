@@ -43,8 +43,10 @@ def fail(message):
 # --------------------------------------------------------------------------------------------------
 # The released format {'model': state_dict}, and train.py's, which uses the same key
 
-REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')  # released buffers our models compute instead
-EMA_KEYS = ('model_ema', 'state_dict_ema')  # EMA weights beside 'model': train.py's; the authors' CSwin files
+# released buffers our models compute instead
+REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')
+# EMA weights beside 'model': train.py's; the authors' CSwin files
+EMA_KEYS = ('model_ema', 'state_dict_ema')
 
 
 def read_file(path):
@@ -238,7 +240,8 @@ def resize_grid(tokens, old_grid, new_grid, mode):
 # --------------------------------------------------------------------------------------------------
 # train.py's files
 
-CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
+# OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
+CHECKPOINT = 'checkpoint.pt'
 
 
 def check_output_dir(path):
@@ -276,7 +279,8 @@ def load_weights(model, saved, key, path, img_size):
 def link_atomic(src, dst):
     """dst becomes the same file as src (a hard link, or a copy where links are unsupported),
     atomically."""
-    if os.path.exists(dst) and os.path.samefile(src, dst):  # renaming a link onto itself would leave dst.tmp
+    # renaming a link onto itself would leave dst.tmp
+    if os.path.exists(dst) and os.path.samefile(src, dst):
         return
     with contextlib.suppress(FileNotFoundError):
         os.remove(dst + '.tmp')
@@ -342,7 +346,8 @@ def resume(run, t):
         t.ema.module.load_state_dict(saved['model_ema'])
         t.ema.n_averaged.fill_(saved['ema_updates'])
     t.epoch, t.step, t.best_acc, t.log = saved['epoch'], saved['step'], saved['best_acc1'], saved['log']
-    if len(saved['rng']) == run.world:  # this rank's random streams, as save_checkpoint gathered them
+    # this rank's random streams, as save_checkpoint gathered them
+    if len(saved['rng']) == run.world:
         state = saved['rng'][run.rank]
         torch.set_rng_state(state['torch'])
         random.setstate(state['python'])

@@ -26,7 +26,8 @@ from torchvision.transforms.v2 import functional as F
 
 from checkpoints import fail, print0
 
-NO_EVAL_CROP = ('inline_swin_b_384',)  # its config's TEST.CROP is False: resized straight to 384 x 384
+# its config's TEST.CROP is False: resized straight to 384 x 384
+NO_EVAL_CROP = ('inline_swin_b_384',)
 SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10,
                   'cifar100': datasets.CIFAR100}
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -56,7 +57,8 @@ class SyntheticShapes(Dataset):
         label, S = index % len(self.classes), self.img_size
         t = torch.linspace(-1 + 1 / S, 1 - 1 / S, S)  # pixel centres in [-1, 1]
         y, x = torch.meshgrid(t, t, indexing='ij')  # (S, S) each
-        if label < 5:  # a shape, upright within +-15 degrees; f > 0 inside, in units of half the image side
+        if label < 5:
+            # a shape, upright within +-15 degrees; f > 0 inside, in units of half the image side
             r, angle = 0.45 + 0.3 * uniform(), math.radians(30 * (uniform() - 0.5))
             x, y = x - (2 * uniform() - 1) * (1 - r), y - (2 * uniform() - 1) * (1 - r)
             x, y = math.cos(angle) * x + math.sin(angle) * y, -math.sin(angle) * x + math.cos(angle) * y
@@ -67,7 +69,8 @@ class SyntheticShapes(Dataset):
                 f = torch.minimum(r - d, d - 0.55 * r)
             elif label == 2:
                 f = 0.8 * r - torch.maximum(x.abs(), y.abs())
-            elif label == 3:  # equilateral triangle, pointing up: inside three half-planes at distance r/2
+            elif label == 3:
+                # equilateral triangle, pointing up: inside three half-planes at distance r/2
                 f = torch.stack([r / 2 - x * math.cos(a) - y * math.sin(a)
                                  for a in (math.pi / 2, math.pi * 7 / 6, -math.pi / 6)]).amin(0)
             else:
@@ -75,7 +78,8 @@ class SyntheticShapes(Dataset):
                 f = torch.maximum(torch.minimum(a - x.abs(), r - y.abs()),
                                   torch.minimum(a - y.abs(), r - x.abs()))
             mask = (f * S / 2 + 0.5).clamp(0, 1)  # about one pixel of anti-aliased edge
-        else:  # a texture over the image: a grating (wave vector at 0/45/90/135° +- 10°) or a checkerboard
+        else:
+            # a texture over the image: a grating (wave vector at 0/45/90/135° +- 10°) or a checkerboard
             period, angle = 0.25 + 0.25 * uniform(), 2 * math.pi * uniform()
             if label < 9:
                 angle = math.radians(45 * (label - 5) + 20 * (uniform() - 0.5))
@@ -83,7 +87,8 @@ class SyntheticShapes(Dataset):
             v = (y * math.cos(angle) - x * math.sin(angle)) * 2 * math.pi / period + 2 * math.pi * uniform()
             mask = ((u.sin() if label < 9 else u.sin() * v.sin()) * 2 + 0.5).clamp(0, 1)
         fg = torch.rand(3, generator=g)
-        bg = (fg + 0.3 + 0.4 * torch.rand(3, generator=g)) % 1  # every channel differs from fg by >= 0.3
+        # every channel differs from fg by >= 0.3
+        bg = (fg + 0.3 + 0.4 * torch.rand(3, generator=g)) % 1
         img = bg[:, None, None] + mask * (fg - bg)[:, None, None]  # (3, S, S)
         img = img + 0.08 * uniform() * torch.randn((3, S, S), generator=g)
         return F.normalize((img.clamp(0, 1)), MEAN, STD), label

@@ -80,7 +80,8 @@ OUTPUT_NORMS = {'pvt': False, 'swin': True, 'cswin': True}
 def stage_channels(model):
     if model.family == 'pvt':
         return [getattr(model, f'patch_embed{i + 1}').proj.out_channels for i in range(4)]
-    return [model.num_features // 2 ** (3 - i) for i in range(4)]  # Swin and CSwin double C at each merge
+    # Swin and CSwin double C at each merge
+    return [model.num_features // 2 ** (3 - i) for i in range(4)]
 
 
 class FeatureInfo(list):
@@ -124,14 +125,18 @@ class FeatureBackbone(nn.Module):
                                     for i in out_indices])
 
     def forward(self, x):
-        x = F.pad(x, (0, -x.shape[3] % 32, 0, -x.shape[2] % 32))  # (B, 3, H', W'), H' and W' multiples of 32
-        stages = self.model.forward_features(x, return_stages=True)  # 4 x (B, C_i, H' / r_i, W' / r_i)
-        return [norm(stages[i].permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # LayerNorm over C, channels last
+        # H' and W' multiples of 32
+        x = F.pad(x, (0, -x.shape[3] % 32, 0, -x.shape[2] % 32))  # (B, 3, H', W')
+        # 4 x (B, C_i, H' / r_i, W' / r_i)
+        stages = self.model.forward_features(x, return_stages=True)
+        # LayerNorm over C, channels last
+        return [norm(stages[i].permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
                 for norm, i in zip(self.norms, self.out_indices)]
 
 
 def fpn_inputs(features):
-    return OrderedDict((str(i), f) for i, f in enumerate(features))  # torchvision's names: '0', '1', ...
+    # torchvision's names: '0', '1', ...
+    return OrderedDict((str(i), f) for i, f in enumerate(features))
 
 
 class BackboneWithFPN(nn.Module):
@@ -170,7 +175,8 @@ class SemanticFPN(nn.Module):
         self.stride = min(backbone.feature_info.reduction())  # 4 with stage 1 selected
         for reduction in backbone.feature_info.reduction():
             layers = []
-            for j in range(max(1, int(math.log2(reduction // self.stride)))):  # one per 2x to the finest
+            # one per 2x to the finest
+            for j in range(max(1, int(math.log2(reduction // self.stride)))):
                 layers.append(Conv2dNormActivation(fpn_channels if j == 0 else channels, channels, 3,
                                                    norm_layer=lambda c: nn.GroupNorm(32, c)))
                 if reduction > self.stride:
@@ -180,8 +186,10 @@ class SemanticFPN(nn.Module):
 
     def forward(self, x):
         H, W = x.shape[2:]
-        levels = self.fpn(fpn_inputs(self.backbone(x))).values()  # (B, fpn_channels, H' / r, W' / r) each
-        y = sum(head(level) for head, level in zip(self.scale_heads, levels))  # (B, channels, H' / 4, W' / 4)
+        # (B, fpn_channels, H' / r, W' / r) each
+        levels = self.fpn(fpn_inputs(self.backbone(x))).values()
+        # (B, channels, H' / 4, W' / 4)
+        y = sum(head(level) for head, level in zip(self.scale_heads, levels))
         y = self.classifier(y)  # (B, classes, H' / 4, W' / 4)
         y = F.interpolate(y, scale_factor=self.stride, mode='bilinear')  # (B, classes, H', W')
         return y[:, :, :H, :W]  # the padding to multiples of 32 cut off

@@ -34,9 +34,12 @@ PHI = {
     'relu': F.relu,
     'leakyrelu': F.leaky_relu,  # negative slope 0.01, PyTorch's default
     'exp': lambda x: torch.exp(0.2 * x),  # the 0.2 keeps exp from overflowing on raw projections
-    'one_plus_elu': lambda x: 1 + F.elu(x),  # > 0: elu + 1, Katharopoulos et al. (2020)'s linear attention
-    'zero': torch.zeros_like,  # phi = 0: every weight of Eq. 5 is 1/N, which cannot select (the floor)
-    'relu_affine': None,  # learnable, one per layer: ReLUAffine, with the ablations at the end of this file
+    # > 0: elu + 1, Katharopoulos et al. (2020)'s linear attention
+    'one_plus_elu': lambda x: 1 + F.elu(x),
+    # phi = 0: every weight of Eq. 5 is 1/N, which cannot select (the floor)
+    'zero': torch.zeros_like,
+    # learnable, one per layer: ReLUAffine, with the ablations at the end of this file
+    'relu_affine': None,
 }
 NON_NEGATIVE_PHI = ('relu', 'exp', 'one_plus_elu', 'relu_affine')  # linear attention divides by q.k
 
@@ -60,7 +63,8 @@ def check_grid(N, grid, leading_tokens=None):
     """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w, where P must be the
     module's leading_tokens (DeiT's class token: 1; else 0), or any P >= 0 where None
     (the pure functions)."""
-    if isinstance(grid, (tuple, list)):  # traced (torch.onnx.export): 0-d integer tensors of known values
+    # traced (torch.onnx.export): 0-d integer tensors of known values
+    if isinstance(grid, (tuple, list)):
         grid = [int(s) if torch.is_tensor(s) and s.dim() == 0 and not s.is_floating_point() else s
                 for s in grid]
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2
@@ -124,7 +128,8 @@ def inline_weights(q, k, scale=None, scale_by_count=True):
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    return eq5_gain(s, N, scale_by_count) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N  # Eq. 5 (B, H, N, N)
+    # Eq. 5 (B, H, N, N)
+    return eq5_gain(s, N, scale_by_count) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N
 
 
 def inline_attention_quadratic(q, k, v, scale=None, scale_by_count=True):
@@ -147,7 +152,8 @@ def inline_attention(q, k, v, scale=None, scale_by_count=True):
     # models' uncentred q^T (K^T V) - N (q.k_mean) v_mean, but centred keeps its precision in bf16
     # when the means are large
     cov = ((k - k_mean) * N ** -0.5).transpose(-2, -1) @ ((v - v_mean) * N ** -0.5)
-    return (eq5_gain(s, N, scale_by_count) * N * q) @ cov + v_mean  # Eq. 5 summed over j, (B, H, N, D)
+    # Eq. 5 summed over j, (B, H, N, D)
+    return (eq5_gain(s, N, scale_by_count) * N * q) @ cov + v_mean
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,7 +161,8 @@ def inline_attention(q, k, v, scale=None, scale_by_count=True):
 # token i
 
 RESIDUALS = ('local', 'plain', 'none')  # Eq. 6; o_i += r * v_i (a 1x1 neighbourhood); no residual
-LOCAL_SIZE = 3  # the side k of Eq. 6's k x k neighbourhood in the paper: every default of it is this name
+# the side k of Eq. 6's k x k neighbourhood in the paper: every default of it is this name
+LOCAL_SIZE = 3
 
 
 def neighbourhood_size(residual, local_size=LOCAL_SIZE):
@@ -192,7 +199,8 @@ def residual_weights(mlp, m):
     C = m.shape[-1]
     # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 would
     # cost more than the matmuls. r comes out in the autocast dtype, as from autocast's matmuls.
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on 'meta'
+    autocast = (torch.amp.is_autocast_available(device)  # not on 'meta'
+                and torch.is_autocast_enabled(device))
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         heads = m.to(conv1.weight.dtype).reshape(-1, H, C // H).transpose(0, 1)  # (H, B*M, D)
         w1 = conv1.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, D): W1's blocks
@@ -218,13 +226,19 @@ def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
     # per token: each token's k x k neighbours unfolded beside it, channel c's at rows T*c + t
     if r.dim() == 3:
         planes = v[:, :, P:].transpose(-2, -1).reshape(B, H * D, h, w)  # (B, C, h, w)
-        cols = F.unfold(planes, size, dilation=dilation, padding=dilation * (size // 2))  # (B, T*C, h*w)
-        out = (cols * r[:, P:].transpose(1, 2)).unflatten(1, (H * D, -1)).sum(2)  # Eq. 6, (B, C, h*w)
-        return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), 0 for the P
+        # (B, T*C, h*w)
+        cols = F.unfold(planes, size, dilation=dilation, padding=dilation * (size // 2))
+        # Eq. 6, (B, C, h*w)
+        out = (cols * r[:, P:].transpose(1, 2)).unflatten(1, (H * D, -1)).sum(2)
+        # (B, H, N, D), 0 for the P
+        return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))
     planes = v[:, :, P:].transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w)
-    taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k): each sample's and channel's weights
-    out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation, groups=B * H * D)  # Eq. 6
-    return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), zero for the P
+    # each sample's and channel's weights
+    taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k)
+    # Eq. 6
+    out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation, groups=B * H * D)
+    # (B, H, N, D), zero for the P
+    return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,7 +311,8 @@ class InLineBase(nn.Module):
         self.scale = attention_scale(dim // num_heads)  # Eq. 5's s
         if nonneg:  # q and k of unit length and s = 1/2: every weight of Eq. 5 >= 0 (UnitLength)
             self.phi, self.scale = UnitLength(self.phi), 0.5
-        self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None  # Eq. 6
+        # Eq. 6
+        self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None
         self.fast = False  # or a name in FAST_CORES, set by kernels.enable_fast after its check
 
 
@@ -328,7 +343,8 @@ class InLineAttention(InLineBase):
         else:
             q = self.q(x)  # (B, N, C)
             k, v = self.kv(x).chunk(2, dim=-1)  # 2 x (B, N, C)
-        return [t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v)]  # (B, H, N, D)
+        # (B, H, N, D)
+        return [t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v)]
 
     def forward(self, x, grid=None):
         B, N, C = self.check_input(x, grid)
@@ -336,8 +352,10 @@ class InLineAttention(InLineBase):
             x = x + self.ape  # (B, N, C)
         q, k, v = self.project(x)  # (B, H, N, D) each
         q, k = self.phi(q), self.phi(k)  # the kernel function phi
-        r = None if self.residual is None else residual_weights(self.residual, x.mean(dim=1))  # (B, T*C)
-        if self.fast:  # the fast twin of inline_core (kernels.py): the same arguments, the same result
+        # (B, T*C)
+        r = None if self.residual is None else residual_weights(self.residual, x.mean(dim=1))
+        # the fast twin of inline_core (kernels.py): the same arguments, the same result
+        if self.fast:
             o = FAST_CORES[self.fast](q, k, v, r, grid, self.scale, self.local_size, self.dilation,
                                       self.scale_by_count)
         else:

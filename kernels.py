@@ -44,7 +44,8 @@ def neighbourhood(N, grid, device, size=inline.LOCAL_SIZE, dilation=1):
     [0, N) so every read is in bounds; masks (T, N, 1): 1 where n and its neighbour are on the grid,
     else 0."""
     h, w = grid
-    with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
+    # cached below: must stay usable by autograd after an eval pass
+    with torch.inference_mode(False):
         n = torch.arange(N, device=device)
         g = n - (N - h * w)  # grid index; negative for the P leading tokens
         y, x = g.div(w, rounding_mode='floor'), g % w
@@ -125,7 +126,8 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
     # columns sum to zero, so dk = (v - v_mean) g^T and dv = (k - k_mean) g + mean_i do_i.
     dk = v_c @ g.transpose(-2, -1)  # (B, H, N, D)
     g_c = g if c == 1.0 else (wide(g) / c).to(dtype)  # k_c carries the forward's factor c
-    dv = wide(k_c @ g_c) + wide(do).mean(2, keepdim=True)  # o += v_mean gives the mean, (B, H, N, D)
+    # o += v_mean gives the mean, (B, H, N, D)
+    dv = wide(k_c @ g_c) + wide(do).mean(2, keepdim=True)
     dtaps = None
     if taps is not None:
         for t, do_t in enumerate(neighbours(do, index, flip=True)):  # Eq. 6 transposed
@@ -178,7 +180,8 @@ def signature(f, args):
 
 
 _checking = []  # non-empty while enable_fast checks a module
-_compiled_signatures = set()  # signatures that have a graph: their calls need no switches and no marks
+# signatures that have a graph: their calls need no switches and no marks
+_compiled_signatures = set()
 COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, ImportError, OSError)
 
 
@@ -202,7 +205,8 @@ def compiled_call(f, *args):
     compile_lock at its first use); eagerly where the model around it is compiled (f is then traced
     into that graph) and while enable_fast checks; eagerly after one warning if this machine cannot
     compile."""
-    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
+    # autograd is ours, not f's
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     if torch.compiler.is_compiling() or _checking or _compile_error:
         return f(*args)
     key = signature(f, args)
@@ -216,7 +220,8 @@ def compiled_call(f, *args):
                 if 'Detected recompile' not in str(e):
                     raise
         symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
-        with compile_lock(key), compile_options():  # a new graph, or another for a key whose guard failed
+        # a new graph, or another for a key whose guard failed
+        with compile_lock(key), compile_options():
             out = COMPILED[f.__name__](*args)
         _compiled_signatures.add(key)
         return out
@@ -263,7 +268,8 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     B, H, N, D = q.shape
     if table is None:
         inline.check_grid(N, grid)
-        if r is not None:  # built once per shape; traced into a compiled model's graph, a constant there
+        # built once per shape; traced into a compiled model's graph, a constant there
+        if r is not None:
             build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
             table = build(N, tuple(grid), q.device, size, dilation)
     T = table[0].shape[0] if r is not None else None  # Eq. 6's neighbours
@@ -281,7 +287,8 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     # One memory layout for every caller, so one graph serves them all (the matmuls would copy
     # strided views)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None  # (B, H, T, D)
+    # (B, H, T, D)
+    taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None
     index, masks = table if taps is not None else (None, None)
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, taps)):
@@ -298,7 +305,8 @@ inline.FAST_CORES['compile'] = inline_core_fast
 def configuration(module):
     """What decides a module's computation besides its weights: class, plain attributes, parameter
     names."""
-    plain = (bool, int, float, str, tuple, type(None))  # not the head count: H is symbolic in every graph
+    # not the head count: H is symbolic in every graph
+    plain = (bool, int, float, str, tuple, type(None))
     attributes = sorted((k, v) for k, v in vars(module).items()
                         if isinstance(v, plain) and k not in ('training', 'num_heads'))
     return type(module), tuple(attributes), tuple(name for name, _ in module.named_parameters())
@@ -380,10 +388,12 @@ def check_against_reference(path, module, fast, device):
         with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), torch.enable_grad(), \
                 torch.autocast(device.type, enabled=False):
             exact = forward_and_gradients(copy.deepcopy(reference).double(), inputs, upstream.double(), prefix)
-            ours = forward_and_gradients(reference, inputs, upstream, prefix)  # parameters named by path
+            # parameters named by path
+            ours = forward_and_gradients(reference, inputs, upstream, prefix)
             try:
                 theirs = forward_and_gradients(twin, inputs, upstream, prefix)
-            except Exception as e:  # whatever the fast core cannot take: refused here, not at the first step
+            except Exception as e:
+                # whatever the fast core cannot take: refused here, not at the first step
                 theirs = f"the fast core raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         why = theirs if isinstance(theirs, str) else next(
             (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))),
@@ -402,12 +412,14 @@ def enable_fast(model, fast='compile', device=None, log=print):
     configuration (check_against_ reference). fast: 'compile' (this file, any device) or 'triton'
     (triton_core.py, CUDA). device: where the check runs (the model's, else the CPU); log=None:
     silent."""
-    peers = sorted({m.no_fast_path for m in model.modules() if hasattr(m, 'no_fast_path')})  # peers.py's
+    # peers.py's
+    peers = sorted({m.no_fast_path for m in model.modules() if hasattr(m, 'no_fast_path')})
     if peers:
         raise ValueError(f"the fast core is InLine's alone; {' and '.join(peers)} "
                          f"{'has' if len(peers) == 1 else 'have'} none: build the model with fast=False "
                          f"(train.py: --attention-impl reference)")
-    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'fast')]  # InLine's modules
+    # InLine's modules
+    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'fast')]
     if any(getattr(m, 'attention', 'inline') == 'linear' for _, m in modules):
         raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla linear "
                          "attention): build the model with fast=False (train.py: --attention-impl reference)")
@@ -427,7 +439,8 @@ def enable_fast(model, fast='compile', device=None, log=print):
     configurations, start = {}, time.perf_counter()  # configuration: the modules that have it
     for path, m in swapped:
         configurations.setdefault(configuration(m), []).append((path, m))
-    _checking.append(True)  # the closed forms eagerly: the graphs compile or load at their first use
+    # the closed forms eagerly: the graphs compile or load at their first use
+    _checking.append(True)
     try:
         for path, m in (alike[0] for alike in configurations.values()):
             check_against_reference(path, m, fast, device)

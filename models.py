@@ -207,7 +207,8 @@ class SoftmaxAttention(nn.Module):
         else:
             kv_input = x
             if self.sr_ratio > 1:  # PVT's grid has no leading tokens
-                kv_input = self.norm(self.sr(to_map(x, grid)).flatten(2).transpose(1, 2))  # (B, N', C)
+                # (B, N', C)
+                kv_input = self.norm(self.sr(to_map(x, grid)).flatten(2).transpose(1, 2))
             q, (k, v) = split(self.q(x)), [split(t) for t in self.kv(kv_input).chunk(2, dim=-1)]
         return (q if self.normalise_q is None else self.normalise_q(q)), k, v
 
@@ -282,7 +283,8 @@ class Backbone(nn.Module):
 
     @property
     def name(self):
-        return type(self).__name__.replace('InLine', 'InLine-')  # InLineSwin -> InLine-Swin, as errors say it
+        # InLineSwin -> InLine-Swin, as errors say it
+        return type(self).__name__.replace('InLine', 'InLine-')
 
     def run_block(self, block, x, *args):
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
@@ -348,7 +350,8 @@ class InLineDeiT(Backbone):
         self.patch_embed = PatchEmbed(3, embed_dim, patch_size)
         self.blocks = nn.ModuleList([
             Block(embed_dim, mlp_ratio, dp, 1e-6,
-                  make_attention(c, embed_dim, num_heads, self.options, leading_tokens=1))  # the class token
+                  # the class token
+                  make_attention(c, embed_dim, num_heads, self.options, leading_tokens=1))
             for c, dp in zip(letters, rates)])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.init_weights()
@@ -400,7 +403,8 @@ class InLinePVT(Backbone):
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSFN', drop_path_rate, attention)
         self.num_features, self.grids = embed_dims[-1], stage_grids(self.img_size)
-        for i, (h, w) in enumerate(self.grids):  # registered first, so the keys come in the released order
+        # registered first, so the keys come in the released order
+        for i, (h, w) in enumerate(self.grids):
             setattr(self, f'pos_embed{i + 1}', nn.Parameter(torch.zeros(1, h * w, embed_dims[i])))
         for i, dim in enumerate(embed_dims):
             in_chans, patch = (3, 4) if i == 0 else (embed_dims[i - 1], 2)
@@ -412,7 +416,8 @@ class InLinePVT(Backbone):
                       else make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i],
                                           separate_q=True))
                 for c, dp in zip(layout[i], rates[i])]))
-        if unused_norm:  # frozen: it never gets a gradient, and DDP then needs no find_unused_parameters (the
+        if unused_norm:
+            # frozen: it never gets a gradient, and DDP then needs no find_unused_parameters (the
             # authors' README trains FLatten-PVT with --find-unused-params)
             self.norm = nn.LayerNorm(embed_dims[-1], eps=1e-6).requires_grad_(False)
         self.init_weights()
@@ -435,7 +440,8 @@ class InLinePVT(Backbone):
                 x = self.run_block(block, x, grid)
             stages.append(to_map(x, grid))
             x = stages[-1]  # (B, C, h, w), the next stage's image
-        return stages if return_stages else stages[-1].flatten(2).transpose(1, 2)  # no final norm in PVT
+        # no final norm in PVT
+        return stages if return_stages else stages[-1].flatten(2).transpose(1, 2)
 
     def position_grids(self, img_size):
         """Each stage's position embedding on its grid; FLatten's positional_encoding on the keys,
@@ -482,10 +488,12 @@ def window_mask(h, w, wh, ww, sh, sw, device):
     def regions(L, Lp, window, shift):
         i = torch.arange(Lp, device=device)
         label = (i >= Lp - window).long() + (i >= Lp - shift).long() if shift else torch.zeros_like(i)
-        return label, (i + shift) % Lp >= L  # Swin's three slices (0, 1, 2); True where it came from padding
+        # Swin's three slices (0, 1, 2); True where it came from padding
+        return label, (i + shift) % Lp >= L
 
     (lh, ph), (lw, pw) = regions(h, Hp, wh, sh), regions(w, Wp, ww, sw)
-    region = 3 * lh[:, None] + lw[None, :] + 9 * (ph[:, None] | pw[None, :])  # (Hp, Wp), one id per region
+    # one id per region
+    region = 3 * lh[:, None] + lw[None, :] + 9 * (ph[:, None] | pw[None, :])  # (Hp, Wp)
     region = to_windows(region[None, :, :, None], wh, ww).squeeze(-1)  # (nW, wh*ww)
     return (region[:, :, None] != region[:, None, :]).float() * -100.0  # (nW, wh*ww, wh*ww)
 
@@ -494,9 +502,11 @@ def masked_softmax_attention(q, k, v, scale, bias=None, mask=None):
     """softmax(s q k^T + bias + mask) v with F.scaled_dot_product_attention, as a user would run it.
     q, k, v (B*nW, H, N, D); bias (H, N, N); mask (nW, N, N)."""
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # (B*nW, H, N, D)
+        # (B*nW, H, N, D)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     nW = mask.shape[0]
-    add = mask[:, None].to(q.dtype) + (0 if bias is None else bias)  # (nW, 1 or H, N, N), one per window
+    # one per window
+    add = mask[:, None].to(q.dtype) + (0 if bias is None else bias)  # (nW, 1 or H, N, N)
     q, k, v = (t.unflatten(0, (-1, nW)) for t in (q, k, v))  # (B, nW, H, N, D)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=scale)  # (B, nW, H, N, D)
     return o.flatten(0, 1)  # (B*nW, H, N, D)
@@ -522,7 +532,8 @@ class WindowAttention(nn.Module):
     def __init__(self, dim, num_heads, window, normalise_q=False):
         super().__init__()
         self.num_heads, self.window = num_heads, window
-        self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None  # T1
+        # T1
+        self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -531,7 +542,8 @@ class WindowAttention(nn.Module):
     def forward(self, x, window, mask=None):
         """x (B*nW, wh*ww, C) in windows of shape `window` = (wh, ww); mask (nW, N, N) or None."""
         B_, N, C = x.shape
-        q, k, v = self.qkv(x).view(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B*nW, H, N, D)
+        # 3 x (B*nW, H, N, D)
+        q, k, v = self.qkv(x).view(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         q = q if self.normalise_q is None else self.normalise_q(q)
         index = relative_position_index(*window, self.window, x.device)  # (N, N)
         bias = self.relative_position_bias_table[index].permute(2, 0, 1)  # (H, N, N)
@@ -575,7 +587,8 @@ class SwinBlock(nn.Module):
         self.drop_path = StochasticDepth(drop_path, 'row')
 
     def forward(self, x, grid):
-        if self.window is None:  # InLine over the whole stage, as in every released model: no windows
+        # InLine over the whole stage, as in every released model: no windows
+        if self.window is None:
             y = self.attn(self.norm1(x), grid)  # Eq. 5 + Eq. 6, (B, h*w, C)
         else:
             y = self.windowed_attention(self.norm1(x), grid)  # (B, h*w, C)
@@ -593,20 +606,25 @@ class SwinBlock(nn.Module):
         # cover
         sh, sw = (self.window // 2 if self.shift and side < size else 0 for side, size in ((wh, h), (ww, w)))
         y = y.view(B, h, w, C)  # (B, h, w, C)
-        if self.letter == 'S':  # a map that does not tile is zero-padded after the norm, as Swin does for
-            # detection; the padding is masked out
+        if self.letter == 'S':
+            # a map that does not tile is zero-padded after the norm, as Swin does for detection;
+            # the padding is masked out
             y = F.pad(y, (0, 0, 0, -w % ww, 0, -h % wh))  # (B, Hp, Wp, C)
         elif h % wh or w % ww:
             raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows, "
                              f"and padding would change Eq. 5's means; use window=None (the whole stage) "
                              f"or an image size that tiles")
         Hp, Wp = y.shape[1:3]
-        y = to_windows(torch.roll(y, (-sh, -sw), dims=(1, 2)), wh, ww)  # rolled, in windows: (B*nW, wh*ww, C)
-        if self.letter == 'S':  # softmax with the relative position bias, masked across the roll's seams
+        # rolled, in windows: (B*nW, wh*ww, C)
+        y = to_windows(torch.roll(y, (-sh, -sw), dims=(1, 2)), wh, ww)
+        if self.letter == 'S':
+            # softmax with the relative position bias, masked across the roll's seams
             y = self.attn(y, (wh, ww), window_mask(h, w, wh, ww, sh, sw, y.device))
-        else:  # every window its own InLine (or peer's) attention, unmasked (the authors' window ablation)
+        else:
+            # every window its own InLine (or peer's) attention, unmasked (the authors' window ablation)
             y = self.attn(y, (wh, ww))  # Eq. 5 + Eq. 6, (B*nW, wh*ww, C)
-        y = torch.roll(from_windows(y, wh, ww, Hp, Wp), (sh, sw), dims=(1, 2))[:, :h, :w]  # (B, h, w, C)
+        # (B, h, w, C)
+        y = torch.roll(from_windows(y, wh, ww, Hp, Wp), (sh, sw), dims=(1, 2))[:, :h, :w]
         return y.reshape(B, N, C)
 
 
@@ -759,7 +777,8 @@ class StripeAttention(nn.Module):
         q, k, v = (to_windows(t, wh, ww).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
                    for t in (q, k, v))  # (B*nW, H, N, D)
         lepe = self.get_v(v_windows.transpose(1, 2).unflatten(-1, (wh, ww)))  # (B*nW, C, wh, ww)
-        lepe = lepe.flatten(2).unflatten(1, (self.num_heads, -1)).transpose(-2, -1)  # (B*nW, H, N, D)
+        # (B*nW, H, N, D)
+        lepe = lepe.flatten(2).unflatten(1, (self.num_heads, -1)).transpose(-2, -1)
         mask = window_mask(h, w, wh, ww, 0, 0, q.device)
         o = masked_softmax_attention(q, k, v, inline.attention_scale(q.shape[-1]), mask=mask)
         o = (o + lepe).transpose(1, 2).flatten(2)  # (B*nW, N, C)
@@ -787,12 +806,15 @@ class CSwinInLine(inline.InLineBase):
         """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of
         the block input, read only by Eq. 6's weights. Returns (B, h*w, C)."""
         B, h, w, C = q.shape
-        lepe = self.get_v(v.permute(0, 3, 1, 2)).flatten(2).unflatten(1, (self.num_heads, -1))  # (B, H, D, N)
-        q, k, v = (t.reshape(B, h * w, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+        # (B, H, D, N)
+        lepe = self.get_v(v.permute(0, 3, 1, 2)).flatten(2).unflatten(1, (self.num_heads, -1))
+        # (B, H, N, D)
+        q, k, v = (t.reshape(B, h * w, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
         q = q if self.normalise_q is None else self.normalise_q(q)
         q, k = self.phi(q), self.phi(k)
         r = None if self.residual is None else inline.residual_weights(self.residual, x.mean(dim=1))
-        if self.attention == 'linear':  # the baseline: division in place of Eq. 5, then the same Eq. 6
+        if self.attention == 'linear':
+            # the baseline: division in place of Eq. 5, then the same Eq. 6
             o = inline.linear_attention(q, k, v)
             o = o if r is None else o + inline.local_residual(v, r, (h, w), self.local_size, self.dilation)
         elif self.fast:  # the fast twin of inline_core: the same arguments, the same result
@@ -848,8 +870,10 @@ class CSwinBlock(nn.Module):
 
     def forward(self, x, grid):
         B, N, C = x.shape
-        q, k, v = (t.view(B, *grid, C) for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))  # 3 x (B, h, w, C)
-        n = len(self.attns)  # each branch gets its share of the channels of q, k, v and the block input x
+        # 3 x (B, h, w, C)
+        q, k, v = (t.view(B, *grid, C) for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        # each branch gets its share of the channels of q, k, v and the block input x
+        n = len(self.attns)
         parts = zip(self.attns, q.chunk(n, -1), k.chunk(n, -1), v.chunk(n, -1), x.chunk(n, -1))
         o = torch.cat([attn(*p) for attn, *p in parts], dim=-1)  # (B, N, C)
         x = x + self.drop_path(self.proj(o))
@@ -922,8 +946,10 @@ class InLineCSwin(Backbone):
 SWIN_B = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), layout='IIMS2',
               drop_path_rate=0.5)
 CSWIN_B = dict(embed_dim=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5)
-FLATTEN_PVT = dict(num_heads=(1, 2, 5, 8), layout='FFFF', unused_norm=True)  # PVT's heads; la_sr_ratios 1111
-MODELS = {  # name: (its family's class, its sizes), the rest the class's defaults (the released -T or -S)
+# PVT's heads; la_sr_ratios 1111
+FLATTEN_PVT = dict(num_heads=(1, 2, 5, 8), layout='FFFF', unused_norm=True)
+# name: (its family's class, its sizes), the rest the class's defaults (the released -T or -S)
+MODELS = {
     'inline_deit_t': (InLineDeiT, dict(img_size=224, embed_dim=192, num_heads=6)),
     'inline_deit_s': (InLineDeiT, dict(img_size=288, embed_dim=320, num_heads=10)),
     'inline_deit_b': (InLineDeiT, dict(img_size=448, embed_dim=384, num_heads=12)),

@@ -30,8 +30,10 @@ import inline
 # --------------------------------------------------------------------------------------------------
 # FLatten: the focused kernel, the division, the depthwise convolution of v
 
-FLATTEN_EPS = 1e-6  # FLatten's: added after the relu (every entry > 0) and to the division's denominator
-NORMALISATIONS = ('division', 'subtraction')  # FocusedLinearAttention's: FLatten's, or InLine's Eq. 5
+# FLatten's: added after the relu (every entry > 0) and to the division's denominator
+FLATTEN_EPS = 1e-6
+# FocusedLinearAttention's: FLatten's, or InLine's Eq. 5
+NORMALISATIONS = ('division', 'subtraction')
 
 
 def focusing(x, p):
@@ -76,7 +78,8 @@ def depthwise_residual(v, grid, conv):
     convolution over one head's D channels (zero padding), the same for every head. Returns
     (B, H, N, D), added to the output."""
     B, H, N, D = v.shape
-    planes = v.transpose(-2, -1).reshape(B * H, D, *grid)  # (B*H, D, h, w): each head's v as a D-channel map
+    # each head's v as a D-channel map
+    planes = v.transpose(-2, -1).reshape(B * H, D, *grid)  # (B*H, D, h, w)
     return conv(planes).reshape(B, H, D, N).transpose(-2, -1)  # (B, H, N, D)
 
 
@@ -102,7 +105,8 @@ class FocusedLinearAttention(nn.Module):
         division", read as InLine's normalisation in FLatten's place (every row of weights still
         sums to 1). Needs sr_ratio 1: Eq. 5's 1/N is over as many keys as queries.
     """
-    no_fast_path = "FLatten's focused linear attention (layout letter F)"  # kernels.enable_fast refuses it
+    # kernels.enable_fast refuses it
+    no_fast_path = "FLatten's focused linear attention (layout letter F)"
 
     def __init__(self, dim, num_heads, tokens, *, qkv_bias=True, separate_q=False, sr_ratio=1,
                  focusing_factor=3, kernel_size=5, normalisation='division'):
@@ -127,7 +131,8 @@ class FocusedLinearAttention(nn.Module):
             self.norm = nn.LayerNorm(dim)
         self.dwc = nn.Conv2d(D, D, kernel_size, padding=kernel_size // 2, groups=D)
         self.scale = nn.Parameter(torch.zeros(1, 1, dim))  # softplus(0) = log 2 at the start
-        self.positional_encoding = nn.Parameter(torch.zeros(1, tokens // sr_ratio ** 2, dim))  # on the n keys
+        # on the n keys
+        self.positional_encoding = nn.Parameter(torch.zeros(1, tokens // sr_ratio ** 2, dim))
 
     def project(self, x, grid):
         """x (B, N, C) -> q (B, N, C), k and v (B, n, C), n = N / sr_ratio^2."""
@@ -150,12 +155,16 @@ class FocusedLinearAttention(nn.Module):
                              f"build it with tokens = N of the call ({N} here) or resize the parameter for "
                              f"this input size")
         q = focused_kernel(q, self.scale, self.focusing_factor)  # (B, N, C)
-        k = focused_kernel(k + pe, self.scale, self.focusing_factor)  # (B, n, C): position before the kernel
+        # position before the kernel
+        k = focused_kernel(k + pe, self.scale, self.focusing_factor)  # (B, n, C)
         q, k, v = (self.split(t) for t in (q, k, v))  # (B, H, N or n, D)
+        # the division or Eq. 5's subtraction, (B, H, N, D)
         o = (focused_linear_attention(q, k, v) if self.normalisation == 'division'
-             else inline.inline_attention(q, k, v))  # the division or Eq. 5's subtraction, (B, H, N, D)
-        if self.sr_ratio > 1:  # v back to N tokens for dwc, linearly along the flattened token order
-            v = F.interpolate(v.transpose(-2, -1).flatten(0, 1), size=N, mode='linear')  # (B*H, D, N)
+             else inline.inline_attention(q, k, v))
+        # v back to N tokens for dwc, linearly along the flattened token order
+        if self.sr_ratio > 1:
+            # (B*H, D, N)
+            v = F.interpolate(v.transpose(-2, -1).flatten(0, 1), size=N, mode='linear')
             v = v.reshape(B, self.num_heads, -1, N).transpose(-2, -1)  # (B, H, N, D)
         o = o + depthwise_residual(v, grid, self.dwc)  # (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C)
@@ -239,14 +248,16 @@ class NormAttention(nn.Module):
             q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, N, C)
         else:
             q, (k, v) = self.q(x), self.kv(x).chunk(2, dim=-1)
-        q, k, v = (t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+        # (B, H, N, D)
+        q, k, v = (t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
         return self.phi(q), self.phi(k), v
 
     def forward(self, x, grid=None):
         B, N, C = x.shape
         q, k, v = self.project(x, grid)
         o = norm_linear_attention(q, k, v)  # (B, H, N, D)
-        return self.proj(self.norm(o.transpose(1, 2).reshape(B, N, C)))  # the norm over all C, (B, N, C)
+        # the norm over all C, (B, N, C)
+        return self.proj(self.norm(o.transpose(1, 2).reshape(B, N, C)))
 
     def weights(self, x, grid=None):
         """The explicit, unnormalised weights phi(q_i).phi(k_j) (B, H, N, N) before the output's
@@ -259,7 +270,8 @@ class NormAttention(nn.Module):
 # The peers inside models.py's backbones: layout letters F and N, in PVT and Swin
 
 LETTERS = 'FN'  # F: FocusedLinearAttention, N: NormAttention
-FAMILIES = ('InLine-PVT', 'InLine-Swin')  # the families that build them: the released FLatten models' two
+# the families that build them: the released FLatten models' two
+FAMILIES = ('InLine-PVT', 'InLine-Swin')
 # their attention options (models.attention_options): FLatten's config.py (FOCUSING_FACTOR,
 # KERNEL_SIZE) and TransNormer's vision default for NormAttention's norm
 OPTIONS = dict(focusing_factor=3, kernel_size=5, focused_normalisation='division', output_norm='srmsnorm')

@@ -30,7 +30,8 @@ from kernels import neighbours, wide
 def causal_linear_attention(q, k, v, eps=1e-6):
     """inline.linear_attention over each prefix: q_i^T sum_{j<=i} k_j v_j^T /
     (q_i . sum_{j<=i} k_j), in chunks (causal_products)."""
-    return causal_products(q, k, v)[0] / ((q * k.cumsum(2)).sum(-1, keepdim=True) + eps)  # (B, H, N, D)
+    # (B, H, N, D)
+    return causal_products(q, k, v)[0] / ((q * k.cumsum(2)).sum(-1, keepdim=True) + eps)
 
 
 def causal_linear_attention_weights(q, k, eps=1e-6):
@@ -45,10 +46,12 @@ def causal_inline_weights(q, k, scale=None, scale_by_count=True):
     rows still sum to 1. Injective in q_i from token D + 1 on, as inline.inline_weights says."""
     N = q.shape[2]
     s = inline.attention_scale(q.shape[-1]) if scale is None else scale
-    n = torch.arange(1, N + 1, dtype=q.dtype, device=q.device)[:, None]  # (N, 1): the count i of row i
+    # the count i of row i
+    n = torch.arange(1, N + 1, dtype=q.dtype, device=q.device)[:, None]  # (N, 1)
     k_mean = k.cumsum(2) / n  # (B, H, N, D): k_mean_i
     g = inline.eq5_gain(s, n, scale_by_count)  # s/i or s
-    w = g * (q @ k.transpose(-2, -1) - (q * k_mean).sum(-1, keepdim=True)) + 1 / n  # Eq. 5, (B, H, N, N)
+    # Eq. 5, (B, H, N, N)
+    w = g * (q @ k.transpose(-2, -1) - (q * k_mean).sum(-1, keepdim=True)) + 1 / n
     return w.tril()  # 0 for j > i
 
 
@@ -70,7 +73,8 @@ def causal_inline_attention(q, k, v, scale=None, scale_by_count=True):
     kv = (k.unsqueeze(-1) * v.unsqueeze(-2)).cumsum(2)  # (B, H, N, D, D): sum_{j<=i} k_j v_j^T
     cov = kv / n[..., None] - k_mean.unsqueeze(-1) * v_mean.unsqueeze(-2)  # (B, H, N, D, D): Cov_i
     g = inline.eq5_gain(s, n, scale_by_count) * n  # (N, 1): s, or s i
-    return (g * (q.unsqueeze(-2) @ cov).squeeze(-2) + v_mean).to(dtype)  # Eq. 5 over the prefix, (B, H, N, D)
+    # Eq. 5 over the prefix, (B, H, N, D)
+    return (g * (q.unsqueeze(-2) @ cov).squeeze(-2) + v_mean).to(dtype)
 
 
 def causal_products(q, k, v, kv=None, chunk=64):
@@ -80,13 +84,15 @@ def causal_products(q, k, v, kv=None, chunk=64):
     sum after the last token. O(N L D + N D^2)."""
     B, H, N, D = q.shape
     L = min(chunk, N)
-    qc, kc, vc = (F.pad(t, (0, 0, 0, -N % L)).reshape(B, H, -1, L, D) for t in (q, k, v))  # (B, H, N/L, L, D)
+    # (B, H, N/L, L, D)
+    qc, kc, vc = (F.pad(t, (0, 0, 0, -N % L)).reshape(B, H, -1, L, D) for t in (q, k, v))
     # (B, H, N/L, D, D): each chunk's sum of k v^T (zero padding adds none)
     chunk_kv = kc.transpose(-2, -1) @ vc
     # (B, H, N/L, D, D): the earlier chunks' sums
     before = F.pad(chunk_kv.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
     before = before if kv is None else before + kv.unsqueeze(2)  # and the tokens' before these
-    scores = (qc @ kc.transpose(-2, -1)).tril()  # (B, H, N/L, L, L): q_i.k_j within the chunk, j <= i
+    # q_i.k_j within the chunk, j <= i
+    scores = (qc @ kc.transpose(-2, -1)).tril()  # (B, H, N/L, L, L)
     out = (qc @ before + scores @ vc).reshape(B, H, -1, D)[:, :, :N]  # (B, H, N, D)
     return out, before[:, :, -1] + chunk_kv[:, :, -1]
 
@@ -108,7 +114,8 @@ def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=Tru
     k_sums, v_sums = k_sum.unsqueeze(2) + k.cumsum(2), v_sum.unsqueeze(2) + v.cumsum(2)
     # g_i i q_i^T Cov_i + v_mean_i, with i Cov_i = sum_{j<=i} k_j v_j^T - i k_mean_i v_mean_i^T
     g = inline.eq5_gain(s, n, scale_by_count)  # (N, 1): s/i or s
-    o = g * (qkv - (q * k_sums).sum(-1, keepdim=True) * v_sums / n) + v_sums / n  # Eq. 5 over the prefix
+    # Eq. 5 over the prefix
+    o = g * (qkv - (q * k_sums).sum(-1, keepdim=True) * v_sums / n) + v_sums / n
     return o.to(dtype), (kv, k_sums[:, :, -1], v_sums[:, :, -1], count + N)
 
 
@@ -127,7 +134,8 @@ def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
     # t Cov over 1..t: sum k v^T - t k_mean v_mean^T, (B, H, D, D)
     cov = kv - (k_sum / count).unsqueeze(-1) * v_sum.unsqueeze(-2)
     g = inline.eq5_gain(s, count, scale_by_count)  # s/t or s
-    o_t = g * (q_t.unsqueeze(-2) @ cov).squeeze(-2) + v_sum / count  # Eq. 5 over tokens 1..t, (B, H, D)
+    # Eq. 5 over tokens 1..t, (B, H, D)
+    o_t = g * (q_t.unsqueeze(-2) @ cov).squeeze(-2) + v_sum / count
     return o_t.to(dtype), (kv, k_sum, v_sum, count)
 
 
@@ -171,9 +179,12 @@ def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilati
     reach = dilation * (size - 1)
     # zero before the start, as sequence_residual
     recent = v_t.new_zeros(B, H, reach, D) if recent is None else recent
-    window = torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, ::dilation]  # (B, H, T, D): v_{i - d(k-1)} .. v_i
-    taps = r_t.reshape(B, H, D, size).permute(0, 1, 3, 2)  # (B, H, T, D): channel c = head*D + j, tap t
-    return (window * taps).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]  # Eq. 6, (B, H, D)
+    # v_{i - d(k-1)} .. v_i
+    window = torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, ::dilation]  # (B, H, T, D)
+    # channel c = head*D + j, tap t
+    taps = r_t.reshape(B, H, D, size).permute(0, 1, 3, 2)  # (B, H, T, D)
+    # Eq. 6, (B, H, D)
+    return (window * taps).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]
 
 
 def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
@@ -228,7 +239,8 @@ class SequenceAttention(inline.InLineAttention):
         if self.residual is not None:
             r = (prefix_residual_weights(self.residual, x) if self.causal
                  else inline.residual_weights(self.residual, x.mean(dim=1)))
-        if self.attention == 'linear':  # the baseline: division in place of Eq. 5, then the same Eq. 6
+        if self.attention == 'linear':
+            # the baseline: division in place of Eq. 5, then the same Eq. 6
             o = (causal_linear_attention if self.causal else inline.linear_attention)(q, k, v)
             o = o if r is None else o + sequence_residual(v, r, self.local_size, self.dilation, self.causal)
         elif self.fast:  # the fast twin of sequence_core: the same arguments, the same result
@@ -243,7 +255,8 @@ class SequenceAttention(inline.InLineAttention):
         if grid is not None:
             raise ValueError("this attention was built for a 1-D sequence (sequence.SequenceAttention): "
                              "call it with no grid")
-        return super().check_input(x, (1, x.shape[1]) if x.dim() == 3 else None)  # one row, no leading tokens
+        # one row, no leading tokens
+        return super().check_input(x, (1, x.shape[1]) if x.dim() == 3 else None)
 
     def example_inputs(self, generator, batch=2):
         """kernels.enable_fast's check: a sequence of 130 tokens, three chunks of the fast causal
@@ -280,7 +293,8 @@ class SequenceAttention(inline.InLineAttention):
         x_sum = x_sum + x_t.to(torch.promote_types(x_t.dtype, torch.float32))
         # (B, T*C) from the prefix mean
         r_t = self.residual((x_sum / eq5[3]).to(x_t.dtype).unsqueeze(-1)).squeeze(-1)
-        local, recent = sequence_residual_step(v_t, r_t, recent, self.local_size, self.dilation)  # Eq. 6
+        # Eq. 6
+        local, recent = sequence_residual_step(v_t, r_t, recent, self.local_size, self.dilation)
         return o_t + local, (eq5, x_sum, recent)
 
 
@@ -381,8 +395,10 @@ def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
     # operands small in bf16.
     v_first = wide(v[:, :, :1])  # (B, H, 1, D)
     k_s, v_s = (wide(k) - wide(k[:, :, :1])).to(mm), (wide(v) - v_first).to(mm)  # (B, H, N, D)
-    k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D): prefix means, shifted
-    a = inline.eq5_gain(scale, n, scale_by_count)  # (N, 1) or a number: Eq. 5's factor a_i, s/i or s
+    # prefix means, shifted
+    k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D)
+    # Eq. 5's factor a_i, s/i or s
+    a = inline.eq5_gain(scale, n, scale_by_count)  # (N, 1) or a number
     o = a * causal_scan(q.to(mm), k_s, v_s) - a * n * (wide(q) * k_mean).sum(-1, keepdim=True) * v_mean
     o = o + v_mean + v_first  # Eq. 5 over the prefix: a_i i q_i^T Cov_i + v_mean_i
     if taps is not None:

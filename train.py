@@ -69,7 +69,8 @@ from data import (DATASETS, GO_ON, ResumableSampler, SyntheticShapes, count_imag
 # clip 0: none.
 COLUMNS = ('batch_size', 'lr', 'epochs', 'warmup_epochs', 'warmup_lr', 'min_lr', 'cooldown_epochs',
            'weight_decay', 'clip_grad', 'drop_path')
-VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
+# batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
+VARIANTS = {
     'inline_deit_t':      (512, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
     'inline_deit_s':      (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
     'inline_deit_b':      (64, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
@@ -98,7 +99,8 @@ PROCESSES = 8
 # the released runs
 RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
                 randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
-EMA_FAMILIES = ('cswin',)  # decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
+# decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
+EMA_FAMILIES = ('cswin',)
 # The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed
 # and none of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
 SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr=1e-5, min_lr=1e-5,
@@ -121,7 +123,8 @@ SMALL = ({k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')}
 # datasets' crop and flip (1,437 images get one step an epoch from the released recipe, and 20
 # warm-up epochs)
 RELEASED_MIN_STEPS = 100
-FEW_STEPS = 10  # fewer optimizer steps an epoch than this, or a warm-up as long as the run, is said at start
+# fewer optimizer steps an epoch than this, or a warm-up as long as the run, is said at start
+FEW_STEPS = 10
 # never taken from a checkpoint
 INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume', 'attention_impl')
 ARCH_FLAGS = ('layout', 'kernel', 'residual', 'local_size', 'dilation', 'window', 'ape', 'nonneg',
@@ -315,7 +318,8 @@ def open_checkpoint(run):
     if saved_args and args.model not in (None, saved_args['model']):
         fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
     mine = INVOCATION + ('data_path',) * args.eval  # an eval's data is its own
-    for key, value in (saved_args or {}).items():  # a resumed run goes on as it was, an eval sees what it saw
+    # a resumed run goes on as it was, an eval sees what it saw
+    for key, value in (saved_args or {}).items():
         if getattr(args, key, False) is None and key not in mine:
             setattr(args, key, value)
     resolve_architecture(run)
@@ -338,7 +342,8 @@ def resolve(run):
     args = run.args
     args.dataset = dataset(args)
     run.recipe_why = choose_recipe(args)
-    synthetic, imagenet = args.recipe == 'synthetic', args.recipe == 'released'  # neither: the small recipe
+    # neither: the small recipe
+    synthetic, imagenet = args.recipe == 'synthetic', args.recipe == 'released'
     folder = args.dataset == 'imagefolder'
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
     recipe = SYNTHETIC if synthetic else SMALL
@@ -350,7 +355,8 @@ def resolve(run):
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.img_size is None and (folder or args.throughput):
-        with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
+        # the variant's own size; on the meta device a model costs no memory
+        with torch.device('meta'):
             # (H, W); the released sizes are square
             args.img_size = models.create_model(args.model).img_size[0]
     if args.img_size is None:  # DeiT's 16 px patches: a 4x4 token grid
@@ -368,7 +374,8 @@ def resolve(run):
         args.attention_impl = 'reference' if set(layout) & set('LFN') else 'fast'
     run.amp_given = args.amp is not None
     amp = [(args.amp, 'given by --amp') if run.amp_given else default_amp(run.device)]
-    if dist.is_initialized():  # rank 0's, which a probe may have measured: every rank in the same precision
+    # rank 0's, which a probe may have measured: every rank in the same precision
+    if dist.is_initialized():
         dist.broadcast_object_list(amp)
     args.amp, run.amp_why = amp[0]
     if args.workers is None:
@@ -398,12 +405,14 @@ def choose_recipe(args):
 def default_amp(device):
     """(--amp's default, the fact it rests on): bf16 where it is faster than fp32, else fp16 on
     CUDA, else fp32."""
-    if device.type == 'cuda':  # emulated bf16 (before Ampere) is slower: fp16 there, with the loss scaler
+    # emulated bf16 (before Ampere) is slower: fp16 there, with the loss scaler
+    if device.type == 'cuda':
         gpu = torch.cuda.get_device_name(device)
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return 'bf16', f'{gpu} computes bf16'
         return 'fp16', f'{gpu} has no bf16 (fp16, with the loss scaler)'
-    if getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)():  # private functions, so guarded
+    # private functions, so guarded
+    if getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)():
         return 'bf16', 'this CPU has AMX, where bf16 is faster than fp32'
     if not getattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)():
         return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
@@ -411,7 +420,8 @@ def default_amp(device):
     x = bf16_speedup()
     why = (f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, '
            '1.25x needed')
-    return ('bf16' if x >= 1.25 else 'fp32'), why  # 1.25: a whole training step gains less than the probe
+    # 1.25: a whole training step gains less than the probe
+    return ('bf16' if x >= 1.25 else 'fp32'), why
 
 
 @functools.cache
@@ -462,7 +472,8 @@ def setup(args):
     if torch.cuda.is_available():
         run.device = torch.device('cuda', local_rank)
         torch.cuda.set_device(run.device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # for --amp fp32
+        # for --amp fp32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         torch.set_num_threads(args.threads or max(1, cpu_count() // local))
     if run.world > 1:
@@ -489,7 +500,8 @@ def build_model(run, num_classes):
         model = models.create_model(args.model, num_classes=num_classes, **overrides)
     except (ValueError, TypeError) as e:
         fail(f'cannot build {args.model} with {overrides}: {e}')
-    if args.attention_impl != 'reference':  # checked against the reference on the run's device, before any step
+    # checked against the reference on the run's device, before any step
+    if args.attention_impl != 'reference':
         try:
             import kernels
             kernels.enable_fast(model, 'compile' if args.attention_impl == 'fast' else 'triton',
@@ -785,14 +797,16 @@ def fit(run, raw, train_set, val_set):
         if args.skip_bad_images and (names := unreadable(train_set, t.unreadable, args.data_path)):
             print0(f'warning: epoch {epoch + 1} left out {names}')
         t.unreadable = []
-        validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
+        # and always after the last epoch
+        validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0],
                  'images_per_s': speed}
         for prefix, module in (('val', raw), ('ema_val', t.ema.module if t.ema is not None else None)):
             if validate and module is not None:
                 result = evaluate(run, module, val)
                 bad_val = result.pop('unreadable')  # the same on every rank
-                save_correct(run, f'{prefix}_correct', result.pop('correct'))  # OUTPUT_DIR/val_correct.pt
+                # OUTPUT_DIR/val_correct.pt
+                save_correct(run, f'{prefix}_correct', result.pop('correct'))
                 entry.update({f'{prefix}_{k}': v for k, v in result.items()})
         entry['arch'] = json.loads(json.dumps(raw.arch))  # as metrics.jsonl has it
         # CSwin reports its EMA (main_ema.py)

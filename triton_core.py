@@ -29,7 +29,8 @@ import triton.language as tl
 
 import inline
 
-BLOCK_N = 64  # tokens a program holds at once; with warps() below, no register spills (ptxas, sm_90)
+# tokens a program holds at once; with warps() below, no register spills (ptxas, sm_90)
+BLOCK_N = 64
 INTERPRETED = triton.knobs.runtime.interpret  # as the kernels below were decorated: numpy on CPU
 
 
@@ -90,7 +91,8 @@ def eq5_covariance(k_ptr, v_ptr, k_mean_ptr, v_mean_ptr, cov_ptr, N, D, gain,
     for start in range(0, N, BLOCK_N):  # pass 2: sum_j (k_j - k_mean)(v_j - v_mean)^T
         n = start + n0
         rows = (n[:, None] < N) & (d[None, :] < D)  # padding stays 0 after centring
-        k_c = tl.where(rows, load_rows(k_ptr, n, d, N, D) - k_mean[None, :], 0.)  # (BLOCK_N, BLOCK_D)
+        # (BLOCK_N, BLOCK_D)
+        k_c = tl.where(rows, load_rows(k_ptr, n, d, N, D) - k_mean[None, :], 0.)
         v_c = tl.where(rows, load_rows(v_ptr, n, d, N, D) - v_mean[None, :], 0.)
         cov += tl.dot(tl.trans(k_c), v_c, input_precision=PRECISION)  # (BLOCK_D, BLOCK_D)
     tl.store(k_mean_ptr + bh * BLOCK_D + d, k_mean)
@@ -123,7 +125,8 @@ def inline_forward(q_ptr, v_ptr, r_ptr, v_mean_ptr, cov_ptr, o_ptr, N, D, P, h, 
             dy = dilation * (t // SIZE - SIZE // 2)
             dx = dilation * (t % SIZE - SIZE // 2)
             m, ok = neighbour(n, N, P, h, w, dy, dx)
-            o += load_tap(r_ptr, bh, d, D, t, T)[None, :] * load_rows(v_ptr, m, d, N, D, ok)  # Eq. 6
+            # Eq. 6
+            o += load_tap(r_ptr, bh, d, D, t, T)[None, :] * load_rows(v_ptr, m, d, N, D, ok)
     rows = (n[:, None] < N) & (d[None, :] < D)
     tl.store(o_ptr + bh * N * D + n[:, None] * D + d[None, :], o, mask=rows)
 
@@ -192,7 +195,8 @@ def inline_backward(q_ptr, k_ptr, v_ptr, do_ptr, r_ptr, k_mean_ptr, v_mean_ptr, 
     dk = tl.dot(v_c, tl.trans(G), input_precision=PRECISION)  # v_c G^T; rows past N are not stored
     dv = tl.dot(k_c, G, input_precision=PRECISION)  # k_c G
     dv += tl.load(do_mean_ptr + bh * BLOCK_D + d)[None, :]  # + mean_i dO_i, from o = ... + v_mean
-    if HAS_R:  # Eq. 6 transposed: v_j reached token i = j - offset_t with weight r_t: dv_j += r_t dO_i
+    # Eq. 6 transposed: v_j reached token i = j - offset_t with weight r_t: dv_j += r_t dO_i
+    if HAS_R:
         T: tl.constexpr = SIZE * SIZE
         for t in range(T):
             dy = dilation * (t // SIZE - SIZE // 2)
@@ -287,7 +291,8 @@ def inline_core_triton(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dil
                          f" = {(B, size * size * H * D)}, got {tuple(r.shape)}; the Triton core has no "
                          f"other Eq. 6 weights (inline.local_residual also takes them per token)")
     if isinstance(scale, torch.Tensor):
-        q, scale = (q * scale).to(q.dtype), 1.0  # s q^T Cov = (s q)^T Cov: autograd gives its gradient
+        # autograd gives its gradient
+        q, scale = (q * scale).to(q.dtype), 1.0  # s q^T Cov = (s q)^T Cov
     s = inline.attention_scale(D) if scale is None else float(scale)
     if torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
