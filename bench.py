@@ -34,15 +34,18 @@ import kernels
 import models
 import peers
 import sequence
-from inline import attention_scale, get_phi, inline_attention, inline_attention_quadratic, inline_weights
+from inline import (attention_scale, get_phi, inline_attention, inline_attention_quadratic,
+                    inline_weights)
 from inline import linear_attention_weights
-from kernels import compile_options, compiled_call, core_forward, inline_core_fast, neighbourhood, signature
+from kernels import (compile_options, compiled_call, core_forward, inline_core_fast, neighbourhood,
+                     signature)
 from kernels import symbolic_sizes
 
 # name: (batch, heads, grid side, head dim); the InLine stages of InLine-Swin-T, then stage 1 larger
 CASES = {
-    'swin_t_stage1': (8, 3, 56, 32), 'swin_t_stage2': (8, 6, 28, 32), 'swin_t_stage3': (8, 12, 14, 32),
-    'stage1_448px': (2, 3, 112, 32), 'stage1_896px': (1, 3, 224, 32), 'stage1_1024px': (1, 3, 256, 32),
+    'swin_t_stage1': (8, 3, 56, 32), 'swin_t_stage2': (8, 6, 28, 32),
+    'swin_t_stage3': (8, 12, 14, 32), 'stage1_448px': (2, 3, 112, 32),
+    'stage1_896px': (1, 3, 224, 32), 'stage1_1024px': (1, 3, 256, 32),
 }
 
 
@@ -102,7 +105,8 @@ def bench_case(name, dtype, device):
     B, H, side, D = CASES[name]
     N = side * side
     gen = torch.Generator(device).manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype)
+                   for _ in range(4))
     r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
     C = torch.randn(B, H, D, D, generator=gen, device=device, dtype=dtype)
     inputs = [t.requires_grad_() for t in (q, k, v, r)]
@@ -127,7 +131,8 @@ def bench_case(name, dtype, device):
         'reference_fwdbwd_ms': lambda: fwdbwd(inline.inline_core),
         'fast_fwdbwd_ms': lambda: fwdbwd(inline_core_fast),
         'floor_fwdbwd_ms': floor}, device)
-    ms.update(time_interleaved({'sdpa_fwd_ms': lambda: fwd(sdpa), 'sdpa_fwdbwd_ms': lambda: fwdbwd(sdpa)},
+    ms.update(time_interleaved({'sdpa_fwd_ms': lambda: fwd(sdpa),
+                                'sdpa_fwdbwd_ms': lambda: fwdbwd(sdpa)},
                                device, warm_up=False))
     row = dict(case=name, tokens=N, dtype=str(dtype).replace('torch.', ''))
     row.update({key: round(statistics.median(ms[key]), 3) for key in (
@@ -150,7 +155,8 @@ def bench_causal(N, dtype, device, B=1, H=4, D=64):
     backward, in one interleaved run. (The reference's (B, H, N, D, D) prefix sums need 1 GB per
     tensor at 16k tokens: it is left out.)"""
     gen = torch.Generator(device).manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype)
+                   for _ in range(4))
     r = 0.1 * torch.randn(B, N, 3 * H * D, generator=gen, device=device, dtype=dtype)
     inputs = [t.requires_grad_() for t in (q, k, v, r)]
     cores = {'sdpa': lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -159,15 +165,16 @@ def bench_causal(N, dtype, device, B=1, H=4, D=64):
     fns = {}
     for name, core in cores.items():
         fns[f'{name}_fwd_ms'] = lambda core=core: torch.no_grad()(core)()
-        fns[f'{name}_fwdbwd_ms'] = lambda core=core, n=4 if name == 'eq56' else 3: torch.autograd.grad(
-            core(), inputs[:n], do)
+        fns[f'{name}_fwdbwd_ms'] = (lambda core=core, n=4 if name == 'eq56' else 3:
+                                    torch.autograd.grad(core(), inputs[:n], do))
     ms = time_interleaved(fns, device, budget_s=60, max_rounds=9)
     row = dict(tokens=N, dtype=str(dtype).replace('torch.', ''), B=B, H=H, D=D)
     row.update({key: round(statistics.median(t), 2) for key, t in ms.items()})
     # how many times faster than causal SDPA: medians of per-round ratios
     for name in ('eq5', 'eq56'):
         for part in ('fwd', 'fwdbwd'):
-            row[f'{name}_{part}_speedup'] = round(paired_ratio(ms, f'sdpa_{part}_ms', f'{name}_{part}_ms'), 2)
+            row[f'{name}_{part}_speedup'] = round(paired_ratio(ms, f'sdpa_{part}_ms',
+                                                               f'{name}_{part}_ms'), 2)
     return row
 
 
@@ -179,9 +186,10 @@ def bench_compile(device, dtype=torch.float32):
                    for _ in range(4))
     r = torch.randn(2, 9 * 96, device=device, dtype=dtype, requires_grad=True)
     start = time.perf_counter()
-    torch.autograd.grad(inline_core_fast(q, k, v, r, (8, 8)), (q, k, v, r), do.detach()), _sync(device)
-    print(f"first forward + backward, {str(dtype).replace('torch.', '')}, inductor cache {cache_dir()}: "
-          f"{time.perf_counter() - start:.1f} s", flush=True)
+    torch.autograd.grad(inline_core_fast(q, k, v, r, (8, 8)), (q, k, v, r),
+                        do.detach()), _sync(device)
+    print(f"first forward + backward, {str(dtype).replace('torch.', '')}, inductor cache "
+          f"{cache_dir()}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def bench_choices(device):
@@ -210,12 +218,14 @@ def bench_choices(device):
                                'd_symbolic': lambda: graphs[1](*symbolic),
                                'straight': lambda: compiled_call(core_forward, *small),
                                'switches': through_switches}, device)
-    print(f"forward graph, swin_t_stage1 fp32: D constant {statistics.median(ms['d_constant']):.1f} ms, "
-          f"D symbolic {statistics.median(ms['d_symbolic']):.1f} ms: "
+    print(f"forward graph, swin_t_stage1 fp32: D constant "
+          f"{statistics.median(ms['d_constant']):.1f} ms, D symbolic "
+          f"{statistics.median(ms['d_symbolic']):.1f} ms: "
           f"{paired_ratio(ms, 'd_symbolic', 'd_constant'):.2f}x")
     extra = statistics.median(s - c for s, c in zip(ms['switches'], ms['straight']))
-    print(f"a call whose signature has a graph: straight {statistics.median(ms['straight']):.3f} ms, "
-          f"through the switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
+    print(f"a call whose signature has a graph: straight "
+          f"{statistics.median(ms['straight']):.3f} ms, through the switches "
+          f"{statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
 
 
 # python bench.py --per-call: (batch, heads, tokens before the grid, grid side, head dim)
@@ -237,7 +247,8 @@ def bench_per_call(device, dtypes):
     for name, (B, H, P, side, D) in PER_CALL.items():
         for dtype in dtypes:
             N, gen = P + side * side, torch.Generator(device).manual_seed(0)
-            q, k, v = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(3))
+            q, k, v = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype)
+                       for _ in range(3))
             r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
             grads = [t.detach().requires_grad_() for t in (q, k, v, r)]
             cov = torch.randn(B, H, D, D, generator=gen, device=device, dtype=dtype)
@@ -249,9 +260,11 @@ def bench_per_call(device, dtypes):
             fns = {'call': call, 'grad': lambda: inline_core_fast(*grads, (side, side)),
                    'gemms': lambda: (k.mT @ v, q @ cov),
                    'sdpa': lambda: F.scaled_dot_product_attention(q, k, v)}
-            us = {n: 1e3 * statistics.median(t) for n, t in time_interleaved(fns, device, 2.0, 200).items()}
+            us = {n: 1e3 * statistics.median(t)
+                  for n, t in time_interleaved(fns, device, 2.0, 200).items()}
             print(f"{name:44s} {str(dtype)[6:]:>8s} | {us['call']:8.0f} {us['grad']:8.0f} | "
-                  f"{us['gemms']:7.0f} {us['call'] - us['gemms']:12.0f} | {us['sdpa']:8.0f}", flush=True)
+                  f"{us['gemms']:7.0f} {us['call'] - us['gemms']:12.0f} | {us['sdpa']:8.0f}",
+                  flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,7 +290,8 @@ def bench_peers(device, dtypes, rounds):
     figures."""
     gen = torch.Generator(device).manual_seed(0)
     blocks = {name: {'inline': inline.InLineAttention(C, H, separate_q=q_kv).to(device),
-                     'flatten': peers.FocusedLinearAttention(C, H, side * side, separate_q=q_kv).to(device)}
+                     'flatten': peers.FocusedLinearAttention(C, H, side * side,
+                                                             separate_q=q_kv).to(device)}
               for name, (side, C, H, q_kv) in PEER_BLOCKS.items()}
     pvt = {label: models.create_model(f'{label}_pvt_t', img_size=PEER_IMG).to(device)
            for label in ('inline', 'flatten')}
@@ -306,18 +320,19 @@ def bench_peers(device, dtypes, rounds):
             x = torch.randn(8, side * side, C, generator=gen, device=device)  # (B, N, C)
             dy = torch.randn(x.shape, generator=gen, device=device)  # a random upstream gradient
             for label, block in blocks[name].items():
-                fns[name, 'fwd', d, label] = functools.partial(block_step, block, x, (side, side), None,
-                                                               dtype)
+                fns[name, 'fwd', d, label] = functools.partial(block_step, block, x, (side, side),
+                                                               None, dtype)
                 fns[name, 'fwdbwd', d, label] = functools.partial(
                     block_step, block, x.clone().requires_grad_(), (side, side), dy, dtype)
         for name, batch in PEER_MODELS.items():
             x = torch.randn(batch, 3, PEER_IMG, PEER_IMG, generator=gen, device=device)
-            y = torch.randint(0, 1000, (batch,), generator=gen, device=device) if 'train' in name else None
+            y = (torch.randint(0, 1000, (batch,), generator=gen, device=device) if 'train' in name
+                 else None)
             for label in pvt:
                 fns[name, 'step', d, label] = functools.partial(model_step, label, x, y, dtype)
     ms = time_interleaved(fns, device, budget_s=1e9, max_rounds=rounds)  # every case `rounds` times
-    print(f"InLine against FLatten, {rounds} round(s); ratio: FLatten's time / InLine's, median of per-round "
-          f"ratios; the rebuttal's figure is an RTX 3090 GPU's")
+    print(f"InLine against FLatten, {rounds} round(s); ratio: FLatten's time / InLine's, median of "
+          f"per-round ratios; the rebuttal's figure is an RTX 3090 GPU's")
     print(f"{'case':16s} {'part':>6s} {'dtype':>8s} | {'InLine ms':>9s} {'FLatten ms':>10s} | "
           f"{'ratio':>5s} | {'rebuttal':>8s}")
     for name, part, d, label in fns:
@@ -325,8 +340,8 @@ def bench_peers(device, dtypes, rounds):
             ours, theirs = (name, part, d, 'inline'), (name, part, d, 'flatten')
             rebuttal = REBUTTAL['block' if name in PEER_BLOCKS else 'PVT-T']
             print(f"{name:16s} {part:>6s} {d:>8s} | {statistics.median(ms[ours]):9.1f} "
-                  f"{statistics.median(ms[theirs]):10.1f} | {paired_ratio(ms, theirs, ours):4.2f}x | "
-                  f"{rebuttal:7.1f}x", flush=True)
+                  f"{statistics.median(ms[theirs]):10.1f} | "
+                  f"{paired_ratio(ms, theirs, ours):4.2f}x | {rebuttal:7.1f}x", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,8 +373,8 @@ def _demo():
     print(f"   rows of w sum to 1: max |sum_j w_ij - 1| = {(w.sum(-1) - 1).abs().max().item():.1e}")
     print(f"   max |w @ v - linear form| = "
           f"{(inline_attention_quadratic(q, k, v) - inline_attention(q, k, v)).abs().max().item():.1e}")
-    print(f"   negative weights: {(w < 0).float().mean().item():.0%} of them (intended: no non-negativity "
-          f"constraint)")
+    print(f"   negative weights: {(w < 0).float().mean().item():.0%} of them (intended: no "
+          f"non-negativity constraint)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -379,7 +394,8 @@ GPU_CASES = {
 }
 GPU_CORES = ('reference', 'compiled', 'triton', 'sdpa')
 GPU_STEP_BATCH = 64  # the training step's; the smoke test's is 2, on SMOKE_SWIN
-SMOKE_SWIN = dict(img_size=64, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), softmax_window=2)
+SMOKE_SWIN = dict(img_size=64, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
+                  softmax_window=2)
 
 
 def gpu_core(name, device):
@@ -421,13 +437,15 @@ def bench_gpu_case(name, dtype, device, smoke=False, cores=GPU_CORES):
     B, H, P, side, D = GPU_CASES[name][smoke]
     N, grid = P + side * side, (side, side)
     gen = torch.Generator(device).manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype)
+                   for _ in range(4))
     r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
     inputs = [t.requires_grad_() for t in (q, k, v, r)]
     rows = []
     for core_name in cores:
         core = gpu_core(core_name, device)
-        row = dict(case=name, batch=B, tokens=N, dtype=str(dtype).replace('torch.', ''), core=core_name)
+        row = dict(case=name, batch=B, tokens=N, dtype=str(dtype).replace('torch.', ''),
+                   core=core_name)
         if isinstance(core, str):
             rows.append(dict(row, status=core))
             continue
@@ -479,7 +497,8 @@ def bench_gpu_step(fast, device, smoke=False):
 def format_gpu_row(row):
     """One line of --gpu's table."""
     tokens = '' if row['tokens'] is None else row['tokens']
-    start = f"{row['case']:18s} {row['batch']:3d} {tokens:>6} {row['dtype']:>8s} {row['core']:>9s} |"
+    start = (f"{row['case']:18s} {row['batch']:3d} {tokens:>6} {row['dtype']:>8s} "
+             f"{row['core']:>9s} |")
     if row['status'] != 'ok':
         return f"{start} {row['status']}"
     if 'step_ms' in row:
@@ -491,7 +510,8 @@ def bench_gpu(device):
     """python bench.py --gpu: GPU_CASES in fp16 and bf16 with each of GPU_CORES, then the training
     step with each InLine core; on a device other than CUDA, a smoke test at tiny sizes."""
     smoke = device.type != 'cuda'
-    where = torch.cuda.get_device_name(device) if not smoke else f"{device.type}: a smoke test, tiny sizes"
+    where = (torch.cuda.get_device_name(device) if not smoke
+             else f"{device.type}: a smoke test, tiny sizes")
     print(f"# {where}\n"
           f"{'case':18s} {'B':>3s} {'tokens':>6s} {'dtype':>8s} {'core':>9s} | {'fwd ms':>8s} "
           f"{'f+b ms':>8s} | {'peak MB':>8s}   (a step: its ms under f+b)", flush=True)
@@ -504,17 +524,22 @@ def bench_gpu(device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
+    parser = argparse.ArgumentParser(
+        description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
-    parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
-    parser.add_argument('--compile', action='store_true', help="time the first use: compiling the two graphs")
-    parser.add_argument('--per-call', action='store_true', help="what one call costs beside its work, "
-                        "at 197 tokens, 49-token windows and 56x56 tokens (see bench_per_call)")
+    parser.add_argument('--choices', action='store_true',
+                        help="time two design choices (see bench_choices)")
+    parser.add_argument('--compile', action='store_true',
+                        help="time the first use: compiling the two graphs")
+    parser.add_argument('--per-call', action='store_true',
+                        help="what one call costs beside its work, at 197 tokens, 49-token windows "
+                             "and 56x56 tokens (see bench_per_call)")
     parser.add_argument('--causal-bench', action='store_true',
                         help="time the causal core against causal softmax SDPA at --tokens")
     parser.add_argument('--tokens', default=','.join(map(str, CAUSAL_TOKENS)),
                         help="comma-separated sequence lengths of --causal-bench")
-    parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
+    parser.add_argument('--json', action='store_true',
+                        help="one JSON object per case instead of a table")
     parser.add_argument('--cases', default=','.join(CASES),
                         help="comma-separated subset of " + ', '.join(CASES))
     parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
@@ -523,22 +548,26 @@ def main():
                         help="the reference's demonstration (injectivity, Eq. 5's forms)")
     parser.add_argument('--threads', type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument('--peers', action='store_true',
-                        help="InLine against FLatten: one attention block and PVT-T (see bench_peers)")
-    parser.add_argument('--gpu', action='store_true', help="the four cores and an InLine-Swin-T training "
-                        "step on one GPU (see bench_gpu); --device cpu: a smoke test at tiny sizes")
+                        help="InLine against FLatten: one attention block and PVT-T "
+                             "(see bench_peers)")
+    parser.add_argument('--gpu', action='store_true',
+                        help="the four cores and an InLine-Swin-T training step on one GPU (see "
+                             "bench_gpu); --device cpu: a smoke test at tiny sizes")
     parser.add_argument('--rounds', type=int, default=9,
                         help="rounds of --peers, each timing every case once")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtypes = torch.device(args.device), [getattr(torch, d) for d in args.dtypes.split(',')]
-    print(f"# {device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True,
-          file=sys.stderr if args.json else sys.stdout)  # --json: stdout holds only JSON lines
-    header = (f"{'case':15s} {'tokens':>6s} {'dtype':>8s} | {'reference ms':>15s} | {'fast ms':>15s} | "
-              f"{'speed-up':>11s} | {'softmax SDPA ms':>17s} | {'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
-              f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
-              f"{'fwd':>5s} {'f+b':>5s} | {'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | "
-              f"{'MB':>6s}")
+    # --json: stdout holds only JSON lines
+    print(f"# {device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+          flush=True, file=sys.stderr if args.json else sys.stdout)
+    header = (f"{'case':15s} {'tokens':>6s} {'dtype':>8s} | {'reference ms':>15s} | "
+              f"{'fast ms':>15s} | {'speed-up':>11s} | {'softmax SDPA ms':>17s} | "
+              f"{'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
+              f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
+              f"{'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>5s} {'f+b':>5s} | "
+              f"{'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | {'MB':>6s}")
     if args.demo:
         _demo()
     if args.gpu:
@@ -555,18 +584,21 @@ def main():
     if args.causal_bench:
         if not args.json:
             ms, speedup = f"{'fwd':>7s} {'fwd+bwd':>7s}", f"{'fwd':>5s} {'f+b':>5s}"
-            print(f"{'tokens':>6s} {'dtype':>8s} | {'causal SDPA ms':>15s} | {'InLine Eq. 5 ms':>15s} | "
-                  f"{'speed-up':>11s} | {'Eq. 5 + 6 ms':>15s} | {'speed-up':>11s}\n{'':>6s} {'':>8s} | "
-                  f"{ms} | {ms} | {speedup} | {ms} | {speedup}", flush=True)
+            print(f"{'tokens':>6s} {'dtype':>8s} | {'causal SDPA ms':>15s} | "
+                  f"{'InLine Eq. 5 ms':>15s} | {'speed-up':>11s} | {'Eq. 5 + 6 ms':>15s} | "
+                  f"{'speed-up':>11s}\n"
+                  f"{'':>6s} {'':>8s} | {ms} | {ms} | {speedup} | {ms} | {speedup}", flush=True)
         for N in map(int, args.tokens.split(',')):
             for dtype in dtypes:
                 row = bench_causal(N, dtype, device)
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue
-                print(f"{N:6d} {row['dtype']:>8s} | {row['sdpa_fwd_ms']:7.1f} {row['sdpa_fwdbwd_ms']:7.1f} | "
+                print(f"{N:6d} {row['dtype']:>8s} | "
+                      f"{row['sdpa_fwd_ms']:7.1f} {row['sdpa_fwdbwd_ms']:7.1f} | "
                       + ' | '.join(f"{row[f'{n}_fwd_ms']:7.1f} {row[f'{n}_fwdbwd_ms']:7.1f} | "
-                                   f"{row[f'{n}_fwd_speedup']:4.1f}x {row[f'{n}_fwdbwd_speedup']:4.1f}x"
+                                   f"{row[f'{n}_fwd_speedup']:4.1f}x "
+                                   f"{row[f'{n}_fwdbwd_speedup']:4.1f}x"
                                    for n in ('eq5', 'eq56')), flush=True)
     if args.bench:
         if not args.json:
@@ -579,8 +611,9 @@ def main():
                     continue
                 ref_f, ref_fb, f, fb = (row[k] for k in ('reference_fwd_ms', 'reference_fwdbwd_ms',
                                                          'fast_fwd_ms', 'fast_fwdbwd_ms'))
-                print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | {ref_f:7.1f} {ref_fb:7.1f} | "
-                      f"{f:7.1f} {fb:7.1f} | {row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | "
+                print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | "
+                      f"{ref_f:7.1f} {ref_fb:7.1f} | {f:7.1f} {fb:7.1f} | "
+                      f"{row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | "
                       f"{row['sdpa_fwd_ms']:8.1f} {row['sdpa_fwdbwd_ms']:8.1f} | "
                       f"{row['floor_fwdbwd_ms']:7.1f} {row['fwdbwd_over_floor']:5.2f}x | "
                       f"{row['fast_peak_mb']:6.1f}", flush=True)

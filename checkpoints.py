@@ -64,14 +64,15 @@ def read_file(path):
                  f"weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
                  f"{os.fspath(stripped)!r})")
         raise ValueError(
-            f"{path} holds Python objects besides weights (such as the authors' yacs config), which "
-            f"torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\n"
-            f"If you trust the file, keep only its weights once:\n"
-            f"python -c {shlex.quote(strip)}\nand pass {shlex.quote(stripped)} instead.") from None
+            f"{path} holds Python objects besides weights (such as the authors' yacs config), "
+            f"which torch.load(weights_only=True) refuses to unpickle "
+            f"({str(e).strip().splitlines()[-1]}).\nIf you trust the file, keep only its weights "
+            f"once:\npython -c {shlex.quote(strip)}\nand pass "
+            f"{shlex.quote(stripped)} instead.") from None
     except Exception as e:  # a text file, a truncated download: torch.load's own error says little
-        raise ValueError(f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}); "
-                         f"a checkpoint is a file torch.save wrote, such as train.py's {CHECKPOINT} or "
-                         f"a released .pth") from None
+        raise ValueError(f"{path} is not a checkpoint: torch.load cannot read it "
+                         f"({type(e).__name__}: {e}); a checkpoint is a file torch.save wrote, "
+                         f"such as train.py's {CHECKPOINT} or a released .pth") from None
 
 
 def load_checkpoint(model, checkpoint, img_size=None, key='model'):
@@ -308,7 +309,8 @@ def save_checkpoint(run, t, is_best=False):
                         'ema_updates': int(t.ema.n_averaged) if t.ema else 0,
                         'epoch': t.epoch, 'step': t.step,
                         'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
-                        'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes}, f)
+                        'args': vars(run.args), 'arch': t.raw.arch,
+                        'num_classes': t.raw.num_classes}, f)
             f.flush()
             os.fsync(f.fileno())
         # flushed to disk, then renamed: a crash leaves the old file or the new
@@ -345,7 +347,8 @@ def resume(run, t):
     if t.ema is not None and saved.get('model_ema') is not None:
         t.ema.module.load_state_dict(saved['model_ema'])
         t.ema.n_averaged.fill_(saved['ema_updates'])
-    t.epoch, t.step, t.best_acc, t.log = saved['epoch'], saved['step'], saved['best_acc1'], saved['log']
+    t.epoch, t.step, t.best_acc, t.log = (saved['epoch'], saved['step'], saved['best_acc1'],
+                                          saved['log'])
     # this rank's random streams, as save_checkpoint gathered them
     if len(saved['rng']) == run.world:
         state = saved['rng'][run.rank]
@@ -354,9 +357,11 @@ def resume(run, t):
         if state['cuda']:
             torch.cuda.set_rng_state_all(state['cuda'])
     else:
-        print0(f'warning: saved with {len(saved["rng"])} processes, now {run.world}; random streams differ')
+        print0(f'warning: saved with {len(saved["rng"])} processes, now {run.world}; '
+               f'random streams differ')
     changed = sorted(k for k, v in saved['args'].items()
-                     if vars(args).get(k) != v and k not in ('resume', 'workers', 'threads', 'output_dir'))
+                     if vars(args).get(k) != v
+                     and k not in ('resume', 'workers', 'threads', 'output_dir'))
     print0(f'resumed from {path}: epoch {t.epoch + 1}, step {t.step}' +
            (f' (changed since saved: {", ".join(changed)})' if changed else ''))
     if path == os.path.join(args.output_dir, CHECKPOINT):

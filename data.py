@@ -41,8 +41,8 @@ class SyntheticShapes(Dataset):
     orientations and a checkerboard, each under random colours and noise. Sample i is a pure
     function of (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so
     nothing needs saving."""
-    classes = ['disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°', 'stripes 90°',
-               'stripes 135°', 'checkerboard']
+    classes = ['disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°',
+               'stripes 90°', 'stripes 135°', 'checkerboard']
 
     def __init__(self, size, img_size, seed, train):
         self.size, self.img_size, self.seed, self.train, self.epoch = size, img_size, seed, train, 0
@@ -52,7 +52,8 @@ class SyntheticShapes(Dataset):
 
     def __getitem__(self, index):
         # hash() of a tuple of ints is the same in every process and every run
-        g = torch.Generator().manual_seed(hash((self.seed, self.epoch if self.train else -1, index)) % 2**62)
+        g = torch.Generator().manual_seed(hash((self.seed, self.epoch if self.train else -1, index))
+                                          % 2**62)
         uniform = lambda: torch.rand((), generator=g).item()  # noqa: E731
         label, S = index % len(self.classes), self.img_size
         t = torch.linspace(-1 + 1 / S, 1 - 1 / S, S)  # pixel centres in [-1, 1]
@@ -61,7 +62,8 @@ class SyntheticShapes(Dataset):
             # a shape, upright within +-15 degrees; f > 0 inside, in units of half the image side
             r, angle = 0.45 + 0.3 * uniform(), math.radians(30 * (uniform() - 0.5))
             x, y = x - (2 * uniform() - 1) * (1 - r), y - (2 * uniform() - 1) * (1 - r)
-            x, y = math.cos(angle) * x + math.sin(angle) * y, -math.sin(angle) * x + math.cos(angle) * y
+            x, y = (math.cos(angle) * x + math.sin(angle) * y,
+                    -math.sin(angle) * x + math.cos(angle) * y)
             d = (x ** 2 + y ** 2).sqrt()
             if label == 0:
                 f = r - d
@@ -79,12 +81,15 @@ class SyntheticShapes(Dataset):
                                   torch.minimum(a - y.abs(), r - x.abs()))
             mask = (f * S / 2 + 0.5).clamp(0, 1)  # about one pixel of anti-aliased edge
         else:
-            # a texture over the image: a grating (wave vector at 0/45/90/135° +- 10°) or a checkerboard
+            # a texture over the image: a grating (wave vector at 0/45/90/135° +- 10°) or a
+            # checkerboard
             period, angle = 0.25 + 0.25 * uniform(), 2 * math.pi * uniform()
             if label < 9:
                 angle = math.radians(45 * (label - 5) + 20 * (uniform() - 0.5))
-            u = (x * math.cos(angle) + y * math.sin(angle)) * 2 * math.pi / period + 2 * math.pi * uniform()
-            v = (y * math.cos(angle) - x * math.sin(angle)) * 2 * math.pi / period + 2 * math.pi * uniform()
+            u = ((x * math.cos(angle) + y * math.sin(angle)) * 2 * math.pi / period
+                 + 2 * math.pi * uniform())
+            v = ((y * math.cos(angle) - x * math.sin(angle)) * 2 * math.pi / period
+                 + 2 * math.pi * uniform())
             mask = ((u.sin() if label < 9 else u.sin() * v.sin()) * 2 + 0.5).clamp(0, 1)
         fg = torch.rand(3, generator=g)
         # every channel differs from fg by >= 0.3
@@ -100,7 +105,8 @@ def affine(img, shear=(0.0, 0.0), translate=(0.0, 0.0)):
     the shear as an angle and the translation as where the content moves, hence atan and the
     minus."""
     return F.affine(img, angle=0.0, translate=[-t for t in translate], scale=1.0, center=[0, 0],
-                    interpolation=BICUBIC, shear=[math.degrees(math.atan(s)) for s in shear], fill=FILL)
+                    interpolation=BICUBIC, shear=[math.degrees(math.atan(s)) for s in shear],
+                    fill=FILL)
 
 
 def posterize(img, bits):
@@ -111,7 +117,8 @@ def posterize(img, bits):
 
 def solarize_add(img, add):
     """timm's SolarizeAdd: pixels below 128 brightened by `add`, saturating at 255."""
-    return img.point([min(255, i + add) if i < 128 else i for i in range(256)] * len(img.getbands()))
+    return img.point([min(255, i + add) if i < 128 else i for i in range(256)]
+                     * len(img.getbands()))
 
 
 # timm's RandAugment ops for 'inc1', on PIL images as timm's: (image, f = magnitude / 10, sign) ->
@@ -259,10 +266,11 @@ def read_small(name, root, train):
             paths = [os.path.join(folder, f'{split}-{kind}-ubyte{ext}')
                      for kind in ('images-idx3', 'labels-idx1')]
             if all(map(os.path.exists, paths)):  # (N, 28, 28) -> (N, 3, 28, 28), a view
-                return read_idx(paths[0])[:, None].expand(-1, 3, -1, -1), read_idx(paths[1]).long(), \
-                    datasets.FashionMNIST.classes
+                return (read_idx(paths[0])[:, None].expand(-1, 3, -1, -1),
+                        read_idx(paths[1]).long(), datasets.FashionMNIST.classes)
     else:
-        folder, files, key = (('cifar-10-batches-py', [f'data_batch_{i}' for i in range(1, 6)] if train else
+        folder, files, key = (('cifar-10-batches-py',
+                               [f'data_batch_{i}' for i in range(1, 6)] if train else
                                ['test_batch'], 'label') if name == 'cifar10' else
                               ('cifar-100-python', ['train' if train else 'test'], 'fine_label'))
         folder = next((f for f in (os.path.join(root, folder), root)
@@ -272,7 +280,8 @@ def read_small(name, root, train):
             for file in files + [meta]:
                 with open(os.path.join(folder, file), 'rb') as f:
                     batches.append(pickle.load(f, encoding='latin1'))
-            images = torch.cat([torch.as_tensor(b['data']).reshape(-1, 3, 32, 32) for b in batches[:-1]])
+            images = torch.cat([torch.as_tensor(b['data']).reshape(-1, 3, 32, 32)
+                                for b in batches[:-1]])
             labels = torch.cat([torch.as_tensor(b[key + 's']) for b in batches[:-1]])
             return images, labels, batches[-1][key + '_names']
     debian = (' (Debian: apt-get install dataset-fashion-mnist puts them in '
@@ -283,7 +292,8 @@ def read_small(name, root, train):
 class TensorImages(Dataset):
     """A small dataset held as one uint8 tensor (N, 3, H, W)."""
     def __init__(self, images, labels, classes, transform):
-        self.images, self.labels, self.classes, self.transform = images, labels, list(classes), transform
+        self.images, self.labels, self.classes, self.transform = (images, labels, list(classes),
+                                                                  transform)
 
     def __len__(self):
         return len(self.labels)
@@ -302,7 +312,8 @@ def load_synthetic(args):
 def count_images(folder):
     """The image files under folder, as ImageFolder counts them (0 for a folder that is not
     there)."""
-    return sum(name.lower().endswith(datasets.folder.IMG_EXTENSIONS) for _, _, names in os.walk(folder)
+    return sum(name.lower().endswith(datasets.folder.IMG_EXTENSIONS)
+               for _, _, names in os.walk(folder)
                for name in names)
 
 
@@ -312,7 +323,8 @@ def load_image_folder(args):
     root, found = args.data_path, []
     for split in ('train', 'val'):
         if not os.path.isdir(os.path.join(root, split)):
-            fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
+            fail(f'--data-path {root} has no {split}/ folder (expected '
+                 f'{split}/<class>/<image> inside)')
     transforms = (('train', train_transform(args)),
                   ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP)))
     if getattr(args, 'recipe', None) == 'small':
@@ -380,7 +392,8 @@ def load_data(args):
         train_set = Subset(train_set, subset_indices(len(train_set), args.train_subset))
         train_set.classes = classes
     print0(f'data: {args.dataset} in {args.data_path or "data"}, {len(train_set.classes)} classes, '
-           f'{len(train_set):,} training and {len(val_set):,} validation images, {args.img_size} px')
+           f'{len(train_set):,} training and {len(val_set):,} validation images, '
+           f'{args.img_size} px')
     return train_set, val_set
 
 

@@ -5,8 +5,8 @@ NeurIPS 2024, arXiv 2412.06590. The paper puts PVT and Swin in Mask R-CNN and Se
 authors released no dense-prediction code. Here the backbones follow timm's features_only convention
 (FeatureBackbone), torchvision's FPN goes under them for its MaskRCNN, FasterRCNN and RetinaNet
 (BackboneWithFPN), and SemanticFPN is the Semantic FPN head. An example that runs in seconds on a
-CPU (test_models.py's test_detection_example_trains_mask_rcnn_with_inline_swin_t runs it as
-written):
+CPU (test_models.py's test_detection_example_trains_mask_rcnn_with_inline_swin_t runs it
+as written):
 
     import torch
     import torch.nn.functional as F
@@ -106,22 +106,26 @@ class FeatureBackbone(nn.Module):
     def __init__(self, model, out_indices=(0, 1, 2, 3)):
         super().__init__()
         if model.family not in OUTPUT_NORMS:
-            raise ValueError(f"features_only: {type(model).__name__} is isotropic (one stride-16 map); dense "
-                             f"prediction supports the hierarchical families {', '.join(OUTPUT_NORMS)}, "
-                             f"as the paper used them")
+            raise ValueError(f"features_only: {type(model).__name__} is isotropic (one stride-16 "
+                             f"map); dense prediction supports the hierarchical families "
+                             f"{', '.join(OUTPUT_NORMS)}, as the paper used them")
         increasing = list(out_indices) == sorted(set(out_indices))
         if not out_indices or not increasing or not set(out_indices) <= {0, 1, 2, 3}:
-            raise ValueError(f"out_indices must be increasing stage indices from 0-3, got {out_indices}")
+            raise ValueError(f"out_indices must be increasing stage indices from 0-3, "
+                             f"got {out_indices}")
         model.reset_classifier(0)
         if hasattr(model, 'norm'):  # the classifier's final norm, which no output goes through
             model.norm = nn.Identity()
         self.model, self.out_indices = model, tuple(out_indices)
         channels = stage_channels(model)
-        blocks = {'pvt': 'model.block{}', 'swin': 'model.layers.{}', 'cswin': 'model.stage{}'}[model.family]
+        blocks = {'pvt': 'model.block{}', 'swin': 'model.layers.{}',
+                  'cswin': 'model.stage{}'}[model.family]
         self.feature_info = FeatureInfo(dict(num_chs=channels[i], reduction=2 ** (i + 2),
-                                             module=blocks.format(i if model.family == 'swin' else i + 1))
+                                             module=blocks.format(i if model.family == 'swin'
+                                                                  else i + 1))
                                         for i in out_indices)
-        self.norms = nn.ModuleList([nn.LayerNorm(channels[i]) if OUTPUT_NORMS[model.family] else nn.Identity()
+        self.norms = nn.ModuleList([nn.LayerNorm(channels[i]) if OUTPUT_NORMS[model.family]
+                                    else nn.Identity()
                                     for i in out_indices])
 
     def forward(self, x):
@@ -177,8 +181,8 @@ class SemanticFPN(nn.Module):
             layers = []
             # one per 2x to the finest
             for j in range(max(1, int(math.log2(reduction // self.stride)))):
-                layers.append(Conv2dNormActivation(fpn_channels if j == 0 else channels, channels, 3,
-                                                   norm_layer=lambda c: nn.GroupNorm(32, c)))
+                layers.append(Conv2dNormActivation(fpn_channels if j == 0 else channels, channels,
+                                                   3, norm_layer=lambda c: nn.GroupNorm(32, c)))
                 if reduction > self.stride:
                     layers.append(nn.Upsample(scale_factor=2, mode='bilinear', align_corners=False))
             self.scale_heads.append(nn.Sequential(*layers))

@@ -69,16 +69,17 @@ def check_grid(N, grid, leading_tokens=None):
                 for s in grid]
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2
             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in grid)):
-        raise ValueError(f"grid must be a pair (h, w) of positive whole numbers (the token grid), got {grid}")
+        raise ValueError(f"grid must be a pair (h, w) of positive whole numbers (the token "
+                         f"grid), got {grid}")
     h, w = grid
     if leading_tokens is None:
         if N < h * w:
             raise ValueError(f"{N} tokens cannot hold a {h}x{w} token grid of {h * w}")
         return N - h * w
     if N != leading_tokens + h * w:
-        raise ValueError(f"{N} tokens, but this attention declares {leading_tokens} leading token(s) "
-                         f"(leading_tokens, e.g. DeiT's class token) before its {h}x{w} grid: N must be "
-                         f"{leading_tokens} + {h * w} = {leading_tokens + h * w}")
+        raise ValueError(f"{N} tokens, but this attention declares {leading_tokens} leading "
+                         f"token(s) (leading_tokens, e.g. DeiT's class token) before its {h}x{w} "
+                         f"grid: N must be {leading_tokens} + {h * w} = {leading_tokens + h * w}")
     return leading_tokens
 
 
@@ -172,8 +173,9 @@ def neighbourhood_size(residual, local_size=LOCAL_SIZE):
     if residual not in RESIDUALS:
         raise ValueError(f"unknown residual {residual!r}; choose one of {list(RESIDUALS)}")
     if not (isinstance(local_size, int) and local_size >= 1 and local_size % 2 == 1):
-        raise ValueError(f"local_size (the side of Eq. 6's neighbourhood) must be an odd whole number "
-                         f">= 1, so that the neighbourhood is centred on its token; got {local_size!r}")
+        raise ValueError(f"local_size (the side of Eq. 6's neighbourhood) must be an odd whole "
+                         f"number >= 1, so that the neighbourhood is centred on its token; "
+                         f"got {local_size!r}")
     return {'local': local_size, 'plain': 1, 'none': None}[residual]
 
 
@@ -236,7 +238,8 @@ def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
     # each sample's and channel's weights
     taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k)
     # Eq. 6
-    out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation, groups=B * H * D)
+    out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation,
+                   groups=B * H * D)
     # (B, H, N, D), zero for the P
     return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))
 
@@ -288,23 +291,25 @@ class InLineBase(nn.Module):
     token_dims = 2  # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel (a sequence's: k)
     attention = 'inline'  # LinearAttention's is 'linear'
 
-    def __init__(self, dim, num_heads, *, kernel='identity', residual='local', local_size=LOCAL_SIZE,
-                 dilation=1, leading_tokens=0, scale_by_count=True, nonneg=False):
+    def __init__(self, dim, num_heads, *, kernel='identity', residual='local',
+                 local_size=LOCAL_SIZE, dilation=1, leading_tokens=0, scale_by_count=True,
+                 nonneg=False):
         super().__init__()
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         size = neighbourhood_size(residual, local_size)
         if not (isinstance(dilation, int) and dilation >= 1) or (dilation > 1 and (size or 1) == 1):
             raise ValueError(f"dilation must be a whole number >= 1, and > 1 only where Eq. 6 has "
-                             f"neighbours (residual='local', local_size > 1), got {dilation!r} with "
-                             f"residual={residual!r}")
+                             f"neighbours (residual='local', local_size > 1), got {dilation!r} "
+                             f"with residual={residual!r}")
         if not (isinstance(leading_tokens, int) and leading_tokens >= 0):
-            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be a "
-                             f"whole number >= 0; got {leading_tokens!r}")
+            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) "
+                             f"must be a whole number >= 0; got {leading_tokens!r}")
         if nonneg and not scale_by_count:
             raise ValueError("nonneg keeps every weight >= 0 with s = 1/2 and the factor s/N; "
                              "scale_by_count=False drops the 1/N, so it needs scale_by_count=True")
-        self.num_heads, self.head_dim, self.leading_tokens = num_heads, dim // num_heads, leading_tokens
+        self.num_heads, self.head_dim, self.leading_tokens = (num_heads, dim // num_heads,
+                                                              leading_tokens)
         self.kernel, self.scale_by_count, self.nonneg = kernel, bool(scale_by_count), nonneg
         self.local_size, self.dilation = size, dilation
         self.phi = get_phi(kernel, dim // num_heads)
@@ -327,7 +332,8 @@ class InLineAttention(InLineBase):
     (make_attention chooses).
     """
 
-    def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):
+    def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None,
+                 **options):
         super().__init__(dim, num_heads, **options)
         add_projections(self, dim, qkv_bias, separate_q)
         self.ape = None
@@ -374,16 +380,18 @@ class InLineAttention(InLineBase):
         """x's shape (B, N, C), once it is known to fit: C channels, N = leading_tokens + h*w on
         grid."""
         if x.dim() != 3 or x.shape[-1] != self.proj.in_features:
-            image = ': an image (B, C, h, w) is x.flatten(2).transpose(1, 2), grid (h, w)' * (x.dim() == 4)
-            raise ValueError(f"this attention takes tokens (B, N, C), C = {self.proj.in_features} channels "
-                             f"(its dim); got {tuple(x.shape)}{image}")
+            image = (': an image (B, C, h, w) is x.flatten(2).transpose(1, 2), grid (h, w)'
+                     * (x.dim() == 4))
+            raise ValueError(f"this attention takes tokens (B, N, C), C = {self.proj.in_features} "
+                             f"channels (its dim); got {tuple(x.shape)}{image}")
         if grid is None:
             raise ValueError("this attention was built for a token grid: pass grid=(h, w), or use "
                              "sequence.SequenceAttention for a 1-D sequence")
         check_grid(x.shape[1], grid, self.leading_tokens)
         if self.ape is not None and self.ape.shape[1] != x.shape[1]:
-            raise ValueError(f"this attention's position embedding (ape) covers {self.ape.shape[1]} "
-                             f"tokens, got {x.shape[1]}: build the model for this input size")
+            raise ValueError(f"this attention's position embedding (ape) covers "
+                             f"{self.ape.shape[1]} tokens, got {x.shape[1]}: build the model for "
+                             f"this input size")
         return x.shape
 
     def example_inputs(self, generator, batch=2):
@@ -433,12 +441,12 @@ def check_linear_options(kernel, allow_divergent, nonneg):
     """Refuse what linear attention's division cannot take (LinearAttention,
     sequence.SequenceAttention)."""
     if kernel not in NON_NEGATIVE_PHI and not allow_divergent:
-        raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative kernel "
-                         f"{NON_NEGATIVE_PHI}, got {kernel!r}; pass allow_divergent=True to run it "
-                         f"anyway (the paper's Table 3 reports that it does not converge)")
+        raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative "
+                         f"kernel {NON_NEGATIVE_PHI}, got {kernel!r}; pass allow_divergent=True to "
+                         f"run it anyway (the paper's Table 3 reports that it does not converge)")
     if nonneg:
-        raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear "
-                         "attention, whose weights are already non-negative")
+        raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of "
+                         "linear attention, whose weights are already non-negative")
 
 
 class NormalisedQ(nn.Module):
@@ -461,8 +469,8 @@ class NormalisedQAttention(InLineAttention):
 
     def __init__(self, dim, num_heads, **options):
         if options.get('nonneg'):
-            raise ValueError("normalise_q is an option of InLine attention without nonneg, which normalises "
-                             "q itself")
+            raise ValueError("normalise_q is an option of InLine attention without nonneg, which "
+                             "normalises q itself")
         super().__init__(dim, num_heads, **options)
         self.normalise_q = NormalisedQ(num_heads, dim // num_heads)
 
@@ -504,8 +512,8 @@ def make_attention(dim, num_heads, *, attention='inline', normalise_q=False, **o
     if attention not in ('inline', 'linear'):
         raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
     if normalise_q and attention == 'linear':
-        raise ValueError("normalise_q is an option of InLine attention: linear attention's division cancels "
-                         "q's length already")
+        raise ValueError("normalise_q is an option of InLine attention: linear attention's "
+                         "division cancels q's length already")
     if attention == 'linear':
         return LinearAttention(dim, num_heads, **options)
     options.pop('allow_divergent', None)  # a switch of linear attention's alone

@@ -121,7 +121,8 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
     q_s = (wide(q) * c).to(dtype) if c != 1.0 else q
     # (B, H, D, D)
-    g = (wide(q_s.transpose(-2, -1) @ do) * (inline.eq5_gain(scale, N, scale_by_count) / c)).to(dtype)
+    g = (wide(q_s.transpose(-2, -1) @ do)
+         * (inline.eq5_gain(scale, N, scale_by_count) / c)).to(dtype)
     # Cov = (1/N) (k - k_mean)^T (v - v_mean); the means' own gradients vanish because the centred
     # columns sum to zero, so dk = (v - v_mean) g^T and dv = (k - k_mean) g + mean_i do_i.
     dk = v_c @ g.transpose(-2, -1)  # (B, H, N, D)
@@ -149,7 +150,8 @@ def compile_options():
     """torch.compile's switches: equal sizes stay two symbols, only symbolic_sizes makes one; no
     limit of 8"""
     stack = contextlib.ExitStack()
-    stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64,
+    stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False,
+                                                   recompile_limit=64,
                                                    fail_on_recompile_limit_hit=True))
     if hasattr(torch.fx.experimental._config, 'use_duck_shape'):
         stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
@@ -163,7 +165,8 @@ def symbolic_sizes(args, N):
     for a in args:
         if isinstance(a, torch.Tensor):
             for d in range(a.dim()):
-                if (a.dim() >= 4 and d < 2) or (a.shape[d] == N and not (a.dim() >= 4 and d == a.dim() - 1)):
+                if ((a.dim() >= 4 and d < 2)
+                        or (a.shape[d] == N and not (a.dim() >= 4 and d == a.dim() - 1))):
                     torch._dynamo.maybe_mark_dynamic(a, d)
 
 
@@ -232,7 +235,8 @@ def compiled_call(f, *args):
         path = re.search(r"/\S+?\.(?:so|py|cpp)\b", what)  # the cache file it names, if any
         warnings.warn(f"kernels.py: torch.compile failed ({what}); the fast InLine core now runs "
                       f"its closed form eagerly, correct but much slower" + (f". {path[0]} in the "
-                      f"inductor cache may be broken: delete it and rerun" if path else ""), stacklevel=3)
+                      f"inductor cache may be broken: delete it and rerun" if path else ""),
+                      stacklevel=3)
     return f(*args)
 
 
@@ -252,13 +256,14 @@ class InLineCore(torch.autograd.Function):
         q, k_c, v_c, taps, index, masks, v_mean, cov = ctx.saved_tensors
         # do as o was stored: a copy only if it comes otherwise
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv, dtaps = compiled_call(core_backward, token_major(do), q, k_c, v_c, taps, index, masks,
-                                              v_mean, cov, ctx.scale, ctx.scale_by_count)
+            dq, dk, dv, dtaps = compiled_call(core_backward, token_major(do), q, k_c, v_c, taps,
+                                              index, masks, v_mean, cov, ctx.scale,
+                                              ctx.scale_by_count)
         return dq, dk, dv, dtaps, None, None, None, None
 
 
-def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, scale_by_count=True,
-                     table=None):
+def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                     scale_by_count=True, table=None):
     """inline.inline_core's arguments, layout and result, with and without a gradient: the same
     graph's forward (core_forward), through InLineCore where a gradient is asked. scale_by_count is
     a Python bool, part of the graphs' signature; a tensor scale joins q (s q^T Cov = (s q)^T Cov).
@@ -274,9 +279,9 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
             table = build(N, tuple(grid), q.device, size, dilation)
     T = table[0].shape[0] if r is not None else None  # Eq. 6's neighbours
     if r is not None and r.shape != (B, T * H * D):
-        raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = {(B, T * H * D)}, "
-                         f"got {tuple(r.shape)}; the fast core has no other Eq. 6 weights "
-                         f"(inline.local_residual also takes them per token)")
+        raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = "
+                         f"{(B, T * H * D)}, got {tuple(r.shape)}; the fast core has no other "
+                         f"Eq. 6 weights (inline.local_residual also takes them per token)")
     if isinstance(scale, torch.Tensor):
         q, scale = q * scale, 1.0
     scale = inline.attention_scale(D) if scale is None else scale
@@ -291,9 +296,11 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     taps = r.reshape(B, H, D, -1).transpose(-2, -1).contiguous() if r is not None else None
     index, masks = table if taps is not None else (None, None)
     with torch.autocast(device, enabled=False):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, taps)):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k, v, taps)):
             return InLineCore.apply(q, k, v, taps, index, masks, scale, bool(scale_by_count))
-        return compiled_call(core_forward, q, k, v, taps, index, masks, scale, bool(scale_by_count))[0]
+        return compiled_call(core_forward, q, k, v, taps, index, masks, scale,
+                             bool(scale_by_count))[0]
 
 
 inline.FAST_CORES['compile'] = inline_core_fast
@@ -316,15 +323,17 @@ def forward_and_gradients(module, inputs, upstream, prefix=''):
     """{quantity: tensor or None}: module's output on inputs, and with a gradient, the gradients of
     every floating-point input and parameter for the upstream gradient; with none, the output
     alone."""
-    inputs = [t.detach().to(upstream.dtype).requires_grad_() if torch.is_tensor(t) and t.is_floating_point()
-              else t for t in inputs]
+    inputs = [t.detach().to(upstream.dtype).requires_grad_()
+              if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs]
     with torch.no_grad():
         out = {'output with no gradient': module(*inputs)}
     o = module(*inputs)
     tensors = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
     params = dict(module.named_parameters())
-    grads = torch.autograd.grad(o, tensors + list(params.values()), upstream.to(o.dtype), allow_unused=True)
-    names = [f'gradient of input {i}' for i in range(len(tensors))] + [f'gradient of {prefix}{n}' for n in params]
+    grads = torch.autograd.grad(o, tensors + list(params.values()), upstream.to(o.dtype),
+                                allow_unused=True)
+    names = ([f'gradient of input {i}' for i in range(len(tensors))]
+             + [f'gradient of {prefix}{n}' for n in params])
     return {'output': o, **out, **dict(zip(names, grads))}
 
 
@@ -336,9 +345,10 @@ def difference(exact, reference, fast):
         return None
     size = (exact if exact is not None else fast).abs().max().item()
     if fast is None or exact is None:
-        return None if size == 0 else f"reference {'none' if exact is None else f'{size:.1e}'}, fast " \
-                                      f"{'none' if fast is None else f'{size:.1e}'}"
-    error, own = (fast.double() - exact).abs().max().item(), (reference.double() - exact).abs().max().item()
+        return None if size == 0 else (f"reference {'none' if exact is None else f'{size:.1e}'}, "
+                                       f"fast {'none' if fast is None else f'{size:.1e}'}")
+    error, own = ((fast.double() - exact).abs().max().item(),
+                  (reference.double() - exact).abs().max().item())
     bound = 2 * own + 1e-5 * size
     if not error <= bound:  # also NaN
         return (f"max |fast - float64 reference| {error:.1e}, beyond {bound:.1e} (twice the fp32 "
@@ -351,7 +361,8 @@ def outside_function_modes():
     """Run without the torch-function modes in force (a model built under `with
     torch.device('meta')`): a graph compiled under a mode is guarded on it, and every later call
     without it would compile again."""
-    modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    modes = [torch._C._pop_torch_function_stack()
+             for _ in range(torch._C._len_torch_function_stack())]
     try:
         yield
     finally:
@@ -378,30 +389,36 @@ def check_against_reference(path, module, fast, device):
                 start = torch.zeros_like(p) if name in meta else p.clone()
                 p.copy_(start + 0.1 * (1 + start.abs()) * torch.randn(p.shape, generator=generator))
         inputs = reference.example_inputs(generator)
-        reference, inputs = reference.to(device), [t.to(device) if torch.is_tensor(t) else t for t in inputs]
+        reference, inputs = reference.to(device), [t.to(device) if torch.is_tensor(t) else t
+                                                   for t in inputs]
         twin = copy.deepcopy(reference)
         twin.fast = fast
         with torch.no_grad():
             shape = reference(*inputs).shape
         upstream = torch.randn(shape, generator=generator).to(device)
-        where, prefix = f"{path or 'the model'} ({type(module).__name__})", f"{path}." if path else ''
-        with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), torch.enable_grad(), \
-                torch.autocast(device.type, enabled=False):
-            exact = forward_and_gradients(copy.deepcopy(reference).double(), inputs, upstream.double(), prefix)
+        where, prefix = (f"{path or 'the model'} ({type(module).__name__})",
+                         f"{path}." if path else '')
+        with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), \
+                torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            exact = forward_and_gradients(copy.deepcopy(reference).double(), inputs,
+                                          upstream.double(), prefix)
             # parameters named by path
             ours = forward_and_gradients(reference, inputs, upstream, prefix)
             try:
                 theirs = forward_and_gradients(twin, inputs, upstream, prefix)
             except Exception as e:
                 # whatever the fast core cannot take: refused here, not at the first step
-                theirs = f"the fast core raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+                theirs = (f"the fast core raised {type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0]}")
         why = theirs if isinstance(theirs, str) else next(
-            (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))),
+            (f"{name}: {d}"
+             for name in exact if (d := difference(exact[name], ours[name], theirs[name]))),
             None)
         if why:
-            raise ValueError(f"the fast InLine core ({fast!r}) and the reference differ in {where}: {why}. "
-                             f"Build the model with fast=False (train.py: --attention-impl reference), or make "
-                             f"the change in a form the fast core follows (README, \"Changing the method\")")
+            raise ValueError(f"the fast InLine core ({fast!r}) and the reference differ in "
+                             f"{where}: {why}. Build the model with fast=False (train.py: "
+                             f"--attention-impl reference), or make the change in a form the fast "
+                             f"core follows (README, \"Changing the method\")")
 
 
 def enable_fast(model, fast='compile', device=None, log=print):
@@ -416,24 +433,28 @@ def enable_fast(model, fast='compile', device=None, log=print):
     peers = sorted({m.no_fast_path for m in model.modules() if hasattr(m, 'no_fast_path')})
     if peers:
         raise ValueError(f"the fast core is InLine's alone; {' and '.join(peers)} "
-                         f"{'has' if len(peers) == 1 else 'have'} none: build the model with fast=False "
-                         f"(train.py: --attention-impl reference)")
+                         f"{'has' if len(peers) == 1 else 'have'} none: build the model with "
+                         f"fast=False (train.py: --attention-impl reference)")
     # InLine's modules
     modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'fast')]
     if any(getattr(m, 'attention', 'inline') == 'linear' for _, m in modules):
-        raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla linear "
-                         "attention): build the model with fast=False (train.py: --attention-impl reference)")
-    device = torch.device(device or next((p.device for p in model.parameters() if not p.is_meta), 'cpu'))
+        raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla "
+                         "linear attention): build the model with fast=False (train.py: "
+                         "--attention-impl reference)")
+    device = torch.device(device
+                          or next((p.device for p in model.parameters() if not p.is_meta), 'cpu'))
     if fast == 'triton' and 'triton' not in inline.FAST_CORES:
         if device.type != 'cuda' and os.environ.get('TRITON_INTERPRET') != '1':
-            raise ValueError(f"fast='triton' runs InLine's Triton kernel, which needs a CUDA device (the model "
-                             f"is on {device.type}); on the CPU use fast='compile' (torch.compile), or run "
-                             f"with TRITON_INTERPRET=1 to interpret the kernel, slowly, for testing")
+            raise ValueError(f"fast='triton' runs InLine's Triton kernel, which needs a CUDA "
+                             f"device (the model is on {device.type}); on the CPU use "
+                             f"fast='compile' (torch.compile), or run with TRITON_INTERPRET=1 to "
+                             f"interpret the kernel, slowly, for testing")
         import triton_core  # imports inline alone: it registers nothing until it is asked for here
         inline.FAST_CORES['triton'] = triton_core.inline_core_triton
     for path, m in modules:
         if fast not in getattr(m, 'fast_cores', inline.FAST_CORES):
-            raise ValueError(f"{path or 'the model'} ({type(m).__name__}) has no fast core {fast!r}; it has "
+            raise ValueError(f"{path or 'the model'} ({type(m).__name__}) has no fast core "
+                             f"{fast!r}; it has "
                              f"{list(getattr(m, 'fast_cores', inline.FAST_CORES))}")
     swapped = [(path, m) for path, m in modules if not m.fast]
     configurations, start = {}, time.perf_counter()  # configuration: the modules that have it
@@ -447,8 +468,9 @@ def enable_fast(model, fast='compile', device=None, log=print):
     finally:
         _checking.pop()
     if log and swapped:
-        log(f"kernels.enable_fast: {len(swapped)} module(s), {len(configurations)} configuration(s), equal "
-            f"the reference with {fast!r}: {time.perf_counter() - start:.1f} s")
+        log(f"kernels.enable_fast: {len(swapped)} module(s), {len(configurations)} "
+            f"configuration(s), equal the reference with {fast!r}: "
+            f"{time.perf_counter() - start:.1f} s")
     for _, m in swapped:
         m.fast = fast
     return len(swapped)

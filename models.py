@@ -74,8 +74,8 @@ def check_image_size(size, stride, what):
     """The one constraint on input size: height and width divisible by the total stride."""
     H, W = size
     if H % stride or W % stride or H < stride or W < stride:
-        raise ValueError(f"{what} needs image height and width divisible by {stride} (its total stride: "
-                         f"patch embedding and downsampling), got {H}x{W}")
+        raise ValueError(f"{what} needs image height and width divisible by {stride} (its total "
+                         f"stride: patch embedding and downsampling), got {H}x{W}")
 
 
 def parse_layout(layout, depths, letters):
@@ -84,9 +84,10 @@ def parse_layout(layout, depths, letters):
     are I, the rest S, with k written after the stage letters."""
     stages, k = layout[:len(depths)], layout[len(depths):]
     if set(stages) & set(peers.LETTERS) - set(letters):
-        raise ValueError(f"layout {layout!r}: F (FLatten) and N (TransNormer) are built in the PVT and Swin "
-                         f"families only ({', '.join(peers.FAMILIES)})")
-    valid = len(stages) == len(depths) and all(c in letters for c in stages) and stages.count('M') <= 1
+        raise ValueError(f"layout {layout!r}: F (FLatten) and N (TransNormer) are built in the PVT "
+                         f"and Swin families only ({', '.join(peers.FAMILIES)})")
+    valid = (len(stages) == len(depths) and all(c in letters for c in stages)
+             and stages.count('M') <= 1)
     if 'M' in stages:
         valid = valid and k.isdigit() and int(k) <= depths[stages.index('M')]
     else:
@@ -94,8 +95,8 @@ def parse_layout(layout, depths, letters):
     if not valid:
         raise ValueError(f"layout {layout!r}: need {len(depths)} letters from {' '.join(letters)}, "
                          f"one per stage; "
-                         f"M at most once, with its count of leading I blocks (at most the stage's depth) "
-                         f"written after the letters, e.g. 'IIMS2'")
+                         f"M at most once, with its count of leading I blocks (at most the stage's "
+                         f"depth) written after the letters, e.g. 'IIMS2'")
     return [['I'] * int(k) + ['S'] * (depth - int(k)) if c == 'M' else [c] * depth
             for c, depth in zip(stages, depths)]
 
@@ -111,8 +112,9 @@ INLINE_DEFAULTS = {name: p.default for cls in (inline.InLineBase, inline.LinearA
                    if p.kind is p.KEYWORD_ONLY}
 # every family's attention switches and their defaults: InLineBase's, but the kernel (None: each
 # letter's, below), and normalise_q, the letters of the blocks it acts on
-ATTENTION_OPTIONS = dict(kernel=None, **{k: INLINE_DEFAULTS[k] for k in ('residual', 'local_size', 'dilation',
-                                                                         'nonneg')},
+ATTENTION_OPTIONS = dict(kernel=None,
+                         **{k: INLINE_DEFAULTS[k]
+                            for k in ('residual', 'local_size', 'dilation', 'nonneg')},
                          normalise_q='', allow_divergent=INLINE_DEFAULTS['allow_divergent'],
                          **peers.OPTIONS)
 
@@ -127,19 +129,21 @@ def attention_options(family, options, letters):
     letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
     if family != 'InLine-Swin' and {'window', 'ape'} & set(unknown):
-        raise ValueError(f"{family}: window and ape are InLine-Swin's options (the authors' window ablation)")
+        raise ValueError(f"{family}: window and ape are InLine-Swin's options (the authors' "
+                         f"window ablation)")
     if unknown:
         raise ValueError(f"{family}: unknown argument(s) {unknown}; allowed are its sizes "
-                         f"(the arguments of its class) and the attention options {list(ATTENTION_OPTIONS)}")
+                         f"(the arguments of its class) and the attention options "
+                         f"{list(ATTENTION_OPTIONS)}")
     normalise = options.get('normalise_q', '')
     allowed = {'I', 'S'} if family != 'InLine-CSwin' else {'I'}
     if (not isinstance(normalise, str) or not set(normalise) <= allowed & set(letters)
             or len(set(normalise)) < len(normalise)):
         stripes = ", nor CSwin's stripe softmax" if family == 'InLine-CSwin' else ''
-        raise ValueError(f"{family}: normalise_q takes the letters of the blocks whose q it normalises, "
-                         f"each once, of {sorted(allowed & set(letters))} in this layout "
-                         f"('S' softmax, 'I' InLine; not 'L': "
-                         f"division cancels q's length already{stripes}), got {normalise!r}")
+        raise ValueError(f"{family}: normalise_q takes the letters of the blocks whose q it "
+                         f"normalises, each once, of {sorted(allowed & set(letters))} in this "
+                         f"layout ('S' softmax, 'I' InLine; not 'L': division cancels q's length "
+                         f"already{stripes}), got {normalise!r}")
     return {**ATTENTION_OPTIONS, **options}
 
 
@@ -148,8 +152,8 @@ def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
     (relu unless given); S: softmax attention over all tokens (DeiT), with PVT's spatial reduction
     sr_ratio."""
     if letter == 'S':
-        return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio, normalise_q='S' in options['normalise_q'],
-                                **kwargs)
+        return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio,
+                                normalise_q='S' in options['normalise_q'], **kwargs)
     return inline.make_attention(dim, num_heads, **inline_options(letter, options), **kwargs)
 
 
@@ -172,7 +176,8 @@ class Mlp(nn.Sequential):
     """Linear C -> hidden, GELU, Linear hidden -> C, under the released names fc1 and fc2."""
 
     def __init__(self, dim, hidden):
-        super().__init__(OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(), fc2=nn.Linear(hidden, dim)))
+        super().__init__(OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(),
+                                     fc2=nn.Linear(hidden, dim)))
 
 
 class SoftmaxAttention(nn.Module):
@@ -182,8 +187,8 @@ class SoftmaxAttention(nn.Module):
     ablation (ours): softmax over L2-normalised queries times a learned per-head gain
     (inline.NormalisedQ), so q and a*q (a > 0) get the same weights; scale D^-1/2 as usual."""
 
-    def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1, normalise_q=False,
-                 leading_tokens=0):
+    def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1,
+                 normalise_q=False, leading_tokens=0):
         super().__init__()
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
@@ -278,7 +283,8 @@ class Backbone(nn.Module):
         self.img_size, self.layout = pair(img_size), layout
         check_image_size(self.img_size, stride, self.name)
         letters = parse_layout(layout, depths, letters)
-        self.options = attention_options(self.name, attention, [c for stage in letters for c in stage])
+        self.options = attention_options(self.name, attention,
+                                         [c for stage in letters for c in stage])
         return letters, drop_path_rates(drop_path_rate, depths)
 
     @property
@@ -337,11 +343,11 @@ class Backbone(nn.Module):
 class InLineDeiT(Backbone):
     family = 'deit'
 
-    def __init__(self, img_size=224, embed_dim=192, depth=12, num_heads=6, mlp_ratio=4., patch_size=16,
-                 num_classes=1000, drop_path_rate=0.1, layout='I', **attention):
+    def __init__(self, img_size=224, embed_dim=192, depth=12, num_heads=6, mlp_ratio=4.,
+                 patch_size=16, num_classes=1000, drop_path_rate=0.1, layout='I', **attention):
         super().__init__()
-        (letters,), (rates,) = self.setup(img_size, patch_size, layout, [depth], 'ILS', drop_path_rate,
-                                          attention)
+        (letters,), (rates,) = self.setup(img_size, patch_size, layout, [depth], 'ILS',
+                                          drop_path_rate, attention)
         self.patch_size = patch_size
         self.grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.num_features = embed_dim
@@ -363,9 +369,9 @@ class InLineDeiT(Backbone):
         """(B, 3, *img_size) -> normalised tokens (B, 1 + h*w, C), class token first."""
         if tuple(x.shape[2:]) != self.img_size:
             check_image_size(x.shape[2:], self.patch_size, self.name)
-            raise ValueError(f"InLine-DeiT built for {self.img_size[0]}x{self.img_size[1]} images got "
-                             f"{x.shape[2]}x{x.shape[3]}: its position embedding fixes the size; "
-                             f"build it with img_size=({x.shape[2]}, {x.shape[3]}) "
+            raise ValueError(f"InLine-DeiT built for {self.img_size[0]}x{self.img_size[1]} images "
+                             f"got {x.shape[2]}x{x.shape[3]}: its position embedding fixes the "
+                             f"size; build it with img_size=({x.shape[2]}, {x.shape[3]}) "
                              f"(checkpoints are resized on load)")
         x, grid = self.patch_embed(x)  # (B, h*w, C)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + h*w, C)
@@ -397,9 +403,9 @@ class InLinePVT(Backbone):
     family = 'pvt'
 
     def __init__(self, img_size=224, embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2),
-                 num_heads=(2, 4, 10, 16), mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1), num_classes=1000,
-                 drop_path_rate=0.1, layout='IIII', la_sr_ratios=(1, 1, 1, 1), unused_norm=False,
-                 **attention):
+                 num_heads=(2, 4, 10, 16), mlp_ratios=(8, 8, 4, 4), sr_ratios=(8, 4, 2, 1),
+                 num_classes=1000, drop_path_rate=0.1, layout='IIII', la_sr_ratios=(1, 1, 1, 1),
+                 unused_norm=False, **attention):
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSFN', drop_path_rate, attention)
         self.num_features, self.grids = embed_dims[-1], stage_grids(self.img_size)
@@ -412,7 +418,8 @@ class InLinePVT(Backbone):
             setattr(self, f'block{i + 1}', nn.ModuleList([
                 Block(dim, mlp_ratios[i], dp, 1e-6,
                       peers.make_peer(c, dim, num_heads[i], self.options, math.prod(self.grids[i]),
-                                      separate_q=True, sr_ratio=la_sr_ratios[i]) if c in peers.LETTERS
+                                      separate_q=True, sr_ratio=la_sr_ratios[i])
+                      if c in peers.LETTERS
                       else make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i],
                                           separate_q=True))
                 for c, dp in zip(layout[i], rates[i])]))
@@ -487,7 +494,8 @@ def window_mask(h, w, wh, ww, sh, sw, device):
 
     def regions(L, Lp, window, shift):
         i = torch.arange(Lp, device=device)
-        label = (i >= Lp - window).long() + (i >= Lp - shift).long() if shift else torch.zeros_like(i)
+        label = ((i >= Lp - window).long() + (i >= Lp - shift).long() if shift
+                 else torch.zeros_like(i))
         # Swin's three slices (0, 1, 2); True where it came from padding
         return label, (i + shift) % Lp >= L
 
@@ -519,7 +527,8 @@ def masked_softmax_attention(q, k, v, scale, bias=None, mask=None):
 def relative_position_index(wh, ww, window, device):
     """(wh*ww, wh*ww) indices into a ((2*window - 1)^2, H) table of biases by relative offset
     (dy, dx)."""
-    y, x = torch.meshgrid(torch.arange(wh, device=device), torch.arange(ww, device=device), indexing='ij')
+    y, x = torch.meshgrid(torch.arange(wh, device=device), torch.arange(ww, device=device),
+                          indexing='ij')
     y, x = y.flatten(), x.flatten()  # (N,), N = wh*ww
     dy = y[:, None] - y[None, :] + window - 1  # (N, N), in [0, 2*window - 2]
     dx = x[:, None] - x[None, :] + window - 1
@@ -534,7 +543,8 @@ class WindowAttention(nn.Module):
         self.num_heads, self.window = num_heads, window
         # T1
         self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
-        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2,
+                                                                     num_heads))
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         trunc_normal_(self.relative_position_bias_table, std=.02)
@@ -570,8 +580,8 @@ class SwinBlock(nn.Module):
         stage's windows), or None; tokens: an F block's window tokens (its positional_encoding's N).
     """
 
-    def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, options, ape_tokens=None,
-                 tokens=None):
+    def __init__(self, dim, num_heads, letter, window, shift, mlp_ratio, drop_path, options,
+                 ape_tokens=None, tokens=None):
         super().__init__()
         self.letter, self.window, self.shift = letter, window, shift
         self.norm1 = nn.LayerNorm(dim)
@@ -604,16 +614,17 @@ class SwinBlock(nn.Module):
         wh, ww = min(self.window, h), min(self.window, w)  # never beyond the map
         # Swin's cyclic shift of odd blocks: half a window along each axis that the window does not
         # cover
-        sh, sw = (self.window // 2 if self.shift and side < size else 0 for side, size in ((wh, h), (ww, w)))
+        sh, sw = (self.window // 2 if self.shift and side < size else 0
+                  for side, size in ((wh, h), (ww, w)))
         y = y.view(B, h, w, C)  # (B, h, w, C)
         if self.letter == 'S':
             # a map that does not tile is zero-padded after the norm, as Swin does for detection;
             # the padding is masked out
             y = F.pad(y, (0, 0, 0, -w % ww, 0, -h % wh))  # (B, Hp, Wp, C)
         elif h % wh or w % ww:
-            raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine windows, "
-                             f"and padding would change Eq. 5's means; use window=None (the whole stage) "
-                             f"or an image size that tiles")
+            raise ValueError(f"InLine-Swin: a {h}x{w} stage does not tile into {wh}x{ww} InLine "
+                             f"windows, and padding would change Eq. 5's means; use window=None "
+                             f"(the whole stage) or an image size that tiles")
         Hp, Wp = y.shape[1:3]
         # rolled, in windows: (B*nW, wh*ww, C)
         y = to_windows(torch.roll(y, (-sh, -sw), dims=(1, 2)), wh, ww)
@@ -621,7 +632,8 @@ class SwinBlock(nn.Module):
             # softmax with the relative position bias, masked across the roll's seams
             y = self.attn(y, (wh, ww), window_mask(h, w, wh, ww, sh, sw, y.device))
         else:
-            # every window its own InLine (or peer's) attention, unmasked (the authors' window ablation)
+            # every window its own InLine (or peer's) attention, unmasked (the authors' window
+            # ablation)
             y = self.attn(y, (wh, ww))  # Eq. 5 + Eq. 6, (B*nW, wh*ww, C)
         # (B, h, w, C)
         y = torch.roll(from_windows(y, wh, ww, Hp, Wp), (sh, sw), dims=(1, 2))[:, :h, :w]
@@ -689,11 +701,12 @@ class InLineSwin(Backbone):
                  layout='IIIS', window=None, softmax_window=None, mlp_ratio=4., num_classes=1000,
                  drop_path_rate=0.2, ape=None, **attention):
         super().__init__()
-        layout, rates = self.setup(img_size, 32, layout, depths, 'ILSMFN', drop_path_rate, attention)
+        layout, rates = self.setup(img_size, 32, layout, depths, 'ILSMFN', drop_path_rate,
+                                   attention)
         self.ape = authors_ape(self.options) if ape is None else ape
         if window is not None and not (isinstance(window, int) and window >= 1):
-            raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole stage), "
-                             f"got {window!r}")
+            raise ValueError(f"InLine-Swin: window must be a whole number >= 1 or None (the whole "
+                             f"stage), got {window!r}")
         self.window, self.num_features = window, embed_dim * 8
         if softmax_window is None:  # the authors' configs: 12 at 384 px, 7 at 224 px and elsewhere
             softmax_window = 12 if self.img_size == (384, 384) else 7
@@ -702,16 +715,20 @@ class InLineSwin(Backbone):
         for i, (letters, grid) in enumerate(zip(layout, stage_grids(self.img_size))):
             dim = embed_dim * 2 ** i
             inline_stage = any(c != 'S' for c in letters)
-            if inline_stage and window is not None and any(side % min(window, side) for side in grid):
-                fits = [n for n in range(1, max(grid) + 1) if all(side % min(n, side) == 0 for side in grid)]
+            if inline_stage and window is not None and any(side % min(window, side)
+                                                           for side in grid):
+                fits = [n for n in range(1, max(grid) + 1)
+                        if all(side % min(n, side) == 0 for side in grid)]
                 raise ValueError(f"InLine-Swin: InLine window {window} does not tile stage {i + 1} "
-                                 f"({grid[0]}x{grid[1]} tokens at {self.img_size[0]}x{self.img_size[1]} px); "
-                                 f"windows that tile it: {fits}, or None (the whole stage)")
+                                 f"({grid[0]}x{grid[1]} tokens at "
+                                 f"{self.img_size[0]}x{self.img_size[1]} px); windows that tile "
+                                 f"it: {fits}, or None (the whole stage)")
             # APE's N, and F's (its positional_encoding)
-            window_tokens = math.prod(grid if window is None else (min(window, side) for side in grid))
-            blocks = [SwinBlock(dim, num_heads[i], c, softmax_window if c == 'S' else window, j % 2 == 1,
-                                mlp_ratio, rates[i][j], self.options, window_tokens if self.ape else None,
-                                window_tokens)
+            window_tokens = math.prod(grid if window is None
+                                      else (min(window, side) for side in grid))
+            blocks = [SwinBlock(dim, num_heads[i], c, softmax_window if c == 'S' else window,
+                                j % 2 == 1, mlp_ratio, rates[i][j], self.options,
+                                window_tokens if self.ape else None, window_tokens)
                       for j, c in enumerate(letters)]
             self.layers.append(SwinStage(blocks, PatchMerging(dim) if i < 3 else None))
         self.norm = nn.LayerNorm(self.num_features)
@@ -792,8 +809,8 @@ class CSwinInLine(inline.InLineBase):
     'linear': division in place of Eq. 5; normalise_q: q of unit length times a learned gain
     (inline.NormalisedQ)."""
 
-    def __init__(self, dim, num_heads, *, attention='inline', normalise_q=False, allow_divergent=False,
-                 **options):
+    def __init__(self, dim, num_heads, *, attention='inline', normalise_q=False,
+                 allow_divergent=False, **options):
         if attention == 'linear':
             inline.check_linear_options(options.get('kernel', 'identity'), allow_divergent,
                                         options.get('nonneg'))
@@ -816,10 +833,11 @@ class CSwinInLine(inline.InLineBase):
         if self.attention == 'linear':
             # the baseline: division in place of Eq. 5, then the same Eq. 6
             o = inline.linear_attention(q, k, v)
-            o = o if r is None else o + inline.local_residual(v, r, (h, w), self.local_size, self.dilation)
+            o = o if r is None else o + inline.local_residual(v, r, (h, w), self.local_size,
+                                                              self.dilation)
         elif self.fast:  # the fast twin of inline_core: the same arguments, the same result
-            o = inline.FAST_CORES[self.fast](q, k, v, r, (h, w), self.scale, self.local_size, self.dilation,
-                                             self.scale_by_count)
+            o = inline.FAST_CORES[self.fast](q, k, v, r, (h, w), self.scale, self.local_size,
+                                             self.dilation, self.scale_by_count)
         else:
             o = inline.inline_core(q, k, v, r, (h, w), self.scale, self.local_size, self.dilation,
                                    self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
@@ -858,7 +876,8 @@ class CSwinBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.proj = nn.Linear(dim, dim)
         if letter != 'S':
-            self.attns = nn.ModuleList([CSwinInLine(dim, num_heads, **inline_options(letter, options))])
+            self.attns = nn.ModuleList([CSwinInLine(dim, num_heads,
+                                                    **inline_options(letter, options))])
         elif stripe is None or stripe >= max(grid):
             self.attns = nn.ModuleList([StripeAttention(dim, num_heads)])
         else:
@@ -905,14 +924,14 @@ class InLineCSwin(Backbone):
     family = 'cswin'
 
     def __init__(self, img_size=224, embed_dim=64, depths=(2, 4, 18, 1), num_heads=(2, 4, 8, 16),
-                 layout='IISS', stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000, drop_path_rate=0.2,
-                 **attention):
+                 layout='IISS', stripes=(1, 2, 7, 7), mlp_ratio=4., num_classes=1000,
+                 drop_path_rate=0.2, **attention):
 
         super().__init__()
         layout, rates = self.setup(img_size, 32, layout, depths, 'ILSM', drop_path_rate, attention)
         self.num_features = embed_dim * 8
-        self.stage1_conv_embed = nn.Sequential(nn.Conv2d(3, embed_dim, 7, stride=4, padding=2), ToTokens(),
-                                               nn.LayerNorm(embed_dim))
+        self.stage1_conv_embed = nn.Sequential(nn.Conv2d(3, embed_dim, 7, stride=4, padding=2),
+                                               ToTokens(), nn.LayerNorm(embed_dim))
         for i, (letters, grid) in enumerate(zip(layout, stage_grids(self.img_size))):
             dim, stripe = embed_dim * 2 ** i, stripes[i] if i < 3 else None
             setattr(self, f'stage{i + 1}', nn.ModuleList([
@@ -985,8 +1004,8 @@ def released_img_size(name):
     return pair(sizes.get('img_size', inspect.signature(cls).parameters['img_size'].default))
 
 
-def create_model(name, *, checkpoint=None, fast=False, features_only=False, out_indices=(0, 1, 2, 3),
-                 **overrides):
+def create_model(name, *, checkpoint=None, fast=False, features_only=False,
+                 out_indices=(0, 1, 2, 3), **overrides):
 
     """Build a registered variant.
 

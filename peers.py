@@ -112,16 +112,19 @@ class FocusedLinearAttention(nn.Module):
                  focusing_factor=3, kernel_size=5, normalisation='division'):
         super().__init__()
         if normalisation not in NORMALISATIONS:
-            raise ValueError(f"unknown normalisation {normalisation!r}; choose one of {list(NORMALISATIONS)}")
+            raise ValueError(f"unknown normalisation {normalisation!r}; choose one of "
+                             f"{list(NORMALISATIONS)}")
         if normalisation == 'subtraction' and sr_ratio > 1:
-            raise ValueError("normalisation='subtraction' (Eq. 5) needs as many keys as queries: sr_ratio 1")
+            raise ValueError("normalisation='subtraction' (Eq. 5) needs as many keys as "
+                             "queries: sr_ratio 1")
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         if sr_ratio > 1 and not separate_q:
             raise ValueError("spatial reduction (sr_ratio > 1) is PVT's: it needs PVT's layout, "
                              "separate_q=True")
         if kernel_size % 2 != 1:
-            raise ValueError(f"kernel_size must be odd, so that dwc keeps the grid, got {kernel_size}")
+            raise ValueError(f"kernel_size must be odd, so that dwc keeps the grid, "
+                             f"got {kernel_size}")
         self.num_heads, self.sr_ratio, self.focusing_factor = num_heads, sr_ratio, focusing_factor
         self.normalisation = normalisation
         D = dim // num_heads
@@ -151,9 +154,9 @@ class FocusedLinearAttention(nn.Module):
         q, k, v = self.project(x, grid)
         n, pe = k.shape[1], self.positional_encoding
         if pe.shape[1] != n:
-            raise ValueError(f"this attention's positional_encoding covers {pe.shape[1]} keys, got {n}: "
-                             f"build it with tokens = N of the call ({N} here) or resize the parameter for "
-                             f"this input size")
+            raise ValueError(f"this attention's positional_encoding covers {pe.shape[1]} keys, got "
+                             f"{n}: build it with tokens = N of the call ({N} here) or resize the "
+                             f"parameter for this input size")
         q = focused_kernel(q, self.scale, self.focusing_factor)  # (B, N, C)
         # position before the kernel
         k = focused_kernel(k + pe, self.scale, self.focusing_factor)  # (B, n, C)
@@ -175,7 +178,8 @@ class FocusedLinearAttention(nn.Module):
         q, k, _ = self.project(x, grid)
         q = focused_kernel(q, self.scale, self.focusing_factor)
         k = focused_kernel(k + self.positional_encoding, self.scale, self.focusing_factor)
-        weights = focused_linear_weights if self.normalisation == 'division' else inline.inline_weights
+        weights = (focused_linear_weights if self.normalisation == 'division'
+                   else inline.inline_weights)
         return weights(self.split(q), self.split(k))  # (B, H, N, n)
 
     def split(self, t):
@@ -233,7 +237,8 @@ class NormAttention(nn.Module):
         if norm not in NORMS:
             raise ValueError(f"unknown norm {norm!r}; choose one of {list(NORMS)}")
         if kernel == 'relu_affine':
-            raise ValueError("NormAttention takes a stateless kernel: relu_affine is InLine's ablation")
+            raise ValueError("NormAttention takes a stateless kernel: relu_affine is "
+                             "InLine's ablation")
         self.num_heads, self.leading_tokens = num_heads, leading_tokens
         self.phi = inline.get_phi(kernel)
         inline.add_projections(self, dim, qkv_bias, separate_q)
@@ -274,7 +279,8 @@ LETTERS = 'FN'  # F: FocusedLinearAttention, N: NormAttention
 FAMILIES = ('InLine-PVT', 'InLine-Swin')
 # their attention options (models.attention_options): FLatten's config.py (FOCUSING_FACTOR,
 # KERNEL_SIZE) and TransNormer's vision default for NormAttention's norm
-OPTIONS = dict(focusing_factor=3, kernel_size=5, focused_normalisation='division', output_norm='srmsnorm')
+OPTIONS = dict(focusing_factor=3, kernel_size=5, focused_normalisation='division',
+               output_norm='srmsnorm')
 
 
 def make_peer(letter, dim, num_heads, options, tokens, separate_q=False, sr_ratio=1):
@@ -283,11 +289,12 @@ def make_peer(letter, dim, num_heads, options, tokens, separate_q=False, sr_rati
         Swin).
     separate_q, sr_ratio: PVT's layout and F's spatial reduction (FLatten-PVT's la_sr_ratios)."""
     if letter == 'F':
-        return FocusedLinearAttention(dim, num_heads, tokens, separate_q=separate_q, sr_ratio=sr_ratio,
-                                      focusing_factor=options['focusing_factor'],
+        return FocusedLinearAttention(dim, num_heads, tokens, separate_q=separate_q,
+                                      sr_ratio=sr_ratio, focusing_factor=options['focusing_factor'],
                                       kernel_size=options['kernel_size'],
                                       normalisation=options['focused_normalisation'])
     if sr_ratio > 1:
-        raise ValueError("NormAttention (layout letter N) has no spatial reduction: its sr_ratio must be 1")
-    return NormAttention(dim, num_heads, separate_q=separate_q, kernel=options['kernel'] or 'one_plus_elu',
-                         norm=options['output_norm'])
+        raise ValueError("NormAttention (layout letter N) has no spatial reduction: its "
+                         "sr_ratio must be 1")
+    return NormAttention(dim, num_heads, separate_q=separate_q,
+                         kernel=options['kernel'] or 'one_plus_elu', norm=options['output_norm'])

@@ -106,7 +106,8 @@ def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=Tru
     s = inline.attention_scale(D) if scale is None else scale
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     zeros = torch.zeros(B, H, D, D, dtype=acc, device=q.device)  # (B, H, D, D)
-    kv, k_sum, v_sum, count = state if state is not None else (zeros, zeros[..., 0], zeros[..., 0], 0)
+    kv, k_sum, v_sum, count = (state if state is not None
+                               else (zeros, zeros[..., 0], zeros[..., 0], 0))
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     n = count + torch.arange(1, N + 1, dtype=acc, device=q.device)[:, None]  # (N, 1): the count i
     qkv, kv = causal_products(q, k, v, kv, chunk)  # (B, H, N, D): q_i^T sum_{j<=i} k_j v_j^T
@@ -158,7 +159,8 @@ def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
     (prefix_residual_weights). A depthwise 1-D convolution."""
     B, H, N, D = v.shape
     if r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
-        raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
+        raise ValueError(f"r must hold {size} neighbour weights per "
+                         f"channel{' and token' if causal else ''}, "
                          f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
                          f"{tuple(v.shape)}")
     left = dilation * (size - 1 if causal else size // 2)  # how far back the first tap reaches
@@ -187,8 +189,8 @@ def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilati
     return (window * taps).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]
 
 
-def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
-                  scale_by_count=True):
+def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                  causal=False, scale_by_count=True):
     """inline.inline_core on a 1-D sequence (grid None): Eq. 5, then Eq. 6 over T = size taps;
     causal: Eq. 5 over each prefix, Eq. 6 over the last k tokens, r (B, N, T*C); else r (B, T*C).
     sequence_core_fast takes the same arguments and returns the same result, faster."""
@@ -214,13 +216,15 @@ class SequenceAttention(inline.InLineAttention):
     token_dims = 1  # Eq. 6's neighbourhood is k tokens: T = k weights per channel
     fast_cores = ('compile',)  # sequence_core_fast; kernels.enable_fast refuses another
 
-    def __init__(self, dim, num_heads, *, causal=True, attention='inline', allow_divergent=False, **options):
+    def __init__(self, dim, num_heads, *, causal=True, attention='inline', allow_divergent=False,
+                 **options):
         leading = options.get('leading_tokens', 0)
         if not (isinstance(leading, int) and leading == 0):
-            raise ValueError(f"a 1-D sequence has no leading tokens here (got leading_tokens={leading!r}): "
-                             f"for a class token before a sequence read both ways, use "
-                             f"inline.InLineAttention(dim, heads, leading_tokens=1) with grid (1, L), L the "
-                             f"sequence's length; a causal sequence has none (token 1 sees itself alone)")
+            raise ValueError(f"a 1-D sequence has no leading tokens here (got "
+                             f"leading_tokens={leading!r}): for a class token before a sequence "
+                             f"read both ways, use inline.InLineAttention(dim, heads, "
+                             f"leading_tokens=1) with grid (1, L), L the sequence's length; a "
+                             f"causal sequence has none (token 1 sees itself alone)")
         if attention not in ('inline', 'linear'):
             raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
         if attention == 'linear':
@@ -242,19 +246,20 @@ class SequenceAttention(inline.InLineAttention):
         if self.attention == 'linear':
             # the baseline: division in place of Eq. 5, then the same Eq. 6
             o = (causal_linear_attention if self.causal else inline.linear_attention)(q, k, v)
-            o = o if r is None else o + sequence_residual(v, r, self.local_size, self.dilation, self.causal)
+            o = o if r is None else o + sequence_residual(v, r, self.local_size, self.dilation,
+                                                          self.causal)
         elif self.fast:  # the fast twin of sequence_core: the same arguments, the same result
-            o = sequence_core_fast(q, k, v, r, None, self.scale, self.local_size, self.dilation, self.causal,
-                                   self.scale_by_count)
+            o = sequence_core_fast(q, k, v, r, None, self.scale, self.local_size, self.dilation,
+                                   self.causal, self.scale_by_count)
         else:
-            o = sequence_core(q, k, v, r, None, self.scale, self.local_size, self.dilation, self.causal,
-                              self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
+            o = sequence_core(q, k, v, r, None, self.scale, self.local_size, self.dilation,
+                              self.causal, self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))
 
     def check_input(self, x, grid):
         if grid is not None:
-            raise ValueError("this attention was built for a 1-D sequence (sequence.SequenceAttention): "
-                             "call it with no grid")
+            raise ValueError("this attention was built for a 1-D sequence "
+                             "(sequence.SequenceAttention): call it with no grid")
         # one row, no leading tokens
         return super().check_input(x, (1, x.shape[1]) if x.dim() == 3 else None)
 
@@ -270,7 +275,8 @@ class SequenceAttention(inline.InLineAttention):
         q, k, _ = self.project(x if self.ape is None else x + self.ape)
         q, k = self.phi(q), self.phi(k)
         if self.attention == 'linear':
-            return (causal_linear_attention_weights if self.causal else inline.linear_attention_weights)(q, k)
+            return (causal_linear_attention_weights if self.causal
+                    else inline.linear_attention_weights)(q, k)
         if self.causal:
             return causal_inline_weights(q, k, self.scale, self.scale_by_count)
         return inline.inline_weights(q, k, self.scale, self.scale_by_count)
@@ -303,8 +309,8 @@ class SequenceAttention(inline.InLineAttention):
         after it (step_attend), equal to forward's output at that token given the same tokens before
         it."""
         if self.ape is not None:
-            raise ValueError("a step has no position embedding (ape): it is made for a fixed number of "
-                             "tokens")
+            raise ValueError("a step has no position embedding (ape): it is made for a fixed "
+                             "number of tokens")
         self.check_input(x_t.unsqueeze(1), None)
         q, k, v = self.project(x_t.unsqueeze(1))  # (B, H, 1, D)
         o_t, state = self.step_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], x_t, state)  # (B, H, D)
@@ -322,7 +328,8 @@ class DecoderBlock(nn.Module):
         attn = SequenceAttention(dim, heads, causal=True, **options) if attn is None else attn
         self.norm1, self.attn = nn.LayerNorm(dim), attn
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(),
+                                 nn.Linear(mlp_ratio * dim, dim))
 
     def forward(self, x):  # x (B, N, C)
         x = x + self.attn(self.norm1(x))  # token i sees tokens 1..i
@@ -399,7 +406,8 @@ def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
     k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D)
     # Eq. 5's factor a_i, s/i or s
     a = inline.eq5_gain(scale, n, scale_by_count)  # (N, 1) or a number
-    o = a * causal_scan(q.to(mm), k_s, v_s) - a * n * (wide(q) * k_mean).sum(-1, keepdim=True) * v_mean
+    o = (a * causal_scan(q.to(mm), k_s, v_s)
+         - a * n * (wide(q) * k_mean).sum(-1, keepdim=True) * v_mean)
     o = o + v_mean + v_first  # Eq. 5 over the prefix: a_i i q_i^T Cov_i + v_mean_i
     if taps is not None:
         for t, v_t in enumerate(neighbours(v, index)):
@@ -407,7 +415,8 @@ def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
     return o.to(dtype), k_s, v_s, v_first
 
 
-def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t, scale, scale_by_count):
+def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t, scale,
+                    scale_by_count):
     """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, N, D), given do = dLoss/do.
     With a_i Eq. 5's factor (s/i, or s where not scale_by_count) and c_i = a_i i (s, or s i), o_i =
     a_i sum_{j<=i} (q_i.k_j) v_j - c_i (q_i.k_mean_i) v_mean_i + v_mean_i: the sum's gradients are
@@ -432,7 +441,8 @@ def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks
         for t in range(taps.shape[2]):
             dv = dv + (wide(taps[:, :, t]) * g)[:, :, index_t[t]] * masks_t[t]
         v = wide(v_s) + v_first  # (B, H, N, D), never stored
-        dtaps = torch.stack([g * masks[t] * v_t for t, v_t in enumerate(neighbours(v, index))], dim=2)
+        dtaps = torch.stack([g * masks[t] * v_t for t, v_t in enumerate(neighbours(v, index))],
+                            dim=2)
         dtaps = dtaps.to(taps.dtype)  # (B, H, T, N, D)
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtaps
 
@@ -445,13 +455,15 @@ class CausalCore(torch.autograd.Function):
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
         taps = index = masks = index_t = masks_t = None
         if r is not None:
-            table = functools.partial(kernels.neighbour_table, _cached_sequence_neighbourhood, M, q.device)
+            table = functools.partial(kernels.neighbour_table, _cached_sequence_neighbourhood, M,
+                                      q.device)
             index, masks = table(size, dilation, True)
             index_t, masks_t = table(size, dilation, True, True)
             # (B, M, H, D, T): r's channel T*c + t
             taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)
             taps = taps.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
-        o, k_s, v_s, v_first = kernels.compiled_call(causal_forward, q, k, v, taps, index, masks, scale, scale_by_count)
+        o, k_s, v_s, v_first = kernels.compiled_call(causal_forward, q, k, v, taps, index, masks,
+                                                     scale, scale_by_count)
         ctx.save_for_backward(q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t)
         ctx.scale, ctx.scale_by_count = scale, scale_by_count
         return o[:, :, :N]
@@ -463,15 +475,16 @@ class CausalCore(torch.autograd.Function):
         N = do.shape[2]
         with torch.autocast(q.device.type, enabled=False):
             do = F.pad(do, (0, 0, 0, M - N)).contiguous()  # (B, H, M, D)
-            dq, dk, dv, dtaps = kernels.compiled_call(causal_backward, do, q, k_s, v_s, v_first, taps, index, masks,
-                                            index_t, masks_t, ctx.scale, ctx.scale_by_count)
+            dq, dk, dv, dtaps = kernels.compiled_call(causal_backward, do, q, k_s, v_s, v_first,
+                                                      taps, index, masks, index_t, masks_t,
+                                                      ctx.scale, ctx.scale_by_count)
         # (B, N, T*C)
         dr = dtaps.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dtaps is not None else None
         return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None, None
 
 
-def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
-                       scale_by_count=True):
+def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                       causal=False, scale_by_count=True):
     """sequence_core's arguments, layout and result: causal, the causal core (CausalCore); else
     kernels.py's core with the 1-D neighbour table. scale, autocast and a compiled model as
     kernels.inline_core_fast."""
@@ -479,12 +492,14 @@ def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE
     if grid is not None:
         raise ValueError("attention over a 1-D sequence has no grid: grid must be None")
     if r is not None and r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
-        raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
+        raise ValueError(f"r must hold {size} neighbour weights per "
+                         f"channel{' and token' if causal else ''}, "
                          f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
                          f"{tuple(v.shape)}")
     if not causal:
         table = kernels.neighbour_table(_cached_sequence_neighbourhood, N, q.device, size, dilation)
-        return kernels.inline_core_fast(q, k, v, r, None, scale, size, dilation, scale_by_count, table=table)
+        return kernels.inline_core_fast(q, k, v, r, None, scale, size, dilation, scale_by_count,
+                                        table=table)
     if isinstance(scale, torch.Tensor):  # as kernels.inline_core_fast: s q^T Cov = (s q)^T Cov
         q, scale = q * scale, 1.0
     scale = inline.attention_scale(D) if scale is None else scale

@@ -97,16 +97,17 @@ VARIANTS = {
 PROCESSES = 8
 # shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in
 # the released runs
-RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
-                randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
+RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2,
+                randaug_m=9, randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
 # decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
 EMA_FAMILIES = ('cswin',)
 # The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed
 # and none of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
 SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr=1e-5, min_lr=1e-5,
-                 cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1,
-                 mixup=0.0, cutmix=0.0, mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0,
-                 color_jitter=0.0, random_erase=0.0, synthetic_train=12_800, synthetic_val=2_000)
+                 cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, drop_path=0.0,
+                 label_smoothing=0.1, mixup=0.0, cutmix=0.0, mixup_switch_prob=0.5, randaug_n=0,
+                 randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
+                 synthetic_train=12_800, synthetic_val=2_000)
 # The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28): 224 px,
 # the one size below 448 at which they tile every stage they are smaller than, and fewer, smaller
 # steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a step
@@ -135,21 +136,26 @@ RUN_KEYS = {'img_size': 'img-size', 'num_classes': 'data-path', 'drop_path_rate'
 
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0],
-                                epilog='Flags without a default take the recipe\'s value (printed at start).')
+                                epilog='Flags without a default take the recipe\'s value '
+                                       '(printed at start).')
     a = p.add_argument
     a('--model', choices=sorted(models.MODELS), metavar='NAME',
       help=f'variant (README, "Models"; default: the checkpoint\'s, else inline_swin_t): '
            f'{", ".join(models.MODELS)}')
     a('--layout',
-      help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
+      help='attention per stage: I InLine, L linear, S softmax, M<k> after the '
+           'letters (e.g. IIMS2)')
     a('--kernel', help=f'phi of the I and L blocks: {", ".join(inline.PHI)}')
     a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
     a('--local-size', type=int, help='side k of Eq. 6\'s k x k neighbourhood (odd; released: 3)')
     a('--dilation', type=int, help='dilation of Eq. 6\'s neighbourhood')
-    a('--window', type=int, help='Swin: InLine window side in tokens (default: the whole stage, as released)')
+    a('--window', type=int,
+      help='Swin: InLine window side in tokens (default: the whole stage, as released)')
     a('--ape', action=argparse.BooleanOptionalAction,
-      help='Swin: the authors\' absolute position embedding in InLine attention (default: on without Eq. 6)')
-    a('--nonneg', action=argparse.BooleanOptionalAction, help='InLine weights forced >= 0 (R-nonneg)')
+      help='Swin: the authors\' absolute position embedding in InLine attention (default: '
+           'on without Eq. 6)')
+    a('--nonneg', action=argparse.BooleanOptionalAction,
+      help='InLine weights forced >= 0 (R-nonneg)')
     a('--normalise-q', metavar='LETTERS',
       help="T1: the blocks whose q is L2-normalised with a learned per-head gain, "
       "S (softmax), I (InLine) or SI")
@@ -161,21 +167,25 @@ def get_args_parser():
       'read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
     a('--data-path',
       help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
-    a('--recipe', choices=['released', 'small'], help='an ImageFolder\'s recipe (default: released where an '
-      f'epoch gives {RELEASED_MIN_STEPS}+ steps at the authors\' total batch, ImageNet-sized, else small)')
-    a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
+    a('--recipe', choices=['released', 'small'],
+      help='an ImageFolder\'s recipe (default: released where an '
+      f'epoch gives {RELEASED_MIN_STEPS}+ steps at the authors\' total batch, ImageNet-sized, '
+      f'else small)')
+    a('--download', action='store_true',
+      help='download a small dataset into --data-path (torchvision)')
     a('--train-subset', type=int,
       help='train on this many images, a fixed random subset (the same for every seed)')
     a('--img-size', type=int,
       help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
       'DeiT 64, Swin with InLine windows smaller than the stage 224)')
     a('--attention-impl', choices=['fast', 'triton', 'reference'],
-      help='the InLine core: kernels.py (fast, torch.compile; the default), triton_core.py (triton, the '
-      'Triton kernel; CUDA only) or inline.py (reference; the default for vanilla linear attention, layout L, and the peers, F and N, '
-      'which have no fast path)')
+      help='the InLine core: kernels.py (fast, torch.compile; the default), triton_core.py '
+      '(triton, the Triton kernel; CUDA only) or inline.py (reference; the default for vanilla '
+      'linear attention, layout L, and the peers, F and N, which have no fast path)')
     a('--drop-path', type=float, help='stochastic depth rate')
     a('--finetune',
-      help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
+      help='initial weights, its EMA where it has one (e.g. the 224 px weights for a '
+           '384 px variant)')
     a('--skip-bad-images', action='store_true',
       help='leave out images that cannot be read, counted and listed every epoch (without it, the '
       'first stops the run at a saved step, naming it)')
@@ -183,9 +193,11 @@ def get_args_parser():
       help='recompute each block in the backward: less memory, slower')
     a('--synthetic-train', type=int,
       help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
-    a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
+    a('--synthetic-val', type=int,
+      help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
     a('--epochs', type=int, help='epochs of the cosine schedule (cool-down epochs come on top)')
-    a('--val-every', type=int, default=1, help='validate every this many epochs, and after the last (1)')
+    a('--val-every', type=int, default=1,
+      help='validate every this many epochs, and after the last (1)')
     a('--batch-size', type=int, help='per-process batch size (images)')
     a('--accum-steps', type=int,
       help='gradient accumulation steps (default: enough for the recipe\'s total batch)')
@@ -201,7 +213,8 @@ def get_args_parser():
     a('--label-smoothing', type=float)
     a('--mixup', type=float, help='Mixup alpha (0: off)')
     a('--cutmix', type=float, help='CutMix alpha (0: off)')
-    a('--mixup-switch-prob', type=float, help='probability of CutMix rather than Mixup when both are on')
+    a('--mixup-switch-prob', type=float,
+      help='probability of CutMix rather than Mixup when both are on')
     a('--randaug-n', type=int, help='RandAugment operations per image (0: off)')
     a('--randaug-m', type=int, help='RandAugment magnitude, 0..10')
     a('--randaug-mstd', type=float, help='std of each operation\'s RandAugment magnitude')
@@ -214,14 +227,16 @@ def get_args_parser():
       help='autocast dtype (default, for training: the faster one here, '
       'default_amp: bf16 on a GPU with bf16 or a CPU with AMX, fp16 on other GPUs, '
       'on a CPU with AVX-512 BF16 alone '
-      'bf16 if a probe finds it faster, else fp32; validation in fp32, as released, unless --amp is given)')
+      'bf16 if a probe finds it faster, else fp32; validation in fp32, as released, unless '
+      '--amp is given)')
     a('--compile', action='store_true', help='torch.compile the model for training')
     a('--workers', type=int, help='data-loading processes per training process')
     a('--threads', type=int,
       help='CPU threads per process (default: this node\'s cores shared out among them)')
     a('--seed', type=int, help='the seed of every random stream (0)')
     a('--output-dir',
-      help='checkpoints, metrics.jsonl and val_correct.pt (default: runs/<model>[-<overrides>]-<data>)')
+      help='checkpoints, metrics.jsonl and val_correct.pt (default: '
+           'runs/<model>[-<overrides>]-<data>)')
     a('--resume', help=f'checkpoint to resume from (default: OUTPUT_DIR/{CHECKPOINT} if it exists)')
     a('--eval', action='store_true', help='only evaluate --checkpoint on the validation set')
     a('--checkpoint', help='weights to evaluate: ours, or the authors\' released file')
@@ -279,7 +294,8 @@ def resolve_architecture(run):
     args = run.args
     run.arch = model_kwargs(args)
     args.model = args.model or 'inline_swin_t'
-    summary = [re.sub(r'[^\w.]+', '', f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
+    summary = [re.sub(r'[^\w.]+', '',
+                      f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
                for k, v in sorted(run.arch.items())]
     run.name = '-'.join([args.model] + summary)
 
@@ -312,7 +328,8 @@ def open_checkpoint(run):
             return
     run.saved, run.saved_path = read_checkpoint(path), path
     saved_args, saved_arch = run.saved.get('args'), run.saved.get('arch')
-    if args.eval and args.data_path is None and (saved_args is None or saved_args['data_path'] is not None):
+    if args.eval and args.data_path is None and (saved_args is None
+                                                 or saved_args['data_path'] is not None):
         fail(f'--eval of {path} needs --data-path DIR: '
              'only checkpoints of our synthetic runs evaluate without data')
     if saved_args and args.model not in (None, saved_args['model']):
@@ -329,9 +346,10 @@ def open_checkpoint(run):
     differ = sorted(k for k in {**saved_arch, **run.arch} if saved_arch.get(k) != run.arch.get(k))
     if differ:
         fail(f'{path} holds a model built with {saved_arch}; this run asks for ' +
-             ', '.join(f'{k}={run.arch[k]!r}' if run.arch.get(k) is not None else f'no {k}' for k in differ) +
-             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue or '
-             'evaluate the model as it was built, or give another --output-dir')
+             ', '.join(f'{k}={run.arch[k]!r}' if run.arch.get(k) is not None else f'no {k}'
+                       for k in differ) +
+             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue '
+             f'or evaluate the model as it was built, or give another --output-dir')
 
 
 def resolve(run):
@@ -349,7 +367,8 @@ def resolve(run):
     recipe = SYNTHETIC if synthetic else SMALL
     if imagenet:
         recipe = {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))}
-    if synthetic and args.img_size is None and not args.throughput and (run.arch.get('window') or 56) < 56:
+    if (synthetic and args.img_size is None and not args.throughput
+            and (run.arch.get('window') or 56) < 56):
         recipe = SYNTHETIC_WINDOWED
     for key, value in {**recipe, 'seed': 0}.items():
         if getattr(args, key) is None:
@@ -363,10 +382,12 @@ def resolve(run):
         args.img_size = 64 if family == 'deit' else 32
     if args.accum_steps is None:
         wanted = recipe['batch_size'] * PROCESSES  # the released total batch
-        args.accum_steps = 1 if not imagenet else max(1, round(wanted / args.batch_size / run.world))
+        args.accum_steps = (1 if not imagenet
+                            else max(1, round(wanted / args.batch_size / run.world)))
     run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
-        args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet else 0.0
+        args.ema_decay = (0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet
+                          else 0.0)
     # kernels.enable_fast refuses a model with linear attention or a peer's (F, N): they have no
     # fast path
     if args.attention_impl is None:
@@ -390,16 +411,19 @@ def choose_recipe(args):
     'small' for the small datasets, 'synthetic'; returns why, for the recipe: line."""
     if args.dataset != 'imagefolder':
         if args.recipe == 'released':
-            fail("--recipe released is the authors' ImageNet-1K recipe: give --data-path of an ImageFolder")
+            fail("--recipe released is the authors' ImageNet-1K recipe: give --data-path "
+                 "of an ImageFolder")
         args.recipe = 'synthetic' if args.dataset == 'synthetic' else 'small'
         return ''
     if args.recipe is not None or args.eval:  # an authors' file is evaluated as they evaluated it
         args.recipe = args.recipe or 'released'
         return 'given'
-    images, total = count_images(os.path.join(args.data_path, 'train')), VARIANTS[args.model][0] * PROCESSES
+    images, total = (count_images(os.path.join(args.data_path, 'train')),
+                     VARIANTS[args.model][0] * PROCESSES)
     args.recipe = 'released' if images >= RELEASED_MIN_STEPS * total else 'small'
-    return (f'{images:,} training images, {images // total:,} steps an epoch at the authors\' total batch of '
-            f'{total:,}: {RELEASED_MIN_STEPS} or more take the released recipe; --recipe chooses')
+    return (f'{images:,} training images, {images // total:,} steps an epoch at the authors\' '
+            f'total batch of {total:,}: {RELEASED_MIN_STEPS} or more take the released recipe; '
+            f'--recipe chooses')
 
 
 def default_amp(device):
@@ -418,8 +442,8 @@ def default_amp(device):
         return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
     # AVX-512 BF16 alone decides nothing: bf16 trained 2x faster on one such CPU, slower on another
     x = bf16_speedup()
-    why = (f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, '
-           '1.25x needed')
+    why = (f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a '
+           f'1-thread probe, 1.25x needed')
     # 1.25: a whole training step gains less than the probe
     return ('bf16' if x >= 1.25 else 'fp32'), why
 
@@ -455,19 +479,22 @@ def check_args(args):
                               ('ema_decay', 0 <= args.ema_decay < 1, 'in [0, 1)'),
                               ('random_erase', 0 <= args.random_erase <= 1, 'in [0, 1]')):
         if not ok:
-            fail(f'--{name.replace("_", "-")} {getattr(args, name)} is out of range: it must be {allowed}')
+            fail(f'--{name.replace("_", "-")} {getattr(args, name)} is out of range: it '
+                 f'must be {allowed}')
 
 
 def setup(args):
     """Rank, world size and device from torchrun's environment (a plain `python train.py` is rank 0
     of 1); the checkpoint to start from; every flag resolved."""
-    rank, world, local_rank = (int(os.environ.get(k, 0)) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'))
+    rank, world, local_rank = (int(os.environ.get(k, 0))
+                               for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'))
     run = Run(args, rank, max(world, 1))
     local, gpus = int(os.environ.get('LOCAL_WORLD_SIZE', 1)), torch.cuda.device_count()
     if torch.cuda.is_available() and local > gpus:  # checked before any process touches a GPU
         if local_rank == 0:  # one message per node: the node's count is what is wrong
-            print(f'error: torchrun started {local} processes on this node, which has {gpus} GPU(s); '
-                  f'launch at most {gpus} with --nproc-per-node={gpus}', file=sys.stderr, flush=True)
+            print(f'error: torchrun started {local} processes on this node, which has {gpus} '
+                  f'GPU(s); launch at most {gpus} with --nproc-per-node={gpus}', file=sys.stderr,
+                  flush=True)
         raise SystemExit(1)
     if torch.cuda.is_available():
         run.device = torch.device('cuda', local_rank)
@@ -517,10 +544,11 @@ def build_model(run, num_classes):
         load_weights(model, saved, key, args.finetune, models.released_img_size(args.model))
         print0(f'initial weights: {args.finetune} ({key})')
     model.set_grad_checkpointing(args.grad_checkpoint)
-    print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, '
-           f'{args.img_size} px, attention {args.attention_impl}, amp {args.amp} ({run.amp_why}), '
-           f'device {run.device} x {run.world}')
-    print0(f'architecture: layout {model.layout}, attention {model.options}; overrides {model.arch}')
+    print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M '
+           f'parameters, {args.img_size} px, attention {args.attention_impl}, amp {args.amp} '
+           f'({run.amp_why}), device {run.device} x {run.world}')
+    print0(f'architecture: layout {model.layout}, attention {model.options}; '
+           f'overrides {model.arch}')
     return model.to(run.device)
 
 
@@ -534,10 +562,12 @@ def build_optimizer(model, args, total_batch, steps_per_epoch):
         if param.requires_grad:
             exempt = param.ndim <= 1 or name in skip or name.split('.')[-1] in skip
             (no_decay if exempt else decay).append(param)
-    groups = [{'params': decay, 'weight_decay': args.weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
+    groups = [{'params': decay, 'weight_decay': args.weight_decay},
+              {'params': no_decay, 'weight_decay': 0.0}]
     # the rates are given per 512 images and scale linearly with the total batch, as the released
     # trainer's
-    peak, warmup_lr, min_lr = (lr * total_batch / 512 for lr in (args.lr, args.warmup_lr, args.min_lr))
+    peak, warmup_lr, min_lr = (lr * total_batch / 512
+                               for lr in (args.lr, args.warmup_lr, args.min_lr))
     optimizer = torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.999), eps=1e-8, fused=True)
     warmup, total = round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch
 
@@ -613,8 +643,9 @@ def train_one_epoch(run, t, loader, epoch, stop):
             if os.path.exists(latest):
                 kept = f'the last good checkpoint, {latest}, is untouched'
             bar.close()
-            fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step {t.step + step + 1}; '
-                 f'stopped, {kept}. Try a lower --lr, --clip-grad, or --amp fp32.')
+            fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step '
+                 f'{t.step + step + 1}; stopped, {kept}. Try a lower --lr, '
+                 f'--clip-grad, or --amp fp32.')
         t.unreadable, unread = t.unreadable + unread, []
         if flags[3] > 0 and not args.skip_bad_images:  # this step is dropped; fit saves the last
             t.optimizer.zero_grad(set_to_none=True)
@@ -700,7 +731,8 @@ def evaluate_checkpoint(run, model, val_set):
         result = evaluate(run, model, loader)
         if names := unreadable(val_set, result.pop('unreadable'), run.args.data_path, gather=False):
             print0(f'warning: {names}, left out of the validation')
-        result['correct_sha256'] = hashlib.sha256(result.pop('correct').numpy().tobytes()).hexdigest()[:16]
+        result['correct_sha256'] = hashlib.sha256(
+            result.pop('correct').numpy().tobytes()).hexdigest()[:16]
         print0(f'eval {"model" if key == "model" else "ema"}: {json.dumps(result)}')
     if run.saved.get('log'):
         print0('logged when saved: ' + json.dumps(run.saved['log'][-1]))
@@ -711,14 +743,15 @@ def prepare_training(run, raw, train_set):
     """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from
     the checkpoint to resume; the recipe and the schedule they run, printed."""
     args, num_classes = run.args, len(train_set.classes)
-    sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
-                        pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
-                        worker_init_fn=ignore_interrupt)
+    sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed,
+                               drop_last=True)
+    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers,
+                        drop_last=True, pin_memory=run.device.type == 'cuda',
+                        generator=torch.Generator(), worker_init_fn=ignore_interrupt)
     steps_per_epoch = len(loader) // args.accum_steps
     if steps_per_epoch == 0:
-        fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} accumulation '
-             f'steps exceeds the {len(train_set):,} training images')
+        fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} '
+             f'accumulation steps exceeds the {len(train_set):,} training images')
     optimizer, scheduler = build_optimizer(raw, args, run.total_batch, steps_per_epoch)
     model = torch.compile(raw) if args.compile else raw
     if run.world > 1:
@@ -739,15 +772,17 @@ def prepare_training(run, raw, train_set):
     else:
         # augmentation, Mixup/CutMix and drop path differ between ranks
         torch.manual_seed(args.seed + run.rank)
-    small = '; '.join(filter(None, [run.recipe_why, f'random crop padded by {args.img_size // 8} px, flip']))
+    small = '; '.join(filter(None, [run.recipe_why,
+                                    f'random crop padded by {args.img_size // 8} px, flip']))
     recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; '
                            '--data-path gives an ImageFolder)',
-              'released': f'released ImageNet-1K recipe for {args.model} ({run.recipe_why or "given"})'}.get(
+              'released': f'released ImageNet-1K recipe for {args.model} '
+                          f'({run.recipe_why or "given"})'}.get(
         args.recipe, f'small-data recipe for {args.dataset} ({small})')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, '
            f'randaug {args.randaug_n}x{args.randaug_m}, '
-           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
-           f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
+           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path '
+           f'{args.drop_path}, clip {args.clip_grad}, ema {args.ema_decay:.6g}')
     print0(f'schedule: {args.epochs + args.cooldown_epochs} epochs ({args.epochs} cosine '
            f'with {args.warmup_epochs} of warm-up, then {args.cooldown_epochs} cool-down) '
            f'x {steps_per_epoch} steps of {run.total_batch} images ({args.batch_size} per process '
@@ -755,10 +790,11 @@ def prepare_training(run, raw, train_set):
            f'peak lr {scheduler.base_lrs[0]:.3g}, weight decay {args.weight_decay}')
     if steps_per_epoch < FEW_STEPS:
         print0(f'warning: {steps_per_epoch} optimizer step(s) an epoch ({len(train_set):,} images, '
-               f'{run.total_batch} a step) are too few to learn from: lower --batch-size or --accum-steps')
+               f'{run.total_batch} a step) are too few to learn from: lower --batch-size '
+               f'or --accum-steps')
     if args.warmup_epochs >= args.epochs:
-        print0(f'warning: the warm-up ({args.warmup_epochs} epochs) is as long as the run ({args.epochs}): '
-               'the learning rate never reaches its peak; lower --warmup-epochs')
+        print0(f'warning: the warm-up ({args.warmup_epochs} epochs) is as long as the run '
+               f'({args.epochs}): the learning rate never reaches its peak; lower --warmup-epochs')
     return t, sampler, loader
 
 
@@ -801,7 +837,8 @@ def fit(run, raw, train_set, val_set):
         validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0],
                  'images_per_s': speed}
-        for prefix, module in (('val', raw), ('ema_val', t.ema.module if t.ema is not None else None)):
+        for prefix, module in (('val', raw),
+                               ('ema_val', t.ema.module if t.ema is not None else None)):
             if validate and module is not None:
                 result = evaluate(run, module, val)
                 bad_val = result.pop('unreadable')  # the same on every rank

@@ -202,7 +202,8 @@ def inline_backward(q_ptr, k_ptr, v_ptr, do_ptr, r_ptr, k_mean_ptr, v_mean_ptr, 
             dy = dilation * (t // SIZE - SIZE // 2)
             dx = dilation * (t % SIZE - SIZE // 2)
             i, ok = neighbour(n, N, P, h, w, -dy, -dx)
-            dv += load_tap(r_ptr, bh, d, D, t, T)[None, :] * load_rows(do_ptr + for_head, i, d, N, D, ok)
+            dv += (load_tap(r_ptr, bh, d, D, t, T)[None, :]
+                   * load_rows(do_ptr + for_head, i, d, N, D, ok))
     where, rows = for_head + n[:, None] * D + d[None, :], (n[:, None] < N) & (d[None, :] < D)
     tl.store(dq_ptr + where, dq, mask=rows)
     tl.store(dk_ptr + where, dk, mask=rows)
@@ -268,8 +269,8 @@ class InLineTriton(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         inline_backward[(B * H, triton.cdiv(N, BLOCK_N))](
             q, k, v, do, v if r is None else r, k_mean, v_mean, cov, G, do_mean, dq, dk, dv,
-            N, D, N - h * w, h, w, ctx.dilation, r is not None, ctx.size, BLOCK_N, BLOCK_D, PRECISION,
-            num_warps=warps(BLOCK_D))
+            N, D, N - h * w, h, w, ctx.dilation, r is not None, ctx.size, BLOCK_N, BLOCK_D,
+            PRECISION, num_warps=warps(BLOCK_D))
         return dq, dk, dv, dr, None, None, None, None, None
 
 
@@ -287,9 +288,10 @@ def inline_core_triton(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dil
         raise ValueError(f"size must be an odd whole number >= 1 and dilation a whole number >= 1, "
                          f"got {size!r} and {dilation!r}")
     if r is not None and r.shape != (B, size * size * H * D):
-        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C)"
-                         f" = {(B, size * size * H * D)}, got {tuple(r.shape)}; the Triton core has no "
-                         f"other Eq. 6 weights (inline.local_residual also takes them per token)")
+        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, "
+                         f"{size * size}C) = {(B, size * size * H * D)}, got {tuple(r.shape)}; the "
+                         f"Triton core has no other Eq. 6 weights (inline.local_residual also "
+                         f"takes them per token)")
     if isinstance(scale, torch.Tensor):
         # autograd gives its gradient
         q, scale = (q * scale).to(q.dtype), 1.0  # s q^T Cov = (s q)^T Cov
@@ -302,8 +304,8 @@ def inline_core_triton(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dil
         raise ValueError(f"q, k, v and r must share one dtype, fp32, fp16 or bf16; got "
                          f"{', '.join(sorted(map(str, dtypes)))}")
     if q.device.type != 'cuda' and not INTERPRETED:
-        raise RuntimeError(f"inline_core_triton runs on CUDA tensors, or on CPU ones under Triton's "
-                           f"interpreter (TRITON_INTERPRET=1 set before triton is first imported); "
-                           f"got {q.device.type} tensors: inline.inline_core or "
+        raise RuntimeError(f"inline_core_triton runs on CUDA tensors, or on CPU ones under "
+                           f"Triton's interpreter (TRITON_INTERPRET=1 set before triton is first "
+                           f"imported); got {q.device.type} tensors: inline.inline_core or "
                            f"kernels.inline_core_fast run there")
     return InLineTriton.apply(q, k, v, r, tuple(grid), s, size, dilation, bool(scale_by_count))
