@@ -7,12 +7,17 @@ that printed it.
     python bench.py --bench --json          # the same, one JSON object per case
     python bench.py --choices --threads 1   # two design choices of kernels.py, timed: D constant,
                                             # and the per-call switches
-    python bench.py --compile               # what the first use in a process costs (compiling, or the cache)
-    python bench.py --per-call              # one call's cost beside its work: 197 tokens, 7x7 windows, 56x56
-    python bench.py --causal-bench          # the causal core against causal softmax SDPA, 1k to 16k tokens
+    python bench.py --compile               # what the first use in a process costs (compiling,
+                                            # or the cache)
+    python bench.py --per-call              # one call's cost beside its work: 197 tokens, 7x7
+                                            # windows, 56x56
+    python bench.py --causal-bench          # the causal core against causal softmax SDPA, 1k to
+                                            # 16k tokens
     python bench.py --demo                  # injectivity, and the two forms of Eq. 5 agree
-    python bench.py --peers                 # InLine against FLatten, a block and PVT-T, beside the rebuttal
-    python bench.py --gpu                   # on one GPU: reference, compiled, Triton, softmax; a Swin-T step
+    python bench.py --peers                 # InLine against FLatten, a block and PVT-T, beside the
+                                            # rebuttal
+    python bench.py --gpu                   # on one GPU: reference, compiled, Triton, softmax; a
+                                            # Swin-T step
     (a whole-model training step, reference against fast core: python -m paper speed --model-step)
 
 Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of

@@ -18,10 +18,12 @@ as written):
     import models
 
     # InLine-Swin-T under FPN in Mask R-CNN (checkpoint='inline_swin_t.pth': the ImageNet weights;
-    # layout='SSSS': Swin-T), at sizes that run in seconds on a CPU (COCO: 800, 1333, 2000, 1000, 512)
+    # layout='SSSS': Swin-T), at sizes that run in seconds on a CPU (COCO: 800, 1333, 2000, 1000,
+    # 512)
     backbone = models.create_model('inline_swin_t', features_only=True)
     model = MaskRCNN(dense.BackboneWithFPN(backbone), num_classes=91, min_size=128, max_size=192,
-                     rpn_post_nms_top_n_train=200, rpn_post_nms_top_n_test=100, box_batch_size_per_image=64)
+                     rpn_post_nms_top_n_train=200, rpn_post_nms_top_n_test=100,
+                     box_batch_size_per_image=64)
 
     # One training step on two images of different sizes, each with one box and its mask.
     images = [torch.rand(3, 120, 160), torch.rand(3, 160, 120)]
@@ -40,7 +42,8 @@ as written):
 
     # Inference on an image file, in the image's pixels
     model.eval()
-    image = pil_to_tensor(Image.open('figures/maps.png').convert('RGB')).float() / 255  # any RGB image
+    # any RGB image
+    image = pil_to_tensor(Image.open('figures/maps.png').convert('RGB')).float() / 255
     with torch.no_grad():
         # boxes, labels, scores, masks (untrained: few pass its score threshold)
         prediction = model([image])[0]

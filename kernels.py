@@ -426,7 +426,7 @@ def enable_fast(model, fast='compile', device=None, log=print):
     twin inline.FAST_CORES[fast] in place of inline.inline_core. Returns how many modules it
     switched. All are checked first, so a model is fast throughout or refused: linear attention and
     the peers (peers.py) by name, a change the fast core does not follow by one module of each
-    configuration (check_against_ reference). fast: 'compile' (this file, any device) or 'triton'
+    configuration (check_against_reference). fast: 'compile' (this file, any device) or 'triton'
     (triton_core.py, CUDA). device: where the check runs (the model's, else the CPU); log=None:
     silent."""
     # peers.py's

@@ -6,13 +6,18 @@ arXiv 2412.06590. The attention itself lives in inline.py and is imported, never
 builds the authors' four architectures around it, with module names that reproduce the released
 checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights load unchanged.
 
-    python -m paper models                # every variant: params and GMACs beside the paper's figures
+    python -m paper models  # every variant: params and GMACs beside the paper's figures
 
-    model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')       # a released checkpoint
-    model = create_model('inline_swin_t', layout='LLLS', residual='none')       # Table 3's linear baseline
-    model = create_model('inline_cswin_t', img_size=(224, 320), num_classes=0)  # non-square features
-    model = create_model('inline_swin_t', window=7, residual='none')            # a Table 4 ablation
-    model = create_model('inline_pvt_s', features_only=True)                    # stage maps (dense.py)
+    # a released checkpoint
+    model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')
+    # Table 3's linear baseline
+    model = create_model('inline_swin_t', layout='LLLS', residual='none')
+    # non-square features
+    model = create_model('inline_cswin_t', img_size=(224, 320), num_classes=0)
+    # a Table 4 ablation
+    model = create_model('inline_swin_t', window=7, residual='none')
+    # stage maps (dense.py)
+    model = create_model('inline_pvt_s', features_only=True)
 
 Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla linear
 attention (division normalisation, relu kernel by default), the paper's baseline; S = softmax
@@ -122,7 +127,8 @@ ATTENTION_OPTIONS = dict(kernel=None,
 def attention_options(family, options, letters):
     """The attention switches a family was given, checked and completed with the defaults:
     kernel (phi; None: identity for I, relu for L, 1 + elu for N), residual ('local' Eq. 6, 'plain',
-    'none'), local_size (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (T1: the
+    'none'), local_size (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (the
+    normalised-q ablation, asking the paper's Table 1 question of whether q's length matters: the
     letters, 'S' and/or 'I', of the blocks whose q is L2-normalised with a learned per-head gain,
     inline.NormalisedQ), allow_divergent (L with a signed kernel); focusing_factor, kernel_size,
     focused_normalisation (F), output_norm (N): the peers' (peers.make_peer).
@@ -183,9 +189,10 @@ class Mlp(nn.Sequential):
 class SoftmaxAttention(nn.Module):
     """Softmax attention over all tokens, DeiT's (`qkv`) and PVT's (`q`, `kv`, with spatial
     reduction: keys and values from the map downsampled by a conv of size and stride sr_ratio, then
-    LayerNorm; keys `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the T1
-    ablation (ours): softmax over L2-normalised queries times a learned per-head gain
-    (inline.NormalisedQ), so q and a*q (a > 0) get the same weights; scale D^-1/2 as usual."""
+    LayerNorm; keys `sr`, `norm`), computed with F.scaled_dot_product_attention. normalise_q: the
+    normalised-q ablation (ours, on the paper's Table 1 question: does q's length matter?): softmax
+    over L2-normalised queries times a learned per-head gain (inline.NormalisedQ), so q and a*q
+    (a > 0) get the same weights; scale D^-1/2 as usual."""
 
     def __init__(self, dim, num_heads, qkv_bias=True, separate_q=False, sr_ratio=1,
                  normalise_q=False, leading_tokens=0):
@@ -331,8 +338,8 @@ class Backbone(nn.Module):
 
     def no_weight_decay(self):
         """relu_affine's A starts at the identity: decaying it would pull phi towards zero, not
-        towards relu; T1's gain (inline.NormalisedQ) is a temperature, which decay would pull
-        towards uniform weights."""
+        towards relu; the normalised-q ablation's gain (inline.NormalisedQ) is a temperature, which
+        decay would pull towards uniform weights."""
         return {name for name, _ in self.named_parameters()
                 if name.endswith(('phi.weight', 'normalise_q.gain'))}
 
@@ -541,7 +548,7 @@ class WindowAttention(nn.Module):
     def __init__(self, dim, num_heads, window, normalise_q=False):
         super().__init__()
         self.num_heads, self.window = num_heads, window
-        # T1
+        # the normalised-q ablation (the paper's Table 1 question: does q's length matter?)
         self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2,
                                                                      num_heads))

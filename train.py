@@ -16,7 +16,8 @@ ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors
 (total batch = the variant's per-process batch x 8; fewer processes reach it by gradient
 accumulation, printed at start):
     torchrun --standalone --nproc_per_node=8 train.py --model inline_swin_t --data-path DIR
-    # the 384 px variants fine-tune from the 224 px weights (from their EMA where the file has one: CSwin)
+    # the 384 px variants fine-tune from the 224 px weights (from their EMA where the file has one:
+    # CSwin)
     torchrun --standalone --nproc_per_node=8 train.py --model inline_cswin_b_384 --data-path DIR \
         --finetune FILE
 Evaluate a checkpoint, ours or the authors' released file (and its EMA weights where it has them):
@@ -155,10 +156,11 @@ def get_args_parser():
       help='Swin: the authors\' absolute position embedding in InLine attention (default: '
            'on without Eq. 6)')
     a('--nonneg', action=argparse.BooleanOptionalAction,
-      help='InLine weights forced >= 0 (R-nonneg)')
+      help='InLine weights forced >= 0 (the non-negative weights ablation)')
     a('--normalise-q', metavar='LETTERS',
-      help="T1: the blocks whose q is L2-normalised with a learned per-head gain, "
-      "S (softmax), I (InLine) or SI")
+      help="the normalised-q ablation (the paper's Table 1 question: does q's length matter?): "
+      "the blocks whose q is L2-normalised with a learned per-head gain, S (softmax), I (InLine) "
+      "or SI")
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
       help='more create_model overrides, values as Python literals, else strings, each quoted '
            "for the shell where it has brackets: 'depths=(1,1,2,1)' embed_dim=48")
