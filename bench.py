@@ -1,21 +1,27 @@
-"""Benchmarks of the InLine attention cores (arXiv 2412.06590): the fast core (kernels.py) against the
-reference (inline.py), softmax SDPA and the matmul floor; the causal core (sequence.py) against causal SDPA;
-and the reference's short demonstration. RESULTS.md shows each table under the command that printed it.
+"""Benchmarks of the InLine attention cores (arXiv 2412.06590): the fast core (kernels.py) against
+the reference (inline.py), softmax SDPA and the matmul floor; the causal core (sequence.py) against
+causal SDPA; and the reference's short demonstration. RESULTS.md shows each table under the command
+that printed it.
 
     python bench.py --bench                 # the table: reference, fast, softmax SDPA, matmul floor
     python bench.py --bench --json          # the same, one JSON object per case
     python bench.py --choices --threads 1   # two design choices of kernels.py, timed: D constant,
                                             # and the per-call switches
-    python bench.py --compile               # what the first use in a process costs (compiling, or the cache)
-    python bench.py --per-call              # one call's cost beside its work: 197 tokens, 7x7 windows, 56x56
-    python bench.py --causal-bench          # the causal core against causal softmax SDPA, 1k to 16k tokens
+    python bench.py --compile               # what the first use in a process costs (compiling,
+                                            # or the cache)
+    python bench.py --per-call              # one call's cost beside its work: 197 tokens, 7x7
+                                            # windows, 56x56
+    python bench.py --causal-bench          # the causal core against causal softmax SDPA, 1k to
+                                            # 16k tokens
     python bench.py --demo                  # injectivity, and the two forms of Eq. 5 agree
-    python bench.py --peers                 # InLine against FLatten, a block and PVT-T, beside the rebuttal
-    python bench.py --gpu                   # on one GPU: reference, compiled, Triton, softmax; a Swin-T step
+    python bench.py --peers                 # InLine against FLatten, a block and PVT-T, beside the
+                                            # rebuttal
+    python bench.py --gpu                   # on one GPU: reference, compiled, Triton, softmax; a
+                                            # Swin-T step
     (a whole-model training step, reference against fast core: python -m paper speed --model-step)
 
-Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of per-round
-ratios. Notation as in inline.py.
+Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of
+per-round ratios. Notation as in inline.py.
 """
 import argparse
 import functools
@@ -33,15 +39,18 @@ import kernels
 import models
 import peers
 import sequence
-from inline import attention_scale, get_phi, inline_attention, inline_attention_quadratic, inline_weights
+from inline import (attention_scale, get_phi, inline_attention, inline_attention_quadratic,
+                    inline_weights)
 from inline import linear_attention_weights
-from kernels import compile_options, compiled_call, core_forward, inline_core_fast, neighbourhood, signature
+from kernels import (compile_options, compiled_call, core_forward, inline_core_fast, neighbourhood,
+                     signature)
 from kernels import symbolic_sizes
 
 # name: (batch, heads, grid side, head dim); the InLine stages of InLine-Swin-T, then stage 1 larger
 CASES = {
-    'swin_t_stage1': (8, 3, 56, 32), 'swin_t_stage2': (8, 6, 28, 32), 'swin_t_stage3': (8, 12, 14, 32),
-    'stage1_448px': (2, 3, 112, 32), 'stage1_896px': (1, 3, 224, 32), 'stage1_1024px': (1, 3, 256, 32),
+    'swin_t_stage1': (8, 3, 56, 32), 'swin_t_stage2': (8, 6, 28, 32),
+    'swin_t_stage3': (8, 12, 14, 32), 'stage1_448px': (2, 3, 112, 32),
+    'stage1_896px': (1, 3, 224, 32), 'stage1_1024px': (1, 3, 256, 32),
 }
 
 
@@ -51,8 +60,9 @@ def _sync(device):
 
 
 def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
-    """{name: [ms per round]}: every round calls each fn once; as many rounds as the slowest fn's budget
-    allows. warm_up=False: a first call longer than the budget is its own timing (softmax at 65k tokens)."""
+    """{name: [ms per round]}: every round calls each fn once; as many rounds as the slowest fn's
+    budget allows. warm_up=False: a first call longer than the budget is its own timing (softmax at
+    65k tokens)."""
     first = {}
     for name, fn in fns.items():
         for _ in range(2):
@@ -72,8 +82,9 @@ def time_interleaved(fns, device, budget_s=3.0, max_rounds=25, warm_up=True):
 
 
 def paired_ratio(ms, a, b):
-    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift in the
-    machine's speed (other jobs on a shared machine) cancels, where it would skew a ratio of two medians."""
+    """The median over rounds of a's time / b's. Each round times the two back to back, so a drift
+    in the machine's speed (other jobs on a shared machine) cancels, where it would skew a ratio of
+    two medians."""
     return statistics.median(x / y for x, y in zip(ms[a], ms[b]))
 
 
@@ -99,7 +110,8 @@ def bench_case(name, dtype, device):
     B, H, side, D = CASES[name]
     N = side * side
     gen = torch.Generator(device).manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype)
+                   for _ in range(4))
     r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
     C = torch.randn(B, H, D, D, generator=gen, device=device, dtype=dtype)
     inputs = [t.requires_grad_() for t in (q, k, v, r)]
@@ -124,7 +136,8 @@ def bench_case(name, dtype, device):
         'reference_fwdbwd_ms': lambda: fwdbwd(inline.inline_core),
         'fast_fwdbwd_ms': lambda: fwdbwd(inline_core_fast),
         'floor_fwdbwd_ms': floor}, device)
-    ms.update(time_interleaved({'sdpa_fwd_ms': lambda: fwd(sdpa), 'sdpa_fwdbwd_ms': lambda: fwdbwd(sdpa)},
+    ms.update(time_interleaved({'sdpa_fwd_ms': lambda: fwd(sdpa),
+                                'sdpa_fwdbwd_ms': lambda: fwdbwd(sdpa)},
                                device, warm_up=False))
     row = dict(case=name, tokens=N, dtype=str(dtype).replace('torch.', ''))
     row.update({key: round(statistics.median(ms[key]), 3) for key in (
@@ -142,12 +155,13 @@ CAUSAL_TOKENS = (1024, 2048, 4096, 8192, 16384)
 
 
 def bench_causal(N, dtype, device, B=1, H=4, D=64):
-    """One row of --causal-bench: the fast causal core, Eq. 5 alone and with Eq. 6 over 3 tokens, against
-    causal softmax (F.scaled_dot_product_attention(is_causal=True)), forward and forward + backward, in one
-    interleaved run. (The reference's (B, H, N, D, D) prefix sums need 1 GB per tensor at 16k tokens: it is
-    left out.)"""
+    """One row of --causal-bench: the fast causal core, Eq. 5 alone and with Eq. 6 over 3 tokens,
+    against causal softmax (F.scaled_dot_product_attention(is_causal=True)), forward and forward +
+    backward, in one interleaved run. (The reference's (B, H, N, D, D) prefix sums need 1 GB per
+    tensor at 16k tokens: it is left out.)"""
     gen = torch.Generator(device).manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype)
+                   for _ in range(4))
     r = 0.1 * torch.randn(B, N, 3 * H * D, generator=gen, device=device, dtype=dtype)
     inputs = [t.requires_grad_() for t in (q, k, v, r)]
     cores = {'sdpa': lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -156,34 +170,37 @@ def bench_causal(N, dtype, device, B=1, H=4, D=64):
     fns = {}
     for name, core in cores.items():
         fns[f'{name}_fwd_ms'] = lambda core=core: torch.no_grad()(core)()
-        fns[f'{name}_fwdbwd_ms'] = lambda core=core, n=4 if name == 'eq56' else 3: torch.autograd.grad(
-            core(), inputs[:n], do)
+        fns[f'{name}_fwdbwd_ms'] = (lambda core=core, n=4 if name == 'eq56' else 3:
+                                    torch.autograd.grad(core(), inputs[:n], do))
     ms = time_interleaved(fns, device, budget_s=60, max_rounds=9)
     row = dict(tokens=N, dtype=str(dtype).replace('torch.', ''), B=B, H=H, D=D)
     row.update({key: round(statistics.median(t), 2) for key, t in ms.items()})
-    for name in ('eq5', 'eq56'):  # how many times faster than causal SDPA: medians of per-round ratios
+    # how many times faster than causal SDPA: medians of per-round ratios
+    for name in ('eq5', 'eq56'):
         for part in ('fwd', 'fwdbwd'):
-            row[f'{name}_{part}_speedup'] = round(paired_ratio(ms, f'sdpa_{part}_ms', f'{name}_{part}_ms'), 2)
+            row[f'{name}_{part}_speedup'] = round(paired_ratio(ms, f'sdpa_{part}_ms',
+                                                               f'{name}_{part}_ms'), 2)
     return row
 
 
 def bench_compile(device, dtype=torch.float32):
-    """What the fast core's first use in a process costs: its first forward and backward on a small case,
-    which compile the two graphs, or load them where the inductor cache (TORCHINDUCTOR_CACHE_DIR) already
-    holds them."""
+    """What the fast core's first use in a process costs: its first forward and backward on a small
+    case, which compile the two graphs, or load them where the inductor cache
+    (TORCHINDUCTOR_CACHE_DIR) already holds them."""
     q, k, v, do = (torch.randn(2, 3, 64, 32, device=device, dtype=dtype, requires_grad=True)
                    for _ in range(4))
     r = torch.randn(2, 9 * 96, device=device, dtype=dtype, requires_grad=True)
     start = time.perf_counter()
-    torch.autograd.grad(inline_core_fast(q, k, v, r, (8, 8)), (q, k, v, r), do.detach()), _sync(device)
-    print(f"first forward + backward, {str(dtype).replace('torch.', '')}, inductor cache {cache_dir()}: "
-          f"{time.perf_counter() - start:.1f} s", flush=True)
+    torch.autograd.grad(inline_core_fast(q, k, v, r, (8, 8)), (q, k, v, r),
+                        do.detach()), _sync(device)
+    print(f"first forward + backward, {str(dtype).replace('torch.', '')}, inductor cache "
+          f"{cache_dir()}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def bench_choices(device):
-    """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too (the
-    forward graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to it, against one
-    through compiled_call's switches, marks and lock (one head of 49 tokens)."""
+    """Two of the choices above, timed in one interleaved run: D a constant against D symbolic too
+    (the forward graph at swin_t_stage1, fp32), and a call whose signature has a graph, straight to
+    it, against one through compiled_call's switches, marks and lock (one head of 49 tokens)."""
     def inputs(B, H, side):  # core_forward's arguments as InLineCore passes them
         gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
         return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
@@ -206,15 +223,18 @@ def bench_choices(device):
                                'd_symbolic': lambda: graphs[1](*symbolic),
                                'straight': lambda: compiled_call(core_forward, *small),
                                'switches': through_switches}, device)
-    print(f"forward graph, swin_t_stage1 fp32: D constant {statistics.median(ms['d_constant']):.1f} ms, "
-          f"D symbolic {statistics.median(ms['d_symbolic']):.1f} ms: "
+    print(f"forward graph, swin_t_stage1 fp32: D constant "
+          f"{statistics.median(ms['d_constant']):.1f} ms, D symbolic "
+          f"{statistics.median(ms['d_symbolic']):.1f} ms: "
           f"{paired_ratio(ms, 'd_symbolic', 'd_constant'):.2f}x")
     extra = statistics.median(s - c for s, c in zip(ms['switches'], ms['straight']))
-    print(f"a call whose signature has a graph: straight {statistics.median(ms['straight']):.3f} ms, "
-          f"through the switches {statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
+    print(f"a call whose signature has a graph: straight "
+          f"{statistics.median(ms['straight']):.3f} ms, through the switches "
+          f"{statistics.median(ms['switches']):.3f} ms: {extra:.3f} ms more", flush=True)
 
 
-PER_CALL = {  # python bench.py --per-call: (batch, heads, tokens before the grid, grid side, head dim)
+# python bench.py --per-call: (batch, heads, tokens before the grid, grid side, head dim)
+PER_CALL = {
     'InLine-DeiT-T, 224 px (197 tokens)': (1, 6, 1, 14, 32),
     'InLine-Swin-T windows of 7x7 (49 tokens)': (64, 3, 0, 7, 32),
     'InLine-Swin-T stage 1 (56x56 tokens)': (1, 3, 0, 56, 32),
@@ -222,17 +242,18 @@ PER_CALL = {  # python bench.py --per-call: (batch, heads, tokens before the gri
 
 
 def bench_per_call(device, dtypes):
-    """What one call of the fast core costs beside its work, forward only, in one interleaved run per case:
-    the whole call without and with a gradient asked (the autograd Function), the two GEMMs of Eq. 5 alone
-    (K^T V and Q Cov, eager: the work no implementation avoids) and softmax SDPA on the same q, k, v. Call
-    minus GEMMs is what the call adds: the fused passes over q, k, v (means, centring, Eq. 6) and the cost of
-    calling a compiled graph."""
+    """What one call of the fast core costs beside its work, forward only, in one interleaved run
+    per case: the whole call without and with a gradient asked (the autograd Function), the two
+    GEMMs of Eq. 5 alone (K^T V and Q Cov, eager: the work no implementation avoids) and softmax
+    SDPA on the same q, k, v. Call minus GEMMs is what the call adds: the fused passes over q, k, v
+    (means, centring, Eq. 6) and the cost of calling a compiled graph."""
     print(f"{'case':44s} {'dtype':>8s} | {'call us':>8s} {'w/ grad':>8s} | {'GEMMs':>7s} "
           f"{'call - GEMMs':>12s} | {'SDPA us':>8s}")
     for name, (B, H, P, side, D) in PER_CALL.items():
         for dtype in dtypes:
             N, gen = P + side * side, torch.Generator(device).manual_seed(0)
-            q, k, v = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(3))
+            q, k, v = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype)
+                       for _ in range(3))
             r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
             grads = [t.detach().requires_grad_() for t in (q, k, v, r)]
             cov = torch.randn(B, H, D, D, generator=gen, device=device, dtype=dtype)
@@ -244,31 +265,38 @@ def bench_per_call(device, dtypes):
             fns = {'call': call, 'grad': lambda: inline_core_fast(*grads, (side, side)),
                    'gemms': lambda: (k.mT @ v, q @ cov),
                    'sdpa': lambda: F.scaled_dot_product_attention(q, k, v)}
-            us = {n: 1e3 * statistics.median(t) for n, t in time_interleaved(fns, device, 2.0, 200).items()}
+            us = {n: 1e3 * statistics.median(t)
+                  for n, t in time_interleaved(fns, device, 2.0, 200).items()}
             print(f"{name:44s} {str(dtype)[6:]:>8s} | {us['call']:8.0f} {us['grad']:8.0f} | "
-                  f"{us['gemms']:7.0f} {us['call'] - us['gemms']:12.0f} | {us['sdpa']:8.0f}", flush=True)
+                  f"{us['gemms']:7.0f} {us['call'] - us['gemms']:12.0f} | {us['sdpa']:8.0f}",
+                  flush=True)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # python bench.py --peers: InLine against FLatten (peers.py), beside the authors' rebuttal
 
 # name: (grid side, C, heads, PVT's q and kv), the stage-1 shapes of Swin-T (InLine's and FLatten's
-# whole-stage blocks) and PVT-T (FLatten's heads; neither InLine-PVT nor FLatten-PVT reduces k and v: sr 1)
+# whole-stage blocks) and PVT-T (FLatten's heads; neither InLine-PVT nor FLatten-PVT reduces k and
+# v: sr 1)
 PEER_BLOCKS = {'Swin-T stage 1': (56, 96, 3, False), 'PVT-T stage 1': (56, 64, 1, True)}
-PEER_MODELS = {'PVT-T infer B1': 1, 'PVT-T train B8': 8}  # inline_pvt_t against flatten_pvt_t: batch
+# inline_pvt_t against flatten_pvt_t: batch
+PEER_MODELS = {'PVT-T infer B1': 1, 'PVT-T train B8': 8}
 PEER_IMG = 224  # their image side, px
-REBUTTAL = {'block': 1.8, 'PVT-T': 1.2}  # "1.8x faster than a FLatten block", "1.2x speed up" (RTX 3090 GPU)
+# "1.8x faster than a FLatten block", "1.2x speed up" (RTX 3090 GPU)
+REBUTTAL = {'block': 1.8, 'PVT-T': 1.2}
 
 
 def bench_peers(device, dtypes, rounds):
-    """One interleaved run, every dtype in it (bf16 by autocast, as one trains in it): an attention block of
-    InLine (the reference path, inline.py, as the authors' code runs it) and of FLatten at each PEER_BLOCKS
-    shape, batch 8, forward and forward + backward, and inline_pvt_t against flatten_pvt_t (inference, and a
-    training step: forward, cross-entropy, backward, AdamW). Prints medians and FLatten / InLine, the median
-    of per-round ratios, beside the rebuttal's GPU figures."""
+    """One interleaved run, every dtype in it (bf16 by autocast, as one trains in it): an attention
+    block of InLine (the reference path, inline.py, as the authors' code runs it) and of FLatten at
+    each PEER_BLOCKS shape, batch 8, forward and forward + backward, and inline_pvt_t against
+    flatten_pvt_t (inference, and a training step: forward, cross-entropy, backward, AdamW). Prints
+    medians and FLatten / InLine, the median of per-round ratios, beside the rebuttal's GPU
+    figures."""
     gen = torch.Generator(device).manual_seed(0)
     blocks = {name: {'inline': inline.InLineAttention(C, H, separate_q=q_kv).to(device),
-                     'flatten': peers.FocusedLinearAttention(C, H, side * side, separate_q=q_kv).to(device)}
+                     'flatten': peers.FocusedLinearAttention(C, H, side * side,
+                                                             separate_q=q_kv).to(device)}
               for name, (side, C, H, q_kv) in PEER_BLOCKS.items()}
     pvt = {label: models.create_model(f'{label}_pvt_t', img_size=PEER_IMG).to(device)
            for label in ('inline', 'flatten')}
@@ -297,18 +325,19 @@ def bench_peers(device, dtypes, rounds):
             x = torch.randn(8, side * side, C, generator=gen, device=device)  # (B, N, C)
             dy = torch.randn(x.shape, generator=gen, device=device)  # a random upstream gradient
             for label, block in blocks[name].items():
-                fns[name, 'fwd', d, label] = functools.partial(block_step, block, x, (side, side), None,
-                                                               dtype)
+                fns[name, 'fwd', d, label] = functools.partial(block_step, block, x, (side, side),
+                                                               None, dtype)
                 fns[name, 'fwdbwd', d, label] = functools.partial(
                     block_step, block, x.clone().requires_grad_(), (side, side), dy, dtype)
         for name, batch in PEER_MODELS.items():
             x = torch.randn(batch, 3, PEER_IMG, PEER_IMG, generator=gen, device=device)
-            y = torch.randint(0, 1000, (batch,), generator=gen, device=device) if 'train' in name else None
+            y = (torch.randint(0, 1000, (batch,), generator=gen, device=device) if 'train' in name
+                 else None)
             for label in pvt:
                 fns[name, 'step', d, label] = functools.partial(model_step, label, x, y, dtype)
     ms = time_interleaved(fns, device, budget_s=1e9, max_rounds=rounds)  # every case `rounds` times
-    print(f"InLine against FLatten, {rounds} round(s); ratio: FLatten's time / InLine's, median of per-round "
-          f"ratios; the rebuttal's figure is an RTX 3090 GPU's")
+    print(f"InLine against FLatten, {rounds} round(s); ratio: FLatten's time / InLine's, median of "
+          f"per-round ratios; the rebuttal's figure is an RTX 3090 GPU's")
     print(f"{'case':16s} {'part':>6s} {'dtype':>8s} | {'InLine ms':>9s} {'FLatten ms':>10s} | "
           f"{'ratio':>5s} | {'rebuttal':>8s}")
     for name, part, d, label in fns:
@@ -316,12 +345,13 @@ def bench_peers(device, dtypes, rounds):
             ours, theirs = (name, part, d, 'inline'), (name, part, d, 'flatten')
             rebuttal = REBUTTAL['block' if name in PEER_BLOCKS else 'PVT-T']
             print(f"{name:16s} {part:>6s} {d:>8s} | {statistics.median(ms[ours]):9.1f} "
-                  f"{statistics.median(ms[theirs]):10.1f} | {paired_ratio(ms, theirs, ours):4.2f}x | "
-                  f"{rebuttal:7.1f}x", flush=True)
+                  f"{statistics.median(ms[theirs]):10.1f} | "
+                  f"{paired_ratio(ms, theirs, ours):4.2f}x | {rebuttal:7.1f}x", flush=True)
 
 
-# ---------------------------------------------------------------------------------------------------
-# python bench.py --demo: the reference demonstrated (the timings of whole models: python -m paper speed)
+# --------------------------------------------------------------------------------------------------
+# python bench.py --demo: the reference demonstrated (the timings of whole models: python -m paper
+# speed)
 
 def _demo():
     torch.manual_seed(0)
@@ -348,18 +378,19 @@ def _demo():
     print(f"   rows of w sum to 1: max |sum_j w_ij - 1| = {(w.sum(-1) - 1).abs().max().item():.1e}")
     print(f"   max |w @ v - linear form| = "
           f"{(inline_attention_quadratic(q, k, v) - inline_attention(q, k, v)).abs().max().item():.1e}")
-    print(f"   negative weights: {(w < 0).float().mean().item():.0%} of them (intended: no non-negativity "
-          f"constraint)")
+    print(f"   negative weights: {(w < 0).float().mean().item():.0%} of them (intended: no "
+          f"non-negativity constraint)")
 
 
-# ---------------------------------------------------------------------------------------------------
-# python bench.py --gpu: the reference, the compiled core, the Triton kernel (triton_core.py) and softmax
-# SDPA on one GPU, and a whole InLine-Swin-T training step with each InLine core. --device cpu: a smoke
-# test at tiny sizes (the Triton rows under the interpreter if TRITON_INTERPRET=1, else marked not run).
+# --------------------------------------------------------------------------------------------------
+# python bench.py --gpu: the reference, the compiled core, the Triton kernel (triton_core.py) and
+# softmax SDPA on one GPU, and a whole InLine-Swin-T training step with each InLine core. --device
+# cpu: a smoke test at tiny sizes (the Triton rows under the interpreter if TRITON_INTERPRET=1, else
+# marked not run).
 
-# name: ((B, H, P, grid side, D) on a GPU, the same for the smoke test); P leading tokens (DeiT's class
-# token). Swin-T's stage 1 at the step's batch, 64; DeiT-T (3 heads of 64) at 224, 512 and 1024 px,
-# 1 + (px/16)^2 tokens, the batch shrinking as the tokens grow.
+# name: ((B, H, P, grid side, D) on a GPU, the same for the smoke test); P leading tokens
+# (DeiT's class token). Swin-T's stage 1 at the step's batch, 64; DeiT-T (3 heads of 64) at 224, 512
+# and 1024 px, 1 + (px/16)^2 tokens, the batch shrinking as the tokens grow.
 GPU_CASES = {
     'swin_t_stage1': ((64, 3, 0, 56, 32), (2, 3, 0, 8, 32)),
     'deit_t_224px': ((64, 3, 1, 14, 64), (2, 3, 1, 4, 64)),
@@ -368,7 +399,8 @@ GPU_CASES = {
 }
 GPU_CORES = ('reference', 'compiled', 'triton', 'sdpa')
 GPU_STEP_BATCH = 64  # the training step's; the smoke test's is 2, on SMOKE_SWIN
-SMOKE_SWIN = dict(img_size=64, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), softmax_window=2)
+SMOKE_SWIN = dict(img_size=64, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
+                  softmax_window=2)
 
 
 def gpu_core(name, device):
@@ -389,8 +421,8 @@ def gpu_core(name, device):
 
 
 def gpu_ms(fn, device, rep_ms=100):
-    """Median ms of fn: triton.testing.do_bench on CUDA (rep_ms of calls, the L2 cache flushed before
-    each); elsewhere three calls after a warm-up."""
+    """Median ms of fn: triton.testing.do_bench on CUDA (rep_ms of calls, the L2 cache flushed
+    before each); elsewhere three calls after a warm-up."""
     if device.type == 'cuda':
         import triton.testing
         return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode='median')
@@ -404,18 +436,21 @@ def gpu_ms(fn, device, rep_ms=100):
 
 
 def bench_gpu_case(name, dtype, device, smoke=False, cores=GPU_CORES):
-    """Rows of --gpu for one case and dtype: each core's forward (no gradient) and forward + backward
-    (the gradients of q, k, v and r) in ms, and the peak memory of forward + backward in MB."""
+    """Rows of --gpu for one case and dtype: each core's forward (no gradient) and forward +
+    backward (the gradients of q, k, v and r) in ms, and the peak memory of forward + backward in
+    MB."""
     B, H, P, side, D = GPU_CASES[name][smoke]
     N, grid = P + side * side, (side, side)
     gen = torch.Generator(device).manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype)
+                   for _ in range(4))
     r = 0.1 * torch.randn(B, 9 * H * D, generator=gen, device=device, dtype=dtype)
     inputs = [t.requires_grad_() for t in (q, k, v, r)]
     rows = []
     for core_name in cores:
         core = gpu_core(core_name, device)
-        row = dict(case=name, batch=B, tokens=N, dtype=str(dtype).replace('torch.', ''), core=core_name)
+        row = dict(case=name, batch=B, tokens=N, dtype=str(dtype).replace('torch.', ''),
+                   core=core_name)
         if isinstance(core, str):
             rows.append(dict(row, status=core))
             continue
@@ -434,9 +469,10 @@ def bench_gpu_case(name, dtype, device, smoke=False, cores=GPU_CORES):
 
 
 def bench_gpu_step(fast, device, smoke=False):
-    """A row of --gpu: one training step (forward, cross-entropy, backward) of InLine-Swin-T at 224 px
-    and batch 64 under bf16 autocast, built on device by models.create_model(fast=fast), in ms, and its
-    peak memory in MB. Not run where that does not build, or builds another core than fast names."""
+    """A row of --gpu: one training step (forward, cross-entropy, backward) of InLine-Swin-T at 224
+    px and batch 64 under bf16 autocast, built on device by models.create_model(fast=fast), in ms,
+    and its peak memory in MB. Not run where that does not build, or builds another core than fast
+    names."""
     B = 2 if smoke else GPU_STEP_BATCH
     row = dict(case='inline_swin_t step', batch=B, tokens=None, dtype='bfloat16',
                core={False: 'reference', 'compile': 'compiled', 'triton': 'triton'}[fast])
@@ -466,7 +502,8 @@ def bench_gpu_step(fast, device, smoke=False):
 def format_gpu_row(row):
     """One line of --gpu's table."""
     tokens = '' if row['tokens'] is None else row['tokens']
-    start = f"{row['case']:18s} {row['batch']:3d} {tokens:>6} {row['dtype']:>8s} {row['core']:>9s} |"
+    start = (f"{row['case']:18s} {row['batch']:3d} {tokens:>6} {row['dtype']:>8s} "
+             f"{row['core']:>9s} |")
     if row['status'] != 'ok':
         return f"{start} {row['status']}"
     if 'step_ms' in row:
@@ -475,10 +512,11 @@ def format_gpu_row(row):
 
 
 def bench_gpu(device):
-    """python bench.py --gpu: GPU_CASES in fp16 and bf16 with each of GPU_CORES, then the training step
-    with each InLine core; on a device other than CUDA, a smoke test at tiny sizes."""
+    """python bench.py --gpu: GPU_CASES in fp16 and bf16 with each of GPU_CORES, then the training
+    step with each InLine core; on a device other than CUDA, a smoke test at tiny sizes."""
     smoke = device.type != 'cuda'
-    where = torch.cuda.get_device_name(device) if not smoke else f"{device.type}: a smoke test, tiny sizes"
+    where = (torch.cuda.get_device_name(device) if not smoke
+             else f"{device.type}: a smoke test, tiny sizes")
     print(f"# {where}\n"
           f"{'case':18s} {'B':>3s} {'tokens':>6s} {'dtype':>8s} {'core':>9s} | {'fwd ms':>8s} "
           f"{'f+b ms':>8s} | {'peak MB':>8s}   (a step: its ms under f+b)", flush=True)
@@ -491,17 +529,22 @@ def bench_gpu(device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Benchmark the fast InLine core against the reference")
+    parser = argparse.ArgumentParser(
+        description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
-    parser.add_argument('--choices', action='store_true', help="time two design choices (see bench_choices)")
-    parser.add_argument('--compile', action='store_true', help="time the first use: compiling the two graphs")
-    parser.add_argument('--per-call', action='store_true', help="what one call costs beside its work, "
-                        "at 197 tokens, 49-token windows and 56x56 tokens (see bench_per_call)")
+    parser.add_argument('--choices', action='store_true',
+                        help="time two design choices (see bench_choices)")
+    parser.add_argument('--compile', action='store_true',
+                        help="time the first use: compiling the two graphs")
+    parser.add_argument('--per-call', action='store_true',
+                        help="what one call costs beside its work, at 197 tokens, 49-token windows "
+                             "and 56x56 tokens (see bench_per_call)")
     parser.add_argument('--causal-bench', action='store_true',
                         help="time the causal core against causal softmax SDPA at --tokens")
     parser.add_argument('--tokens', default=','.join(map(str, CAUSAL_TOKENS)),
                         help="comma-separated sequence lengths of --causal-bench")
-    parser.add_argument('--json', action='store_true', help="one JSON object per case instead of a table")
+    parser.add_argument('--json', action='store_true',
+                        help="one JSON object per case instead of a table")
     parser.add_argument('--cases', default=','.join(CASES),
                         help="comma-separated subset of " + ', '.join(CASES))
     parser.add_argument('--dtypes', default='float32,bfloat16', help="comma-separated torch dtypes")
@@ -510,22 +553,26 @@ def main():
                         help="the reference's demonstration (injectivity, Eq. 5's forms)")
     parser.add_argument('--threads', type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument('--peers', action='store_true',
-                        help="InLine against FLatten: one attention block and PVT-T (see bench_peers)")
-    parser.add_argument('--gpu', action='store_true', help="the four cores and an InLine-Swin-T training "
-                        "step on one GPU (see bench_gpu); --device cpu: a smoke test at tiny sizes")
+                        help="InLine against FLatten: one attention block and PVT-T "
+                             "(see bench_peers)")
+    parser.add_argument('--gpu', action='store_true',
+                        help="the four cores and an InLine-Swin-T training step on one GPU (see "
+                             "bench_gpu); --device cpu: a smoke test at tiny sizes")
     parser.add_argument('--rounds', type=int, default=9,
                         help="rounds of --peers, each timing every case once")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtypes = torch.device(args.device), [getattr(torch, d) for d in args.dtypes.split(',')]
-    print(f"# {device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True,
-          file=sys.stderr if args.json else sys.stdout)  # --json: stdout holds only JSON lines
-    header = (f"{'case':15s} {'tokens':>6s} {'dtype':>8s} | {'reference ms':>15s} | {'fast ms':>15s} | "
-              f"{'speed-up':>11s} | {'softmax SDPA ms':>17s} | {'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
-              f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
-              f"{'fwd':>5s} {'f+b':>5s} | {'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | "
-              f"{'MB':>6s}")
+    # --json: stdout holds only JSON lines
+    print(f"# {device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+          flush=True, file=sys.stderr if args.json else sys.stdout)
+    header = (f"{'case':15s} {'tokens':>6s} {'dtype':>8s} | {'reference ms':>15s} | "
+              f"{'fast ms':>15s} | {'speed-up':>11s} | {'softmax SDPA ms':>17s} | "
+              f"{'floor':>7s} {'fast/':>6s} | {'peak':>6s}\n"
+              f"{'':15s} {'':>6s} {'':>8s} | {'fwd':>7s} {'fwd+bwd':>7s} | "
+              f"{'fwd':>7s} {'fwd+bwd':>7s} | {'fwd':>5s} {'f+b':>5s} | "
+              f"{'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | {'MB':>6s}")
     if args.demo:
         _demo()
     if args.gpu:
@@ -542,18 +589,21 @@ def main():
     if args.causal_bench:
         if not args.json:
             ms, speedup = f"{'fwd':>7s} {'fwd+bwd':>7s}", f"{'fwd':>5s} {'f+b':>5s}"
-            print(f"{'tokens':>6s} {'dtype':>8s} | {'causal SDPA ms':>15s} | {'InLine Eq. 5 ms':>15s} | "
-                  f"{'speed-up':>11s} | {'Eq. 5 + 6 ms':>15s} | {'speed-up':>11s}\n{'':>6s} {'':>8s} | "
-                  f"{ms} | {ms} | {speedup} | {ms} | {speedup}", flush=True)
+            print(f"{'tokens':>6s} {'dtype':>8s} | {'causal SDPA ms':>15s} | "
+                  f"{'InLine Eq. 5 ms':>15s} | {'speed-up':>11s} | {'Eq. 5 + 6 ms':>15s} | "
+                  f"{'speed-up':>11s}\n"
+                  f"{'':>6s} {'':>8s} | {ms} | {ms} | {speedup} | {ms} | {speedup}", flush=True)
         for N in map(int, args.tokens.split(',')):
             for dtype in dtypes:
                 row = bench_causal(N, dtype, device)
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue
-                print(f"{N:6d} {row['dtype']:>8s} | {row['sdpa_fwd_ms']:7.1f} {row['sdpa_fwdbwd_ms']:7.1f} | "
+                print(f"{N:6d} {row['dtype']:>8s} | "
+                      f"{row['sdpa_fwd_ms']:7.1f} {row['sdpa_fwdbwd_ms']:7.1f} | "
                       + ' | '.join(f"{row[f'{n}_fwd_ms']:7.1f} {row[f'{n}_fwdbwd_ms']:7.1f} | "
-                                   f"{row[f'{n}_fwd_speedup']:4.1f}x {row[f'{n}_fwdbwd_speedup']:4.1f}x"
+                                   f"{row[f'{n}_fwd_speedup']:4.1f}x "
+                                   f"{row[f'{n}_fwdbwd_speedup']:4.1f}x"
                                    for n in ('eq5', 'eq56')), flush=True)
     if args.bench:
         if not args.json:
@@ -566,8 +616,9 @@ def main():
                     continue
                 ref_f, ref_fb, f, fb = (row[k] for k in ('reference_fwd_ms', 'reference_fwdbwd_ms',
                                                          'fast_fwd_ms', 'fast_fwdbwd_ms'))
-                print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | {ref_f:7.1f} {ref_fb:7.1f} | "
-                      f"{f:7.1f} {fb:7.1f} | {row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | "
+                print(f"{name:15s} {row['tokens']:6d} {row['dtype']:>8s} | "
+                      f"{ref_f:7.1f} {ref_fb:7.1f} | {f:7.1f} {fb:7.1f} | "
+                      f"{row['fwd_speedup']:4.1f}x {row['fwdbwd_speedup']:4.1f}x | "
                       f"{row['sdpa_fwd_ms']:8.1f} {row['sdpa_fwdbwd_ms']:8.1f} | "
                       f"{row['floor_fwdbwd_ms']:7.1f} {row['fwdbwd_over_floor']:5.2f}x | "
                       f"{row['fast_peak_mb']:6.1f}", flush=True)

@@ -40,17 +40,19 @@ def fail(message):
     raise SystemExit(1)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The released format {'model': state_dict}, and train.py's, which uses the same key
 
-REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')  # released buffers our models compute instead
-EMA_KEYS = ('model_ema', 'state_dict_ema')  # EMA weights beside 'model': train.py's; the authors' CSwin files
+# released buffers our models compute instead
+REBUILT_BUFFERS = ('relative_position_index', 'attn_mask')
+# EMA weights beside 'model': train.py's; the authors' CSwin files
+EMA_KEYS = ('model_ema', 'state_dict_ema')
 
 
 def read_file(path):
-    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the file. A
-    file that also holds other Python objects (the authors' training files keep their yacs config) is refused
-    with a ValueError that gives the line keeping only its weights."""
+    """A checkpoint file as torch.load(weights_only=True) reads it, which never runs code from the
+    file. A file that also holds other Python objects (the authors' training files keep their yacs
+    config) is refused with a ValueError that gives the line keeping only its weights."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
@@ -62,14 +64,15 @@ def read_file(path):
                  f"weights_only=False); torch.save({{k: c[k] for k in ({keep}) if k in c}}, "
                  f"{os.fspath(stripped)!r})")
         raise ValueError(
-            f"{path} holds Python objects besides weights (such as the authors' yacs config), which "
-            f"torch.load(weights_only=True) refuses to unpickle ({str(e).strip().splitlines()[-1]}).\n"
-            f"If you trust the file, keep only its weights once:\n"
-            f"python -c {shlex.quote(strip)}\nand pass {shlex.quote(stripped)} instead.") from None
+            f"{path} holds Python objects besides weights (such as the authors' yacs config), "
+            f"which torch.load(weights_only=True) refuses to unpickle "
+            f"({str(e).strip().splitlines()[-1]}).\nIf you trust the file, keep only its weights "
+            f"once:\npython -c {shlex.quote(strip)}\nand pass "
+            f"{shlex.quote(stripped)} instead.") from None
     except Exception as e:  # a text file, a truncated download: torch.load's own error says little
-        raise ValueError(f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}); "
-                         f"a checkpoint is a file torch.save wrote, such as train.py's {CHECKPOINT} or "
-                         f"a released .pth") from None
+        raise ValueError(f"{path} is not a checkpoint: torch.load cannot read it "
+                         f"({type(e).__name__}: {e}); a checkpoint is a file torch.save wrote, "
+                         f"such as train.py's {CHECKPOINT} or a released .pth") from None
 
 
 def load_checkpoint(model, checkpoint, img_size=None, key='model'):
@@ -235,10 +238,11 @@ def resize_grid(tokens, old_grid, new_grid, mode):
     return x.flatten(2).transpose(1, 2)  # (1, h'*w', C)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # train.py's files
 
-CHECKPOINT = 'checkpoint.pt'  # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
+# OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
+CHECKPOINT = 'checkpoint.pt'
 
 
 def check_output_dir(path):
@@ -274,8 +278,10 @@ def load_weights(model, saved, key, path, img_size):
 
 
 def link_atomic(src, dst):
-    """dst becomes the same file as src (a hard link, or a copy where links are unsupported), atomically."""
-    if os.path.exists(dst) and os.path.samefile(src, dst):  # renaming a link onto itself would leave dst.tmp
+    """dst becomes the same file as src (a hard link, or a copy where links are unsupported),
+    atomically."""
+    # renaming a link onto itself would leave dst.tmp
+    if os.path.exists(dst) and os.path.samefile(src, dst):
         return
     with contextlib.suppress(FileNotFoundError):
         os.remove(dst + '.tmp')
@@ -303,7 +309,8 @@ def save_checkpoint(run, t, is_best=False):
                         'ema_updates': int(t.ema.n_averaged) if t.ema else 0,
                         'epoch': t.epoch, 'step': t.step,
                         'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
-                        'args': vars(run.args), 'arch': t.raw.arch, 'num_classes': t.raw.num_classes}, f)
+                        'args': vars(run.args), 'arch': t.raw.arch,
+                        'num_classes': t.raw.num_classes}, f)
             f.flush()
             os.fsync(f.fileno())
         # flushed to disk, then renamed: a crash leaves the old file or the new
@@ -313,7 +320,8 @@ def save_checkpoint(run, t, is_best=False):
 
 
 def publish(run, t, is_best):
-    """best.pt and metrics.jsonl follow checkpoint.pt (redone on resume, in case a kill came in between)."""
+    """best.pt and metrics.jsonl follow checkpoint.pt (redone on resume, in case a kill came in
+    between)."""
     if run.rank != 0:
         return
     out = run.args.output_dir
@@ -326,8 +334,8 @@ def publish(run, t, is_best):
 
 
 def resume(run, t):
-    """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, EMA, log and random
-    streams."""
+    """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, EMA, log and
+    random streams."""
     saved, path, args = run.saved, run.saved_path, run.args
     try:
         t.raw.load_state_dict(saved['model'])
@@ -339,17 +347,21 @@ def resume(run, t):
     if t.ema is not None and saved.get('model_ema') is not None:
         t.ema.module.load_state_dict(saved['model_ema'])
         t.ema.n_averaged.fill_(saved['ema_updates'])
-    t.epoch, t.step, t.best_acc, t.log = saved['epoch'], saved['step'], saved['best_acc1'], saved['log']
-    if len(saved['rng']) == run.world:  # this rank's random streams, as save_checkpoint gathered them
+    t.epoch, t.step, t.best_acc, t.log = (saved['epoch'], saved['step'], saved['best_acc1'],
+                                          saved['log'])
+    # this rank's random streams, as save_checkpoint gathered them
+    if len(saved['rng']) == run.world:
         state = saved['rng'][run.rank]
         torch.set_rng_state(state['torch'])
         random.setstate(state['python'])
         if state['cuda']:
             torch.cuda.set_rng_state_all(state['cuda'])
     else:
-        print0(f'warning: saved with {len(saved["rng"])} processes, now {run.world}; random streams differ')
+        print0(f'warning: saved with {len(saved["rng"])} processes, now {run.world}; '
+               f'random streams differ')
     changed = sorted(k for k, v in saved['args'].items()
-                     if vars(args).get(k) != v and k not in ('resume', 'workers', 'threads', 'output_dir'))
+                     if vars(args).get(k) != v
+                     and k not in ('resume', 'workers', 'threads', 'output_dir'))
     print0(f'resumed from {path}: epoch {t.epoch + 1}, step {t.step}' +
            (f' (changed since saved: {", ".join(changed)})' if changed else ''))
     if path == os.path.join(args.output_dir, CHECKPOINT):
@@ -357,8 +369,9 @@ def resume(run, t):
 
 
 def save_correct(run, name, correct):
-    """OUTPUT_DIR/<name>.pt: evaluate's per-image results (a bool tensor, one entry per validation image in
-    the validation set's order), which the lab reads; written by rank 0 atomically, as checkpoints are."""
+    """OUTPUT_DIR/<name>.pt: evaluate's per-image results (a bool tensor, one entry per validation
+    image in the validation set's order), which the lab reads; written by rank 0 atomically, as
+    checkpoints are."""
     if run.rank == 0:
         path = os.path.join(run.args.output_dir, f'{name}.pt')
         torch.save(correct, path + '.tmp')

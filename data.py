@@ -1,10 +1,12 @@
-"""The data train.py trains on: the synthetic task, ImageFolders (ImageNet-1K), Fashion-MNIST and CIFAR, and
-the released augmentation (timm's RandAugment, Mixup/CutMix in train.py) and evaluation transforms.
+"""The data train.py trains on: the synthetic task, ImageFolders (ImageNet-1K), Fashion-MNIST and
+CIFAR, and the released augmentation (timm's RandAugment, Mixup/CutMix in train.py) and evaluation
+transforms.
 
-InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args) returns (training set,
-validation set) for the flags train.py resolved. The small datasets are read from their files as distributed
-(Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no download is needed where they are installed.
+InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
+NeurIPS 2024, arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args)
+returns (training set, validation set) for the flags train.py resolved. The small datasets are read
+from their files as distributed (Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no
+download is needed where they are installed.
 """
 import gzip
 import math
@@ -24,7 +26,8 @@ from torchvision.transforms.v2 import functional as F
 
 from checkpoints import fail, print0
 
-NO_EVAL_CROP = ('inline_swin_b_384',)  # its config's TEST.CROP is False: resized straight to 384 x 384
+# its config's TEST.CROP is False: resized straight to 384 x 384
+NO_EVAL_CROP = ('inline_swin_b_384',)
 SMALL_DATASETS = {'fashion_mnist': datasets.FashionMNIST, 'cifar10': datasets.CIFAR10,
                   'cifar100': datasets.CIFAR100}
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -35,11 +38,11 @@ TO_TENSOR = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN
 
 class SyntheticShapes(Dataset):
     """Ten procedurally drawn classes: five shapes at a random place, size and rotation, four stripe
-    orientations and a checkerboard, each under random colours and noise. Sample i is a pure function of
-    (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so nothing needs
-    saving."""
-    classes = ['disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°', 'stripes 90°',
-               'stripes 135°', 'checkerboard']
+    orientations and a checkerboard, each under random colours and noise. Sample i is a pure
+    function of (seed, epoch, i) (train; a fresh set every epoch) or of (seed, i) (validation), so
+    nothing needs saving."""
+    classes = ['disc', 'ring', 'square', 'triangle', 'cross', 'stripes 0°', 'stripes 45°',
+               'stripes 90°', 'stripes 135°', 'checkerboard']
 
     def __init__(self, size, img_size, seed, train):
         self.size, self.img_size, self.seed, self.train, self.epoch = size, img_size, seed, train, 0
@@ -49,15 +52,18 @@ class SyntheticShapes(Dataset):
 
     def __getitem__(self, index):
         # hash() of a tuple of ints is the same in every process and every run
-        g = torch.Generator().manual_seed(hash((self.seed, self.epoch if self.train else -1, index)) % 2**62)
+        g = torch.Generator().manual_seed(hash((self.seed, self.epoch if self.train else -1, index))
+                                          % 2**62)
         uniform = lambda: torch.rand((), generator=g).item()  # noqa: E731
         label, S = index % len(self.classes), self.img_size
         t = torch.linspace(-1 + 1 / S, 1 - 1 / S, S)  # pixel centres in [-1, 1]
         y, x = torch.meshgrid(t, t, indexing='ij')  # (S, S) each
-        if label < 5:  # a shape, upright within +-15 degrees; f > 0 inside, in units of half the image side
+        if label < 5:
+            # a shape, upright within +-15 degrees; f > 0 inside, in units of half the image side
             r, angle = 0.45 + 0.3 * uniform(), math.radians(30 * (uniform() - 0.5))
             x, y = x - (2 * uniform() - 1) * (1 - r), y - (2 * uniform() - 1) * (1 - r)
-            x, y = math.cos(angle) * x + math.sin(angle) * y, -math.sin(angle) * x + math.cos(angle) * y
+            x, y = (math.cos(angle) * x + math.sin(angle) * y,
+                    -math.sin(angle) * x + math.cos(angle) * y)
             d = (x ** 2 + y ** 2).sqrt()
             if label == 0:
                 f = r - d
@@ -65,7 +71,8 @@ class SyntheticShapes(Dataset):
                 f = torch.minimum(r - d, d - 0.55 * r)
             elif label == 2:
                 f = 0.8 * r - torch.maximum(x.abs(), y.abs())
-            elif label == 3:  # equilateral triangle, pointing up: inside three half-planes at distance r/2
+            elif label == 3:
+                # equilateral triangle, pointing up: inside three half-planes at distance r/2
                 f = torch.stack([r / 2 - x * math.cos(a) - y * math.sin(a)
                                  for a in (math.pi / 2, math.pi * 7 / 6, -math.pi / 6)]).amin(0)
             else:
@@ -73,39 +80,49 @@ class SyntheticShapes(Dataset):
                 f = torch.maximum(torch.minimum(a - x.abs(), r - y.abs()),
                                   torch.minimum(a - y.abs(), r - x.abs()))
             mask = (f * S / 2 + 0.5).clamp(0, 1)  # about one pixel of anti-aliased edge
-        else:  # a texture over the image: a grating (wave vector at 0/45/90/135° +- 10°) or a checkerboard
+        else:
+            # a texture over the image: a grating (wave vector at 0/45/90/135° +- 10°) or a
+            # checkerboard
             period, angle = 0.25 + 0.25 * uniform(), 2 * math.pi * uniform()
             if label < 9:
                 angle = math.radians(45 * (label - 5) + 20 * (uniform() - 0.5))
-            u = (x * math.cos(angle) + y * math.sin(angle)) * 2 * math.pi / period + 2 * math.pi * uniform()
-            v = (y * math.cos(angle) - x * math.sin(angle)) * 2 * math.pi / period + 2 * math.pi * uniform()
+            u = ((x * math.cos(angle) + y * math.sin(angle)) * 2 * math.pi / period
+                 + 2 * math.pi * uniform())
+            v = ((y * math.cos(angle) - x * math.sin(angle)) * 2 * math.pi / period
+                 + 2 * math.pi * uniform())
             mask = ((u.sin() if label < 9 else u.sin() * v.sin()) * 2 + 0.5).clamp(0, 1)
         fg = torch.rand(3, generator=g)
-        bg = (fg + 0.3 + 0.4 * torch.rand(3, generator=g)) % 1  # every channel differs from fg by >= 0.3
+        # every channel differs from fg by >= 0.3
+        bg = (fg + 0.3 + 0.4 * torch.rand(3, generator=g)) % 1
         img = bg[:, None, None] + mask * (fg - bg)[:, None, None]  # (3, S, S)
         img = img + 0.08 * uniform() * torch.randn((3, S, S), generator=g)
         return F.normalize((img.clamp(0, 1)), MEAN, STD), label
 
 
 def affine(img, shear=(0.0, 0.0), translate=(0.0, 0.0)):
-    """timm's shear and translation, PIL's affine map about the top-left corner: output pixel (x, y) reads
-    input (x + shear_x * y + translate_x, y + shear_y * x + translate_y). torchvision takes the shear as an
-    angle and the translation as where the content moves, hence atan and the minus."""
+    """timm's shear and translation, PIL's affine map about the top-left corner: output pixel (x, y)
+    reads input (x + shear_x * y + translate_x, y + shear_y * x + translate_y). torchvision takes
+    the shear as an angle and the translation as where the content moves, hence atan and the
+    minus."""
     return F.affine(img, angle=0.0, translate=[-t for t in translate], scale=1.0, center=[0, 0],
-                    interpolation=BICUBIC, shear=[math.degrees(math.atan(s)) for s in shear], fill=FILL)
+                    interpolation=BICUBIC, shear=[math.degrees(math.atan(s)) for s in shear],
+                    fill=FILL)
 
 
 def posterize(img, bits):
-    """Keep each channel's top `bits` bits; 0 bits is black, which PIL's posterize refuses to compute."""
+    """Keep each channel's top `bits` bits; 0 bits is black, which PIL's posterize refuses to
+    compute."""
     return F.posterize(img, bits) if bits > 0 else img.point(lambda _: 0)
 
 
 def solarize_add(img, add):
     """timm's SolarizeAdd: pixels below 128 brightened by `add`, saturating at 255."""
-    return img.point([min(255, i + add) if i < 128 else i for i in range(256)] * len(img.getbands()))
+    return img.point([min(255, i + add) if i < 128 else i for i in range(256)]
+                     * len(img.getbands()))
 
 
-# timm's RandAugment ops for 'inc1', on PIL images as timm's: (image, f = magnitude / 10, sign) -> image
+# timm's RandAugment ops for 'inc1', on PIL images as timm's: (image, f = magnitude / 10, sign) ->
+# image
 RANDAUG_OPS = {
     'AutoContrast': lambda img, f, s: F.autocontrast(img),
     'Equalize': lambda img, f, s: F.equalize(img),
@@ -126,8 +143,9 @@ RANDAUG_OPS = {
 
 
 class RandAugment(nn.Module):
-    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another policy):
-    each of num_ops operations, drawn with replacement, applied with probability 0.5 at its own magnitude."""
+    """timm's RandAugment 'rand-m9-mstd0.5-inc1', the released trainer's (torchvision's is another
+    policy): each of num_ops operations, drawn with replacement, applied with probability 0.5 at its
+    own magnitude."""
     def __init__(self, num_ops, magnitude, std, prob=0.5):
         super().__init__()
         self.num_ops, self.magnitude, self.std, self.prob = num_ops, magnitude, std, prob
@@ -153,9 +171,9 @@ def train_transform(args):
 
 
 def eval_transform(img_size, crop=True):
-    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224), aspect
-    not kept, then the centre img x img; without crop (inline_swin_b_384's config) straight to img x img.
-    Bicubic."""
+    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224),
+    aspect not kept, then the centre img x img; without crop (inline_swin_b_384's config) straight
+    to img x img. Bicubic."""
     side = int(img_size * 256 / 224) if crop else img_size
     return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + TO_TENSOR)
 
@@ -229,8 +247,8 @@ GO_ON = ('To go on, rerun the same command with --skip-bad-images (unreadable im
 
 
 def read_idx(path):
-    """An IDX file (MNIST's format, gzipped or not) as a uint8 tensor: bytes 0 0 8 D, D big-endian sizes,
-    data."""
+    """An IDX file (MNIST's format, gzipped or not) as a uint8 tensor: bytes 0 0 8 D, D big-endian
+    sizes, data."""
     with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
         data = f.read()
     shape = struct.unpack(f'>{data[3]}I', data[4:4 + 4 * data[3]])
@@ -238,9 +256,9 @@ def read_idx(path):
 
 
 def read_small(name, root, train):
-    """(images (N, 3, H, W) uint8, grayscale as 3 equal channels; labels; class names) from the files as
-    distributed, in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX files, CIFAR's pickled
-    python batches."""
+    """(images (N, 3, H, W) uint8, grayscale as 3 equal channels; labels; class names) from the
+    files as distributed, in ROOT or where torchvision's download puts them: Fashion-MNIST's IDX
+    files, CIFAR's pickled python batches."""
     if name == 'fashion_mnist':
         folders = (root, os.path.join(root, 'FashionMNIST', 'raw'))
         for folder, ext in [(f, e) for f in folders for e in ('.gz', '')]:
@@ -248,10 +266,11 @@ def read_small(name, root, train):
             paths = [os.path.join(folder, f'{split}-{kind}-ubyte{ext}')
                      for kind in ('images-idx3', 'labels-idx1')]
             if all(map(os.path.exists, paths)):  # (N, 28, 28) -> (N, 3, 28, 28), a view
-                return read_idx(paths[0])[:, None].expand(-1, 3, -1, -1), read_idx(paths[1]).long(), \
-                    datasets.FashionMNIST.classes
+                return (read_idx(paths[0])[:, None].expand(-1, 3, -1, -1),
+                        read_idx(paths[1]).long(), datasets.FashionMNIST.classes)
     else:
-        folder, files, key = (('cifar-10-batches-py', [f'data_batch_{i}' for i in range(1, 6)] if train else
+        folder, files, key = (('cifar-10-batches-py',
+                               [f'data_batch_{i}' for i in range(1, 6)] if train else
                                ['test_batch'], 'label') if name == 'cifar10' else
                               ('cifar-100-python', ['train' if train else 'test'], 'fine_label'))
         folder = next((f for f in (os.path.join(root, folder), root)
@@ -261,7 +280,8 @@ def read_small(name, root, train):
             for file in files + [meta]:
                 with open(os.path.join(folder, file), 'rb') as f:
                     batches.append(pickle.load(f, encoding='latin1'))
-            images = torch.cat([torch.as_tensor(b['data']).reshape(-1, 3, 32, 32) for b in batches[:-1]])
+            images = torch.cat([torch.as_tensor(b['data']).reshape(-1, 3, 32, 32)
+                                for b in batches[:-1]])
             labels = torch.cat([torch.as_tensor(b[key + 's']) for b in batches[:-1]])
             return images, labels, batches[-1][key + '_names']
     debian = (' (Debian: apt-get install dataset-fashion-mnist puts them in '
@@ -272,7 +292,8 @@ def read_small(name, root, train):
 class TensorImages(Dataset):
     """A small dataset held as one uint8 tensor (N, 3, H, W)."""
     def __init__(self, images, labels, classes, transform):
-        self.images, self.labels, self.classes, self.transform = images, labels, list(classes), transform
+        self.images, self.labels, self.classes, self.transform = (images, labels, list(classes),
+                                                                  transform)
 
     def __len__(self):
         return len(self.labels)
@@ -282,24 +303,28 @@ class TensorImages(Dataset):
 
 
 def load_synthetic(args):
-    """The synthetic task: fresh images every training epoch (fit sets the epoch), a fixed validation set."""
+    """The synthetic task: fresh images every training epoch (fit sets the epoch), a fixed
+    validation set."""
     return (SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True),
             SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False))
 
 
 def count_images(folder):
-    """The image files under folder, as ImageFolder counts them (0 for a folder that is not there)."""
-    return sum(name.lower().endswith(datasets.folder.IMG_EXTENSIONS) for _, _, names in os.walk(folder)
+    """The image files under folder, as ImageFolder counts them (0 for a folder that is not
+    there)."""
+    return sum(name.lower().endswith(datasets.folder.IMG_EXTENSIONS)
+               for _, _, names in os.walk(folder)
                for name in names)
 
 
 def load_image_folder(args):
-    """ROOT/train and ROOT/val as ImageFolders (ImageNet-1K's layout), with the released transforms or, on the
-    small-data recipe, the small datasets' (small_transforms)."""
+    """ROOT/train and ROOT/val as ImageFolders (ImageNet-1K's layout), with the released transforms
+    or, on the small-data recipe, the small datasets' (small_transforms)."""
     root, found = args.data_path, []
     for split in ('train', 'val'):
         if not os.path.isdir(os.path.join(root, split)):
-            fail(f'--data-path {root} has no {split}/ folder (expected {split}/<class>/<image> inside)')
+            fail(f'--data-path {root} has no {split}/ folder (expected '
+                 f'{split}/<class>/<image> inside)')
     transforms = (('train', train_transform(args)),
                   ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP)))
     if getattr(args, 'recipe', None) == 'small':
@@ -313,8 +338,8 @@ def load_image_folder(args):
 
 
 def load_small(args):
-    """A small dataset's training and test sets from its files (--download fetches them), resized, then
-    (training) randomly cropped with an eighth of padding and flipped: the small-image recipe's
+    """A small dataset's training and test sets from its files (--download fetches them), resized,
+    then (training) randomly cropped with an eighth of padding and flipped: the small-image recipe's
     augmentation."""
     root = args.data_path or 'data'
     if args.download:  # torchvision fetches every split's files at once
@@ -324,17 +349,17 @@ def load_small(args):
 
 
 def small_transforms(args):
-    """(training, validation) transforms of the small-data recipe: resized to a square, then (training)
-    randomly cropped with an eighth of padding and flipped."""
+    """(training, validation) transforms of the small-data recipe: resized to a square, then
+    (training) randomly cropped with an eighth of padding and flipped."""
     resize = [T.ToImage(), T.Resize((args.img_size, args.img_size), BICUBIC, antialias=True)]
     augment = [T.RandomCrop(args.img_size, padding=args.img_size // 8, padding_mode='reflect'),
                T.RandomHorizontalFlip()]
     return T.Compose(resize + augment + TO_TENSOR), T.Compose(resize + TO_TENSOR)
 
 
-# --dataset NAME -> load(args) -> (training set, validation set), each with .classes. train.py's --dataset
-# choices are these keys; a dataset other than synthetic and imagefolder trains with train.py's small-image
-# recipe (SMALL). The lab adds its own (paper/).
+# --dataset NAME -> load(args) -> (training set, validation set), each with .classes. train.py's
+# --dataset choices are these keys; a dataset other than synthetic and imagefolder trains with
+# train.py's small-image recipe (SMALL). The lab adds its own (paper/).
 DATASETS = {'synthetic': load_synthetic, 'imagefolder': load_image_folder,
             **{name: load_small for name in SMALL_DATASETS}}
 
@@ -367,18 +392,20 @@ def load_data(args):
         train_set = Subset(train_set, subset_indices(len(train_set), args.train_subset))
         train_set.classes = classes
     print0(f'data: {args.dataset} in {args.data_path or "data"}, {len(train_set.classes)} classes, '
-           f'{len(train_set):,} training and {len(val_set):,} validation images, {args.img_size} px')
+           f'{len(train_set):,} training and {len(val_set):,} validation images, '
+           f'{args.img_size} px')
     return train_set, val_set
 
 
 def subset_indices(total, size):
-    """--train-subset's images: the first `size` of one fixed random order of the `total` (the same whatever
-    --seed, and a larger subset holds every smaller one)."""
+    """--train-subset's images: the first `size` of one fixed random order of the `total` (the same
+    whatever --seed, and a larger subset holds every smaller one)."""
     return torch.randperm(total, generator=torch.Generator().manual_seed(0))[:size].tolist()
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can skip the first `start` samples of an epoch (resuming after SIGTERM)."""
+    """DistributedSampler that can skip the first `start` samples of an epoch (resuming after
+    SIGTERM)."""
     start = 0
 
     def __iter__(self):

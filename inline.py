@@ -1,15 +1,17 @@
 """InLine attention, the readable reference: one equation of the paper at a time.
 
-Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590.
-Linear attention normalises by division (w_ij = q_i.k_j / sum_t q_i.k_t), which maps q and 2q to the same
-weights: it is not injective. InLine normalises by subtraction instead (Eq. 5), which is injective (given
-D + 1 tokens or more: inline_weights) and still linear in N, and adds a local attention residual over each
-token's 3x3 neighbourhood (Eq. 6), because linear attention alone attends too little to nearby tokens.
+Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv
+2412.06590. Linear attention normalises by division (w_ij = q_i.k_j / sum_t q_i.k_t), which maps q
+and 2q to the same weights: it is not injective. InLine normalises by subtraction instead (Eq. 5),
+which is injective (given D + 1 tokens or more: inline_weights) and still linear in N, and adds a
+local attention residual over each token's 3x3 neighbourhood (Eq. 6), because linear attention alone
+attends too little to nearby tokens.
 
-The file reads top to bottom: the kernel function phi, the two baselines, Eq. 5, Eq. 6, the core (Eq. 5 then
-Eq. 6), the module InLineAttention, whose forward is the whole method on one page, and last the paper's
-baselines and ablations as subclasses. kernels.py holds the fast twin of inline_core, which the module's
-forward calls instead when its switch `fast` is on; sequence.py carries the method to 1-D sequences.
+The file reads top to bottom: the kernel function phi, the two baselines, Eq. 5, Eq. 6, the core
+(Eq. 5 then Eq. 6), the module InLineAttention, whose forward is the whole method on one page, and
+last the paper's baselines and ablations as subclasses. kernels.py holds the fast twin of
+inline_core, which the module's forward calls instead when its switch `fast` is on; sequence.py
+carries the method to 1-D sequences.
 
     python bench.py --demo  # a short demonstration: injectivity, and the two forms of Eq. 5 agree
 
@@ -23,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The kernel function phi, applied to queries and keys (the paper's Table 5 compares them)
 
 # name -> phi; a new one is one line here (and in NON_NEGATIVE_PHI if it is >= 0), tests included
@@ -32,49 +34,58 @@ PHI = {
     'relu': F.relu,
     'leakyrelu': F.leaky_relu,  # negative slope 0.01, PyTorch's default
     'exp': lambda x: torch.exp(0.2 * x),  # the 0.2 keeps exp from overflowing on raw projections
-    'one_plus_elu': lambda x: 1 + F.elu(x),  # > 0: elu + 1, Katharopoulos et al. (2020)'s linear attention
-    'zero': torch.zeros_like,  # phi = 0: every weight of Eq. 5 is 1/N, which cannot select (the floor)
-    'relu_affine': None,  # learnable, one per layer: ReLUAffine, with the ablations at the end of this file
+    # > 0: elu + 1, Katharopoulos et al. (2020)'s linear attention
+    'one_plus_elu': lambda x: 1 + F.elu(x),
+    # phi = 0: every weight of Eq. 5 is 1/N, which cannot select (the floor)
+    'zero': torch.zeros_like,
+    # learnable, one per layer: ReLUAffine, with the ablations at the end of this file
+    'relu_affine': None,
 }
 NON_NEGATIVE_PHI = ('relu', 'exp', 'one_plus_elu', 'relu_affine')  # linear attention divides by q.k
 
 
 def get_phi(name, head_dim=None):
-    """The kernel function phi by name; 'relu_affine' is a module with parameters, built for head_dim."""
+    """The kernel function phi by name; 'relu_affine' is a module with parameters, built for
+    head_dim."""
     if name not in PHI:
         raise ValueError(f"unknown kernel function {name!r}; choose one of {sorted(PHI)}")
     return ReLUAffine(head_dim) if name == 'relu_affine' else PHI[name]
 
 
 def attention_scale(D):
-    """D^-1/2, the paper's scale s of q.k in Eq. 5 and in softmax, written only here. A scale given instead
-    may be a number or a tensor that broadcasts against (B, H, N, 1), a learnable temperature say."""
+    """D^-1/2, the paper's scale s of q.k in Eq. 5 and in softmax, written only here. A scale given
+    instead may be a number or a tensor that broadcasts against (B, H, N, 1), a learnable
+    temperature say."""
     return D ** -0.5
 
 
 def check_grid(N, grid, leading_tokens=None):
-    """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w, where P must be the module's
-    leading_tokens (DeiT's class token: 1; else 0), or any P >= 0 where None (the pure functions)."""
-    if isinstance(grid, (tuple, list)):  # traced (torch.onnx.export): 0-d integer tensors of known values
+    """P, the leading tokens before the (h, w) grid of N tokens: N = P + h*w, where P must be the
+    module's leading_tokens (DeiT's class token: 1; else 0), or any P >= 0 where None
+    (the pure functions)."""
+    # traced (torch.onnx.export): 0-d integer tensors of known values
+    if isinstance(grid, (tuple, list)):
         grid = [int(s) if torch.is_tensor(s) and s.dim() == 0 and not s.is_floating_point() else s
                 for s in grid]
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2
             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in grid)):
-        raise ValueError(f"grid must be a pair (h, w) of positive whole numbers (the token grid), got {grid}")
+        raise ValueError(f"grid must be a pair (h, w) of positive whole numbers (the token "
+                         f"grid), got {grid}")
     h, w = grid
     if leading_tokens is None:
         if N < h * w:
             raise ValueError(f"{N} tokens cannot hold a {h}x{w} token grid of {h * w}")
         return N - h * w
     if N != leading_tokens + h * w:
-        raise ValueError(f"{N} tokens, but this attention declares {leading_tokens} leading token(s) "
-                         f"(leading_tokens, e.g. DeiT's class token) before its {h}x{w} grid: N must be "
-                         f"{leading_tokens} + {h * w} = {leading_tokens + h * w}")
+        raise ValueError(f"{N} tokens, but this attention declares {leading_tokens} leading "
+                         f"token(s) (leading_tokens, e.g. DeiT's class token) before its {h}x{w} "
+                         f"grid: N must be {leading_tokens} + {h * w} = {leading_tokens + h * w}")
     return leading_tokens
 
 
-# ---------------------------------------------------------------------------------------------------
-# The two baselines the paper compares against; every attention function: q, k, v (B, H, N, D) -> (B, H, N, D)
+# --------------------------------------------------------------------------------------------------
+# The two baselines the paper compares against; every attention function: q, k, v (B, H, N, D) ->
+# (B, H, N, D)
 
 def softmax_attention(q, k, v, scale=None):
     """w_ij = exp(s q_i.k_j) / sum_t exp(s q_i.k_t). Injective, O(N^2)."""
@@ -84,37 +95,42 @@ def softmax_attention(q, k, v, scale=None):
 
 
 def linear_attention(q, k, v, eps=1e-6):
-    """w_ij = q_i.k_j / sum_t q_i.k_t as q (K^T V) / (q . sum_t k_t). Needs phi >= 0; not injective."""
+    """w_ij = q_i.k_j / sum_t q_i.k_t as q (K^T V) / (q . sum_t k_t). Needs phi >= 0; not
+    injective."""
     kv = k.transpose(-2, -1) @ v  # (B, H, D, D)
     denominator = q @ k.sum(dim=2, keepdim=True).transpose(-2, -1)  # (B, H, N, 1)
     return (q @ kv) / (denominator + eps)
 
 
 def linear_attention_weights(q, k, eps=1e-6):
-    """The N x N weights of vanilla linear attention, for looking at and for the injectivity test."""
+    """The N x N weights of vanilla linear attention, for looking at and for the injectivity
+    test."""
     w = q @ k.transpose(-2, -1)  # (B, H, N, N)
     return w / (w.sum(dim=-1, keepdim=True) + eps)
 
 
-# ---------------------------------------------------------------------------------------------------
-# InLine attention, Eq. 5: w_ij = s (q_i.k_j - q_i.k_mean) + 1/N (s/N in the released models: eq5_gain)
+# --------------------------------------------------------------------------------------------------
+# InLine attention, Eq. 5: w_ij = s (q_i.k_j - q_i.k_mean) + 1/N (s/N in the released models:
+# eq5_gain)
 
 def eq5_gain(s, n, scale_by_count=True):
-    """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens (or a causal form's counts (N, 1)): s/n with
-    scale_by_count, the released models' (they fold s/N into phi(Q)); else s, Eq. 5 as the paper prints it.
-    Every form of Eq. 5 in the project, fast or causal, takes its factor from here."""
+    """The factor of q_i.(k_j - k_mean) in Eq. 5 over n tokens (or a causal form's counts (N, 1)):
+    s/n with scale_by_count, the released models' (they fold s/N into phi(Q)); else s, Eq. 5 as the
+    paper prints it. Every form of Eq. 5 in the project, fast or causal, takes its factor from
+    here."""
     return s / n if scale_by_count else s
 
 
 def inline_weights(q, k, scale=None, scale_by_count=True):
-    """The explicit N x N weights of Eq. 5. Every row sums to 1; weights may be negative. Injective in q_i
-    where the centred keys k_j - k_mean span all D dimensions, so at least D + 1 tokens: then q_i -> row i is
-    an affine map of full rank. With fewer, a change of q_i orthogonal to every k_j - k_mean leaves row i as
-    it was."""
+    """The explicit N x N weights of Eq. 5. Every row sums to 1; weights may be negative. Injective
+    in q_i where the centred keys k_j - k_mean span all D dimensions, so at least D + 1 tokens: then
+    q_i -> row i is an affine map of full rank. With fewer, a change of q_i orthogonal to every
+    k_j - k_mean leaves row i as it was."""
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    return eq5_gain(s, N, scale_by_count) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N  # Eq. 5 (B, H, N, N)
+    # Eq. 5 (B, H, N, N)
+    return eq5_gain(s, N, scale_by_count) * (q @ (k - k_mean).transpose(-2, -1)) + 1 / N
 
 
 def inline_attention_quadratic(q, k, v, scale=None, scale_by_count=True):
@@ -123,45 +139,51 @@ def inline_attention_quadratic(q, k, v, scale=None, scale_by_count=True):
 
 
 def inline_attention(q, k, v, scale=None, scale_by_count=True):
-    """Eq. 5 in linear form, O(N D^2), never building the N x N weights. Summed over j, with g the gain:
+    """Eq. 5 in linear form, O(N D^2), never building the N x N weights. Summed over j, with g the
+    gain:
         o_i = g q_i^T sum_j (k_j - k_mean) v_j^T + v_mean = g N q_i^T Cov + v_mean,
         Cov = (1/N) sum_j (k_j - k_mean)(v_j - v_mean)^T   (sum_j (k_j - k_mean) = 0 lets v_mean in)
-    Cov is a mean, not a sum, and g N multiplies q before Cov: in fp16 every product then stays near the size
-    of the output, so it does not overflow where the output itself fits."""
+    Cov is a mean, not a sum, and g N multiplies q before Cov: in fp16 every product then stays near
+    the size of the output, so it does not overflow where the output itself fits."""
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     v_mean = v.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    # (B, H, D, D), each side times N^-1/2; equals K^T V / N - k_mean^T v_mean, so o is the released models'
-    # uncentred q^T (K^T V) - N (q.k_mean) v_mean, but centred keeps its precision in bf16 when the means are
-    # large
+    # (B, H, D, D), each side times N^-1/2; equals K^T V / N - k_mean^T v_mean, so o is the released
+    # models' uncentred q^T (K^T V) - N (q.k_mean) v_mean, but centred keeps its precision in bf16
+    # when the means are large
     cov = ((k - k_mean) * N ** -0.5).transpose(-2, -1) @ ((v - v_mean) * N ** -0.5)
-    return (eq5_gain(s, N, scale_by_count) * N * q) @ cov + v_mean  # Eq. 5 summed over j, (B, H, N, D)
+    # Eq. 5 summed over j, (B, H, N, D)
+    return (eq5_gain(s, N, scale_by_count) * N * q) @ cov + v_mean
 
 
-# ---------------------------------------------------------------------------------------------------
-# Eq. 6, the local attention residual: o_i += sum_t r_t v_{N_t(i)} over the k x k neighbourhood of token i
+# --------------------------------------------------------------------------------------------------
+# Eq. 6, the local attention residual: o_i += sum_t r_t v_{N_t(i)} over the k x k neighbourhood of
+# token i
 
 RESIDUALS = ('local', 'plain', 'none')  # Eq. 6; o_i += r * v_i (a 1x1 neighbourhood); no residual
-LOCAL_SIZE = 3  # the side k of Eq. 6's k x k neighbourhood in the paper: every default of it is this name
+# the side k of Eq. 6's k x k neighbourhood in the paper: every default of it is this name
+LOCAL_SIZE = 3
 
 
 def neighbourhood_size(residual, local_size=LOCAL_SIZE):
-    """Eq. 6's neighbourhood side k, decided here for every piece that depends on it (T = k^2 weights per
-    channel): 'local': local_size, odd (3 is the paper's); 'plain': 1, o_i += r * v_i; 'none': None."""
+    """Eq. 6's neighbourhood side k, decided here for every piece that depends on it (T = k^2
+    weights per channel): 'local': local_size, odd (3 is the paper's); 'plain': 1, o_i += r * v_i;
+    'none': None."""
     if residual not in RESIDUALS:
         raise ValueError(f"unknown residual {residual!r}; choose one of {list(RESIDUALS)}")
     if not (isinstance(local_size, int) and local_size >= 1 and local_size % 2 == 1):
-        raise ValueError(f"local_size (the side of Eq. 6's neighbourhood) must be an odd whole number "
-                         f">= 1, so that the neighbourhood is centred on its token; got {local_size!r}")
+        raise ValueError(f"local_size (the side of Eq. 6's neighbourhood) must be an odd whole "
+                         f"number >= 1, so that the neighbourhood is centred on its token; "
+                         f"got {local_size!r}")
     return {'local': local_size, 'plain': 1, 'none': None}[residual]
 
 
 def residual_mlp(dim, num_heads, taps=9):
-    """Eq. 6's weight predictor: W1 (C -> C), GELU, W2 (C -> T*C), each block-diagonal with one block per
-    head, as the released two 1x1 grouped convolutions, so the keys (residual.0.*, residual.2.*) are the
-    checkpoints'. Output channel T*c + t is the weight of neighbour t (row-major over the k x k
-    neighbourhood) for channel c."""
+    """Eq. 6's weight predictor: W1 (C -> C), GELU, W2 (C -> T*C), each block-diagonal with one
+    block per head, as the released two 1x1 grouped convolutions, so the keys (residual.0.*,
+    residual.2.*) are the checkpoints'. Output channel T*c + t is the weight of neighbour t
+    (row-major over the k x k neighbourhood) for channel c."""
     return nn.Sequential(
         nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
         nn.GELU(),
@@ -170,15 +192,17 @@ def residual_mlp(dim, num_heads, taps=9):
 
 
 def residual_weights(mlp, m):
-    """Eq. 6's weights r = W2 GELU(W1 m + b1) + b2 from m, the token mean of the attention's input: (B, C) ->
-    (B, T*C), or one set per mean, (B, M, C) -> (B, M, T*C) (sequence.py's prefix means). Each head's slice
-    of m meets its own block: H small matmuls in one batch, what the grouped convolutions compute."""
+    """Eq. 6's weights r = W2 GELU(W1 m + b1) + b2 from m, the token mean of the attention's input:
+    (B, C) -> (B, T*C), or one set per mean, (B, M, C) -> (B, M, T*C) (sequence.py's prefix means).
+    Each head's slice of m meets its own block: H small matmuls in one batch, what the grouped
+    convolutions compute."""
     conv1, act, conv2 = mlp
     H, device = conv1.groups, m.device.type
     C = m.shape[-1]
-    # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 would cost more
-    # than the matmuls. r comes out in the autocast dtype, as from autocast's matmuls.
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on 'meta'
+    # In the weights' dtype, outside autocast: for B vectors, autocast's casts of W1 and W2 would
+    # cost more than the matmuls. r comes out in the autocast dtype, as from autocast's matmuls.
+    autocast = (torch.amp.is_autocast_available(device)  # not on 'meta'
+                and torch.is_autocast_enabled(device))
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         heads = m.to(conv1.weight.dtype).reshape(-1, H, C // H).transpose(0, 1)  # (H, B*M, D)
         w1 = conv1.weight.reshape(H, -1, C // H).transpose(1, 2)  # (H, D, D): W1's blocks
@@ -190,11 +214,11 @@ def residual_weights(mlp, m):
 
 
 def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
-    """Eq. 6 on the last h*w tokens of v (B, H, N, D): the sum over the k x k neighbours t of each of
-    r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P leading tokens.
-    r (B, T*C), T = size^2, from residual_weights; or (B, N, T*C), per token too (README, "Changing the
-    method"). Neighbour t = size*dy + dx sits at dilation*(dy - size//2, dx - size//2). Weights per sample
-    and channel: one convolution with B*C groups."""
+    """Eq. 6 on the last h*w tokens of v (B, H, N, D): the sum over the k x k neighbours t of each
+    of r[b, T*c + t] * v at the neighbour, zero padding outside the grid; zero for the P leading
+    tokens. r (B, T*C), T = size^2, from residual_weights; or (B, N, T*C), per token too (README,
+    "Changing the method"). Neighbour t = size*dy + dx sits at dilation*(dy - size//2, dx -
+    size//2). Weights per sample and channel: one convolution with B*C groups."""
     B, H, N, D = v.shape
     P, (h, w) = check_grid(N, grid), grid
     T = size * size
@@ -204,37 +228,47 @@ def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
     # per token: each token's k x k neighbours unfolded beside it, channel c's at rows T*c + t
     if r.dim() == 3:
         planes = v[:, :, P:].transpose(-2, -1).reshape(B, H * D, h, w)  # (B, C, h, w)
-        cols = F.unfold(planes, size, dilation=dilation, padding=dilation * (size // 2))  # (B, T*C, h*w)
-        out = (cols * r[:, P:].transpose(1, 2)).unflatten(1, (H * D, -1)).sum(2)  # Eq. 6, (B, C, h*w)
-        return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), 0 for the P
+        # (B, T*C, h*w)
+        cols = F.unfold(planes, size, dilation=dilation, padding=dilation * (size // 2))
+        # Eq. 6, (B, C, h*w)
+        out = (cols * r[:, P:].transpose(1, 2)).unflatten(1, (H * D, -1)).sum(2)
+        # (B, H, N, D), 0 for the P
+        return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))
     planes = v[:, :, P:].transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w)
-    taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k): each sample's and channel's weights
-    out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation, groups=B * H * D)  # Eq. 6
-    return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))  # (B, H, N, D), zero for the P
+    # each sample's and channel's weights
+    taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k)
+    # Eq. 6
+    out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation,
+                   groups=B * H * D)
+    # (B, H, N, D), zero for the P
+    return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The core: Eq. 5, then Eq. 6. kernels.py writes its fast twins into FAST_CORES when it is imported.
 
 def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, scale_by_count=True):
-    """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention after phi.
-    q, k, v (B, H, N, D) through phi; r (B, T*C) Eq. 6's weights, T = size^2, or None (no Eq. 6); grid
-    (h, w); size and dilation of Eq. 6's neighbourhood; scale_by_count: eq5_gain. Returns (B, H, N, D)."""
+    """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention after
+    phi. q, k, v (B, H, N, D) through phi; r (B, T*C) Eq. 6's weights, T = size^2, or None
+    (no Eq. 6); grid (h, w); size and dilation of Eq. 6's neighbourhood; scale_by_count: eq5_gain.
+    Returns (B, H, N, D)."""
     o = inline_attention(q, k, v, scale, scale_by_count)  # Eq. 5, (B, H, N, D)
     return o if r is None else o + local_residual(v, r, grid, size, dilation)  # Eq. 6
 
 
-# name -> the fast twin of inline_core, with its arguments and result: 'compile' (kernels.py, torch.compile)
-# and 'triton' (triton_core.py, CUDA). InLineAttention(fast=name) calls it; kernels.enable_fast checks it.
+# name -> the fast twin of inline_core, with its arguments and result: 'compile' (kernels.py,
+# torch.compile) and 'triton' (triton_core.py, CUDA). InLineAttention(fast=name) calls it;
+# kernels.enable_fast checks it.
 FAST_CORES = {}
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The module
 
 def add_projections(module, dim, qkv_bias, separate_q):
-    """The attention's input and output projections under the released names: `qkv` C->3C, or PVT's `q`
-    C->C and `kv` C->2C; `proj` C->C. Shared by InLineAttention and the softmax attention of models.py."""
+    """The attention's input and output projections under the released names: `qkv` C->3C, or PVT's
+    `q` C->C and `kv` C->2C; `proj` C->C. Shared by InLineAttention and the softmax attention of
+    models.py."""
     if separate_q:
         module.q = nn.Linear(dim, dim, bias=qkv_bias)
         module.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
@@ -245,54 +279,61 @@ def add_projections(module, dim, qkv_bias, separate_q):
 
 class InLineBase(nn.Module):
     """What every InLine attention holds besides its projections: phi, Eq. 5's scale, Eq. 6's weight
-    predictor and the options that shape them, and the switch `fast`. InLineAttention adds the projections
-    and the forward; CSwin's whole-map branch (models.CSwinInLine) runs the same steps between CSwin's own.
+    predictor and the options that shape them, and the switch `fast`. InLineAttention adds the
+    projections and the forward; CSwin's whole-map branch (models.CSwinInLine) runs the same steps
+    between CSwin's own.
 
-    kernel: phi, one of PHI. residual, local_size: Eq. 6's form and neighbourhood (neighbourhood_size);
-    dilation: its spread. leading_tokens: P, the tokens before the grid (DeiT's class token: 1), in Eq. 5
-    but not in Eq. 6. scale_by_count: eq5_gain. nonneg: every weight >= 0 (an ablation: UnitLength).
+    kernel: phi, one of PHI. residual, local_size: Eq. 6's form and neighbourhood
+    (neighbourhood_size); dilation: its spread. leading_tokens: P, the tokens before the grid
+    (DeiT's class token: 1), in Eq. 5 but not in Eq. 6. scale_by_count: eq5_gain. nonneg: every
+    weight >= 0 (an ablation: UnitLength).
     """
     token_dims = 2  # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel (a sequence's: k)
     attention = 'inline'  # LinearAttention's is 'linear'
 
-    def __init__(self, dim, num_heads, *, kernel='identity', residual='local', local_size=LOCAL_SIZE,
-                 dilation=1, leading_tokens=0, scale_by_count=True, nonneg=False):
+    def __init__(self, dim, num_heads, *, kernel='identity', residual='local',
+                 local_size=LOCAL_SIZE, dilation=1, leading_tokens=0, scale_by_count=True,
+                 nonneg=False):
         super().__init__()
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         size = neighbourhood_size(residual, local_size)
         if not (isinstance(dilation, int) and dilation >= 1) or (dilation > 1 and (size or 1) == 1):
             raise ValueError(f"dilation must be a whole number >= 1, and > 1 only where Eq. 6 has "
-                             f"neighbours (residual='local', local_size > 1), got {dilation!r} with "
-                             f"residual={residual!r}")
+                             f"neighbours (residual='local', local_size > 1), got {dilation!r} "
+                             f"with residual={residual!r}")
         if not (isinstance(leading_tokens, int) and leading_tokens >= 0):
-            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) must be a "
-                             f"whole number >= 0; got {leading_tokens!r}")
+            raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) "
+                             f"must be a whole number >= 0; got {leading_tokens!r}")
         if nonneg and not scale_by_count:
             raise ValueError("nonneg keeps every weight >= 0 with s = 1/2 and the factor s/N; "
                              "scale_by_count=False drops the 1/N, so it needs scale_by_count=True")
-        self.num_heads, self.head_dim, self.leading_tokens = num_heads, dim // num_heads, leading_tokens
+        self.num_heads, self.head_dim, self.leading_tokens = (num_heads, dim // num_heads,
+                                                              leading_tokens)
         self.kernel, self.scale_by_count, self.nonneg = kernel, bool(scale_by_count), nonneg
         self.local_size, self.dilation = size, dilation
         self.phi = get_phi(kernel, dim // num_heads)
         self.scale = attention_scale(dim // num_heads)  # Eq. 5's s
         if nonneg:  # q and k of unit length and s = 1/2: every weight of Eq. 5 >= 0 (UnitLength)
             self.phi, self.scale = UnitLength(self.phi), 0.5
-        self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None  # Eq. 6
+        # Eq. 6
+        self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None
         self.fast = False  # or a name in FAST_CORES, set by kernels.enable_fast after its check
 
 
 class InLineAttention(InLineBase):
-    """x (B, N, C) on the token grid (h, w) -> (B, N, C): projections, phi, Eq. 6's weights, Eq. 5 and
-    Eq. 6, proj. The layer of all four backbones (1-D sequences: sequence.SequenceAttention).
+    """x (B, N, C) on the token grid (h, w) -> (B, N, C): projections, phi, Eq. 6's weights, Eq. 5
+    and Eq. 6, proj. The layer of all four backbones (1-D sequences: sequence.SequenceAttention).
 
-    dim, num_heads: C and H. qkv_bias, separate_q: add_projections. ape_tokens: N of the authors' absolute
-    position embedding (1, N, C), added to x first, for their ablations without Eq. 6 (their repository's
-    issue #6); None: none. The other options: InLineBase's. fast: InLineBase's switch. The paper's baseline
-    and other ablations are the subclasses at the end of this file (make_attention chooses).
+    dim, num_heads: C and H. qkv_bias, separate_q: add_projections. ape_tokens: N of the authors'
+    absolute position embedding (1, N, C), added to x first, for their ablations without Eq. 6
+    (their repository's issue #6); None: none. The other options: InLineBase's. fast: InLineBase's
+    switch. The paper's baseline and other ablations are the subclasses at the end of this file
+    (make_attention chooses).
     """
 
-    def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None, **options):
+    def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, ape_tokens=None,
+                 **options):
         super().__init__(dim, num_heads, **options)
         add_projections(self, dim, qkv_bias, separate_q)
         self.ape = None
@@ -308,7 +349,8 @@ class InLineAttention(InLineBase):
         else:
             q = self.q(x)  # (B, N, C)
             k, v = self.kv(x).chunk(2, dim=-1)  # 2 x (B, N, C)
-        return [t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v)]  # (B, H, N, D)
+        # (B, H, N, D)
+        return [t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v)]
 
     def forward(self, x, grid=None):
         B, N, C = self.check_input(x, grid)
@@ -316,8 +358,10 @@ class InLineAttention(InLineBase):
             x = x + self.ape  # (B, N, C)
         q, k, v = self.project(x)  # (B, H, N, D) each
         q, k = self.phi(q), self.phi(k)  # the kernel function phi
-        r = None if self.residual is None else residual_weights(self.residual, x.mean(dim=1))  # (B, T*C)
-        if self.fast:  # the fast twin of inline_core (kernels.py): the same arguments, the same result
+        # (B, T*C)
+        r = None if self.residual is None else residual_weights(self.residual, x.mean(dim=1))
+        # the fast twin of inline_core (kernels.py): the same arguments, the same result
+        if self.fast:
             o = FAST_CORES[self.fast](q, k, v, r, grid, self.scale, self.local_size, self.dilation,
                                       self.scale_by_count)
         else:
@@ -326,44 +370,48 @@ class InLineAttention(InLineBase):
         return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C): the heads side by side
 
     def weights(self, x, grid=None):
-        """The explicit N x N weights of Eq. 5 (B, H, N, N) that this module applies to x (B, N, C)."""
+        """The explicit N x N weights of Eq. 5 (B, H, N, N) that this module applies to x
+        (B, N, C)."""
         self.check_input(x, grid)
         q, k, _ = self.project(x if self.ape is None else x + self.ape)
         return inline_weights(self.phi(q), self.phi(k), self.scale, self.scale_by_count)
 
     def check_input(self, x, grid):
-        """x's shape (B, N, C), once it is known to fit: C channels, N = leading_tokens + h*w on grid."""
+        """x's shape (B, N, C), once it is known to fit: C channels, N = leading_tokens + h*w on
+        grid."""
         if x.dim() != 3 or x.shape[-1] != self.proj.in_features:
-            image = ': an image (B, C, h, w) is x.flatten(2).transpose(1, 2), grid (h, w)' * (x.dim() == 4)
-            raise ValueError(f"this attention takes tokens (B, N, C), C = {self.proj.in_features} channels "
-                             f"(its dim); got {tuple(x.shape)}{image}")
+            image = (': an image (B, C, h, w) is x.flatten(2).transpose(1, 2), grid (h, w)'
+                     * (x.dim() == 4))
+            raise ValueError(f"this attention takes tokens (B, N, C), C = {self.proj.in_features} "
+                             f"channels (its dim); got {tuple(x.shape)}{image}")
         if grid is None:
             raise ValueError("this attention was built for a token grid: pass grid=(h, w), or use "
                              "sequence.SequenceAttention for a 1-D sequence")
         check_grid(x.shape[1], grid, self.leading_tokens)
         if self.ape is not None and self.ape.shape[1] != x.shape[1]:
-            raise ValueError(f"this attention's position embedding (ape) covers {self.ape.shape[1]} "
-                             f"tokens, got {x.shape[1]}: build the model for this input size")
+            raise ValueError(f"this attention's position embedding (ape) covers "
+                             f"{self.ape.shape[1]} tokens, got {x.shape[1]}: build the model for "
+                             f"this input size")
         return x.shape
 
     def example_inputs(self, generator, batch=2):
-        """A small call of forward (x, grid), drawn from generator: what kernels.enable_fast checks on. With
-        a position embedding, its tokens on one row."""
+        """A small call of forward (x, grid), drawn from generator: what kernels.enable_fast checks
+        on. With a position embedding, its tokens on one row."""
         grid = (6, 7) if self.ape is None else (1, self.ape.shape[1] - self.leading_tokens)
         x = torch.randn(batch, self.leading_tokens + grid[0] * grid[1], self.proj.in_features,
                         generator=generator)
         return x, grid
 
 
-# ---------------------------------------------------------------------------------------------------
-# The paper's baseline and ablations, each overriding one step of InLineAttention: linear attention's
-# division in place of Eq. 5; q of unit length (its length cannot change the weights); every weight >= 0;
-# a learnable phi. phi = 0, the floor, is one entry of PHI.
+# --------------------------------------------------------------------------------------------------
+# The paper's baseline and ablations, each overriding one step of InLineAttention: linear
+# attention's division in place of Eq. 5; q of unit length (its length cannot change the weights);
+# every weight >= 0; a learnable phi. phi = 0, the floor, is one entry of PHI.
 
 class LinearAttention(InLineAttention):
-    """Vanilla linear attention, the paper's baseline: division in place of Eq. 5, the rest as InLine's
-    (Eq. 6 too, unless residual='none'). Needs phi >= 0 unless allow_divergent (Table 3: it then diverges).
-    It has no fast twin: kernels.enable_fast refuses it."""
+    """Vanilla linear attention, the paper's baseline: division in place of Eq. 5, the rest as
+    InLine's (Eq. 6 too, unless residual='none'). Needs phi >= 0 unless allow_divergent (Table 3: it
+    then diverges). It has no fast twin: kernels.enable_fast refuses it."""
 
     attention = 'linear'
 
@@ -390,19 +438,21 @@ class LinearAttention(InLineAttention):
 
 
 def check_linear_options(kernel, allow_divergent, nonneg):
-    """Refuse what linear attention's division cannot take (LinearAttention, sequence.SequenceAttention)."""
+    """Refuse what linear attention's division cannot take (LinearAttention,
+    sequence.SequenceAttention)."""
     if kernel not in NON_NEGATIVE_PHI and not allow_divergent:
-        raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative kernel "
-                         f"{NON_NEGATIVE_PHI}, got {kernel!r}; pass allow_divergent=True to run it "
-                         f"anyway (the paper's Table 3 reports that it does not converge)")
+        raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative "
+                         f"kernel {NON_NEGATIVE_PHI}, got {kernel!r}; pass allow_divergent=True to "
+                         f"run it anyway (the paper's Table 3 reports that it does not converge)")
     if nonneg:
-        raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of linear "
-                         "attention, whose weights are already non-negative")
+        raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of "
+                         "linear attention, whose weights are already non-negative")
 
 
 class NormalisedQ(nn.Module):
-    """q (B, H, N, D) -> q / |q| times a learned gain per head (init sqrt(D)). q and a*q (a > 0) then give
-    the same weights, while the gain still lets each head learn how sharp its weights are."""
+    """q (B, H, N, D) -> q / |q| times a learned gain per head (init sqrt(D)). q and a*q (a > 0)
+    then give the same weights, while the gain still lets each head learn how sharp its weights
+    are."""
 
     def __init__(self, num_heads, head_dim):
         super().__init__()
@@ -413,13 +463,14 @@ class NormalisedQ(nn.Module):
 
 
 class NormalisedQAttention(InLineAttention):
-    """InLine attention whose queries are of unit length times a learned per-head gain (NormalisedQ), before
-    phi: an ablation of ours, asking whether injectivity in q's length matters. Overrides the projections."""
+    """InLine attention whose queries are of unit length times a learned per-head gain
+    (NormalisedQ), before phi: an ablation of ours, asking whether injectivity in q's length
+    matters. Overrides the projections."""
 
     def __init__(self, dim, num_heads, **options):
         if options.get('nonneg'):
-            raise ValueError("normalise_q is an option of InLine attention without nonneg, which normalises "
-                             "q itself")
+            raise ValueError("normalise_q is an option of InLine attention without nonneg, which "
+                             "normalises q itself")
         super().__init__(dim, num_heads, **options)
         self.normalise_q = NormalisedQ(num_heads, dim // num_heads)
 
@@ -429,9 +480,9 @@ class NormalisedQAttention(InLineAttention):
 
 
 class UnitLength(nn.Module):
-    """phi, then every vector of unit length: with s = 1/2, |q.(k_j - k_mean)| <= 2, so s |q.(k_j - k_mean)|
-    <= 1 and, with the factor s/N, every weight of Eq. 5 >= 0. InLineAttention's nonneg=True (an ablation
-    of ours: are the negative weights needed?)."""
+    """phi, then every vector of unit length: with s = 1/2, |q.(k_j - k_mean)| <= 2, so s |q.(k_j -
+    k_mean)| <= 1 and, with the factor s/N, every weight of Eq. 5 >= 0. InLineAttention's
+    nonneg=True (an ablation of ours: are the negative weights needed?)."""
 
     def __init__(self, phi):
         super().__init__()
@@ -442,8 +493,8 @@ class UnitLength(nn.Module):
 
 
 class ReLUAffine(nn.Module):
-    """phi(x) = ReLU(A x + b), one A (D x D) and b per layer, shared by q, k and the heads: Table 3's
-    'relu_affine', our construction (none was released). Starts as relu: A = I, b = 0."""
+    """phi(x) = ReLU(A x + b), one A (D x D) and b per layer, shared by q, k and the heads: Table
+    3's 'relu_affine', our construction (none was released). Starts as relu: A = I, b = 0."""
 
     def __init__(self, head_dim):
         super().__init__()
@@ -455,13 +506,14 @@ class ReLUAffine(nn.Module):
 
 
 def make_attention(dim, num_heads, *, attention='inline', normalise_q=False, **options):
-    """The attention a backbone's I or L block builds: attention 'inline' (InLineAttention) or 'linear'
-    (LinearAttention); normalise_q: NormalisedQAttention. Other options: InLineAttention's."""
+    """The attention a backbone's I or L block builds: attention 'inline' (InLineAttention) or
+    'linear' (LinearAttention); normalise_q: NormalisedQAttention. Other options:
+    InLineAttention's."""
     if attention not in ('inline', 'linear'):
         raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
     if normalise_q and attention == 'linear':
-        raise ValueError("normalise_q is an option of InLine attention: linear attention's division cancels "
-                         "q's length already")
+        raise ValueError("normalise_q is an option of InLine attention: linear attention's "
+                         "division cancels q's length already")
     if attention == 'linear':
         return LinearAttention(dim, num_heads, **options)
     options.pop('allow_divergent', None)  # a switch of linear attention's alone

@@ -1,18 +1,22 @@
 """The fast InLine attention core: Eq. 5 + Eq. 6 as two compiled graphs with a closed-form backward.
 
-Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590.
-`inline_core_fast` takes the arguments, layout and result of inline.inline_core, the reference it replaces,
-and is inline.FAST_CORES['compile']: an InLineAttention with fast='compile' calls it in place of inline_core,
-with and without a gradient, and nothing else changes. `enable_fast(model)` (create_model(name, fast=True))
-turns that switch on in every InLine module once the module's forward on the fast core gives the reference's
-output and every gradient, with parameters drawn away from their initial values: a change the fast core does
-not follow is refused when the model is built. test_inline.py proves the two equal; bench.py measures them.
+Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv
+2412.06590. `inline_core_fast` takes the arguments, layout and result of inline.inline_core, the
+reference it replaces, and is inline.FAST_CORES['compile']: an InLineAttention with fast='compile'
+calls it in place of inline_core, with and without a gradient, and nothing else changes.
+`enable_fast(model)` (create_model(name, fast=True)) turns that switch on in every InLine module
+once the module's forward on the fast core gives the reference's output and every gradient, with
+parameters drawn away from their initial values: a change the fast core does not follow is refused
+when the model is built. test_inline.py proves the two equal; bench.py measures them.
 
-- The backward is in closed form (the means' gradients vanish); compiled models trace both into their graph.
-- Eq. 5 in centred-covariance form, as inline.py; sums accumulate in fp32, fp16's pre-scaled (sum_scale).
-- B, H and N are symbolic: one graph per dtype, head dim and T serves every batch, head count and grid.
-- A graph compiles or loads under compile_lock, a file lock per graph; if it cannot, the core runs its closed
-  form eagerly after one warning that names any broken cache file.
+- The backward is in closed form (the means' gradients vanish); compiled models trace both into
+  their graph.
+- Eq. 5 in centred-covariance form, as inline.py; sums accumulate in fp32, fp16's pre-scaled
+  (sum_scale).
+- B, H and N are symbolic: one graph per dtype, head dim and T serves every batch, head count and
+  grid.
+- A graph compiles or loads under compile_lock, a file lock per graph; if it cannot, the core runs
+  its closed form eagerly after one warning that names any broken cache file.
 """
 import contextlib
 import copy
@@ -32,14 +36,16 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 import inline
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Eq. 6 on the token axis: neighbour t of grid token n sits at n + (dy - 1) * w + (dx - 1)
 
 def neighbourhood(N, grid, device, size=inline.LOCAL_SIZE, dilation=1):
-    """index (T, N): token n's neighbour t (row-major as inline.local_residual counts), clamped into [0, N)
-    so every read is in bounds; masks (T, N, 1): 1 where n and its neighbour are on the grid, else 0."""
+    """index (T, N): token n's neighbour t (row-major as inline.local_residual counts), clamped into
+    [0, N) so every read is in bounds; masks (T, N, 1): 1 where n and its neighbour are on the grid,
+    else 0."""
     h, w = grid
-    with torch.inference_mode(False):  # cached below: must stay usable by autograd after an eval pass
+    # cached below: must stay usable by autograd after an eval pass
+    with torch.inference_mode(False):
         n = torch.arange(N, device=device)
         g = n - (N - h * w)  # grid index; negative for the P leading tokens
         y, x = g.div(w, rounding_mode='floor'), g % w
@@ -55,17 +61,19 @@ _cached_neighbourhood = functools.lru_cache(maxsize=32)(neighbourhood)
 
 
 def neighbour_table(cached, *args):
-    """A neighbour table from its per-shape cache, or built in a torch.compile'd model's graph, a constant."""
+    """A neighbour table from its per-shape cache, or built in a torch.compile'd model's graph, a
+    constant."""
     return cached.__wrapped__(*args) if torch.compiler.is_compiling() else cached(*args)
 
 
 def neighbours(x, index, flip=False):
-    """The T gathers x[:, :, index[t]] (B, H, N, D); flip: offset T - 1 - t, minus t's (Eq. 6 transposed)."""
+    """The T gathers x[:, :, index[t]] (B, H, N, D); flip: offset T - 1 - t, minus t's
+    (Eq. 6 transposed)."""
     T = index.shape[0]
     return [x[:, :, index[T - 1 - t if flip else t]] for t in range(T)]
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The two halves, each compiled to one graph. taps (B, H, T, D) is r with neighbour t before channel
 
 def wide(x):
@@ -74,8 +82,9 @@ def wide(x):
 
 
 def sum_scale(dtype, N):
-    """The factor one operand of a GEMM summing over N tokens is scaled by: in fp16 (max 65504) N^-1/2, so
-    that N (k - k_mean)^T v or q^T dO stays in range where its mean does; bf16 has fp32's range."""
+    """The factor one operand of a GEMM summing over N tokens is scaled by: in fp16 (max 65504)
+    N^-1/2, so that N (k - k_mean)^T v or q^T dO stays in range where its mean does; bf16 has fp32's
+    range."""
     return N ** -0.5 if dtype == torch.float16 else 1.0
 
 
@@ -85,15 +94,17 @@ def token_major(x):
 
 
 def core_forward(q, k, v, taps, index, masks, scale, scale_by_count):
-    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean) (B, H, N, D)
-    as the GEMM's operands, v_mean (B, H, 1, D) and g N Cov (B, H, D, D), g = inline.eq5_gain."""
+    """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean)
+    (B, H, N, D) as the GEMM's operands, v_mean (B, H, 1, D) and g N Cov (B, H, D, D), g =
+    inline.eq5_gain."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     k_mean = wide(k).mean(2, keepdim=True)  # (B, H, 1, D)
     v_mean = wide(v).mean(2, keepdim=True)  # (B, H, 1, D)
     k_c = ((wide(k) - k_mean) * c).to(dtype)  # (B, H, N, D)
     v_c = (wide(v) - v_mean).to(dtype)  # (B, H, N, D), written by the same kernel as k_c
-    # Cov centred in fp32, then rounded (inline.inline_attention says why); g N / N is folded into it
+    # Cov centred in fp32, then rounded (inline.inline_attention says why); g N / N is folded into
+    # it
     gain = inline.eq5_gain(scale, N, scale_by_count)
     cov = (wide(k_c.transpose(-2, -1) @ v_c) * (gain / c)).to(dtype)  # (B, H, D, D)
     o = wide(q @ cov) + v_mean  # Eq. 5: g N q_i^T Cov + v_mean, (B, H, N, D)
@@ -110,12 +121,14 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
     q_s = (wide(q) * c).to(dtype) if c != 1.0 else q
     # (B, H, D, D)
-    g = (wide(q_s.transpose(-2, -1) @ do) * (inline.eq5_gain(scale, N, scale_by_count) / c)).to(dtype)
+    g = (wide(q_s.transpose(-2, -1) @ do)
+         * (inline.eq5_gain(scale, N, scale_by_count) / c)).to(dtype)
     # Cov = (1/N) (k - k_mean)^T (v - v_mean); the means' own gradients vanish because the centred
     # columns sum to zero, so dk = (v - v_mean) g^T and dv = (k - k_mean) g + mean_i do_i.
     dk = v_c @ g.transpose(-2, -1)  # (B, H, N, D)
     g_c = g if c == 1.0 else (wide(g) / c).to(dtype)  # k_c carries the forward's factor c
-    dv = wide(k_c @ g_c) + wide(do).mean(2, keepdim=True)  # o += v_mean gives the mean, (B, H, N, D)
+    # o += v_mean gives the mean, (B, H, N, D)
+    dv = wide(k_c @ g_c) + wide(do).mean(2, keepdim=True)
     dtaps = None
     if taps is not None:
         for t, do_t in enumerate(neighbours(do, index, flip=True)):  # Eq. 6 transposed
@@ -129,8 +142,8 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
 
 # sequence.py adds its causal core's two
 def core_inference(q, k, v, taps, index, masks, scale, scale_by_count, dtype):
-    """core_forward's output alone, q, k, v cast to dtype and laid out inside the graph: the same forward
-    where no gradient is asked, without the outputs the backward keeps."""
+    """core_forward's output alone, q, k, v cast to dtype and laid out inside the graph: the same
+    forward where no gradient is asked, without the outputs the backward keeps."""
     q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
     return core_forward(q, k, v, taps, index, masks, scale, scale_by_count)[0]
 
@@ -141,9 +154,11 @@ _compile_error = []  # filled once if the compiler cannot run here
 
 
 def compile_options():
-    """torch.compile's switches: equal sizes stay two symbols, only symbolic_sizes makes one; no limit of 8"""
+    """torch.compile's switches: equal sizes stay two symbols, only symbolic_sizes makes one; no
+    limit of 8"""
     stack = contextlib.ExitStack()
-    stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64,
+    stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False,
+                                                   recompile_limit=64,
                                                    fail_on_recompile_limit_hit=True))
     if hasattr(torch.fx.experimental._config, 'use_duck_shape'):
         stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
@@ -151,18 +166,21 @@ def compile_options():
 
 
 def symbolic_sizes(args, N):
-    """B, H and N compile as symbols (dims 0 and 1 of each (B, H, ...) tensor, and those of size N but the
-    last); D and T stay constants, so the loops over channels vectorise with no remainder loop."""
+    """B, H and N compile as symbols (dims 0 and 1 of each (B, H, ...) tensor, and those of size N
+    but the last); D and T stay constants, so the loops over channels vectorise with no remainder
+    loop."""
     for a in args:
         if isinstance(a, torch.Tensor):
             for d in range(a.dim()):
-                if (a.dim() >= 4 and d < 2) or (a.shape[d] == N and not (a.dim() >= 4 and d == a.dim() - 1)):
+                if ((a.dim() >= 4 and d < 2)
+                        or (a.shape[d] == N and not (a.dim() >= 4 and d == a.dim() - 1))):
                     torch._dynamo.maybe_mark_dynamic(a, d)
 
 
 def signature(f, args):
-    """A key for what dynamo's guards on f's graph check: device, modes, D and B, H, N as 0, 1 or more, the
-    dtypes, T, the other arguments, f.chunk's count; a guard no key foresees makes the call compile another."""
+    """A key for what dynamo's guards on f's graph check: device, modes, D and B, H, N as 0, 1 or
+    more, the dtypes, T, the other arguments, f.chunk's count; a guard no key foresees makes the
+    call compile another."""
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // f.chunk, 2),) if hasattr(f, 'chunk') else ()
     return (f.__name__, x.device, x.is_inference(), torch.is_grad_enabled(), x.shape[3],
@@ -172,16 +190,18 @@ def signature(f, args):
 
 
 _checking = []  # non-empty while enable_fast checks a module
-_compiled_signatures = set()  # signatures that have a graph: their calls need no switches and no marks
+# signatures that have a graph: their calls need no switches and no marks
+_compiled_signatures = set()
 COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, ImportError, OSError)
 
 
 @contextlib.contextmanager
 def compile_lock(key):
-    """Held while the graph of signature key compiles or loads: an exclusive lock on one file per graph in the
-    inductor cache folder. Processes on one machine (torchrun's ranks, parallel runs) that need the same graph
-    then compile it once, the others waiting to load it, instead of writing the same cache files at once,
-    which can corrupt them. The lock goes with the file's descriptor: a process that dies releases it."""
+    """Held while the graph of signature key compiles or loads: an exclusive lock on one file per
+    graph in the inductor cache folder. Processes on one machine (torchrun's ranks, parallel runs)
+    that need the same graph then compile it once, the others waiting to load it, instead of writing
+    the same cache files at once, which can corrupt them. The lock goes with the file's descriptor:
+    a process that dies releases it."""
     name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
     path = os.path.join(cache_dir(), 'locks', f'inline-{name}.lock')
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -191,10 +211,12 @@ def compile_lock(key):
 
 
 def compiled_call(f, *args):
-    """f(*args) through its compiled graph (compiled, or loaded from the inductor cache, under compile_lock
-    at its first use); eagerly where the model around it is compiled (f is then traced into that graph) and
-    while enable_fast checks; eagerly after one warning if this machine cannot compile."""
-    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]  # autograd is ours, not f's
+    """f(*args) through its compiled graph (compiled, or loaded from the inductor cache, under
+    compile_lock at its first use); eagerly where the model around it is compiled (f is then traced
+    into that graph) and while enable_fast checks; eagerly after one warning if this machine cannot
+    compile."""
+    # autograd is ours, not f's
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     if torch.compiler.is_compiling() or _checking or _compile_error:
         return f(*args)
     key = signature(f, args)
@@ -208,7 +230,8 @@ def compiled_call(f, *args):
                 if 'Detected recompile' not in str(e):
                     raise
         symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
-        with compile_lock(key), compile_options():  # a new graph, or another for a key whose guard failed
+        # a new graph, or another for a key whose guard failed
+        with compile_lock(key), compile_options():
             out = COMPILED[f.__name__](*args)
         _compiled_signatures.add(key)
         return out
@@ -219,7 +242,8 @@ def compiled_call(f, *args):
         path = re.search(r"/\S+?\.(?:so|py|cpp)\b", what)  # the cache file it names, if any
         warnings.warn(f"kernels.py: torch.compile failed ({what}); the fast InLine core now runs "
                       f"its closed form eagerly, correct but much slower" + (f". {path[0]} in the "
-                      f"inductor cache may be broken: delete it and rerun" if path else ""), stacklevel=3)
+                      f"inductor cache may be broken: delete it and rerun" if path else ""),
+                      stacklevel=3)
     return f(*args)
 
 
@@ -239,44 +263,51 @@ class InLineCore(torch.autograd.Function):
         q, k_c, v_c, taps, index, masks, v_mean, cov = ctx.saved_tensors
         # do as o was stored: a copy only if it comes otherwise
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv, dtaps = compiled_call(core_backward, token_major(do), q, k_c, v_c, taps, index, masks,
-                                              v_mean, cov, ctx.scale, ctx.scale_by_count)
+            dq, dk, dv, dtaps = compiled_call(core_backward, token_major(do), q, k_c, v_c, taps,
+                                              index, masks, v_mean, cov, ctx.scale,
+                                              ctx.scale_by_count)
         return dq, dk, dv, dtaps, None, None, None, None
 
 
-def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1, scale_by_count=True,
-                     table=None):
-    """inline.inline_core's arguments, layout and result, with and without a gradient: the same graph's
-    forward (core_forward), through InLineCore where a gradient is asked. scale_by_count is a Python bool,
-    part of the graphs' signature; a tensor scale joins q (s q^T Cov = (s q)^T Cov). Under autocast the
-    inputs are cast to its dtype, as the reference's matmuls would be. table: a neighbour table (index,
-    masks) of one's own, sequence.py's 1-D one; None: Eq. 6's on grid (neighbourhood)."""
+def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                     scale_by_count=True, table=None):
+    """inline.inline_core's arguments, layout and result, with and without a gradient: the same
+    graph's forward (core_forward), through InLineCore where a gradient is asked. scale_by_count is
+    a Python bool, part of the graphs' signature; a tensor scale joins q (s q^T Cov = (s q)^T Cov).
+    Under autocast the inputs are cast to its dtype, as the reference's matmuls would be. table: a
+    neighbour table (index, masks) of one's own, sequence.py's 1-D one; None: Eq. 6's on grid
+    (neighbourhood)."""
     B, H, N, D = q.shape
     if table is None:
         inline.check_grid(N, grid)
-        if r is not None:  # built once per shape; traced into a compiled model's graph, a constant there
+        # built once per shape; traced into a compiled model's graph, a constant there
+        if r is not None:
             build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
             table = build(N, tuple(grid), q.device, size, dilation)
     T = table[0].shape[0] if r is not None else None  # Eq. 6's neighbours
     if r is not None and r.shape != (B, T * H * D):
-        raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = {(B, T * H * D)}, "
-                         f"got {tuple(r.shape)}; the fast core has no other Eq. 6 weights "
-                         f"(inline.local_residual also takes them per token)")
+        raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = "
+                         f"{(B, T * H * D)}, got {tuple(r.shape)}; the fast core has no other "
+                         f"Eq. 6 weights (inline.local_residual also takes them per token)")
     if isinstance(scale, torch.Tensor):
         q, scale = q * scale, 1.0
     scale = inline.attention_scale(D) if scale is None else scale
     device = q.device.type
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else q.dtype
-    taps = r.reshape(B, H, D, -1).transpose(-2, -1).to(dtype).contiguous() if r is not None else None
-    index, masks = table if taps is not None else (None, None)  # taps (B, H, T, D)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r))):
-        # No gradient: one graph casts q, k, v and lays them out itself (outside, each would cost a copy);
-        # outside autocast only where it is on, since a graph called under the switch costs more
+    taps = None  # (B, H, T, D)
+    if r is not None:
+        taps = r.reshape(B, H, D, -1).transpose(-2, -1).to(dtype).contiguous()
+    index, masks = table if taps is not None else (None, None)
+    if not (torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (q, k, v, r))):
+        # No gradient: one graph casts q, k, v and lays them out itself (outside, each would cost a
+        # copy); outside autocast only where it is on: a graph called under the switch costs more
         with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-            return compiled_call(core_inference, q, k, v, taps, index, masks, scale, bool(scale_by_count),
-                                 dtype)
-    # One memory layout for every caller, so one graph serves them all (the matmuls would copy strided views)
+            return compiled_call(core_inference, q, k, v, taps, index, masks, scale,
+                                 bool(scale_by_count), dtype)
+    # One memory layout for every caller, so one graph serves them all (the matmuls would copy
+    # strided views)
     q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
     with torch.autocast(device, enabled=False):
         return InLineCore.apply(q, k, v, taps, index, masks, scale, bool(scale_by_count))
@@ -285,42 +316,49 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
 inline.FAST_CORES['compile'] = inline_core_fast
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # enable_fast: the check that the fast twin computes what the module computes, then the switch
 
 def configuration(module):
-    """What decides a module's computation besides its weights: class, plain attributes, parameter names."""
-    plain = (bool, int, float, str, tuple, type(None))  # not the head count: H is symbolic in every graph
+    """What decides a module's computation besides its weights: class, plain attributes, parameter
+    names."""
+    # not the head count: H is symbolic in every graph
+    plain = (bool, int, float, str, tuple, type(None))
     attributes = sorted((k, v) for k, v in vars(module).items()
                         if isinstance(v, plain) and k not in ('training', 'num_heads'))
     return type(module), tuple(attributes), tuple(name for name, _ in module.named_parameters())
 
 
 def forward_and_gradients(module, inputs, upstream, prefix=''):
-    """{quantity: tensor or None}: module's output on inputs, and with a gradient, the gradients of every
-    floating-point input and parameter for the upstream gradient; with none, the output alone."""
-    inputs = [t.detach().to(upstream.dtype).requires_grad_() if torch.is_tensor(t) and t.is_floating_point()
-              else t for t in inputs]
+    """{quantity: tensor or None}: module's output on inputs, and with a gradient, the gradients of
+    every floating-point input and parameter for the upstream gradient; with none, the output
+    alone."""
+    inputs = [t.detach().to(upstream.dtype).requires_grad_()
+              if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs]
     with torch.no_grad():
         out = {'output with no gradient': module(*inputs)}
     o = module(*inputs)
     tensors = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
     params = dict(module.named_parameters())
-    grads = torch.autograd.grad(o, tensors + list(params.values()), upstream.to(o.dtype), allow_unused=True)
-    names = [f'gradient of input {i}' for i in range(len(tensors))] + [f'gradient of {prefix}{n}' for n in params]
+    grads = torch.autograd.grad(o, tensors + list(params.values()), upstream.to(o.dtype),
+                                allow_unused=True)
+    names = ([f'gradient of input {i}' for i in range(len(tensors))]
+             + [f'gradient of {prefix}{n}' for n in params])
     return {'output': o, **out, **dict(zip(names, grads))}
 
 
 def difference(exact, reference, fast):
-    """Why fast is not the reference's number, or None: it may err by twice the fp32 reference's own error
-    from exact (float64), plus 1e-5 of the largest value. None (no gradient reaches it) counts as 0."""
+    """Why fast is not the reference's number, or None: it may err by twice the fp32 reference's own
+    error from exact (float64), plus 1e-5 of the largest value. None (no gradient reaches it) counts
+    as 0."""
     if exact is None and fast is None:
         return None
     size = (exact if exact is not None else fast).abs().max().item()
     if fast is None or exact is None:
-        return None if size == 0 else f"reference {'none' if exact is None else f'{size:.1e}'}, fast " \
-                                      f"{'none' if fast is None else f'{size:.1e}'}"
-    error, own = (fast.double() - exact).abs().max().item(), (reference.double() - exact).abs().max().item()
+        return None if size == 0 else (f"reference {'none' if exact is None else f'{size:.1e}'}, "
+                                       f"fast {'none' if fast is None else f'{size:.1e}'}")
+    error, own = ((fast.double() - exact).abs().max().item(),
+                  (reference.double() - exact).abs().max().item())
     bound = 2 * own + 1e-5 * size
     if not error <= bound:  # also NaN
         return (f"max |fast - float64 reference| {error:.1e}, beyond {bound:.1e} (twice the fp32 "
@@ -330,9 +368,11 @@ def difference(exact, reference, fast):
 
 @contextlib.contextmanager
 def outside_function_modes():
-    """Run without the torch-function modes in force (a model built under `with torch.device('meta')`): a
-    graph compiled under a mode is guarded on it, and every later call without it would compile again."""
-    modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    """Run without the torch-function modes in force (a model built under `with
+    torch.device('meta')`): a graph compiled under a mode is guarded on it, and every later call
+    without it would compile again."""
+    modes = [torch._C._pop_torch_function_stack()
+             for _ in range(torch._C._len_torch_function_stack())]
     try:
         yield
     finally:
@@ -341,10 +381,10 @@ def outside_function_modes():
 
 
 def check_against_reference(path, module, fast, device):
-    """Raise ValueError unless module's forward with fast on gives the reference's output and gradients
-    (within difference), with and without a gradient, on copies whose every parameter is drawn away from its
-    initial value (a change that agrees at initialisation is caught too); the model and the random state
-    are untouched."""
+    """Raise ValueError unless module's forward with fast on gives the reference's output and
+    gradients (within difference), with and without a gradient, on copies whose every parameter is
+    drawn away from its initial value (a change that agrees at initialisation is caught too); the
+    model and the random state are untouched."""
     with outside_function_modes():
         generator = torch.Generator().manual_seed(0)
         reference = copy.deepcopy(module)
@@ -359,71 +399,88 @@ def check_against_reference(path, module, fast, device):
                 start = torch.zeros_like(p) if name in meta else p.clone()
                 p.copy_(start + 0.1 * (1 + start.abs()) * torch.randn(p.shape, generator=generator))
         inputs = reference.example_inputs(generator)
-        reference, inputs = reference.to(device), [t.to(device) if torch.is_tensor(t) else t for t in inputs]
+        reference, inputs = reference.to(device), [t.to(device) if torch.is_tensor(t) else t
+                                                   for t in inputs]
         twin = copy.deepcopy(reference)
         twin.fast = fast
         with torch.no_grad():
             shape = reference(*inputs).shape
         upstream = torch.randn(shape, generator=generator).to(device)
-        where, prefix = f"{path or 'the model'} ({type(module).__name__})", f"{path}." if path else ''
-        with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), torch.enable_grad(), \
-                torch.autocast(device.type, enabled=False):
-            exact = forward_and_gradients(copy.deepcopy(reference).double(), inputs, upstream.double(), prefix)
-            ours = forward_and_gradients(reference, inputs, upstream, prefix)  # parameters named by path
+        where, prefix = (f"{path or 'the model'} ({type(module).__name__})",
+                         f"{path}." if path else '')
+        with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []), \
+                torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            exact = forward_and_gradients(copy.deepcopy(reference).double(), inputs,
+                                          upstream.double(), prefix)
+            # parameters named by path
+            ours = forward_and_gradients(reference, inputs, upstream, prefix)
             try:
                 theirs = forward_and_gradients(twin, inputs, upstream, prefix)
-            except Exception as e:  # whatever the fast core cannot take: refused here, not at the first step
-                theirs = f"the fast core raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            except Exception as e:
+                # whatever the fast core cannot take: refused here, not at the first step
+                theirs = (f"the fast core raised {type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0]}")
         why = theirs if isinstance(theirs, str) else next(
-            (f"{name}: {d}" for name in exact if (d := difference(exact[name], ours[name], theirs[name]))),
+            (f"{name}: {d}"
+             for name in exact if (d := difference(exact[name], ours[name], theirs[name]))),
             None)
         if why:
-            raise ValueError(f"the fast InLine core ({fast!r}) and the reference differ in {where}: {why}. "
-                             f"Build the model with fast=False (train.py: --attention-impl reference), or make "
-                             f"the change in a form the fast core follows (README, \"Changing the method\")")
+            raise ValueError(f"the fast InLine core ({fast!r}) and the reference differ in "
+                             f"{where}: {why}. Build the model with fast=False (train.py: "
+                             f"--attention-impl reference), or make the change in a form the fast "
+                             f"core follows (README, \"Changing the method\")")
 
 
 def enable_fast(model, fast='compile', device=None, log=print):
-    """Turn the switch `fast` on in every InLine module of model: its forward then calls the fast twin
-    inline.FAST_CORES[fast] in place of inline.inline_core. Returns how many modules it switched. All are
-    checked first, so a model is fast throughout or refused: linear attention and the peers (peers.py) by
-    name, a change the fast core does not follow by one module of each configuration (check_against_
-    reference). fast: 'compile' (this file, any device) or 'triton' (triton_core.py, CUDA). device: where the
-    check runs (the model's, else the CPU); log=None: silent."""
-    peers = sorted({m.no_fast_path for m in model.modules() if hasattr(m, 'no_fast_path')})  # peers.py's
+    """Turn the switch `fast` on in every InLine module of model: its forward then calls the fast
+    twin inline.FAST_CORES[fast] in place of inline.inline_core. Returns how many modules it
+    switched. All are checked first, so a model is fast throughout or refused: linear attention and
+    the peers (peers.py) by name, a change the fast core does not follow by one module of each
+    configuration (check_against_reference). fast: 'compile' (this file, any device) or 'triton'
+    (triton_core.py, CUDA). device: where the check runs (the model's, else the CPU); log=None:
+    silent."""
+    # peers.py's
+    peers = sorted({m.no_fast_path for m in model.modules() if hasattr(m, 'no_fast_path')})
     if peers:
         raise ValueError(f"the fast core is InLine's alone; {' and '.join(peers)} "
-                         f"{'has' if len(peers) == 1 else 'have'} none: build the model with fast=False "
-                         f"(train.py: --attention-impl reference)")
-    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'fast')]  # InLine's modules
+                         f"{'has' if len(peers) == 1 else 'have'} none: build the model with "
+                         f"fast=False (train.py: --attention-impl reference)")
+    # InLine's modules
+    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'fast')]
     if any(getattr(m, 'attention', 'inline') == 'linear' for _, m in modules):
-        raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla linear "
-                         "attention): build the model with fast=False (train.py: --attention-impl reference)")
-    device = torch.device(device or next((p.device for p in model.parameters() if not p.is_meta), 'cpu'))
+        raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla "
+                         "linear attention): build the model with fast=False (train.py: "
+                         "--attention-impl reference)")
+    device = torch.device(device
+                          or next((p.device for p in model.parameters() if not p.is_meta), 'cpu'))
     if fast == 'triton' and 'triton' not in inline.FAST_CORES:
         if device.type != 'cuda' and os.environ.get('TRITON_INTERPRET') != '1':
-            raise ValueError(f"fast='triton' runs InLine's Triton kernel, which needs a CUDA device (the model "
-                             f"is on {device.type}); on the CPU use fast='compile' (torch.compile), or run "
-                             f"with TRITON_INTERPRET=1 to interpret the kernel, slowly, for testing")
+            raise ValueError(f"fast='triton' runs InLine's Triton kernel, which needs a CUDA "
+                             f"device (the model is on {device.type}); on the CPU use "
+                             f"fast='compile' (torch.compile), or run with TRITON_INTERPRET=1 to "
+                             f"interpret the kernel, slowly, for testing")
         import triton_core  # imports inline alone: it registers nothing until it is asked for here
         inline.FAST_CORES['triton'] = triton_core.inline_core_triton
     for path, m in modules:
         if fast not in getattr(m, 'fast_cores', inline.FAST_CORES):
-            raise ValueError(f"{path or 'the model'} ({type(m).__name__}) has no fast core {fast!r}; it has "
+            raise ValueError(f"{path or 'the model'} ({type(m).__name__}) has no fast core "
+                             f"{fast!r}; it has "
                              f"{list(getattr(m, 'fast_cores', inline.FAST_CORES))}")
     swapped = [(path, m) for path, m in modules if not m.fast]
     configurations, start = {}, time.perf_counter()  # configuration: the modules that have it
     for path, m in swapped:
         configurations.setdefault(configuration(m), []).append((path, m))
-    _checking.append(True)  # the closed forms eagerly: the graphs compile or load at their first use
+    # the closed forms eagerly: the graphs compile or load at their first use
+    _checking.append(True)
     try:
         for path, m in (alike[0] for alike in configurations.values()):
             check_against_reference(path, m, fast, device)
     finally:
         _checking.pop()
     if log and swapped:
-        log(f"kernels.enable_fast: {len(swapped)} module(s), {len(configurations)} configuration(s), equal "
-            f"the reference with {fast!r}: {time.perf_counter() - start:.1f} s")
+        log(f"kernels.enable_fast: {len(swapped)} module(s), {len(configurations)} "
+            f"configuration(s), equal the reference with {fast!r}: "
+            f"{time.perf_counter() - start:.1f} s")
     for _, m in swapped:
         m.fast = fast
     return len(swapped)

@@ -1,18 +1,18 @@
-"""Causal InLine: InLine attention on 1-D sequences, over each prefix (causal) or both ways, and its fast
-core.
+"""Causal InLine: InLine attention on 1-D sequences, over each prefix (causal) or both ways, and its
+fast core.
 
-Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv 2412.06590,
-carried to sequences: Eq. 5 over each prefix 1..i, w_ij = g_i
-(q_i.k_j - q_i.k_mean_i) + 1/i for j <= i, 0 for j > i, in three forms (prefix sums, chunks for training, a
-recurrent step for generation), and Eq. 6 over token i and the k - 1 before it, its weights from the mean of
-x_1..x_i, so that no output sees a later token. SequenceAttention(dim, num_heads) is the module, called on
-(B, N, C) with no grid (causal=False: Eq. 5 over all N tokens and Eq. 6 over the k tokens centred on each);
-DecoderBlock the README's decoder block. inline.py holds the equations on a grid; this file imports it and
-kernels.py, never the reverse.
+Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv
+2412.06590, carried to sequences: Eq. 5 over each prefix 1..i, w_ij = g_i (q_i.k_j - q_i.k_mean_i) +
+1/i for j <= i, 0 for j > i, in three forms (prefix sums, chunks for training, a recurrent step for
+generation), and Eq. 6 over token i and the k - 1 before it, its weights from the mean of x_1..x_i,
+so that no output sees a later token. SequenceAttention(dim, num_heads) is the module, called on
+(B, N, C) with no grid (causal=False: Eq. 5 over all N tokens and Eq. 6 over the k tokens centred on
+each); DecoderBlock the README's decoder block. inline.py holds the equations on a grid; this file
+imports it and kernels.py, never the reverse.
 
-Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D; i a token's count in its prefix,
-g_i Eq. 5's factor s/i (scale_by_count, the released models' s/N on each prefix) or s (Eq. 5 as printed);
-T = k neighbour weights per channel.
+Notation as in inline.py: B batch, H heads, N tokens, D head dim, C = H*D; i a token's count in its
+prefix, g_i Eq. 5's factor s/i (scale_by_count, the released models' s/N on each prefix) or s
+(Eq. 5 as printed); T = k neighbour weights per channel.
 """
 import functools
 
@@ -24,13 +24,14 @@ import inline
 import kernels
 from kernels import neighbours, wide
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The baseline and Eq. 5 over each prefix: q, k, v (B, H, N, D) through phi -> (B, H, N, D)
 
 def causal_linear_attention(q, k, v, eps=1e-6):
-    """inline.linear_attention over each prefix: q_i^T sum_{j<=i} k_j v_j^T / (q_i . sum_{j<=i} k_j), in
-    chunks (causal_products)."""
-    return causal_products(q, k, v)[0] / ((q * k.cumsum(2)).sum(-1, keepdim=True) + eps)  # (B, H, N, D)
+    """inline.linear_attention over each prefix: q_i^T sum_{j<=i} k_j v_j^T /
+    (q_i . sum_{j<=i} k_j), in chunks (causal_products)."""
+    # (B, H, N, D)
+    return causal_products(q, k, v)[0] / ((q * k.cumsum(2)).sum(-1, keepdim=True) + eps)
 
 
 def causal_linear_attention_weights(q, k, eps=1e-6):
@@ -40,27 +41,31 @@ def causal_linear_attention_weights(q, k, eps=1e-6):
 
 
 def causal_inline_weights(q, k, scale=None, scale_by_count=True):
-    """The explicit weights of Eq. 5 over each prefix, w_ij = g_i (q_i.k_j - q_i.k_mean_i) + 1/i for j <= i, 0
-    for j > i, with k_mean_i the mean of k_1..k_i and g_i = s/i or s (inline.eq5_gain); rows still sum to 1.
-    Injective in q_i from token D + 1 on, as inline.inline_weights says."""
+    """The explicit weights of Eq. 5 over each prefix, w_ij = g_i (q_i.k_j - q_i.k_mean_i) + 1/i for
+    j <= i, 0 for j > i, with k_mean_i the mean of k_1..k_i and g_i = s/i or s (inline.eq5_gain);
+    rows still sum to 1. Injective in q_i from token D + 1 on, as inline.inline_weights says."""
     N = q.shape[2]
     s = inline.attention_scale(q.shape[-1]) if scale is None else scale
-    n = torch.arange(1, N + 1, dtype=q.dtype, device=q.device)[:, None]  # (N, 1): the count i of row i
+    # the count i of row i
+    n = torch.arange(1, N + 1, dtype=q.dtype, device=q.device)[:, None]  # (N, 1)
     k_mean = k.cumsum(2) / n  # (B, H, N, D): k_mean_i
     g = inline.eq5_gain(s, n, scale_by_count)  # s/i or s
-    w = g * (q @ k.transpose(-2, -1) - (q * k_mean).sum(-1, keepdim=True)) + 1 / n  # Eq. 5, (B, H, N, N)
+    # Eq. 5, (B, H, N, N)
+    w = g * (q @ k.transpose(-2, -1) - (q * k_mean).sum(-1, keepdim=True)) + 1 / n
     return w.tril()  # 0 for j > i
 
 
 def causal_inline_attention(q, k, v, scale=None, scale_by_count=True):
-    """inline.inline_attention over each prefix, o_i = g_i i q_i^T Cov_i + v_mean_i, from prefix sums of k
-    v^T, k and v: O(N D^2) with (B, H, N, D, D) prefix sums (inline_chunked does without them)."""
+    """inline.inline_attention over each prefix, o_i = g_i i q_i^T Cov_i + v_mean_i, from prefix
+    sums of k v^T, k and v: O(N D^2) with (B, H, N, D, D) prefix sums (inline_chunked does without
+    them)."""
     N = q.shape[2]
     s = inline.attention_scale(q.shape[-1]) if scale is None else scale
-    # Cov_i = (1/i) sum_{j<=i} k_j v_j^T - k_mean_i v_mean_i^T: the uncentred form, since centring on a mean
-    # that moves with i would revisit every earlier token. Its subtraction cancels the leading digits the
-    # means share: with means m times the spread, about 2 log2(m) bits are lost, most of bf16's 8 but few of
-    # fp32's 24. So the sums accumulate and subtract in fp32 (or wider) and the output is rounded once.
+    # Cov_i = (1/i) sum_{j<=i} k_j v_j^T - k_mean_i v_mean_i^T: the uncentred form, since centring
+    # on a mean that moves with i would revisit every earlier token. Its subtraction cancels the
+    # leading digits the means share: with means m times the spread, about 2 log2(m) bits are lost,
+    # most of bf16's 8 but few of fp32's 24. So the sums accumulate and subtract in fp32 (or wider)
+    # and the output is rounded once.
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     n = torch.arange(1, N + 1, dtype=acc, device=q.device)[:, None]  # (N, 1): the count i
@@ -68,37 +73,41 @@ def causal_inline_attention(q, k, v, scale=None, scale_by_count=True):
     kv = (k.unsqueeze(-1) * v.unsqueeze(-2)).cumsum(2)  # (B, H, N, D, D): sum_{j<=i} k_j v_j^T
     cov = kv / n[..., None] - k_mean.unsqueeze(-1) * v_mean.unsqueeze(-2)  # (B, H, N, D, D): Cov_i
     g = inline.eq5_gain(s, n, scale_by_count) * n  # (N, 1): s, or s i
-    return (g * (q.unsqueeze(-2) @ cov).squeeze(-2) + v_mean).to(dtype)  # Eq. 5 over the prefix, (B, H, N, D)
+    # Eq. 5 over the prefix, (B, H, N, D)
+    return (g * (q.unsqueeze(-2) @ cov).squeeze(-2) + v_mean).to(dtype)
 
 
 def causal_products(q, k, v, kv=None, chunk=64):
-    """sum_{j<=i} (q_i.k_j) v_j for every token i, (B, H, N, D), in chunks of L tokens: the masked L x L
-    products within a chunk, a running D x D sum of k v^T across chunks, which starts from kv (B, H, D, D),
-    the sum over the tokens before these (None: none). Returns them and the running sum after the last token.
-    O(N L D + N D^2)."""
+    """sum_{j<=i} (q_i.k_j) v_j for every token i, (B, H, N, D), in chunks of L tokens: the masked
+    L x L products within a chunk, a running D x D sum of k v^T across chunks, which starts from kv
+    (B, H, D, D), the sum over the tokens before these (None: none). Returns them and the running
+    sum after the last token. O(N L D + N D^2)."""
     B, H, N, D = q.shape
     L = min(chunk, N)
-    qc, kc, vc = (F.pad(t, (0, 0, 0, -N % L)).reshape(B, H, -1, L, D) for t in (q, k, v))  # (B, H, N/L, L, D)
+    # (B, H, N/L, L, D)
+    qc, kc, vc = (F.pad(t, (0, 0, 0, -N % L)).reshape(B, H, -1, L, D) for t in (q, k, v))
     # (B, H, N/L, D, D): each chunk's sum of k v^T (zero padding adds none)
     chunk_kv = kc.transpose(-2, -1) @ vc
     # (B, H, N/L, D, D): the earlier chunks' sums
     before = F.pad(chunk_kv.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
     before = before if kv is None else before + kv.unsqueeze(2)  # and the tokens' before these
-    scores = (qc @ kc.transpose(-2, -1)).tril()  # (B, H, N/L, L, L): q_i.k_j within the chunk, j <= i
+    # q_i.k_j within the chunk, j <= i
+    scores = (qc @ kc.transpose(-2, -1)).tril()  # (B, H, N/L, L, L)
     out = (qc @ before + scores @ vc).reshape(B, H, -1, D)[:, :, :N]  # (B, H, N, D)
     return out, before[:, :, -1] + chunk_kv[:, :, -1]
 
 
 def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=True):
-    """Causal Eq. 5 in chunks, for training: causal_inline_attention's output without its (B, H, N, D, D)
-    prefix sums. state: inline_step's, the tokens before these (None: none), so a sequence goes on where a
-    call stopped. Returns o (B, H, N, D) and the state after the last token. Sums in fp32, as in
-    causal_inline_attention."""
+    """Causal Eq. 5 in chunks, for training: causal_inline_attention's output without its
+    (B, H, N, D, D) prefix sums. state: inline_step's, the tokens before these (None: none), so a
+    sequence goes on where a call stopped. Returns o (B, H, N, D) and the state after the last
+    token. Sums in fp32, as in causal_inline_attention."""
     B, H, N, D = q.shape
     s = inline.attention_scale(D) if scale is None else scale
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     zeros = torch.zeros(B, H, D, D, dtype=acc, device=q.device)  # (B, H, D, D)
-    kv, k_sum, v_sum, count = state if state is not None else (zeros, zeros[..., 0], zeros[..., 0], 0)
+    kv, k_sum, v_sum, count = (state if state is not None
+                               else (zeros, zeros[..., 0], zeros[..., 0], 0))
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     n = count + torch.arange(1, N + 1, dtype=acc, device=q.device)[:, None]  # (N, 1): the count i
     qkv, kv = causal_products(q, k, v, kv, chunk)  # (B, H, N, D): q_i^T sum_{j<=i} k_j v_j^T
@@ -106,15 +115,17 @@ def inline_chunked(q, k, v, scale=None, state=None, chunk=64, scale_by_count=Tru
     k_sums, v_sums = k_sum.unsqueeze(2) + k.cumsum(2), v_sum.unsqueeze(2) + v.cumsum(2)
     # g_i i q_i^T Cov_i + v_mean_i, with i Cov_i = sum_{j<=i} k_j v_j^T - i k_mean_i v_mean_i^T
     g = inline.eq5_gain(s, n, scale_by_count)  # (N, 1): s/i or s
-    o = g * (qkv - (q * k_sums).sum(-1, keepdim=True) * v_sums / n) + v_sums / n  # Eq. 5 over the prefix
+    # Eq. 5 over the prefix
+    o = g * (qkv - (q * k_sums).sum(-1, keepdim=True) * v_sums / n) + v_sums / n
     return o.to(dtype), (kv, k_sums[:, :, -1], v_sums[:, :, -1], count + N)
 
 
 def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
-    """One token of causal Eq. 5, for generation: q_t, k_t, v_t (B, H, D) -> o_t (B, H, D) and the state after
-    it, (sum k v^T (B, H, D, D), sum k (B, H, D), sum v (B, H, D), count): one size however long the sequence,
-    and inline_chunked's; None starts a sequence. Sums in fp32, as in causal_inline_attention. Eq. 6 as well:
-    a module's step (SequenceAttention.step) adds sequence_residual_step."""
+    """One token of causal Eq. 5, for generation: q_t, k_t, v_t (B, H, D) -> o_t (B, H, D) and the
+    state after it, (sum k v^T (B, H, D, D), sum k (B, H, D), sum v (B, H, D), count): one size
+    however long the sequence, and inline_chunked's; None starts a sequence. Sums in fp32, as in
+    causal_inline_attention. Eq. 6 as well: a module's step (SequenceAttention.step) adds
+    sequence_residual_step."""
     s = inline.attention_scale(q_t.shape[-1]) if scale is None else scale
     dtype, acc = q_t.dtype, torch.promote_types(q_t.dtype, torch.float32)
     kv, k_sum, v_sum, count = state if state is not None else (0, 0, 0, 0)
@@ -124,16 +135,17 @@ def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
     # t Cov over 1..t: sum k v^T - t k_mean v_mean^T, (B, H, D, D)
     cov = kv - (k_sum / count).unsqueeze(-1) * v_sum.unsqueeze(-2)
     g = inline.eq5_gain(s, count, scale_by_count)  # s/t or s
-    o_t = g * (q_t.unsqueeze(-2) @ cov).squeeze(-2) + v_sum / count  # Eq. 5 over tokens 1..t, (B, H, D)
+    # Eq. 5 over tokens 1..t, (B, H, D)
+    o_t = g * (q_t.unsqueeze(-2) @ cov).squeeze(-2) + v_sum / count
     return o_t.to(dtype), (kv, k_sum, v_sum, count)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Eq. 6 on a sequence: T = k taps per channel, the last k tokens (causal) or the k centred on each
 
 def prefix_residual_weights(mlp, x):
-    """inline.residual_weights at each token i from the mean m_i of x_1..x_i (B, N, C), so that no weight
-    looks ahead: (B, N, T*C). The sums in fp32."""
+    """inline.residual_weights at each token i from the mean m_i of x_1..x_i (B, N, C), so that no
+    weight looks ahead: (B, N, T*C). The sums in fp32."""
     n = torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]  # (N, 1)
     m = (x.to(torch.promote_types(x.dtype, torch.float32)).cumsum(1) / n).to(x.dtype)  # (B, N, C)
     return inline.residual_weights(mlp, m)  # (B, N, T*C)
@@ -141,13 +153,14 @@ def prefix_residual_weights(mlp, x):
 
 def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
     """Eq. 6 on a 1-D sequence v (B, H, N, D), T = k = size taps per channel: o_i += sum_t
-    r[.., T*c + t] * v_{i + dilation*(t - (k-1))} causal (tokens i, i-1, .., i-k+1; zero before the start),
-    else v_{i + dilation*(t - k//2)} (k tokens centred on i; zero outside). r (B, T*C) per sample, or causal
-    (B, N, T*C) per token, predicted from the prefix mean (prefix_residual_weights). A depthwise 1-D
-    convolution."""
+    r[.., T*c + t] * v_{i + dilation*(t - (k-1))} causal (tokens i, i-1, .., i-k+1; zero before the
+    start), else v_{i + dilation*(t - k//2)} (k tokens centred on i; zero outside). r (B, T*C) per
+    sample, or causal (B, N, T*C) per token, predicted from the prefix mean
+    (prefix_residual_weights). A depthwise 1-D convolution."""
     B, H, N, D = v.shape
     if r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
-        raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
+        raise ValueError(f"r must hold {size} neighbour weights per "
+                         f"channel{' and token' if causal else ''}, "
                          f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
                          f"{tuple(v.shape)}")
     left = dilation * (size - 1 if causal else size // 2)  # how far back the first tap reaches
@@ -160,24 +173,27 @@ def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
 
 
 def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilation=1):
-    """One token of causal Eq. 6, for generation: v_t (B, H, D) and its weights r_t (B, T*C), T = size, ->
-    sum_t r_t[.., T*c + t] v_{i + dilation*(t - (k-1))} (B, H, D), and recent after it: the last
-    dilation*(k-1) values (B, H, dilation*(k-1), D), all Eq. 6 reaches back to (None: none yet, zero before
-    the start)."""
+    """One token of causal Eq. 6, for generation: v_t (B, H, D) and its weights r_t (B, T*C), T =
+    size, -> sum_t r_t[.., T*c + t] v_{i + dilation*(t - (k-1))} (B, H, D), and recent after it: the
+    last dilation*(k-1) values (B, H, dilation*(k-1), D), all Eq. 6 reaches back to (None: none yet,
+    zero before the start)."""
     B, H, D = v_t.shape
     reach = dilation * (size - 1)
     # zero before the start, as sequence_residual
     recent = v_t.new_zeros(B, H, reach, D) if recent is None else recent
-    window = torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, ::dilation]  # (B, H, T, D): v_{i - d(k-1)} .. v_i
-    taps = r_t.reshape(B, H, D, size).permute(0, 1, 3, 2)  # (B, H, T, D): channel c = head*D + j, tap t
-    return (window * taps).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]  # Eq. 6, (B, H, D)
+    # v_{i - d(k-1)} .. v_i
+    window = torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, ::dilation]  # (B, H, T, D)
+    # channel c = head*D + j, tap t
+    taps = r_t.reshape(B, H, D, size).permute(0, 1, 3, 2)  # (B, H, T, D)
+    # Eq. 6, (B, H, D)
+    return (window * taps).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]
 
 
-def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
-                  scale_by_count=True):
-    """inline.inline_core on a 1-D sequence (grid None): Eq. 5, then Eq. 6 over T = size taps; causal: Eq. 5
-    over each prefix, Eq. 6 over the last k tokens, r (B, N, T*C); else r (B, T*C). sequence_core_fast takes
-    the same arguments and returns the same result, faster."""
+def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                  causal=False, scale_by_count=True):
+    """inline.inline_core on a 1-D sequence (grid None): Eq. 5, then Eq. 6 over T = size taps;
+    causal: Eq. 5 over each prefix, Eq. 6 over the last k tokens, r (B, N, T*C); else r (B, T*C).
+    sequence_core_fast takes the same arguments and returns the same result, faster."""
     if grid is not None:
         raise ValueError("attention over a 1-D sequence has no grid: grid must be None")
     attention = causal_inline_attention if causal else inline.inline_attention
@@ -185,27 +201,30 @@ def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dil
     return o if r is None else o + sequence_residual(v, r, size, dilation, causal)  # Eq. 6
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The module
 
 class SequenceAttention(inline.InLineAttention):
-    """inline.InLineAttention on a 1-D sequence: x (B, N, C) -> (B, N, C), called with no grid, its forward the
-    same steps. causal: Eq. 5 over each prefix, Eq. 6 over the last k tokens with weights from the prefix
-    mean: no output sees a later token; causal=False: both ways, Eq. 5 over all N tokens and Eq. 6 over the
-    k tokens centred on each. attention='linear': division in place of Eq. 5 (the baseline). The other
-    options are InLineAttention's. step runs a causal module token by token, for generation. A class token
-    before a sequence read both ways: InLineAttention with grid (1, L) and leading_tokens=1, whose 3x3
-    neighbourhood on one row is Eq. 6 over the k = 3 tokens centred on each (the other taps see padding)."""
+    """inline.InLineAttention on a 1-D sequence: x (B, N, C) -> (B, N, C), called with no grid, its
+    forward the same steps. causal: Eq. 5 over each prefix, Eq. 6 over the last k tokens with
+    weights from the prefix mean: no output sees a later token; causal=False: both ways, Eq. 5 over
+    all N tokens and Eq. 6 over the k tokens centred on each. attention='linear': division in place
+    of Eq. 5 (the baseline). The other options are InLineAttention's. step runs a causal module
+    token by token, for generation. A class token before a sequence read both ways: InLineAttention
+    with grid (1, L) and leading_tokens=1, whose 3x3 neighbourhood on one row is Eq. 6 over the k =
+    3 tokens centred on each (the other taps see padding)."""
     token_dims = 1  # Eq. 6's neighbourhood is k tokens: T = k weights per channel
     fast_cores = ('compile',)  # sequence_core_fast; kernels.enable_fast refuses another
 
-    def __init__(self, dim, num_heads, *, causal=True, attention='inline', allow_divergent=False, **options):
+    def __init__(self, dim, num_heads, *, causal=True, attention='inline', allow_divergent=False,
+                 **options):
         leading = options.get('leading_tokens', 0)
         if not (isinstance(leading, int) and leading == 0):
-            raise ValueError(f"a 1-D sequence has no leading tokens here (got leading_tokens={leading!r}): "
-                             f"for a class token before a sequence read both ways, use "
-                             f"inline.InLineAttention(dim, heads, leading_tokens=1) with grid (1, L), L the "
-                             f"sequence's length; a causal sequence has none (token 1 sees itself alone)")
+            raise ValueError(f"a 1-D sequence has no leading tokens here (got "
+                             f"leading_tokens={leading!r}): for a class token before a sequence "
+                             f"read both ways, use inline.InLineAttention(dim, heads, "
+                             f"leading_tokens=1) with grid (1, L), L the sequence's length; a "
+                             f"causal sequence has none (token 1 sees itself alone)")
         if attention not in ('inline', 'linear'):
             raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
         if attention == 'linear':
@@ -224,44 +243,50 @@ class SequenceAttention(inline.InLineAttention):
         if self.residual is not None:
             r = (prefix_residual_weights(self.residual, x) if self.causal
                  else inline.residual_weights(self.residual, x.mean(dim=1)))
-        if self.attention == 'linear':  # the baseline: division in place of Eq. 5, then the same Eq. 6
+        if self.attention == 'linear':
+            # the baseline: division in place of Eq. 5, then the same Eq. 6
             o = (causal_linear_attention if self.causal else inline.linear_attention)(q, k, v)
-            o = o if r is None else o + sequence_residual(v, r, self.local_size, self.dilation, self.causal)
+            o = o if r is None else o + sequence_residual(v, r, self.local_size, self.dilation,
+                                                          self.causal)
         elif self.fast:  # the fast twin of sequence_core: the same arguments, the same result
-            o = sequence_core_fast(q, k, v, r, None, self.scale, self.local_size, self.dilation, self.causal,
-                                   self.scale_by_count)
+            o = sequence_core_fast(q, k, v, r, None, self.scale, self.local_size, self.dilation,
+                                   self.causal, self.scale_by_count)
         else:
-            o = sequence_core(q, k, v, r, None, self.scale, self.local_size, self.dilation, self.causal,
-                              self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
+            o = sequence_core(q, k, v, r, None, self.scale, self.local_size, self.dilation,
+                              self.causal, self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))
 
     def check_input(self, x, grid):
         if grid is not None:
-            raise ValueError("this attention was built for a 1-D sequence (sequence.SequenceAttention): "
-                             "call it with no grid")
-        return super().check_input(x, (1, x.shape[1]) if x.dim() == 3 else None)  # one row, no leading tokens
+            raise ValueError("this attention was built for a 1-D sequence "
+                             "(sequence.SequenceAttention): call it with no grid")
+        # one row, no leading tokens
+        return super().check_input(x, (1, x.shape[1]) if x.dim() == 3 else None)
 
     def example_inputs(self, generator, batch=2):
-        """kernels.enable_fast's check: a sequence of 130 tokens, three chunks of the fast causal core."""
+        """kernels.enable_fast's check: a sequence of 130 tokens, three chunks of the fast causal
+        core."""
         return (torch.randn(batch, 2 * CHUNK + 2, self.proj.in_features, generator=generator),)
 
     def weights(self, x, grid=None):
-        """The explicit N x N weights (B, H, N, N) this module applies to x (B, N, C): 0 above the diagonal
-        when causal."""
+        """The explicit N x N weights (B, H, N, N) this module applies to x (B, N, C): 0 above the
+        diagonal when causal."""
         self.check_input(x, grid)
         q, k, _ = self.project(x if self.ape is None else x + self.ape)
         q, k = self.phi(q), self.phi(k)
         if self.attention == 'linear':
-            return (causal_linear_attention_weights if self.causal else inline.linear_attention_weights)(q, k)
+            return (causal_linear_attention_weights if self.causal
+                    else inline.linear_attention_weights)(q, k)
         if self.causal:
             return causal_inline_weights(q, k, self.scale, self.scale_by_count)
         return inline.inline_weights(q, k, self.scale, self.scale_by_count)
 
     def step_attend(self, q_t, k_t, v_t, x_t, state=None):
-        """One token of attend on a causal module, for generation: q_t, k_t, v_t (B, H, D) before phi, x_t
-        (B, C) the token Eq. 6's weights are predicted from. Returns o_t (B, H, D) and the state after it:
-        inline_step's, the running sum of x (B, C) for Eq. 6's prefix mean and the last dilation*(k-1) values
-        (sequence_residual_step); one size however long the sequence. None starts a sequence."""
+        """One token of attend on a causal module, for generation: q_t, k_t, v_t (B, H, D) before
+        phi, x_t (B, C) the token Eq. 6's weights are predicted from. Returns o_t (B, H, D) and the
+        state after it: inline_step's, the running sum of x (B, C) for Eq. 6's prefix mean and the
+        last dilation*(k-1) values (sequence_residual_step); one size however long the sequence.
+        None starts a sequence."""
         if not self.causal or self.attention != 'inline':
             raise ValueError("a step is causal InLine's: build the module with causal=True and "
                              "attention='inline'")
@@ -274,16 +299,18 @@ class SequenceAttention(inline.InLineAttention):
         x_sum = x_sum + x_t.to(torch.promote_types(x_t.dtype, torch.float32))
         # (B, T*C) from the prefix mean
         r_t = self.residual((x_sum / eq5[3]).to(x_t.dtype).unsqueeze(-1)).squeeze(-1)
-        local, recent = sequence_residual_step(v_t, r_t, recent, self.local_size, self.dilation)  # Eq. 6
+        # Eq. 6
+        local, recent = sequence_residual_step(v_t, r_t, recent, self.local_size, self.dilation)
         return o_t + local, (eq5, x_sum, recent)
 
 
     def step(self, x_t, state=None):
-        """One token through a causal module, for generation: x_t (B, C) -> (B, C) and the state after it
-        (step_attend), equal to forward's output at that token given the same tokens before it."""
+        """One token through a causal module, for generation: x_t (B, C) -> (B, C) and the state
+        after it (step_attend), equal to forward's output at that token given the same tokens before
+        it."""
         if self.ape is not None:
-            raise ValueError("a step has no position embedding (ape): it is made for a fixed number of "
-                             "tokens")
+            raise ValueError("a step has no position embedding (ape): it is made for a fixed "
+                             "number of tokens")
         self.check_input(x_t.unsqueeze(1), None)
         q, k, v = self.project(x_t.unsqueeze(1))  # (B, H, 1, D)
         o_t, state = self.step_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], x_t, state)  # (B, H, D)
@@ -291,17 +318,18 @@ class SequenceAttention(inline.InLineAttention):
 
 
 class DecoderBlock(nn.Module):
-    """The README's decoder block, pre-norm: x + attn(norm1(x)), then x + mlp(norm2(x)), on (B, N, C); token i
-    sees tokens 1..i. attn: an attention module of one's own, (B, N, C) -> (B, N, C) (the recall study's);
-    None: SequenceAttention(dim, heads, causal=True, **options). kernels.enable_fast(block) switches on the
-    fast causal core."""
+    """The README's decoder block, pre-norm: x + attn(norm1(x)), then x + mlp(norm2(x)), on
+    (B, N, C); token i sees tokens 1..i. attn: an attention module of one's own, (B, N, C) ->
+    (B, N, C) (the recall study's); None: SequenceAttention(dim, heads, causal=True, **options).
+    kernels.enable_fast(block) switches on the fast causal core."""
 
     def __init__(self, dim, heads, mlp_ratio=4, attn=None, **options):
         super().__init__()
         attn = SequenceAttention(dim, heads, causal=True, **options) if attn is None else attn
         self.norm1, self.attn = nn.LayerNorm(dim), attn
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(),
+                                 nn.Linear(mlp_ratio * dim, dim))
 
     def forward(self, x):  # x (B, N, C)
         x = x + self.attn(self.norm1(x))  # token i sees tokens 1..i
@@ -309,9 +337,10 @@ class DecoderBlock(nn.Module):
 
 
 def sequence_neighbourhood(N, device, size=inline.LOCAL_SIZE, dilation=1, causal=False, flip=False):
-    """neighbourhood's index and masks on a 1-D sequence, tap t at offset dilation * (t - (size - 1)) causal
-    (the token and the size - 1 before it), else dilation * (t - size // 2), as sequence_residual counts them;
-    flip: the opposite offsets, the transposed shift of Eq. 6's backward."""
+    """neighbourhood's index and masks on a 1-D sequence, tap t at offset dilation *
+    (t - (size - 1)) causal (the token and the size - 1 before it), else dilation * (t - size // 2),
+    as sequence_residual counts them; flip: the opposite offsets, the transposed shift of Eq. 6's
+    backward."""
     with torch.inference_mode(False):
         n = torch.arange(N, device=device)
         offsets = [(-1 if flip else 1) * dilation * (t - (size - 1 if causal else size // 2))
@@ -324,34 +353,37 @@ def sequence_neighbourhood(N, device, size=inline.LOCAL_SIZE, dilation=1, causal
 _cached_sequence_neighbourhood = functools.lru_cache(maxsize=32)(sequence_neighbourhood)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The fast causal core, sequence_core(..., causal=True)'s twin: Eq. 5 over each prefix in chunks
-# (inline_chunked), Eq. 6 over the last k tokens with one weight per token. kernels.py's design: two graphs,
-# the backward in closed form, through kernels.compiled_call (its compile switches, cache lock and warning).
+# (inline_chunked), Eq. 6 over the last k tokens with one weight per token. kernels.py's design: two
+# graphs, the backward in closed form, through kernels.compiled_call (its compile switches, cache
+# lock and warning).
 
-# tokens per chunk: the CHUNK x CHUNK products cost N CHUNK D per head, the running D x D sums N D^2 / CHUNK
+# tokens per chunk: the CHUNK x CHUNK products cost N CHUNK D per head, the running D x D sums N
+# D^2 / CHUNK
 CHUNK = 64
 
 
 def scan_dtype(dtype, scale_by_count=True):
-    """The dtype of the scans' GEMM operands: the input's, but fp32 for fp16, whose 5-bit exponent cannot hold
-    the 1/i factors of long sequences nor the uncentred sums' cancellation (and whose GEMMs CPUs run slowly),
-    and fp32 under the printed factor s (not scale_by_count): without s/i the uncentred sums' bf16 rounding
-    reaches the output i times larger, several times the reference's own error by 131 tokens
+    """The dtype of the scans' GEMM operands: the input's, but fp32 for fp16, whose 5-bit exponent
+    cannot hold the 1/i factors of long sequences nor the uncentred sums' cancellation (and whose
+    GEMMs CPUs run slowly), and fp32 under the printed factor s (not scale_by_count): without s/i
+    the uncentred sums' bf16 rounding reaches the output i times larger, several times the
+    reference's own error by 131 tokens
     (test_fast_causal_core_low_precision_within_twice_the_references)."""
     return torch.float32 if dtype == torch.float16 or not scale_by_count else dtype
 
 
 def causal_scan(q, k, v, reverse=False):
-    """sum_{j<=i} (q_i.k_j) v_j (reverse: j >= i) for every i, in fp32: within a chunk the masked products as
-    GEMMs of scan_dtype (bf16's accumulate in fp32, then round once); across chunks the D x D sums of k v^T in
-    fp32. q, k, v (B, H, N, D), N a multiple of CHUNK."""
+    """sum_{j<=i} (q_i.k_j) v_j (reverse: j >= i) for every i, in fp32: within a chunk the masked
+    products as GEMMs of scan_dtype (bf16's accumulate in fp32, then round once); across chunks the
+    D x D sums of k v^T in fp32. q, k, v (B, H, N, D), N a multiple of CHUNK."""
     B, H, N, D = q.shape
     qc, kc, vc = (t.reshape(B, H, N // CHUNK, CHUNK, D) for t in (q, k, v))  # (B, H, N/L, L, D)
     chunk_kv = wide(kc.transpose(-2, -1) @ vc)  # (B, H, N/L, D, D)
     total = chunk_kv.cumsum(2)  # (B, H, N/L, D, D)
-    # the later (earlier) chunks' sums; the earlier ones shifted, not subtracted, so no bit depends on a later
-    # token
+    # the later (earlier) chunks' sums; the earlier ones shifted, not subtracted, so no bit depends
+    # on a later token
     other = total[:, :, -1:] - total if reverse else F.pad(total[:, :, :-1], (0, 0, 0, 0, 1, 0))
     scores = qc @ kc.transpose(-2, -1)  # (B, H, N/L, L, L)
     scores = scores.triu() if reverse else scores.tril()
@@ -359,18 +391,23 @@ def causal_scan(q, k, v, reverse=False):
 
 
 def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
-    """-> o (B, H, N, D), and for the backward k and v less their first token (B, H, N, D), rounded to
-    scan_dtype, and v's first token (B, H, 1, D). taps (B, H, T, N, D): Eq. 6's weights, one per token."""
+    """-> o (B, H, N, D), and for the backward k and v less their first token (B, H, N, D), rounded
+    to scan_dtype, and v's first token (B, H, 1, D). taps (B, H, T, N, D): Eq. 6's weights, one per
+    token."""
     N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype, scale_by_count)
     n = torch.arange(1, N + 1, device=q.device, dtype=torch.float32)[:, None]  # (N, 1): the count i
-    # Cov_i and o_i do not change when a constant is taken from every k (or v); taking the first token's,
-    # which every output may see, makes the uncentred sums of k v^T as small as the spread, not the means
-    # (causal_inline_attention says what the means would cost), and keeps the GEMMs' operands small in bf16.
+    # Cov_i and o_i do not change when a constant is taken from every k (or v); taking the first
+    # token's, which every output may see, makes the uncentred sums of k v^T as small as the spread,
+    # not the means (causal_inline_attention says what the means would cost), and keeps the GEMMs'
+    # operands small in bf16.
     v_first = wide(v[:, :, :1])  # (B, H, 1, D)
     k_s, v_s = (wide(k) - wide(k[:, :, :1])).to(mm), (wide(v) - v_first).to(mm)  # (B, H, N, D)
-    k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D): prefix means, shifted
-    a = inline.eq5_gain(scale, n, scale_by_count)  # (N, 1) or a number: Eq. 5's factor a_i, s/i or s
-    o = a * causal_scan(q.to(mm), k_s, v_s) - a * n * (wide(q) * k_mean).sum(-1, keepdim=True) * v_mean
+    # prefix means, shifted
+    k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D)
+    # Eq. 5's factor a_i, s/i or s
+    a = inline.eq5_gain(scale, n, scale_by_count)  # (N, 1) or a number
+    o = (a * causal_scan(q.to(mm), k_s, v_s)
+         - a * n * (wide(q) * k_mean).sum(-1, keepdim=True) * v_mean)
     o = o + v_mean + v_first  # Eq. 5 over the prefix: a_i i q_i^T Cov_i + v_mean_i
     if taps is not None:
         for t, v_t in enumerate(neighbours(v, index)):
@@ -378,11 +415,12 @@ def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
     return o.to(dtype), k_s, v_s, v_first
 
 
-def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t, scale, scale_by_count):
-    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, N, D), given do = dLoss/do. With a_i
-    Eq. 5's factor (s/i, or s where not scale_by_count) and c_i = a_i i (s, or s i), o_i = a_i sum_{j<=i}
-    (q_i.k_j) v_j - c_i (q_i.k_mean_i) v_mean_i + v_mean_i: the sum's gradients are three more scans, the
-    means' a reverse prefix sum."""
+def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t, scale,
+                    scale_by_count):
+    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, N, D), given do = dLoss/do.
+    With a_i Eq. 5's factor (s/i, or s where not scale_by_count) and c_i = a_i i (s, or s i), o_i =
+    a_i sum_{j<=i} (q_i.k_j) v_j - c_i (q_i.k_mean_i) v_mean_i + v_mean_i: the sum's gradients are
+    three more scans, the means' a reverse prefix sum."""
     N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype, scale_by_count)
     n = torch.arange(1, N + 1, device=q.device, dtype=torch.float32)[:, None]  # (N, 1)
     k_mean, v_mean = wide(k_s).cumsum(2) / n, wide(v_s).cumsum(2) / n  # (B, H, N, D), recomputed
@@ -403,7 +441,8 @@ def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks
         for t in range(taps.shape[2]):
             dv = dv + (wide(taps[:, :, t]) * g)[:, :, index_t[t]] * masks_t[t]
         v = wide(v_s) + v_first  # (B, H, N, D), never stored
-        dtaps = torch.stack([g * masks[t] * v_t for t, v_t in enumerate(neighbours(v, index))], dim=2)
+        dtaps = torch.stack([g * masks[t] * v_t for t, v_t in enumerate(neighbours(v, index))],
+                            dim=2)
         dtaps = dtaps.to(taps.dtype)  # (B, H, T, N, D)
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtaps
 
@@ -416,13 +455,15 @@ class CausalCore(torch.autograd.Function):
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
         taps = index = masks = index_t = masks_t = None
         if r is not None:
-            table = functools.partial(kernels.neighbour_table, _cached_sequence_neighbourhood, M, q.device)
+            table = functools.partial(kernels.neighbour_table, _cached_sequence_neighbourhood, M,
+                                      q.device)
             index, masks = table(size, dilation, True)
             index_t, masks_t = table(size, dilation, True, True)
             # (B, M, H, D, T): r's channel T*c + t
             taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)
             taps = taps.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
-        o, k_s, v_s, v_first = kernels.compiled_call(causal_forward, q, k, v, taps, index, masks, scale, scale_by_count)
+        o, k_s, v_s, v_first = kernels.compiled_call(causal_forward, q, k, v, taps, index, masks,
+                                                     scale, scale_by_count)
         ctx.save_for_backward(q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t)
         ctx.scale, ctx.scale_by_count = scale, scale_by_count
         return o[:, :, :N]
@@ -434,27 +475,31 @@ class CausalCore(torch.autograd.Function):
         N = do.shape[2]
         with torch.autocast(q.device.type, enabled=False):
             do = F.pad(do, (0, 0, 0, M - N)).contiguous()  # (B, H, M, D)
-            dq, dk, dv, dtaps = kernels.compiled_call(causal_backward, do, q, k_s, v_s, v_first, taps, index, masks,
-                                            index_t, masks_t, ctx.scale, ctx.scale_by_count)
+            dq, dk, dv, dtaps = kernels.compiled_call(causal_backward, do, q, k_s, v_s, v_first,
+                                                      taps, index, masks, index_t, masks_t,
+                                                      ctx.scale, ctx.scale_by_count)
         # (B, N, T*C)
         dr = dtaps.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dtaps is not None else None
         return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None, None
 
 
-def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1, causal=False,
-                       scale_by_count=True):
-    """sequence_core's arguments, layout and result: causal, the causal core (CausalCore); else kernels.py's
-    core with the 1-D neighbour table. scale, autocast and a compiled model as kernels.inline_core_fast."""
+def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                       causal=False, scale_by_count=True):
+    """sequence_core's arguments, layout and result: causal, the causal core (CausalCore); else
+    kernels.py's core with the 1-D neighbour table. scale, autocast and a compiled model as
+    kernels.inline_core_fast."""
     B, H, N, D = q.shape
     if grid is not None:
         raise ValueError("attention over a 1-D sequence has no grid: grid must be None")
     if r is not None and r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
-        raise ValueError(f"r must hold {size} neighbour weights per channel{' and token' if causal else ''}, "
+        raise ValueError(f"r must hold {size} neighbour weights per "
+                         f"channel{' and token' if causal else ''}, "
                          f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
                          f"{tuple(v.shape)}")
     if not causal:
         table = kernels.neighbour_table(_cached_sequence_neighbourhood, N, q.device, size, dilation)
-        return kernels.inline_core_fast(q, k, v, r, None, scale, size, dilation, scale_by_count, table=table)
+        return kernels.inline_core_fast(q, k, v, r, None, scale, size, dilation, scale_by_count,
+                                        table=table)
     if isinstance(scale, torch.Tensor):  # as kernels.inline_core_fast: s q^T Cov = (s q)^T Cov
         q, scale = q * scale, 1.0
     scale = inline.attention_scale(D) if scale is None else scale

@@ -1,22 +1,23 @@
 """Train and evaluate the InLine backbones: plain DDP, the authors' recipe to the letter, resumable.
 
-InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
-arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below; README,
-"Training"); without it, a small recipe for a built-in synthetic task.
+InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
+NeurIPS 2024, arXiv 2412.06590. With --data-path, the released ImageNet-1K recipe (VARIANTS below;
+README, "Training"); without it, a small recipe for a built-in synthetic task.
 
 The main job: no dataset, no download; >= 90% validation accuracy in minutes on a 2-core CPU
 (README, "Quick start"):
     torchrun --standalone --nproc_per_node=2 train.py --model inline_swin_t
-Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or --download),
-CIFAR too:
+Fashion-MNIST from its four IDX .gz files as distributed (Debian's dataset-fashion-mnist; or
+--download), CIFAR too:
     python train.py --model inline_deit_t --dataset fashion_mnist --data-path DIR --img-size 64 \
         --train-subset 5000
 
-ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs (total
-batch = the variant's per-process batch x 8; fewer processes reach it by gradient accumulation, printed at
-start):
+ImageNet-1K (DIR/train/<class>/<image>, DIR/val/<class>/<image>), as the authors ran it on 8 GPUs
+(total batch = the variant's per-process batch x 8; fewer processes reach it by gradient
+accumulation, printed at start):
     torchrun --standalone --nproc_per_node=8 train.py --model inline_swin_t --data-path DIR
-    # the 384 px variants fine-tune from the 224 px weights (from their EMA where the file has one: CSwin)
+    # the 384 px variants fine-tune from the 224 px weights (from their EMA where the file has one:
+    # CSwin)
     torchrun --standalone --nproc_per_node=8 train.py --model inline_cswin_b_384 --data-path DIR \
         --finetune FILE
 Evaluate a checkpoint, ours or the authors' released file (and its EMA weights where it has them):
@@ -25,10 +26,10 @@ Evaluate a checkpoint, ours or the authors' released file (and its EMA weights w
 Inference throughput (images/s of one process, at the model's released image size):
     python train.py --model inline_swin_t --throughput --batch-size 64
 
-Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written atomically every
-epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits; on CPU, a run killed with -9 and
-rerun ends with an uninterrupted run's weights. An image that cannot be read stops the run at a
-saved step, naming it; --skip-bad-images leaves such files out, listed every epoch.
+Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written
+atomically every epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits; on CPU, a run killed
+with -9 and rerun ends with an uninterrupted run's weights. An image that cannot be read stops the
+run at a saved step, naming it; --skip-bad-images leaves such files out, listed every epoch.
 """
 import argparse
 import ast
@@ -62,13 +63,15 @@ from checkpoints import (CHECKPOINT, EMA_KEYS, check_output_dir, fail, load_weig
 from data import (DATASETS, GO_ON, ResumableSampler, SyntheticShapes, count_images,
                   ignore_interrupt, leave_out_unreadable, load_data, unreadable)
 
-# ------------------------------------------------------------------------------------------------- recipe
+# ------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is
 # inline_pvt_b.yaml).
-# Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer). clip 0: none.
+# Learning rates are per 512 images of total batch and scale linearly with it (build_optimizer).
+# clip 0: none.
 COLUMNS = ('batch_size', 'lr', 'epochs', 'warmup_epochs', 'warmup_lr', 'min_lr', 'cooldown_epochs',
            'weight_decay', 'clip_grad', 'drop_path')
-VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
+# batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-down  wd  clip  drop path
+VARIANTS = {
     'inline_deit_t':      (512, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
     'inline_deit_s':      (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
     'inline_deit_b':      (64, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.1),
@@ -84,7 +87,8 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
     'inline_cswin_s':     (128, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.05, 0.0, 0.4),
     'inline_cswin_b':     (64, 5e-4, 300, 20, 1e-6, 1e-5, 10, 0.1, 0.0, 0.5),
     'inline_cswin_b_384': (32, 5e-6, 20, 0, 5e-6, 5e-7, 10, 1e-8, 0.0, 0.7),
-    # the peers: FLatten's `cfgs/flatten_*.yaml` over their config.py's defaults; ours with Swin-T's recipe
+    # the peers: FLatten's `cfgs/flatten_*.yaml` over their config.py's defaults; ours with Swin-T's
+    # recipe
     'flatten_swin_t':     (128, 5e-4, 300, 20, 5e-7, 5e-6, 0, 0.05, 5.0, 0.2),
     'flatten_pvt_t':      (128, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
     'flatten_pvt_s':      (64, 5e-4, 300, 5, 1e-6, 1e-5, 10, 0.05, 0.0, 0.1),
@@ -92,33 +96,37 @@ VARIANTS = {  #      batch  peak lr  epochs  warm-up: epochs, lr  min lr  cool-d
 }
 # the total batch is the table's per-process batch x 8 processes, as the authors' README launches
 PROCESSES = 8
-# shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in the
-# released runs
-RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2, randaug_m=9,
-                randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
-EMA_FAMILIES = ('cswin',)  # decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
-# The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed and none
-# of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
+# shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in
+# the released runs
+RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2,
+                randaug_m=9, randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
+# decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
+EMA_FAMILIES = ('cswin',)
+# The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed
+# and none of Mixup/CutMix/RandAugment/erasing is used (they would only slow a 10-minute run down).
 SYNTHETIC = dict(batch_size=128, lr=2e-3, epochs=5, warmup_epochs=0.5, warmup_lr=1e-5, min_lr=1e-5,
-                 cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, drop_path=0.0, label_smoothing=0.1,
-                 mixup=0.0, cutmix=0.0, mixup_switch_prob=0.5, randaug_n=0, randaug_m=0, randaug_mstd=0.0,
-                 color_jitter=0.0, random_erase=0.0, synthetic_train=12_800, synthetic_val=2_000)
+                 cooldown_epochs=0, weight_decay=0.05, clip_grad=5.0, drop_path=0.0,
+                 label_smoothing=0.1, mixup=0.0, cutmix=0.0, mixup_switch_prob=0.5, randaug_n=0,
+                 randaug_m=0, randaug_mstd=0.0, color_jitter=0.0, random_erase=0.0,
+                 synthetic_train=12_800, synthetic_val=2_000)
 # The synthetic task for Swin's InLine windows smaller than the stage (Table 4's 7, 14, 28): 224 px,
 # the one size below 448 at which they tile every stage they are smaller than, and fewer, smaller
 # steps, to end in minutes on a CPU; the rate per 512 images is raised so that 2 x 8 images a step
 # see 5e-4.
 SYNTHETIC_WINDOWED = dict(SYNTHETIC, img_size=224, batch_size=8, epochs=3, warmup_epochs=0.3,
                           synthetic_train=640, synthetic_val=320, lr=1.6e-2)
-# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip (load_data),
-# batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left a DeiT learning in its
-# last epoch
+# Fashion-MNIST and CIFAR: the synthetic recipe, with a random crop (padded by 1/8) and a flip
+# (load_data), batches of 64 at 7.5e-4 a step: a small subset gives few steps, and 128 at 5e-4 left
+# a DeiT learning in its last epoch
 SMALL = ({k: v for k, v in SYNTHETIC.items() if not k.startswith('synthetic')}
          | dict(batch_size=64, lr=6e-3, epochs=15, warmup_epochs=1))
-# An ImageFolder gets the released recipe where an epoch gives RELEASED_MIN_STEPS optimizer steps or more at
-# the authors' total batch (ImageNet-1K: 1,251 at 1,024), else SMALL with the small datasets' crop and flip
-# (1,437 images get one step an epoch from the released recipe, and 20 warm-up epochs)
+# An ImageFolder gets the released recipe where an epoch gives RELEASED_MIN_STEPS optimizer steps or
+# more at the authors' total batch (ImageNet-1K: 1,251 at 1,024), else SMALL with the small
+# datasets' crop and flip (1,437 images get one step an epoch from the released recipe, and 20
+# warm-up epochs)
 RELEASED_MIN_STEPS = 100
-FEW_STEPS = 10  # fewer optimizer steps an epoch than this, or a warm-up as long as the run, is said at start
+# fewer optimizer steps an epoch than this, or a warm-up as long as the run, is said at start
+FEW_STEPS = 10
 # never taken from a checkpoint
 INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume', 'attention_impl')
 ARCH_FLAGS = ('layout', 'kernel', 'residual', 'local_size', 'dilation', 'window', 'ape', 'nonneg',
@@ -129,24 +137,30 @@ RUN_KEYS = {'img_size': 'img-size', 'num_classes': 'data-path', 'drop_path_rate'
 
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0],
-                                epilog='Flags without a default take the recipe\'s value (printed at start).')
+                                epilog='Flags without a default take the recipe\'s value '
+                                       '(printed at start).')
     a = p.add_argument
     a('--model', choices=sorted(models.MODELS), metavar='NAME',
       help=f'variant (README, "Models"; default: the checkpoint\'s, else inline_swin_t): '
            f'{", ".join(models.MODELS)}')
     a('--layout',
-      help='attention per stage: I InLine, L linear, S softmax, M<k> after the letters (e.g. IIMS2)')
+      help='attention per stage: I InLine, L linear, S softmax, M<k> after the '
+           'letters (e.g. IIMS2)')
     a('--kernel', help=f'phi of the I and L blocks: {", ".join(inline.PHI)}')
     a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
     a('--local-size', type=int, help='side k of Eq. 6\'s k x k neighbourhood (odd; released: 3)')
     a('--dilation', type=int, help='dilation of Eq. 6\'s neighbourhood')
-    a('--window', type=int, help='Swin: InLine window side in tokens (default: the whole stage, as released)')
+    a('--window', type=int,
+      help='Swin: InLine window side in tokens (default: the whole stage, as released)')
     a('--ape', action=argparse.BooleanOptionalAction,
-      help='Swin: the authors\' absolute position embedding in InLine attention (default: on without Eq. 6)')
-    a('--nonneg', action=argparse.BooleanOptionalAction, help='InLine weights forced >= 0 (R-nonneg)')
+      help='Swin: the authors\' absolute position embedding in InLine attention (default: '
+           'on without Eq. 6)')
+    a('--nonneg', action=argparse.BooleanOptionalAction,
+      help='InLine weights forced >= 0 (the non-negative weights ablation)')
     a('--normalise-q', metavar='LETTERS',
-      help="T1: the blocks whose q is L2-normalised with a learned per-head gain, "
-      "S (softmax), I (InLine) or SI")
+      help="the normalised-q ablation (the paper's Table 1 question: does q's length matter?): "
+      "the blocks whose q is L2-normalised with a learned per-head gain, S (softmax), I (InLine) "
+      "or SI")
     a('--model-kwargs', nargs='+', metavar='KEY=VALUE',
       help='more create_model overrides, values as Python literals, else strings, each quoted '
            "for the shell where it has brackets: 'depths=(1,1,2,1)' embed_dim=48")
@@ -155,21 +169,25 @@ def get_args_parser():
       'read their files as distributed in --data-path (data/): IDX .gz, CIFAR batches')
     a('--data-path',
       help='the dataset\'s root: for imagefolder train/<class>/<image> and val/<class>/<image>')
-    a('--recipe', choices=['released', 'small'], help='an ImageFolder\'s recipe (default: released where an '
-      f'epoch gives {RELEASED_MIN_STEPS}+ steps at the authors\' total batch, ImageNet-sized, else small)')
-    a('--download', action='store_true', help='download a small dataset into --data-path (torchvision)')
+    a('--recipe', choices=['released', 'small'],
+      help='an ImageFolder\'s recipe (default: released where an '
+      f'epoch gives {RELEASED_MIN_STEPS}+ steps at the authors\' total batch, ImageNet-sized, '
+      f'else small)')
+    a('--download', action='store_true',
+      help='download a small dataset into --data-path (torchvision)')
     a('--train-subset', type=int,
       help='train on this many images, a fixed random subset (the same for every seed)')
     a('--img-size', type=int,
       help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
       'DeiT 64, Swin with InLine windows smaller than the stage 224)')
     a('--attention-impl', choices=['fast', 'triton', 'reference'],
-      help='the InLine core: kernels.py (fast, torch.compile; the default), triton_core.py (triton, the '
-      'Triton kernel; CUDA only) or inline.py (reference; the default for vanilla linear attention, layout L, and the peers, F and N, '
-      'which have no fast path)')
+      help='the InLine core: kernels.py (fast, torch.compile; the default), triton_core.py '
+      '(triton, the Triton kernel; CUDA only) or inline.py (reference; the default for vanilla '
+      'linear attention, layout L, and the peers, F and N, which have no fast path)')
     a('--drop-path', type=float, help='stochastic depth rate')
     a('--finetune',
-      help='initial weights, its EMA where it has one (e.g. the 224 px weights for a 384 px variant)')
+      help='initial weights, its EMA where it has one (e.g. the 224 px weights for a '
+           '384 px variant)')
     a('--skip-bad-images', action='store_true',
       help='leave out images that cannot be read, counted and listed every epoch (without it, the '
       'first stops the run at a saved step, naming it)')
@@ -177,9 +195,11 @@ def get_args_parser():
       help='recompute each block in the backward: less memory, slower')
     a('--synthetic-train', type=int,
       help=f'synthetic training images per epoch ({SYNTHETIC["synthetic_train"]:,})')
-    a('--synthetic-val', type=int, help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
+    a('--synthetic-val', type=int,
+      help=f'synthetic validation images ({SYNTHETIC["synthetic_val"]:,})')
     a('--epochs', type=int, help='epochs of the cosine schedule (cool-down epochs come on top)')
-    a('--val-every', type=int, default=1, help='validate every this many epochs, and after the last (1)')
+    a('--val-every', type=int, default=1,
+      help='validate every this many epochs, and after the last (1)')
     a('--batch-size', type=int, help='per-process batch size (images)')
     a('--accum-steps', type=int,
       help='gradient accumulation steps (default: enough for the recipe\'s total batch)')
@@ -195,7 +215,8 @@ def get_args_parser():
     a('--label-smoothing', type=float)
     a('--mixup', type=float, help='Mixup alpha (0: off)')
     a('--cutmix', type=float, help='CutMix alpha (0: off)')
-    a('--mixup-switch-prob', type=float, help='probability of CutMix rather than Mixup when both are on')
+    a('--mixup-switch-prob', type=float,
+      help='probability of CutMix rather than Mixup when both are on')
     a('--randaug-n', type=int, help='RandAugment operations per image (0: off)')
     a('--randaug-m', type=int, help='RandAugment magnitude, 0..10')
     a('--randaug-mstd', type=float, help='std of each operation\'s RandAugment magnitude')
@@ -208,14 +229,16 @@ def get_args_parser():
       help='autocast dtype (default, for training: the faster one here, '
       'default_amp: bf16 on a GPU with bf16 or a CPU with AMX, fp16 on other GPUs, '
       'on a CPU with AVX-512 BF16 alone '
-      'bf16 if a probe finds it faster, else fp32; validation in fp32, as released, unless --amp is given)')
+      'bf16 if a probe finds it faster, else fp32; validation in fp32, as released, unless '
+      '--amp is given)')
     a('--compile', action='store_true', help='torch.compile the model for training')
     a('--workers', type=int, help='data-loading processes per training process')
     a('--threads', type=int,
       help='CPU threads per process (default: this node\'s cores shared out among them)')
     a('--seed', type=int, help='the seed of every random stream (0)')
     a('--output-dir',
-      help='checkpoints, metrics.jsonl and val_correct.pt (default: runs/<model>[-<overrides>]-<data>)')
+      help='checkpoints, metrics.jsonl and val_correct.pt (default: '
+           'runs/<model>[-<overrides>]-<data>)')
     a('--resume', help=f'checkpoint to resume from (default: OUTPUT_DIR/{CHECKPOINT} if it exists)')
     a('--eval', action='store_true', help='only evaluate --checkpoint on the validation set')
     a('--checkpoint', help='weights to evaluate: ours, or the authors\' released file')
@@ -223,11 +246,11 @@ def get_args_parser():
     return p
 
 
-# ---------------------------------------------------------------------------------------- resolving a run
+# ---------------------------------------------------------------------------------- resolving a run
 @dataclass
 class Run:
-    """What every part of a run shares: the resolved flags, where it runs, and the checkpoint it starts
-    from."""
+    """What every part of a run shares: the resolved flags, where it runs, and the checkpoint it
+    starts from."""
     args: argparse.Namespace
     rank: int = 0
     world: int = 1
@@ -242,14 +265,16 @@ class Run:
     saved_path: str = None
 
     def autocast(self, training):
-        """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was given."""
+        """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was
+        given."""
         dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(self.args.amp)  # None: fp32
         enabled = dtype is not None and (training or self.amp_given)
         return torch.autocast(self.device.type, dtype, enabled=enabled)
 
 
 def model_kwargs(args):
-    """--model-kwargs KEY=VALUE ... and the named architecture flags given, as create_model overrides."""
+    """--model-kwargs KEY=VALUE ... and the named architecture flags given, as create_model
+    overrides."""
     kwargs = {}
     for item in args.model_kwargs or []:
         key, sep, value = item.partition('=')
@@ -266,18 +291,20 @@ def model_kwargs(args):
 
 
 def resolve_architecture(run):
-    """The model and its create_model overrides (run.arch: --model-kwargs and the architecture flags), and
-    run.name, the output folder's name without the data."""
+    """The model and its create_model overrides (run.arch: --model-kwargs and the architecture
+    flags), and run.name, the output folder's name without the data."""
     args = run.args
     run.arch = model_kwargs(args)
     args.model = args.model or 'inline_swin_t'
-    summary = [re.sub(r'[^\w.]+', '', f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
+    summary = [re.sub(r'[^\w.]+', '',
+                      f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
                for k, v in sorted(run.arch.items())]
     run.name = '-'.join([args.model] + summary)
 
 
 def dataset(args):
-    """--dataset, or what --data-path implies: an ImageFolder with it, the synthetic task without."""
+    """--dataset, or what --data-path implies: an ImageFolder with it, the synthetic task
+    without."""
     return args.dataset or ('imagefolder' if args.data_path else 'synthetic')
 
 
@@ -289,10 +316,10 @@ def default_output_dir(run):
 
 
 def open_checkpoint(run):
-    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval), --resume FILE,
-    else OUTPUT_DIR/checkpoint.pt where it exists. Its saved arguments fill the flags left unset, and another
-    model or architecture than the flags ask for is refused; the authors' files save neither, and are taken as
-    the flags say."""
+    """The one way in for the checkpoint a run starts from, read once: --checkpoint (--eval),
+    --resume FILE, else OUTPUT_DIR/checkpoint.pt where it exists. Its saved arguments fill the flags
+    left unset, and another model or architecture than the flags ask for is refused; the authors'
+    files save neither, and are taken as the flags say."""
     args = run.args
     path = args.checkpoint or args.resume
     if path is None:  # where this command's flags put its output folder
@@ -303,13 +330,15 @@ def open_checkpoint(run):
             return
     run.saved, run.saved_path = read_checkpoint(path), path
     saved_args, saved_arch = run.saved.get('args'), run.saved.get('arch')
-    if args.eval and args.data_path is None and (saved_args is None or saved_args['data_path'] is not None):
+    if args.eval and args.data_path is None and (saved_args is None
+                                                 or saved_args['data_path'] is not None):
         fail(f'--eval of {path} needs --data-path DIR: '
              'only checkpoints of our synthetic runs evaluate without data')
     if saved_args and args.model not in (None, saved_args['model']):
         fail(f'{path} is a checkpoint of {saved_args["model"]}, not of --model {args.model}')
     mine = INVOCATION + ('data_path',) * args.eval  # an eval's data is its own
-    for key, value in (saved_args or {}).items():  # a resumed run goes on as it was, an eval sees what it saw
+    # a resumed run goes on as it was, an eval sees what it saw
+    for key, value in (saved_args or {}).items():
         if getattr(args, key, False) is None and key not in mine:
             setattr(args, key, value)
     resolve_architecture(run)
@@ -319,48 +348,57 @@ def open_checkpoint(run):
     differ = sorted(k for k in {**saved_arch, **run.arch} if saved_arch.get(k) != run.arch.get(k))
     if differ:
         fail(f'{path} holds a model built with {saved_arch}; this run asks for ' +
-             ', '.join(f'{k}={run.arch[k]!r}' if run.arch.get(k) is not None else f'no {k}' for k in differ) +
-             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue or '
-             'evaluate the model as it was built, or give another --output-dir')
+             ', '.join(f'{k}={run.arch[k]!r}' if run.arch.get(k) is not None else f'no {k}'
+                       for k in differ) +
+             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue '
+             f'or evaluate the model as it was built, or give another --output-dir')
 
 
 def resolve(run):
-    """Fill every flag left unset, from the checkpoint the run starts from, then from the recipe: VARIANTS on
-    an ImageFolder (ImageNet), SMALL on a small dataset, else SYNTHETIC; set the total batch."""
+    """Fill every flag left unset, from the checkpoint the run starts from, then from the recipe:
+    VARIANTS on an ImageFolder (ImageNet), SMALL on a small dataset, else SYNTHETIC; set the total
+    batch."""
     open_checkpoint(run)  # which resolves the architecture
     args = run.args
     args.dataset = dataset(args)
     run.recipe_why = choose_recipe(args)
-    synthetic, imagenet = args.recipe == 'synthetic', args.recipe == 'released'  # neither: the small recipe
+    # neither: the small recipe
+    synthetic, imagenet = args.recipe == 'synthetic', args.recipe == 'released'
     folder = args.dataset == 'imagefolder'
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
     recipe = SYNTHETIC if synthetic else SMALL
     if imagenet:
         recipe = {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))}
-    if synthetic and args.img_size is None and not args.throughput and (run.arch.get('window') or 56) < 56:
+    if (synthetic and args.img_size is None and not args.throughput
+            and (run.arch.get('window') or 56) < 56):
         recipe = SYNTHETIC_WINDOWED
     for key, value in {**recipe, 'seed': 0}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.img_size is None and (folder or args.throughput):
-        with torch.device('meta'):  # the variant's own size; on the meta device a model costs no memory
+        # the variant's own size; on the meta device a model costs no memory
+        with torch.device('meta'):
             # (H, W); the released sizes are square
             args.img_size = models.create_model(args.model).img_size[0]
     if args.img_size is None:  # DeiT's 16 px patches: a 4x4 token grid
         args.img_size = 64 if family == 'deit' else 32
     if args.accum_steps is None:
         wanted = recipe['batch_size'] * PROCESSES  # the released total batch
-        args.accum_steps = 1 if not imagenet else max(1, round(wanted / args.batch_size / run.world))
+        args.accum_steps = (1 if not imagenet
+                            else max(1, round(wanted / args.batch_size / run.world)))
     run.total_batch = args.batch_size * run.world * args.accum_steps
     if args.ema_decay is None:
-        args.ema_decay = 0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet else 0.0
-    # kernels.enable_fast refuses a model with linear attention or a peer's (F, N): they have no fast path
+        args.ema_decay = (0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet
+                          else 0.0)
+    # kernels.enable_fast refuses a model with linear attention or a peer's (F, N): they have no
+    # fast path
     if args.attention_impl is None:
         layout = str(run.arch.get('layout', models.MODELS[args.model][1].get('layout', '')))
         args.attention_impl = 'reference' if set(layout) & set('LFN') else 'fast'
     run.amp_given = args.amp is not None
     amp = [(args.amp, 'given by --amp') if run.amp_given else default_amp(run.device)]
-    if dist.is_initialized():  # rank 0's, which a probe may have measured: every rank in the same precision
+    # rank 0's, which a probe may have measured: every rank in the same precision
+    if dist.is_initialized():
         dist.broadcast_object_list(amp)
     args.amp, run.amp_why = amp[0]
     if args.workers is None:
@@ -371,39 +409,45 @@ def resolve(run):
 
 
 def choose_recipe(args):
-    """Set args.recipe: 'released' or 'small' for an ImageFolder (from its size, unless given), 'small' for
-    the small datasets, 'synthetic'; returns why, for the recipe: line."""
+    """Set args.recipe: 'released' or 'small' for an ImageFolder (from its size, unless given),
+    'small' for the small datasets, 'synthetic'; returns why, for the recipe: line."""
     if args.dataset != 'imagefolder':
         if args.recipe == 'released':
-            fail("--recipe released is the authors' ImageNet-1K recipe: give --data-path of an ImageFolder")
+            fail("--recipe released is the authors' ImageNet-1K recipe: give --data-path "
+                 "of an ImageFolder")
         args.recipe = 'synthetic' if args.dataset == 'synthetic' else 'small'
         return ''
     if args.recipe is not None or args.eval:  # an authors' file is evaluated as they evaluated it
         args.recipe = args.recipe or 'released'
         return 'given'
-    images, total = count_images(os.path.join(args.data_path, 'train')), VARIANTS[args.model][0] * PROCESSES
+    images, total = (count_images(os.path.join(args.data_path, 'train')),
+                     VARIANTS[args.model][0] * PROCESSES)
     args.recipe = 'released' if images >= RELEASED_MIN_STEPS * total else 'small'
-    return (f'{images:,} training images, {images // total:,} steps an epoch at the authors\' total batch of '
-            f'{total:,}: {RELEASED_MIN_STEPS} or more take the released recipe; --recipe chooses')
+    return (f'{images:,} training images, {images // total:,} steps an epoch at the authors\' '
+            f'total batch of {total:,}: {RELEASED_MIN_STEPS} or more take the released recipe; '
+            f'--recipe chooses')
 
 
 def default_amp(device):
-    """(--amp's default, the fact it rests on): bf16 where it is faster than fp32, else fp16 on CUDA, else
-    fp32."""
-    if device.type == 'cuda':  # emulated bf16 (before Ampere) is slower: fp16 there, with the loss scaler
+    """(--amp's default, the fact it rests on): bf16 where it is faster than fp32, else fp16 on
+    CUDA, else fp32."""
+    # emulated bf16 (before Ampere) is slower: fp16 there, with the loss scaler
+    if device.type == 'cuda':
         gpu = torch.cuda.get_device_name(device)
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return 'bf16', f'{gpu} computes bf16'
         return 'fp16', f'{gpu} has no bf16 (fp16, with the loss scaler)'
-    if getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)():  # private functions, so guarded
+    # private functions, so guarded
+    if getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)():
         return 'bf16', 'this CPU has AMX, where bf16 is faster than fp32'
     if not getattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)():
         return 'fp32', 'this CPU has no AMX or AVX-512 BF16, where bf16 would be emulated'
     # AVX-512 BF16 alone decides nothing: bf16 trained 2x faster on one such CPU, slower on another
     x = bf16_speedup()
-    why = (f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a 1-thread probe, '
-           '1.25x needed')
-    return ('bf16' if x >= 1.25 else 'fp32'), why  # 1.25: a whole training step gains less than the probe
+    why = (f'this CPU has AVX-512 BF16 but no AMX; bf16 ran {x:.1f}x the speed of fp32 in a '
+           f'1-thread probe, 1.25x needed')
+    # 1.25: a whole training step gains less than the probe
+    return ('bf16' if x >= 1.25 else 'fp32'), why
 
 
 @functools.cache
@@ -437,24 +481,28 @@ def check_args(args):
                               ('ema_decay', 0 <= args.ema_decay < 1, 'in [0, 1)'),
                               ('random_erase', 0 <= args.random_erase <= 1, 'in [0, 1]')):
         if not ok:
-            fail(f'--{name.replace("_", "-")} {getattr(args, name)} is out of range: it must be {allowed}')
+            fail(f'--{name.replace("_", "-")} {getattr(args, name)} is out of range: it '
+                 f'must be {allowed}')
 
 
 def setup(args):
-    """Rank, world size and device from torchrun's environment (a plain `python train.py` is rank 0 of 1); the
-    checkpoint to start from; every flag resolved."""
-    rank, world, local_rank = (int(os.environ.get(k, 0)) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'))
+    """Rank, world size and device from torchrun's environment (a plain `python train.py` is rank 0
+    of 1); the checkpoint to start from; every flag resolved."""
+    rank, world, local_rank = (int(os.environ.get(k, 0))
+                               for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'))
     run = Run(args, rank, max(world, 1))
     local, gpus = int(os.environ.get('LOCAL_WORLD_SIZE', 1)), torch.cuda.device_count()
     if torch.cuda.is_available() and local > gpus:  # checked before any process touches a GPU
         if local_rank == 0:  # one message per node: the node's count is what is wrong
-            print(f'error: torchrun started {local} processes on this node, which has {gpus} GPU(s); '
-                  f'launch at most {gpus} with --nproc-per-node={gpus}', file=sys.stderr, flush=True)
+            print(f'error: torchrun started {local} processes on this node, which has {gpus} '
+                  f'GPU(s); launch at most {gpus} with --nproc-per-node={gpus}', file=sys.stderr,
+                  flush=True)
         raise SystemExit(1)
     if torch.cuda.is_available():
         run.device = torch.device('cuda', local_rank)
         torch.cuda.set_device(run.device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # for --amp fp32
+        # for --amp fp32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         torch.set_num_threads(args.threads or max(1, cpu_count() // local))
     if run.world > 1:
@@ -468,7 +516,7 @@ def setup(args):
     return run
 
 
-# ---------------------------------------------------------------------------------- model and optimizer
+# ------------------------------------------------------------------------------ model and optimizer
 def build_model(run, num_classes):
     """The variant at the run's image size and drop path, with the fast core unless --attention-impl
     reference."""
@@ -481,7 +529,8 @@ def build_model(run, num_classes):
         model = models.create_model(args.model, num_classes=num_classes, **overrides)
     except (ValueError, TypeError) as e:
         fail(f'cannot build {args.model} with {overrides}: {e}')
-    if args.attention_impl != 'reference':  # checked against the reference on the run's device, before any step
+    # checked against the reference on the run's device, before any step
+    if args.attention_impl != 'reference':
         try:
             import kernels
             kernels.enable_fast(model, 'compile' if args.attention_impl == 'fast' else 'triton',
@@ -497,26 +546,30 @@ def build_model(run, num_classes):
         load_weights(model, saved, key, args.finetune, models.released_img_size(args.model))
         print0(f'initial weights: {args.finetune} ({key})')
     model.set_grad_checkpointing(args.grad_checkpoint)
-    print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, '
-           f'{args.img_size} px, attention {args.attention_impl}, amp {args.amp} ({run.amp_why}), '
-           f'device {run.device} x {run.world}')
-    print0(f'architecture: layout {model.layout}, attention {model.options}; overrides {model.arch}')
+    print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M '
+           f'parameters, {args.img_size} px, attention {args.attention_impl}, amp {args.amp} '
+           f'({run.amp_why}), device {run.device} x {run.world}')
+    print0(f'architecture: layout {model.layout}, attention {model.options}; '
+           f'overrides {model.arch}')
     return model.to(run.device)
 
 
 def build_optimizer(model, args, total_batch, steps_per_epoch):
-    """(AdamW, its per-step schedule): no weight decay on 1-D parameters (biases, norms) and the model's
-    no_weight_decay() names; a cosine to --min-lr whose start a linear warm-up replaces, then
-    --cooldown-epochs at --min-lr, as timm's CosineLRScheduler ran in the released trainer."""
+    """(AdamW, its per-step schedule): no weight decay on 1-D parameters (biases, norms) and the
+    model's no_weight_decay() names; a cosine to --min-lr whose start a linear warm-up replaces,
+    then --cooldown-epochs at --min-lr, as timm's CosineLRScheduler ran in the released trainer."""
     skip = model.no_weight_decay()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             exempt = param.ndim <= 1 or name in skip or name.split('.')[-1] in skip
             (no_decay if exempt else decay).append(param)
-    groups = [{'params': decay, 'weight_decay': args.weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
-    # the rates are given per 512 images and scale linearly with the total batch, as the released trainer's
-    peak, warmup_lr, min_lr = (lr * total_batch / 512 for lr in (args.lr, args.warmup_lr, args.min_lr))
+    groups = [{'params': decay, 'weight_decay': args.weight_decay},
+              {'params': no_decay, 'weight_decay': 0.0}]
+    # the rates are given per 512 images and scale linearly with the total batch, as the released
+    # trainer's
+    peak, warmup_lr, min_lr = (lr * total_batch / 512
+                               for lr in (args.lr, args.warmup_lr, args.min_lr))
     optimizer = torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.999), eps=1e-8, fused=True)
     warmup, total = round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch
 
@@ -529,12 +582,12 @@ def build_optimizer(model, args, total_batch, steps_per_epoch):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / peak)
 
 
-# ---------------------------------------------------------------------------------------------- threads
+# ------------------------------------------------------------------------------------------ threads
 def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
 
 
-# --------------------------------------------------------------------------------------- train and eval
+# ----------------------------------------------------------------------------------- train and eval
 @dataclass
 class Training:
     """What fit() builds once and every epoch uses; a checkpoint holds all of it."""
@@ -592,8 +645,9 @@ def train_one_epoch(run, t, loader, epoch, stop):
             if os.path.exists(latest):
                 kept = f'the last good checkpoint, {latest}, is untouched'
             bar.close()
-            fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step {t.step + step + 1}; '
-                 f'stopped, {kept}. Try a lower --lr, --clip-grad, or --amp fp32.')
+            fail(f'the loss is not finite ({micro_loss}) at epoch {epoch + 1}, step '
+                 f'{t.step + step + 1}; stopped, {kept}. Try a lower --lr, '
+                 f'--clip-grad, or --amp fp32.')
         t.unreadable, unread = t.unreadable + unread, []
         if flags[3] > 0 and not args.skip_bad_images:  # this step is dropped; fit saves the last
             t.optimizer.zero_grad(set_to_none=True)
@@ -623,10 +677,10 @@ def train_one_epoch(run, t, loader, epoch, stop):
 
 @torch.no_grad()
 def evaluate(run, model, loader):
-    """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got right, a
-    bool tensor in the validation set's own order; each rank holds a disjoint slice, summed here.
-    Images that cannot be read (label -1 - index, data.ImageFolder) are left out of the counts and
-    returned as `unreadable`, their indices."""
+    """Loss, top-1 and top-5 over the whole validation set, and `correct`: which images top-1 got
+    right, a bool tensor in the validation set's own order; each rank holds a disjoint slice, summed
+    here. Images that cannot be read (label -1 - index, data.ImageFolder) are left out of the counts
+    and returned as `unreadable`, their indices."""
     model.eval()
     # loss sum, top-1 hits, top-5 hits, images
     totals = torch.zeros(4, dtype=torch.float64, device=run.device)
@@ -669,9 +723,9 @@ def val_loader(run, val_set):
 
 
 def evaluate_checkpoint(run, model, val_set):
-    """--eval: the file's weights, then its EMA weights where it has them (ours or the authors' CSwin). The
-    per-image results are printed as their SHA-256 (16 hex digits of the bool tensor's bytes): enough to tell
-    two apart."""
+    """--eval: the file's weights, then its EMA weights where it has them (ours or the authors'
+    CSwin). The per-image results are printed as their SHA-256 (16 hex digits of the bool tensor's
+    bytes): enough to tell two apart."""
     loader = val_loader(run, val_set)
     for key in ('model', *(k for k in EMA_KEYS if run.saved.get(k) is not None)):
         load_weights(model, run.saved, key, run.saved_path,
@@ -679,7 +733,8 @@ def evaluate_checkpoint(run, model, val_set):
         result = evaluate(run, model, loader)
         if names := unreadable(val_set, result.pop('unreadable'), run.args.data_path, gather=False):
             print0(f'warning: {names}, left out of the validation')
-        result['correct_sha256'] = hashlib.sha256(result.pop('correct').numpy().tobytes()).hexdigest()[:16]
+        result['correct_sha256'] = hashlib.sha256(
+            result.pop('correct').numpy().tobytes()).hexdigest()[:16]
         print0(f'eval {"model" if key == "model" else "ema"}: {json.dumps(result)}')
     if run.saved.get('log'):
         print0('logged when saved: ' + json.dumps(run.saved['log'][-1]))
@@ -687,17 +742,18 @@ def evaluate_checkpoint(run, model, val_set):
 
 @torch.no_grad()
 def prepare_training(run, raw, train_set):
-    """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from the
-    checkpoint to resume; the recipe and the schedule they run, printed."""
+    """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from
+    the checkpoint to resume; the recipe and the schedule they run, printed."""
     args, num_classes = run.args, len(train_set.classes)
-    sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers, drop_last=True,
-                        pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
-                        worker_init_fn=ignore_interrupt)
+    sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed,
+                               drop_last=True)
+    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers,
+                        drop_last=True, pin_memory=run.device.type == 'cuda',
+                        generator=torch.Generator(), worker_init_fn=ignore_interrupt)
     steps_per_epoch = len(loader) // args.accum_steps
     if steps_per_epoch == 0:
-        fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} accumulation '
-             f'steps exceeds the {len(train_set):,} training images')
+        fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} '
+             f'accumulation steps exceeds the {len(train_set):,} training images')
     optimizer, scheduler = build_optimizer(raw, args, run.total_batch, steps_per_epoch)
     model = torch.compile(raw) if args.compile else raw
     if run.world > 1:
@@ -718,15 +774,17 @@ def prepare_training(run, raw, train_set):
     else:
         # augmentation, Mixup/CutMix and drop path differ between ranks
         torch.manual_seed(args.seed + run.rank)
-    small = '; '.join(filter(None, [run.recipe_why, f'random crop padded by {args.img_size // 8} px, flip']))
+    small = '; '.join(filter(None, [run.recipe_why,
+                                    f'random crop padded by {args.img_size // 8} px, flip']))
     recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; '
                            '--data-path gives an ImageFolder)',
-              'released': f'released ImageNet-1K recipe for {args.model} ({run.recipe_why or "given"})'}.get(
+              'released': f'released ImageNet-1K recipe for {args.model} '
+                          f'({run.recipe_why or "given"})'}.get(
         args.recipe, f'small-data recipe for {args.dataset} ({small})')
     print0(f'recipe: {recipe}; mixup {args.mixup}, cutmix {args.cutmix}, '
            f'randaug {args.randaug_n}x{args.randaug_m}, '
-           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path {args.drop_path}, '
-           f'clip {args.clip_grad}, ema {args.ema_decay:.6g}')
+           f'erase {args.random_erase}, label smoothing {args.label_smoothing}, drop path '
+           f'{args.drop_path}, clip {args.clip_grad}, ema {args.ema_decay:.6g}')
     print0(f'schedule: {args.epochs + args.cooldown_epochs} epochs ({args.epochs} cosine '
            f'with {args.warmup_epochs} of warm-up, then {args.cooldown_epochs} cool-down) '
            f'x {steps_per_epoch} steps of {run.total_batch} images ({args.batch_size} per process '
@@ -734,10 +792,11 @@ def prepare_training(run, raw, train_set):
            f'peak lr {scheduler.base_lrs[0]:.3g}, weight decay {args.weight_decay}')
     if steps_per_epoch < FEW_STEPS:
         print0(f'warning: {steps_per_epoch} optimizer step(s) an epoch ({len(train_set):,} images, '
-               f'{run.total_batch} a step) are too few to learn from: lower --batch-size or --accum-steps')
+               f'{run.total_batch} a step) are too few to learn from: lower --batch-size '
+               f'or --accum-steps')
     if args.warmup_epochs >= args.epochs:
-        print0(f'warning: the warm-up ({args.warmup_epochs} epochs) is as long as the run ({args.epochs}): '
-               'the learning rate never reaches its peak; lower --warmup-epochs')
+        print0(f'warning: the warm-up ({args.warmup_epochs} epochs) is as long as the run '
+               f'({args.epochs}): the learning rate never reaches its peak; lower --warmup-epochs')
     return t, sampler, loader
 
 
@@ -776,14 +835,17 @@ def fit(run, raw, train_set, val_set):
         if args.skip_bad_images and (names := unreadable(train_set, t.unreadable, args.data_path)):
             print0(f'warning: epoch {epoch + 1} left out {names}')
         t.unreadable = []
-        validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs  # and always after the last epoch
+        # and always after the last epoch
+        validate = (epoch + 1) % args.val_every == 0 or epoch + 1 == epochs
         entry = {'epoch': epoch + 1, 'train_loss': loss, 'lr': t.scheduler.get_last_lr()[0],
                  'images_per_s': speed}
-        for prefix, module in (('val', raw), ('ema_val', t.ema.module if t.ema is not None else None)):
+        for prefix, module in (('val', raw),
+                               ('ema_val', t.ema.module if t.ema is not None else None)):
             if validate and module is not None:
                 result = evaluate(run, module, val)
                 bad_val = result.pop('unreadable')  # the same on every rank
-                save_correct(run, f'{prefix}_correct', result.pop('correct'))  # OUTPUT_DIR/val_correct.pt
+                # OUTPUT_DIR/val_correct.pt
+                save_correct(run, f'{prefix}_correct', result.pop('correct'))
                 entry.update({f'{prefix}_{k}': v for k, v in result.items()})
         entry['arch'] = json.loads(json.dumps(raw.arch))  # as metrics.jsonl has it
         # CSwin reports its EMA (main_ema.py)

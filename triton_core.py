@@ -1,4 +1,5 @@
-"""InLine attention's core in Triton: Eq. 5 + Eq. 6 as five kernels, beside the reference they replace.
+"""InLine attention's core in Triton: Eq. 5 + Eq. 6 as five kernels, beside the reference they
+replace.
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024,
 arXiv 2412.06590. `inline_core_triton` takes the arguments, layout and result of inline.inline_core
@@ -13,9 +14,10 @@ tokens; T = size^2 neighbours in Eq. 6; g = inline.eq5_gain(s, N); Cov' = g N Co
               5. inline_backward per (b, h, block):  dq, dk, dv in closed form, Eq. 6 transposed
 
 Every sum accumulates in fp32, whatever the inputs (fp32, fp16, bf16). tl.dot needs sides >= 16, so
-the head dim is padded to BLOCK_D = max(16, next power of 2) by masked loads: zero columns add nothing.
-It runs on CUDA, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set before triton is
-first imported), which is how test_triton.py proves it against the reference without a GPU:
+the head dim is padded to BLOCK_D = max(16, next power of 2) by masked loads: zero columns add
+nothing. It runs on CUDA, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set
+before triton is first imported), which is how test_triton.py proves it against the reference
+without a GPU:
 
     python -m pytest -q test_triton.py                      # starts the interpreted run itself
     TRITON_INTERPRET=1 python -m pytest -q test_triton.py   # that run alone
@@ -27,17 +29,19 @@ import triton.language as tl
 
 import inline
 
-BLOCK_N = 64  # tokens a program holds at once; with warps() below, no register spills (ptxas, sm_90)
+# tokens a program holds at once; with warps() below, no register spills (ptxas, sm_90)
+BLOCK_N = 64
 INTERPRETED = triton.knobs.runtime.interpret  # as the kernels below were decorated: numpy on CPU
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Eq. 6's neighbourhood on the token axis, and the loads every kernel shares
 
 @triton.jit
 def neighbour(n, N, P, h, w, dy, dx):
-    """Tokens n (BLOCK_N,) -> the token (dy, dx) away on the grid from each, and whether it counts: n
-    and it both on the (h, w) grid after the P leading tokens (never neighbours), so zero padding."""
+    """Tokens n (BLOCK_N,) -> the token (dy, dx) away on the grid from each, and whether it counts:
+    n and it both on the (h, w) grid after the P leading tokens (never neighbours), so zero
+    padding."""
     g = tl.maximum(n - P, 0)  # grid index; the leading tokens are masked by n >= P below
     y, x = g // w, g % w
     ok = (n >= P) & (n < N) & (y + dy >= 0) & (y + dy < h) & (x + dx >= 0) & (x + dx < w)
@@ -62,7 +66,7 @@ def load_tap(r_ptr, bh, d, D, t, T):
     return tl.load(r_ptr + T * (bh * D + d) + t, mask=d < D, other=0.).to(tl.float32)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Forward
 
 @triton.jit
@@ -71,8 +75,8 @@ def eq5_covariance(k_ptr, v_ptr, k_mean_ptr, v_mean_ptr, cov_ptr, N, D, gain,
     """Per (b, h): k_mean, v_mean (D,) and Cov' = g N Cov = g sum_j (k_j - k_mean)(v_j - v_mean)^T,
     gain = g. Two passes over the tokens, as inline.inline_attention: the means, then the centred
     products, so Cov is the reference's sum and keeps its precision where the means are large, which
-    K^T V / N - k_mean^T v_mean would cancel away. The second read of k and v is N*D elements, against
-    N*D^2 multiply-adds."""
+    K^T V / N - k_mean^T v_mean would cancel away. The second read of k and v is N*D elements,
+    against N*D^2 multiply-adds."""
     bh = tl.program_id(0).to(tl.int64)
     k_ptr += bh * N * D
     v_ptr += bh * N * D
@@ -87,7 +91,8 @@ def eq5_covariance(k_ptr, v_ptr, k_mean_ptr, v_mean_ptr, cov_ptr, N, D, gain,
     for start in range(0, N, BLOCK_N):  # pass 2: sum_j (k_j - k_mean)(v_j - v_mean)^T
         n = start + n0
         rows = (n[:, None] < N) & (d[None, :] < D)  # padding stays 0 after centring
-        k_c = tl.where(rows, load_rows(k_ptr, n, d, N, D) - k_mean[None, :], 0.)  # (BLOCK_N, BLOCK_D)
+        # (BLOCK_N, BLOCK_D)
+        k_c = tl.where(rows, load_rows(k_ptr, n, d, N, D) - k_mean[None, :], 0.)
         v_c = tl.where(rows, load_rows(v_ptr, n, d, N, D) - v_mean[None, :], 0.)
         cov += tl.dot(tl.trans(k_c), v_c, input_precision=PRECISION)  # (BLOCK_D, BLOCK_D)
     tl.store(k_mean_ptr + bh * BLOCK_D + d, k_mean)
@@ -120,12 +125,13 @@ def inline_forward(q_ptr, v_ptr, r_ptr, v_mean_ptr, cov_ptr, o_ptr, N, D, P, h, 
             dy = dilation * (t // SIZE - SIZE // 2)
             dx = dilation * (t % SIZE - SIZE // 2)
             m, ok = neighbour(n, N, P, h, w, dy, dx)
-            o += load_tap(r_ptr, bh, d, D, t, T)[None, :] * load_rows(v_ptr, m, d, N, D, ok)  # Eq. 6
+            # Eq. 6
+            o += load_tap(r_ptr, bh, d, D, t, T)[None, :] * load_rows(v_ptr, m, d, N, D, ok)
     rows = (n[:, None] < N) & (d[None, :] < D)
     tl.store(o_ptr + bh * N * D + n[:, None] * D + d[None, :], o, mask=rows)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Backward. With k_c = k - k_mean, v_c = v - v_mean, Cov' = g sum_j k_c,j v_c,j^T and G = g Q^T dO:
 #   dq = dO Cov'^T, dk = v_c G^T, dv = k_c G + mean_i dO_i (from + v_mean) + Eq. 6 transposed.
 # The means' own gradients vanish: each meets a column sum of k_c or v_c, which is 0.
@@ -153,7 +159,8 @@ def eq5_sums(q_ptr, do_ptr, g_ptr, do_mean_ptr, N, D, gain,
 def eq6_taps(do_ptr, v_ptr, dr_ptr, N, D, P, h, w, dilation,
              SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per (b, h, neighbour t): the gradient of Eq. 6's weights, dr[b, T*c + t] = sum_i dO_i * v at
-    neighbour t of i, for the head's channels c. One program a sum: no atomics, the same every run."""
+    neighbour t of i, for the head's channels c. One program a sum: no atomics, the same every
+    run."""
     bh, t = tl.program_id(0).to(tl.int64), tl.program_id(1)
     do_ptr += bh * N * D
     v_ptr += bh * N * D
@@ -188,20 +195,22 @@ def inline_backward(q_ptr, k_ptr, v_ptr, do_ptr, r_ptr, k_mean_ptr, v_mean_ptr, 
     dk = tl.dot(v_c, tl.trans(G), input_precision=PRECISION)  # v_c G^T; rows past N are not stored
     dv = tl.dot(k_c, G, input_precision=PRECISION)  # k_c G
     dv += tl.load(do_mean_ptr + bh * BLOCK_D + d)[None, :]  # + mean_i dO_i, from o = ... + v_mean
-    if HAS_R:  # Eq. 6 transposed: v_j reached token i = j - offset_t with weight r_t: dv_j += r_t dO_i
+    # Eq. 6 transposed: v_j reached token i = j - offset_t with weight r_t: dv_j += r_t dO_i
+    if HAS_R:
         T: tl.constexpr = SIZE * SIZE
         for t in range(T):
             dy = dilation * (t // SIZE - SIZE // 2)
             dx = dilation * (t % SIZE - SIZE // 2)
             i, ok = neighbour(n, N, P, h, w, -dy, -dx)
-            dv += load_tap(r_ptr, bh, d, D, t, T)[None, :] * load_rows(do_ptr + for_head, i, d, N, D, ok)
+            dv += (load_tap(r_ptr, bh, d, D, t, T)[None, :]
+                   * load_rows(do_ptr + for_head, i, d, N, D, ok))
     where, rows = for_head + n[:, None] * D + d[None, :], (n[:, None] < N) & (d[None, :] < D)
     tl.store(dq_ptr + where, dq, mask=rows)
     tl.store(dk_ptr + where, dk, mask=rows)
     tl.store(dv_ptr + where, dv, mask=rows)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The launches, and autograd
 
 def block_d(D):
@@ -210,15 +219,16 @@ def block_d(D):
 
 
 def warps(BLOCK_D):
-    """Warps per program: 8 at D = 64, where 4 spill registers in the per-block kernels (ptxas, sm_90)."""
+    """Warps per program: 8 at D = 64, where 4 spill registers in the per-block kernels
+    (ptxas, sm_90)."""
     return 8 if BLOCK_D >= 64 else 4
 
 
 def precision(dtype):
-    """tl.dot's input precision; its operands are fp32 tiles and it sums in fp32 either way. For fp32
-    inputs exact products ('ieee'). For fp16 and bf16 ones TF32 tensor cores: TF32 holds those inputs
-    exactly, in fp32's range (no overflow, as fp16 operands could), and cuts the centred k_c, v_c and the
-    (D, D) sums to 10 bits, about one fp16 rounding."""
+    """tl.dot's input precision; its operands are fp32 tiles and it sums in fp32 either way. For
+    fp32 inputs exact products ('ieee'). For fp16 and bf16 ones TF32 tensor cores: TF32 holds those
+    inputs exactly, in fp32's range (no overflow, as fp16 operands could), and cuts the centred k_c,
+    v_c and the (D, D) sums to 10 bits, about one fp16 rounding."""
     return 'ieee' if dtype == torch.float32 else 'tf32'
 
 
@@ -259,17 +269,18 @@ class InLineTriton(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         inline_backward[(B * H, triton.cdiv(N, BLOCK_N))](
             q, k, v, do, v if r is None else r, k_mean, v_mean, cov, G, do_mean, dq, dk, dv,
-            N, D, N - h * w, h, w, ctx.dilation, r is not None, ctx.size, BLOCK_N, BLOCK_D, PRECISION,
-            num_warps=warps(BLOCK_D))
+            N, D, N - h * w, h, w, ctx.dilation, r is not None, ctx.size, BLOCK_N, BLOCK_D,
+            PRECISION, num_warps=warps(BLOCK_D))
         return dq, dk, dv, dr, None, None, None, None, None
 
 
 def inline_core_triton(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1,
                        scale_by_count=True):
-    """inline.inline_core's arguments, layout and result, in Triton: q, k, v (B, H, N, D) through phi;
-    r (B, T*C) or None; grid (h, w) after P = N - h*w leading tokens; scale None, a number or a tensor
-    that broadcasts against (B, H, N, 1). Under autocast the inputs are cast to its dtype, as the
-    reference's matmuls would be. Refused: r per token, and CPU tensors outside the interpreter."""
+    """inline.inline_core's arguments, layout and result, in Triton: q, k, v (B, H, N, D) through
+    phi; r (B, T*C) or None; grid (h, w) after P = N - h*w leading tokens; scale None, a number or a
+    tensor that broadcasts against (B, H, N, 1). Under autocast the inputs are cast to its dtype, as
+    the reference's matmuls would be. Refused: r per token, and CPU tensors outside the
+    interpreter."""
     B, H, N, D = q.shape
     inline.check_grid(N, grid)
     if not (isinstance(size, int) and size % 2 == 1 and size >= 1
@@ -277,11 +288,13 @@ def inline_core_triton(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dil
         raise ValueError(f"size must be an odd whole number >= 1 and dilation a whole number >= 1, "
                          f"got {size!r} and {dilation!r}")
     if r is not None and r.shape != (B, size * size * H * D):
-        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, {size * size}C)"
-                         f" = {(B, size * size * H * D)}, got {tuple(r.shape)}; the Triton core has no "
-                         f"other Eq. 6 weights (inline.local_residual also takes them per token)")
+        raise ValueError(f"r must hold {size}x{size} neighbour weights per channel, (B, "
+                         f"{size * size}C) = {(B, size * size * H * D)}, got {tuple(r.shape)}; the "
+                         f"Triton core has no other Eq. 6 weights (inline.local_residual also "
+                         f"takes them per token)")
     if isinstance(scale, torch.Tensor):
-        q, scale = (q * scale).to(q.dtype), 1.0  # s q^T Cov = (s q)^T Cov: autograd gives its gradient
+        # autograd gives its gradient
+        q, scale = (q * scale).to(q.dtype), 1.0  # s q^T Cov = (s q)^T Cov
     s = inline.attention_scale(D) if scale is None else float(scale)
     if torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
@@ -291,8 +304,8 @@ def inline_core_triton(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dil
         raise ValueError(f"q, k, v and r must share one dtype, fp32, fp16 or bf16; got "
                          f"{', '.join(sorted(map(str, dtypes)))}")
     if q.device.type != 'cuda' and not INTERPRETED:
-        raise RuntimeError(f"inline_core_triton runs on CUDA tensors, or on CPU ones under Triton's "
-                           f"interpreter (TRITON_INTERPRET=1 set before triton is first imported); "
-                           f"got {q.device.type} tensors: inline.inline_core or "
+        raise RuntimeError(f"inline_core_triton runs on CUDA tensors, or on CPU ones under "
+                           f"Triton's interpreter (TRITON_INTERPRET=1 set before triton is first "
+                           f"imported); got {q.device.type} tensors: inline.inline_core or "
                            f"kernels.inline_core_fast run there")
     return InLineTriton.apply(q, k, v, r, tuple(grid), s, size, dilation, bool(scale_by_count))
