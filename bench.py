@@ -376,8 +376,8 @@ def _demo():
     w = inline_weights(q, k)
     print("\n2. Eq. 5, explicit N x N weights vs the linear O(N D^2) form (float64)")
     print(f"   rows of w sum to 1: max |sum_j w_ij - 1| = {(w.sum(-1) - 1).abs().max().item():.1e}")
-    print(f"   max |w @ v - linear form| = "
-          f"{(inline_attention_quadratic(q, k, v) - inline_attention(q, k, v)).abs().max().item():.1e}")
+    gap = (inline_attention_quadratic(q, k, v) - inline_attention(q, k, v)).abs().max().item()
+    print(f"   max |w @ v - linear form| = {gap:.1e}")
     print(f"   negative weights: {(w < 0).float().mean().item():.0%} of them (intended: no "
           f"non-negativity constraint)")
 
