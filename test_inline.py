@@ -503,7 +503,7 @@ def test_no_silent_fallback_when_compilation_fails(monkeypatch):
     def broken(*args):
         raise CompilerMissing()
 
-    monkeypatch.setattr(kernels, 'COMPILED', {'core_forward': broken, 'core_backward': broken})
+    monkeypatch.setattr(kernels, 'COMPILED', {name: broken for name in kernels.COMPILED})
     monkeypatch.setattr(kernels, '_compile_error', [])
     q, k, v, r, do = core_inputs(2, 2, 1, (3, 4), 8)
     with pytest.warns(UserWarning, match="torch.compile failed"):
@@ -519,7 +519,7 @@ def test_fallback_names_the_broken_cache_file(monkeypatch):
     def broken(*args):
         raise ImportError("/tmp/inductor/wv/cwvyao5g.main.so: file too short")
 
-    monkeypatch.setattr(kernels, 'COMPILED', {'core_forward': broken, 'core_backward': broken})
+    monkeypatch.setattr(kernels, 'COMPILED', {name: broken for name in kernels.COMPILED})
     monkeypatch.setattr(kernels, '_compile_error', [])
     q, k, v = qkv(1, 1, 4, 8, dtype=torch.float32)
     with pytest.warns(UserWarning, match=r"torch.compile failed .*cwvyao5g.main.so in the inductor cache "
