@@ -1146,4 +1146,5 @@ def test_grid_and_leading_tokens_are_declared():
     with pytest.raises(ValueError, match=r"declares 0 leading token"):
         models.SoftmaxAttention(32, 2)(x, (3, 5))
     assert [meta_model('inline_deit_t', layout=c).blocks[0].attn.leading_tokens for c in 'IS'] == [1, 1]
-    assert {m.leading_tokens for m in meta_model('inline_swin_t').modules() if hasattr(m, 'core')} == {0}
+    assert {m.leading_tokens for m in meta_model('inline_swin_t').modules()
+            if isinstance(m, inline.InLineBase)} == {0}
