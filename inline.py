@@ -316,7 +316,7 @@ class InLineBase(nn.Module):
         self.scale = attention_scale(dim // num_heads)  # Eq. 5's s
         if nonneg:  # q and k of unit length and s = 1/2: every weight of Eq. 5 >= 0 (UnitLength)
             self.phi, self.scale = UnitLength(self.phi), 0.5
-        # Eq. 6
+        # Eq. 6's weight predictor (the released key `residual`)
         self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None
         self.fast = False  # or a name in FAST_CORES, set by kernels.enable_fast after its check
 
@@ -355,19 +355,18 @@ class InLineAttention(InLineBase):
     def forward(self, x, grid=None):
         B, N, C = self.check_input(x, grid)
         if self.ape is not None:  # the authors' ablations without Eq. 6 only
-            x = x + self.ape  # (B, N, C)
+            x = x + self.ape
         q, k, v = self.project(x)  # (B, H, N, D) each
         q, k = self.phi(q), self.phi(k)  # the kernel function phi
-        # (B, T*C)
+        # Eq. 6's weights (B, T*C), predicted from the token mean
         r = None if self.residual is None else residual_weights(self.residual, x.mean(dim=1))
-        # the fast twin of inline_core (kernels.py): the same arguments, the same result
-        if self.fast:
-            o = FAST_CORES[self.fast](q, k, v, r, grid, self.scale, self.local_size, self.dilation,
-                                      self.scale_by_count)
-        else:
+        if self.fast:  # kernels.py's twin of inline_core: the same arguments, the same result
+            o = FAST_CORES[self.fast](q, k, v, r, grid, self.scale, self.local_size,
+                                      self.dilation, self.scale_by_count)
+        else:  # Eq. 5, then Eq. 6
             o = inline_core(q, k, v, r, grid, self.scale, self.local_size, self.dilation,
-                            self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
-        return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C): the heads side by side
+                            self.scale_by_count)  # (B, H, N, D)
+        return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C): heads side by side
 
     def weights(self, x, grid=None):
         """The explicit N x N weights of Eq. 5 (B, H, N, N) that this module applies to x
