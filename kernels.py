@@ -282,8 +282,7 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
         inline.check_grid(N, grid)
         # built once per shape; traced into a compiled model's graph, a constant there
         if r is not None:
-            build = neighbourhood if torch.compiler.is_compiling() else _cached_neighbourhood
-            table = build(N, tuple(grid), q.device, size, dilation)
+            table = neighbour_table(_cached_neighbourhood, N, tuple(grid), q.device, size, dilation)
     T = table[0].shape[0] if r is not None else None  # Eq. 6's neighbours
     if r is not None and r.shape != (B, T * H * D):
         raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = "
