@@ -506,7 +506,10 @@ def budget_table(args, every, records, guess):
     chosen, seeds = choose(args, every)
     _, planned = plan_runs(chosen, every, rerun_seeds() if args.rerun else seeds, args)
     result = {n: summarise([records[r.key()] for r in planned[n] if r.key() in records]) for n in chosen}
-    configs, rows, points, m = table_rows(chosen, planned, result, every, guess)
+    # the 16-epoch batch's seeds were fixed before it (MOSAIC_RERUN): its verdicts wait for them; the 4-epoch
+    # records predate any such plan
+    batch = {n: len(planned[n]) for n in chosen} if args.rerun else None
+    configs, rows, points, m = table_rows(chosen, planned, result, every, guess, batch)
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
     bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the '
            f'same {MOSAICS["val_images"]:,} test mosaics for every run' if guess is not None
@@ -529,10 +532,12 @@ def budget_table(args, every, records, guess):
           'test set\'s images (over seeds only where a record predates per-image results); r: the '
           'correlation of the two rows\' top-1 over the seed numbers they share. Ordering test: Δ = 0 for a '
           f'paper ordering, "beyond ±{MARGIN:g}" for a paper tie (≤ {PAPER_TIE}); TOST: within ±{MARGIN:g}; '
-          f'each p beside its Holm adjustment over all {2 * m} tests (a comparison not yet run enters with p '
-          '= 1). Verdict from the adjusted p\'s at 5%: reproduced, contradicted (a claim the paper makes, on '
-          f'the other side), {EQUIVALENT}, not resolved, untestable (a side under the gate: its φ = 0 floor '
-          f'+ {FLOOR_MARGIN:g}, or the guess where the recipe has no floor runs), not yet run. Power: '
+          f'each p beside its Holm adjustment over all {2 * m} tests (a comparison not yet run, or still '
+          'running, enters with p = 1). Verdict from the adjusted p\'s at 5%: reproduced, contradicted (a claim '
+          f'the paper makes, on the other side), {EQUIVALENT}, not resolved, untestable (a side under the '
+          f'gate: its φ = 0 floor + {FLOOR_MARGIN:g}, or the guess where the recipe has no floor runs), not '
+          'yet run (under two seeds a side), running (a side under the seeds its batch plans: the difference '
+          'is progress, no verdict is read). Power: '
           f'TOST\'s at Δ = 0 / the ordering test\'s at |Δ| = {MARGIN:g}, at these seeds and sds, at '
           f'Holm\'s strictest step (5% / {2 * max(m, 1)}). † a claim row.\n')
     print_table(['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over',
@@ -590,12 +595,12 @@ def power_plan(table):
                  'sd now', 'power now'], out)
 
 
-def table_rows(chosen, planned, result, every, guess=None):
+def table_rows(chosen, planned, result, every, guess=None, batch=None):
     """The two tables: one row per distinct configuration (config_rows) and one per distinct comparison
     (comparison_rows), with each comparison's chart entry (label, mean, half-width, the paper's difference)
     and the size of the family. The gate: a configuration clears when its mean is FLOOR_MARGIN over the
     mean of its family's floor (the same recipe); a comparison with a side that does not, or no floor run, is
-    untestable, whatever its p."""
+    untestable, whatever its p. batch: {name: seeds its batch plans}, where the family has such a plan."""
     mean = {n: statistics.mean(result[n].top1.values()) if result[n].top1 else None for n in chosen}
     # each configuration's floor: its family's mean; on the mosaics, the guess where the recipe has no floor
     # runs (the floor's ceiling, so clearing it clears any floor)
@@ -604,7 +609,7 @@ def table_rows(chosen, planned, result, every, guess=None):
     above = {n: None if mean[n] is None or floor[n] is None else mean[n] - floor[n] for n in chosen}
     cleared = {n: above[n] is not None and above[n] >= FLOOR_MARGIN for n in chosen}
     configs = config_rows(chosen, planned, result, every, above, cleared, guess)
-    rows, points, m = comparison_rows(chosen, result, every, above, cleared)
+    rows, points, m = comparison_rows(chosen, result, every, above, cleared, batch)
     return configs, rows, points, m
 
 
@@ -634,11 +639,14 @@ def config_rows(chosen, planned, result, every, above, cleared, guess):
     return configs
 
 
-def comparison_rows(chosen, result, every, above, cleared):
+def comparison_rows(chosen, result, every, above, cleared, batch=None):
     """One row per distinct comparison, row minus reference, Welch over all seeds of each: its difference and
     interval, seeds, seed correlation, both tests' p's beside their Holm adjustment over the family (every
-    comparison with a paper number not under the gate, both tests; p = 1 where not yet run), the power at
-    Holm's strictest step, the verdict; with each row's chart entry (or None) and the family's size."""
+    comparison with a paper number not under the gate, both tests; p = 1 where not yet run or still running),
+    the power at Holm's strictest step, the verdict; with each row's chart entry (or None) and the family's
+    size. Where the family's batch fixed its seeds beforehand (batch: {name: seeds}), a side with fewer
+    records is still running: its difference and interval are printed as progress, but no verdict is read
+    until every planned seed is in (a look on the way would be a look the plan does not have)."""
     rows, family_ps = [], []
     for tables, name, ref in comparisons(chosen):
         a, b = result[name], result[ref]
@@ -674,13 +682,18 @@ def comparison_rows(chosen, result, every, above, cleared):
         if paper_diff is None or gate:
             row[10] = '—' if paper_diff is None else gate
             continue
+        if batch and any(len(s.top1) + len(s.diverged) < batch[n] for s, n in ((a, name), (b, ref))):
+            rows[-1] = (row, None)  # progress, not yet a result: in the family at p = 1, not drawn
+            row[10] = f'running ({batch[name]} / {batch[ref]} seeds planned)'
+            family_ps.append((len(rows) - 1, 1.0, 1.0, 0.0))
+            continue
         family_ps.append((len(rows) - 1, *tests(mean, se, df, paper_diff), mean))
     m = len(family_ps)
     adjusted = holm([p for _, p_order, p_tost, _ in family_ps for p in (p_order, p_tost)])
     for k, (i, p_order, p_tost, mean) in enumerate(family_ps):
         row, q_order, q_tost = rows[i][0], adjusted[2 * k], adjusted[2 * k + 1]
         row[7], row[8] = (f'{p:.3f} / {q:.3f}' for p, q in ((p_order, q_order), (p_tost, q_tost)))
-        if row[10] == 'not yet run':
+        if row[10] == 'not yet run' or row[10].startswith('running'):
             continue
         _, paper_diff = paper_claim(*row[1].rstrip('†').split(' − '), every)
         row[10] = verdict(paper_diff, mean, q_order, q_tost)

@@ -1084,6 +1084,31 @@ def test_paper_a_comparison_with_one_seed_of_per_image_results_is_not_run_yet():
     assert gate[3].startswith('+41.0 [') and gate[4] == 'seeds and test images' and gate[10] == '—'
 
 
+def test_paper_a_batch_reads_no_verdict_before_its_planned_seeds():
+    """Where the family's batch fixed its seeds (the 16-epoch rerun), a side with fewer records is still
+    running: its difference and interval are printed, it enters Holm at p = 1 and is not drawn; with every
+    planned seed in, the same records get their verdict (here, far apart, reproduced)."""
+    every = ablations.experiments()
+    chosen = {n: every[n] for n in ('s_deit_t', 'inline_deit_t', 'floor_deit')}
+    seeds = lambda *accs: stats.Summary(dict(enumerate(accs)), {s: None for s in range(len(accs))}, [],  # noqa
+                                        None)
+    result = {'s_deit_t': seeds(70.0, 70.2, 69.8), 'inline_deit_t': seeds(80.0, 80.1, 79.9),
+              'floor_deit': seeds(40.0, 41.0, 40.5)}
+    planned = {n: [] for n in chosen}
+    for batch, want in (({'s_deit_t': 12, 'inline_deit_t': 3, 'floor_deit': 3}, 'running (12 / 3 seeds planned)'),
+                        ({n: 3 for n in chosen}, 'reproduced')):
+        configs, rows, points, m = ablations.table_rows(chosen, planned, result, every, batch=batch)
+        row = next(r for r in rows if r[1].startswith('s_deit_t'))
+        assert row[3].startswith('-10.0 [') and row[10] == want and m == 1
+        if want.startswith('running'):
+            assert row[7:9] == ['1.000 / 1.000'] * 2 and points[rows.index(row)] is None
+        else:
+            assert float(row[7].split(' / ')[1]) < 0.05 and points[rows.index(row)] is not None
+    # without a batch plan (the 4-epoch family) the same three seeds get their verdict
+    assert next(r for r in ablations.table_rows(chosen, planned, result, every)[1]
+                if r[1].startswith('s_deit_t'))[10] == 'reproduced'
+
+
 def test_paper_mosaic_runs_draw_new_training_mosaics_a_seed_and_the_same_test_ones(tmp_path):
     """The mosaics' runs, as `python -m paper train` reads their command lines: task below, 20,000 training
     and 10,000 test mosaics; two seeds share their test mosaics and not their training ones."""
