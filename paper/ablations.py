@@ -506,8 +506,7 @@ def budget_table(args, every, records, guess):
     chosen, seeds = choose(args, every)
     _, planned = plan_runs(chosen, every, rerun_seeds() if args.rerun else seeds, args)
     result = {n: summarise([records[r.key()] for r in planned[n] if r.key() in records]) for n in chosen}
-    # the 16-epoch batch's seeds were fixed before it (MOSAIC_RERUN): its verdicts wait for them; the 4-epoch
-    # records predate any such plan
+    # the 16-epoch batch's seeds were fixed before it (MOSAIC_RERUN); the 4-epoch records predate any plan
     batch = {n: len(planned[n]) for n in chosen} if args.rerun else None
     configs, rows, points, m = table_rows(chosen, planned, result, every, guess, batch)
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
@@ -644,9 +643,8 @@ def comparison_rows(chosen, result, every, above, cleared, batch=None):
     interval, seeds, seed correlation, both tests' p's beside their Holm adjustment over the family (every
     comparison with a paper number not under the gate, both tests; p = 1 where not yet run or still running),
     the power at Holm's strictest step, the verdict; with each row's chart entry (or None) and the family's
-    size. Where the family's batch fixed its seeds beforehand (batch: {name: seeds}), a side with fewer
-    records is still running: its difference and interval are printed as progress, but no verdict is read
-    until every planned seed is in (a look on the way would be a look the plan does not have)."""
+    size. Where a batch fixed its seeds beforehand (batch: {name: seeds}), a side with fewer records is still
+    running: its difference and interval are progress, no verdict is read (a look the plan does not have)."""
     rows, family_ps = [], []
     for tables, name, ref in comparisons(chosen):
         a, b = result[name], result[ref]
@@ -682,12 +680,10 @@ def comparison_rows(chosen, result, every, above, cleared, batch=None):
         if paper_diff is None or gate:
             row[10] = '—' if paper_diff is None else gate
             continue
-        if batch and any(len(s.top1) + len(s.diverged) < batch[n] for s, n in ((a, name), (b, ref))):
-            rows[-1] = (row, None)  # progress, not yet a result: in the family at p = 1, not drawn
-            row[10] = f'running ({batch[name]} / {batch[ref]} seeds planned)'
-            family_ps.append((len(rows) - 1, 1.0, 1.0, 0.0))
-            continue
-        family_ps.append((len(rows) - 1, *tests(mean, se, df, paper_diff), mean))
+        running = batch and any(len(s.top1) + len(s.diverged) < batch[n] for s, n in ((a, name), (b, ref)))
+        if running:  # progress, not yet a result: in the family at p = 1, not drawn
+            rows[-1], row[10] = (row, None), f'running ({batch[name]} / {batch[ref]} seeds planned)'
+        family_ps.append((len(rows) - 1, *((1.0, 1.0) if running else tests(mean, se, df, paper_diff)), mean))
     m = len(family_ps)
     adjusted = holm([p for _, p_order, p_tost, _ in family_ps for p in (p_order, p_tost)])
     for k, (i, p_order, p_tost, mean) in enumerate(family_ps):
