@@ -18,7 +18,7 @@ import models
 import train
 from paper.charts import ablations_pictures, print_table, short_name
 from paper.experiments import EXPERIMENTS, T1_REFERENCE, Experiment, paper_claim
-from paper.runs import Run, read_records, train_runs
+from paper.runs import LabRun, read_records, train_runs
 from paper.stats import (ALPHA, EQUIVALENT, MARGIN, PAPER_TIE, POWER, compare, half_width, holm, power,
                          scores, seed_correlation, seeds_for, summarise, tests, verdict)
 
@@ -137,7 +137,7 @@ def experiments(dataset=None):
     inline_t = {n: Experiment(n, {}, 'S', str(models.RELEASED[n][2]), False, f'{n} as released')
                 for n in ('inline_swin_t', 'inline_deit_t', 'inline_pvt_t', 'inline_cswin_t')}
     floors = {f'floor_{f}': Experiment(f'inline_{f}_t', dict(
-        layout='I' if f == 'deit' else 'IIII', kernel='zero', residual='none',
+        layout='I' if f == 'deit' else 'IIII', feature_map='zero', eq6='none',
         **({'ape': False} if f == 'swin' else {})),
         'floor', None, True, f'{f} miniature, attention-free: every weight 1/N, no Eq. 6') for f in MINI}
     every = {**chosen, **inline_t, **floors}
@@ -310,7 +310,7 @@ def make_run(name, e, seed, args):
         '--img-size', str(r['img_size']), '--model-kwargs', *[f'{k}={v!r}' for k, v in kwargs.items()],
         '--epochs', str(r['epochs']), '--warmup-epochs', str(r['warmup_epochs']), '--val-every',
         str(r['val_every']), *data_argv(args), '--amp', r['precision'], '--seed', str(seed)]
-    return Run(name, config_key(e), r, seed, argv)
+    return LabRun(name, config_key(e), r, seed, argv)
 
 
 def config_key(e):
@@ -320,8 +320,8 @@ def config_key(e):
     the count."""
     model = miniature(e)
     o = dict(model.options)
-    if o['kernel'] is None and 'L' not in model.layout:  # kernel=None is identity when no block is linear
-        o['kernel'] = 'identity'
+    if o['feature_map'] is None and 'L' not in model.layout:  # None is identity when no block is linear
+        o['feature_map'] = 'identity'
     o = {k: v for k, v in o.items() if k not in models.ATTENTION_OPTIONS or v != models.ATTENTION_OPTIONS[k]}
     if model.family == 'swin':
         o.update(window=model.window, ape=bool(model.ape))
