@@ -42,7 +42,7 @@ import sequence
 from inline import (attention_scale, get_phi, inline_attention, inline_attention_quadratic,
                     inline_weights)
 from inline import linear_attention_weights
-from kernels import (compile_options, compiled_call, core_forward, inline_core_fast, neighbourhood,
+from kernels import (compile_options, compiled_call, core_forward, grid_table, inline_core_fast,
                      signature)
 from kernels import symbolic_sizes
 
@@ -165,8 +165,8 @@ def bench_causal(N, dtype, device, B=1, H=4, D=64):
     r = 0.1 * torch.randn(B, N, 3 * H * D, generator=gen, device=device, dtype=dtype)
     inputs = [t.requires_grad_() for t in (q, k, v, r)]
     cores = {'sdpa': lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-             'eq5': lambda: sequence.sequence_core_fast(q, k, v, None, None, causal=True),
-             'eq56': lambda: sequence.sequence_core_fast(q, k, v, r, None, size=3, causal=True)}
+             'eq5': lambda: sequence.causal_core_fast(q, k, v, None, None),
+             'eq56': lambda: sequence.causal_core_fast(q, k, v, r, None, size=3)}
     fns = {}
     for name, core in cores.items():
         fns[f'{name}_fwd_ms'] = lambda core=core: torch.no_grad()(core)()
@@ -205,7 +205,7 @@ def bench_choices(device):
         gen, N, D = torch.Generator(device).manual_seed(0), side * side, 32
         return [*(torch.randn(B, H, N, D, generator=gen, device=device) for _ in range(3)),
                 0.1 * torch.randn(B, H, 9, D, generator=gen, device=device),
-                *neighbourhood(N, (side, side), device),
+                *grid_table(N, (side, side), device),
                 inline.attention_scale(D), True]
     B, H, side, _ = CASES['swin_t_stage1']
     constant, symbolic, small = inputs(B, H, side), inputs(B, H, side), inputs(1, 1, 7)
@@ -475,7 +475,7 @@ def bench_gpu_step(fast, device, smoke=False):
     names."""
     B = 2 if smoke else GPU_STEP_BATCH
     row = dict(case='inline_swin_t step', batch=B, tokens=None, dtype='bfloat16',
-               core={False: 'reference', 'compile': 'compiled', 'triton': 'triton'}[fast])
+               core={None: 'reference', 'compile': 'compiled', 'triton': 'triton'}[fast])
     try:
         with torch.device(device):
             model = models.create_model('inline_swin_t', fast=fast, drop_path_rate=0.0,
@@ -483,7 +483,7 @@ def bench_gpu_step(fast, device, smoke=False):
     except (ValueError, RuntimeError, ImportError) as e:
         return dict(row, status=f"not run ({(str(e).splitlines() or [''])[0]})")
     built = sorted({str(m.fast) for m in model.modules() if isinstance(m, inline.InLineBase)})
-    if built != [str(fast)]:  # each InLine module's switch: False, 'compile' or 'triton'
+    if built != [str(fast)]:  # each InLine module's switch: None, 'compile' or 'triton'
         return dict(row, status=f"not run (fast={fast!r} built {', '.join(built)})")
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(B, 3, *model.img_size, generator=gen, device=device)
@@ -524,7 +524,7 @@ def bench_gpu(device):
         for dtype in (torch.float16, torch.bfloat16):
             for row in bench_gpu_case(name, dtype, device, smoke):
                 print(format_gpu_row(row), flush=True)
-    for fast in (False, 'compile', 'triton'):
+    for fast in inline.FAST:
         print(format_gpu_row(bench_gpu_step(fast, device, smoke)), flush=True)
 
 

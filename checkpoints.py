@@ -5,9 +5,7 @@ InLine attention: Han et al., NeurIPS 2024, arXiv 2412.06590. models.create_mode
 loads through load_checkpoint. For train.py, its run (a train.Run) and training state (a
 train.Training) come in as arguments; OUTPUT_DIR holds checkpoint.pt (the latest, which a rerun of
 the same command resumes), best.pt (a link to the best epoch's), metrics.jsonl (the checkpoint's
-log) and val_correct.pt (the last validation's per-image results, which the lab reads). print0
-and fail, how every rank of train.py speaks, live here beside the files, so that the backbones
-(models.py loads checkpoints) never import the data module.
+log) and val_correct.pt (the last validation's per-image results, which the lab reads).
 """
 import contextlib
 import json
@@ -17,7 +15,6 @@ import pickle
 import random
 import shlex
 import shutil
-import sys
 import tempfile
 import warnings
 
@@ -25,20 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# --------------------------------------------------------------------------------------------------
-# How every rank speaks: only rank 0 prints, and bad input stops every rank with one message
-
-def print0(*args, **kwargs):
-    if int(os.environ.get('RANK', 0)) == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def fail(message):
-    """Stop on bad input. Every rank checks the same arguments and files and meets the same error;
-    rank 0 says it."""
-    print0(f'error: {message}', file=sys.stderr)
-    raise SystemExit(1)
-
+from ranks import fail, print0
 
 # --------------------------------------------------------------------------------------------------
 # The released format {'model': state_dict}, and train.py's, which uses the same key
@@ -110,7 +94,7 @@ def load_checkpoint(model, checkpoint, img_size=None, key='model'):
     if missing or unexpected:
         raise RuntimeError(mismatch(path, saved, model, missing, unexpected))
     recorded = trained_img_size(saved)
-    trained = recorded or (pair_of(img_size) if img_size else None)
+    trained = recorded or (pair(img_size) if img_size else None)
     state = resize_positions(model, state, own, trained, recorded is not None, path)
     wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}"
              for k, v in state.items() if v.shape != own[k].shape]
@@ -120,7 +104,7 @@ def load_checkpoint(model, checkpoint, img_size=None, key='model'):
     return model
 
 
-def pair_of(size):
+def pair(size):
     """(H, W) from an image size given as an int or a pair."""
     return tuple(size) if isinstance(size, (tuple, list)) else (size, size)
 
@@ -131,7 +115,7 @@ def trained_img_size(saved):
     for record in ('arch', 'args'):
         size = saved.get(record) if isinstance(saved, dict) else None
         if isinstance(size, dict) and size.get('img_size') is not None:
-            return pair_of(size['img_size'])
+            return pair(size['img_size'])
     return None
 
 

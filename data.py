@@ -24,7 +24,7 @@ from torchvision import datasets
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
 
-from checkpoints import fail, print0
+from ranks import fail, print0
 
 # its config's TEST.CROP is False: resized straight to 384 x 384
 NO_EVAL_CROP = ('inline_swin_b_384',)

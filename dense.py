@@ -3,7 +3,7 @@
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
 NeurIPS 2024, arXiv 2412.06590. The paper puts PVT and Swin in Mask R-CNN and Semantic FPN; the
 authors released no dense-prediction code. Here the backbones follow timm's features_only convention
-(FeatureBackbone), torchvision's FPN goes under them for its MaskRCNN, FasterRCNN and RetinaNet
+(create_backbone, FeatureBackbone), torchvision's FPN goes under them for its MaskRCNN, FasterRCNN and RetinaNet
 (BackboneWithFPN), and SemanticFPN is the Semantic FPN head. An example that runs in seconds on a
 CPU (test_models.py's test_detection_example_trains_mask_rcnn_with_inline_swin_t runs it
 as written):
@@ -15,12 +15,11 @@ as written):
     from torchvision.transforms.v2.functional import pil_to_tensor
 
     import dense
-    import models
 
     # InLine-Swin-T under FPN in Mask R-CNN (checkpoint='inline_swin_t.pth': the ImageNet weights;
     # layout='SSSS': Swin-T), at sizes that run in seconds on a CPU (COCO: 800, 1333, 2000, 1000,
     # 512)
-    backbone = models.create_model('inline_swin_t', features_only=True)
+    backbone = dense.create_backbone('inline_swin_t')
     model = MaskRCNN(dense.BackboneWithFPN(backbone), num_classes=91, min_size=128, max_size=192,
                      rpn_post_nms_top_n_train=200, rpn_post_nms_top_n_test=100,
                      box_batch_size_per_image=64)
@@ -49,7 +48,7 @@ as written):
         prediction = model([image])[0]
 
     # Semantic segmentation: InLine-PVT-T under the Semantic FPN head, 150 classes as ADE20K.
-    backbone = models.create_model('inline_pvt_t', features_only=True)
+    backbone = dense.create_backbone('inline_pvt_t')
     segmenter = dense.SemanticFPN(backbone, num_classes=150)
     logits = segmenter(torch.rand(2, 3, 96, 128))  # (2, 150, 96, 128)
     loss = F.cross_entropy(logits, torch.randint(0, 150, (2, 96, 128)))
@@ -58,9 +57,8 @@ as written):
 A COCO run goes through torchvision's references/detection/train.py with this model for
 get_model(...).
 
-This file needs nothing of models.py: a backbone is any of its hierarchical models, which give their
-four stage maps with forward_features(x, return_stages=True);
-models.create_model(features_only=True) wraps one here. Shapes: B batch, C_i stage i's channels,
+A backbone is any hierarchical model of models.py, which gives its four stage maps with
+forward_features(x, return_stages=True); create_backbone builds one by name and wraps it. Shapes: B batch, C_i stage i's channels,
 r_i = 4, 8, 16, 32 its stride, (H, W) the image.
 """
 import math
@@ -71,6 +69,8 @@ import torch.nn.functional as F
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.ops.misc import Conv2dNormActivation
+
+import models
 
 # A LayerNorm on each output stage where the family's own dense backbone has one: Swin's detection
 # backbone (norm0..norm3) and CSwin's segmentation backbone (norm1..norm4) do; PVT's (v1, the
@@ -109,7 +109,7 @@ class FeatureBackbone(nn.Module):
     def __init__(self, model, out_indices=(0, 1, 2, 3)):
         super().__init__()
         if model.family not in OUTPUT_NORMS:
-            raise ValueError(f"features_only: {type(model).__name__} is isotropic (one stride-16 "
+            raise ValueError(f"dense prediction: {type(model).__name__} is isotropic (one stride-16 "
                              f"map); dense prediction supports the hierarchical families "
                              f"{', '.join(OUTPUT_NORMS)}, as the paper used them")
         increasing = list(out_indices) == sorted(set(out_indices))
@@ -139,6 +139,12 @@ class FeatureBackbone(nn.Module):
         # LayerNorm over C, channels last
         return [norm(stages[i].permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
                 for norm, i in zip(self.norms, self.out_indices)]
+
+
+def create_backbone(name, *, out_indices=(0, 1, 2, 3), **kwargs):
+    """timm's create_model(name, features_only=True): models.create_model(name, **kwargs) (a
+    checkpoint, fast, sizes, ...) as a FeatureBackbone of the stages out_indices."""
+    return FeatureBackbone(models.create_model(name, **kwargs), out_indices)
 
 
 def fpn_inputs(features):

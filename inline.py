@@ -7,11 +7,13 @@ which is injective (given D + 1 tokens or more: inline_weights) and still linear
 local attention residual over each token's 3x3 neighbourhood (Eq. 6), because linear attention alone
 attends too little to nearby tokens.
 
-The file reads top to bottom: the kernel function phi, the two baselines, Eq. 5, Eq. 6, the core
-(Eq. 5 then Eq. 6), the module InLineAttention, whose forward is the whole method on one page, and
-last the paper's baselines and ablations as subclasses. kernels.py holds the fast twin of
-inline_core, which the module's forward calls instead when its switch `fast` is on; sequence.py
-carries the method to 1-D sequences.
+The file reads top to bottom: the feature map phi (the paper's "kernel function"), the two
+baselines, Eq. 5, Eq. 6, the core (Eq. 5 then Eq. 6) and where its fast twins live, the module
+InLineAttention, and last the paper's baselines and ablations as subclasses. InLineBase.attend is
+the method after the projections, in one place: phi, Eq. 6's weights, the core or, where the switch
+`fast` is on, its fast twin (kernels.py: torch.compile; triton_core.py: CUDA). Every InLine
+attention runs it: InLineAttention, the linear baseline, CSwin's whole-map branch (models.py) and
+sequences (sequence.py), so a line added there reaches them all; a variant overrides one step.
 
     python bench.py --demo  # a short demonstration: injectivity, and the two forms of Eq. 5 agree
 
@@ -20,13 +22,17 @@ Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C
 T = k*k the weights per channel of Eq. 6's k x k neighbourhood.
 """
 import contextlib
+import importlib
+import inspect
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 # --------------------------------------------------------------------------------------------------
-# The kernel function phi, applied to queries and keys (the paper's Table 5 compares them)
+# The feature map phi, applied to queries and keys (the paper's "kernel function"; Table 5 compares
+# them). The option `feature_map` names one.
 
 # name -> phi; a new one is one line here (and in NON_NEGATIVE_PHI if it is >= 0), tests included
 PHI = {
@@ -45,10 +51,10 @@ NON_NEGATIVE_PHI = ('relu', 'exp', 'one_plus_elu', 'relu_affine')  # linear atte
 
 
 def get_phi(name, head_dim=None):
-    """The kernel function phi by name; 'relu_affine' is a module with parameters, built for
-    head_dim."""
+    """The feature map phi by name (the option feature_map); 'relu_affine' is a module with
+    parameters, built for head_dim."""
     if name not in PHI:
-        raise ValueError(f"unknown kernel function {name!r}; choose one of {sorted(PHI)}")
+        raise ValueError(f"unknown feature map {name!r} (phi); choose one of {sorted(PHI)}")
     return ReLUAffine(head_dim) if name == 'relu_affine' else PHI[name]
 
 
@@ -144,7 +150,13 @@ def inline_attention(q, k, v, scale=None, scale_by_count=True):
         o_i = g q_i^T sum_j (k_j - k_mean) v_j^T + v_mean = g N q_i^T Cov + v_mean,
         Cov = (1/N) sum_j (k_j - k_mean)(v_j - v_mean)^T   (sum_j (k_j - k_mean) = 0 lets v_mean in)
     Cov is a mean, not a sum, and g N multiplies q before Cov: in fp16 every product then stays near
-    the size of the output, so it does not overflow where the output itself fits."""
+    the size of the output, so it does not overflow where the output itself fits.
+
+    Changing Eq. 5's mean: the centred form cancels any constant c put in k_mean's place, since
+    sum_j (k_j - c)(v_j - v_mean)^T = sum_j k_j (v_j - v_mean)^T for every c: swap in a median here
+    and nothing changes. Another statistic c belongs in the uncentred form, o_i = g q_i^T sum_j
+    (k_j - c) v_j^T + v_mean, which equals inline_weights with c in place of k_mean
+    (test_recipe_another_statistic_in_place_of_eq5s_mean)."""
     N = q.shape[2]
     s = attention_scale(q.shape[-1]) if scale is None else scale
     k_mean = k.mean(dim=2, keepdim=True)  # (B, H, 1, D)
@@ -161,33 +173,34 @@ def inline_attention(q, k, v, scale=None, scale_by_count=True):
 # Eq. 6, the local attention residual: o_i += sum_t r_t v_{N_t(i)} over the k x k neighbourhood of
 # token i
 
-RESIDUALS = ('local', 'plain', 'none')  # Eq. 6; o_i += r * v_i (a 1x1 neighbourhood); no residual
+# the option eq6: Eq. 6 over k x k neighbours; o_i += r * v_i (a 1x1 neighbourhood); no Eq. 6
+EQ6_FORMS = ('local', 'plain', 'none')
 # the side k of Eq. 6's k x k neighbourhood in the paper: every default of it is this name
 LOCAL_SIZE = 3
 
 
-def neighbourhood_size(residual, local_size=LOCAL_SIZE):
+def neighbourhood_size(eq6, local_size=LOCAL_SIZE):
     """Eq. 6's neighbourhood side k, decided here for every piece that depends on it (T = k^2
-    weights per channel): 'local': local_size, odd (3 is the paper's); 'plain': 1, o_i += r * v_i;
-    'none': None."""
-    if residual not in RESIDUALS:
-        raise ValueError(f"unknown residual {residual!r}; choose one of {list(RESIDUALS)}")
+    weights per channel): eq6 'local': local_size, odd (3 is the paper's); 'plain': 1,
+    o_i += r * v_i; 'none': None."""
+    if eq6 not in EQ6_FORMS:
+        raise ValueError(f"unknown eq6 {eq6!r} (Eq. 6's form); choose one of {list(EQ6_FORMS)}")
     if not (isinstance(local_size, int) and local_size >= 1 and local_size % 2 == 1):
         raise ValueError(f"local_size (the side of Eq. 6's neighbourhood) must be an odd whole "
                          f"number >= 1, so that the neighbourhood is centred on its token; "
                          f"got {local_size!r}")
-    return {'local': local_size, 'plain': 1, 'none': None}[residual]
+    return {'local': local_size, 'plain': 1, 'none': None}[eq6]
 
 
-def residual_mlp(dim, num_heads, taps=9):
-    """Eq. 6's weight predictor: W1 (C -> C), GELU, W2 (C -> T*C), each block-diagonal with one
-    block per head, as the released two 1x1 grouped convolutions, so the keys (residual.0.*,
-    residual.2.*) are the checkpoints'. Output channel T*c + t is the weight of neighbour t
-    (row-major over the k x k neighbourhood) for channel c."""
+def residual_mlp(dim, num_heads, T=9):
+    """Eq. 6's weight predictor: W1 (C -> C), GELU, W2 (C -> T*C), T the weights per channel, each
+    block-diagonal with one block per head, as the released two 1x1 grouped convolutions, so the
+    keys (residual.0.*, residual.2.*) are the checkpoints'. Output channel T*c + t is the weight of
+    neighbour t (row-major over the k x k neighbourhood) for channel c."""
     return nn.Sequential(
         nn.Conv1d(dim, dim, kernel_size=1, groups=num_heads),
         nn.GELU(),
-        nn.Conv1d(dim, dim * taps, kernel_size=1, groups=num_heads),
+        nn.Conv1d(dim, dim * T, kernel_size=1, groups=num_heads),
     )
 
 
@@ -235,17 +248,18 @@ def local_residual(v, r, grid, size=LOCAL_SIZE, dilation=1):
         # (B, H, N, D), 0 for the P
         return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))
     planes = v[:, :, P:].transpose(-2, -1).reshape(1, B * H * D, h, w)  # (1, B*C, h, w)
-    # each sample's and channel's weights
-    taps = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k)
+    # each sample's and channel's weights as a filter
+    weight = r.reshape(B * H * D, 1, size, size)  # (B*C, 1, k, k)
     # Eq. 6
-    out = F.conv2d(planes, taps, padding=dilation * (size // 2), dilation=dilation,
+    out = F.conv2d(planes, weight, padding=dilation * (size // 2), dilation=dilation,
                    groups=B * H * D)
     # (B, H, N, D), zero for the P
     return F.pad(out.reshape(B, H, D, h * w).transpose(-2, -1), (0, 0, P, 0))
 
 
 # --------------------------------------------------------------------------------------------------
-# The core: Eq. 5, then Eq. 6. kernels.py writes its fast twins into FAST_CORES when it is imported.
+# The core: Eq. 5, then Eq. 6, and its fast twins. Every core takes these arguments and returns
+# (B, H, N, D); InLineBase.attend calls one.
 
 def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, scale_by_count=True):
     """Eq. 5 over all N tokens, then Eq. 6 on the last h*w tokens: the whole InLine attention after
@@ -256,14 +270,56 @@ def inline_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, scale
     return o if r is None else o + local_residual(v, r, grid, size, dilation)  # Eq. 6
 
 
-# name -> the fast twin of inline_core, with its arguments and result: 'compile' (kernels.py,
-# torch.compile) and 'triton' (triton_core.py, CUDA). InLineAttention(fast=name) calls it;
-# kernels.enable_fast checks it.
-FAST_CORES = {}
+def linear_core(q, k, v, r, grid, scale=None, size=LOCAL_SIZE, dilation=1, scale_by_count=True):
+    """inline_core with vanilla linear attention's division in place of Eq. 5: the baseline's core
+    (the division cancels scale and eq5_gain, so they go unused)."""
+    o = linear_attention(q, k, v)  # division in place of Eq. 5, (B, H, N, D)
+    return o if r is None else o + local_residual(v, r, grid, size, dilation)  # Eq. 6
+
+
+# The switch `fast` of every InLine module: None runs its core, from this file or sequence.py;
+# 'compile' or 'triton' runs the core's fast twin, with the same arguments and result, from the file
+# this table names. fast_twin imports it when it is called, so inline.py imports only torch and no
+# file fills this table; kernels.enable_fast checks a twin against its core before switching it on.
+FAST = (None, 'compile', 'triton')
+FAST_TWINS = {
+    'inline.inline_core': {'compile': 'kernels.inline_core_fast',  # torch.compile, any device
+                           'triton': 'triton_core.inline_core_triton'},  # a Triton kernel, CUDA
+    'sequence.sequence_core': {'compile': 'sequence.sequence_core_fast'},  # a 1-D neighbourhood
+    'sequence.causal_core': {'compile': 'sequence.causal_core_fast'},  # over each prefix
+}
+
+
+def fast_twin(core, fast):
+    """The fast twin of the function core for the switch value fast (FAST_TWINS). A core without
+    that twin (the linear baseline's: none) is refused, naming the ones it has."""
+    name = f"{core.__module__}.{core.__name__}"
+    twins = FAST_TWINS.get(name, {})
+    if fast not in twins:
+        raise ValueError(f"{name} has no fast twin {fast!r}; it has {sorted(twins) or 'none'} "
+                         f"(fast=None runs it on the reference path)")
+    module, function = twins[fast].rsplit('.', 1)
+    if module not in sys.modules:  # imported at the first call (sys.modules: what torch.compile traces)
+        importlib.import_module(module)
+    return getattr(sys.modules[module], function)
 
 
 # --------------------------------------------------------------------------------------------------
 # The module
+
+# options renamed so that each name means one thing: old -> new, refused under the old name
+RENAMED = {'kernel': 'feature_map', 'residual': 'eq6'}
+
+
+def refuse_unknown(where, unknown):
+    """Raise TypeError for options `where` does not take, naming the new name of a renamed one."""
+    if unknown:
+        said = [f"{k} (now {RENAMED[k]})" if k in RENAMED else k for k in sorted(unknown)]
+        options = [name for name, p in inspect.signature(InLineBase).parameters.items()
+                   if p.kind is p.KEYWORD_ONLY]
+        raise TypeError(f"{where} got unknown option(s) {', '.join(said)}; InLine attention's "
+                        f"options are {', '.join(options)}")
+
 
 def add_projections(module, dim, qkv_bias, separate_q):
     """The attention's input and output projections under the released names: `qkv` C->3C, or PVT's
@@ -278,30 +334,32 @@ def add_projections(module, dim, qkv_bias, separate_q):
 
 
 class InLineBase(nn.Module):
-    """What every InLine attention holds besides its projections: phi, Eq. 5's scale, Eq. 6's weight
-    predictor and the options that shape them, and the switch `fast`. InLineAttention adds the
-    projections and the forward; CSwin's whole-map branch (models.CSwinInLine) runs the same steps
-    between CSwin's own.
+    """What every InLine attention shares: phi, Eq. 5's scale, Eq. 6's weight predictor and the
+    options that shape them, the switch `fast`, and `attend`, the method after the projections.
+    InLineAttention adds the projections and the forward; CSwin's whole-map branch
+    (models.CSwinInLine) calls attend between CSwin's own steps; sequence.SequenceAttention carries
+    it to 1-D sequences.
 
-    kernel: phi, one of PHI. residual, local_size: Eq. 6's form and neighbourhood
+    feature_map: phi, one of PHI. eq6, local_size: Eq. 6's form and neighbourhood
     (neighbourhood_size); dilation: its spread. leading_tokens: P, the tokens before the grid
     (DeiT's class token: 1), in Eq. 5 but not in Eq. 6. scale_by_count: eq5_gain. nonneg: every
     weight >= 0 (an ablation: UnitLength).
     """
     token_dims = 2  # Eq. 6's neighbourhood is k x k: T = k^2 weights per channel (a sequence's: k)
-    attention = 'inline'  # LinearAttention's is 'linear'
+    attention = 'inline'  # the baselines' is 'linear'
 
-    def __init__(self, dim, num_heads, *, kernel='identity', residual='local',
+    def __init__(self, dim, num_heads, *, feature_map='identity', eq6='local',
                  local_size=LOCAL_SIZE, dilation=1, leading_tokens=0, scale_by_count=True,
-                 nonneg=False):
+                 nonneg=False, **unknown):
         super().__init__()
+        refuse_unknown(type(self).__name__, unknown)
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
-        size = neighbourhood_size(residual, local_size)
+        size = neighbourhood_size(eq6, local_size)
         if not (isinstance(dilation, int) and dilation >= 1) or (dilation > 1 and (size or 1) == 1):
             raise ValueError(f"dilation must be a whole number >= 1, and > 1 only where Eq. 6 has "
-                             f"neighbours (residual='local', local_size > 1), got {dilation!r} "
-                             f"with residual={residual!r}")
+                             f"neighbours (eq6='local', local_size > 1), got {dilation!r} "
+                             f"with eq6={eq6!r}")
         if not (isinstance(leading_tokens, int) and leading_tokens >= 0):
             raise ValueError(f"leading_tokens (the tokens before the grid, e.g. a class token) "
                              f"must be a whole number >= 0; got {leading_tokens!r}")
@@ -310,20 +368,43 @@ class InLineBase(nn.Module):
                              "scale_by_count=False drops the 1/N, so it needs scale_by_count=True")
         self.num_heads, self.head_dim, self.leading_tokens = (num_heads, dim // num_heads,
                                                               leading_tokens)
-        self.kernel, self.scale_by_count, self.nonneg = kernel, bool(scale_by_count), nonneg
+        self.feature_map, self.nonneg = feature_map, nonneg
+        self.scale_by_count = bool(scale_by_count)
         self.local_size, self.dilation = size, dilation
-        self.phi = get_phi(kernel, dim // num_heads)
+        self.phi = get_phi(feature_map, dim // num_heads)
         self.scale = attention_scale(dim // num_heads)  # Eq. 5's s
         if nonneg:  # q and k of unit length and s = 1/2: every weight of Eq. 5 >= 0 (UnitLength)
             self.phi, self.scale = UnitLength(self.phi), 0.5
         # Eq. 6's weight predictor (the released key `residual`)
         self.residual = residual_mlp(dim, num_heads, size ** self.token_dims) if size else None
-        self.fast = False  # or a name in FAST_CORES, set by kernels.enable_fast after its check
+        self.fast = None  # or a name in FAST: set by kernels.enable_fast, after its check
+
+    def attend(self, q, k, v, x, grid):
+        """The method after the projections: q, k, v (B, H, N, D) and x (B, N, C), the input Eq. 6's
+        weights are predicted from, -> o (B, H, N, D) on grid. Every InLine attention runs this, on
+        both paths, with and without a gradient: a line added here reaches them all."""
+        q, k = self.phi(q), self.phi(k)  # the feature map phi
+        r = self.eq6_weights(x)  # Eq. 6's weights, (B, T*C); None without Eq. 6
+        core = self.core()  # inline_core: Eq. 5, then Eq. 6
+        if self.fast:  # its fast twin: the same arguments, the same result
+            core = fast_twin(core, self.fast)
+        return core(q, k, v, r, grid, self.scale, self.local_size, self.dilation,
+                    self.scale_by_count)  # (B, H, N, D)
+
+    def eq6_weights(self, x):
+        """Eq. 6's weights r (B, T*C), predicted from x's token mean (B, C); None without Eq. 6.
+        Causal sequences override it: one set per prefix mean."""
+        return None if self.residual is None else residual_weights(self.residual, x.mean(dim=1))
+
+    def core(self):
+        """The core function attend runs: Eq. 5, then Eq. 6. The linear baseline overrides it."""
+        return inline_core
 
 
 class InLineAttention(InLineBase):
-    """x (B, N, C) on the token grid (h, w) -> (B, N, C): projections, phi, Eq. 6's weights, Eq. 5
-    and Eq. 6, proj. The layer of all four backbones (1-D sequences: sequence.SequenceAttention).
+    """x (B, N, C) on the token grid (h, w) -> (B, N, C): the projections, then attend (phi, Eq. 6's
+    weights, Eq. 5 and Eq. 6), then proj. The layer of all four backbones (1-D sequences:
+    sequence.SequenceAttention).
 
     dim, num_heads: C and H. qkv_bias, separate_q: add_projections. ape_tokens: N of the authors'
     absolute position embedding (1, N, C), added to x first, for their ablations without Eq. 6
@@ -357,15 +438,7 @@ class InLineAttention(InLineBase):
         if self.ape is not None:  # the authors' ablations without Eq. 6 only
             x = x + self.ape
         q, k, v = self.project(x)  # (B, H, N, D) each
-        q, k = self.phi(q), self.phi(k)  # the kernel function phi
-        # Eq. 6's weights (B, T*C), predicted from the token mean
-        r = None if self.residual is None else residual_weights(self.residual, x.mean(dim=1))
-        if self.fast:  # kernels.py's twin of inline_core: the same arguments, the same result
-            o = FAST_CORES[self.fast](q, k, v, r, grid, self.scale, self.local_size,
-                                      self.dilation, self.scale_by_count)
-        else:  # Eq. 5, then Eq. 6
-            o = inline_core(q, k, v, r, grid, self.scale, self.local_size, self.dilation,
-                            self.scale_by_count)  # (B, H, N, D)
+        o = self.attend(q, k, v, x, grid)  # phi, Eq. 6's weights, Eq. 5 and Eq. 6: (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))  # (B, N, C): heads side by side
 
     def weights(self, x, grid=None):
@@ -408,27 +481,17 @@ class InLineAttention(InLineBase):
 # every weight >= 0; a learnable phi. phi = 0, the floor, is one entry of PHI.
 
 class LinearAttention(InLineAttention):
-    """Vanilla linear attention, the paper's baseline: division in place of Eq. 5, the rest as
-    InLine's (Eq. 6 too, unless residual='none'). Needs phi >= 0 unless allow_divergent (Table 3: it
-    then diverges). It has no fast twin: kernels.enable_fast refuses it."""
-
+    """Vanilla linear attention, the paper's baseline: linear_core, division in place of Eq. 5, the
+    rest as InLine's (Eq. 6 too, unless eq6='none'). Needs phi >= 0 unless allow_divergent (Table 3:
+    it then diverges). It has no fast twin: kernels.enable_fast refuses it."""
     attention = 'linear'
 
-    def __init__(self, dim, num_heads, *, kernel='relu', allow_divergent=False, **options):
-        check_linear_options(kernel, allow_divergent, options.get('nonneg'))
-        super().__init__(dim, num_heads, kernel=kernel, **options)
+    def __init__(self, dim, num_heads, *, feature_map='relu', allow_divergent=False, **options):
+        check_linear_options(feature_map, allow_divergent, options.get('nonneg'))
+        super().__init__(dim, num_heads, feature_map=feature_map, **options)
 
-    def forward(self, x, grid=None):
-        B, N, C = self.check_input(x, grid)
-        if self.ape is not None:
-            x = x + self.ape  # (B, N, C)
-        q, k, v = self.project(x)  # (B, H, N, D) each
-        q, k = self.phi(q), self.phi(k)
-        o = linear_attention(q, k, v)  # division in place of Eq. 5, (B, H, N, D)
-        if self.residual is not None:
-            r = residual_weights(self.residual, x.mean(dim=1))  # (B, T*C)
-            o = o + local_residual(v, r, grid, self.local_size, self.dilation)  # Eq. 6
-        return self.proj(o.transpose(1, 2).reshape(B, N, C))
+    def core(self):
+        return linear_core  # division in place of Eq. 5, then Eq. 6
 
     def weights(self, x, grid=None):
         self.check_input(x, grid)
@@ -436,12 +499,13 @@ class LinearAttention(InLineAttention):
         return linear_attention_weights(self.phi(q), self.phi(k))
 
 
-def check_linear_options(kernel, allow_divergent, nonneg):
+def check_linear_options(feature_map, allow_divergent, nonneg):
     """Refuse what linear attention's division cannot take (LinearAttention,
-    sequence.SequenceAttention)."""
-    if kernel not in NON_NEGATIVE_PHI and not allow_divergent:
+    sequence.SequenceAttention, models.CSwinInLine)."""
+    if feature_map not in NON_NEGATIVE_PHI and not allow_divergent:
         raise ValueError(f"vanilla linear attention divides by q.k, so it needs a non-negative "
-                         f"kernel {NON_NEGATIVE_PHI}, got {kernel!r}; pass allow_divergent=True to "
+                         f"feature map {NON_NEGATIVE_PHI}, got {feature_map!r}; pass "
+                         f"allow_divergent=True to "
                          f"run it anyway (the paper's Table 3 reports that it does not converge)")
     if nonneg:
         raise ValueError("nonneg (every weight >= 0) is an option of InLine attention, not of "

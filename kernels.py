@@ -2,12 +2,13 @@
 
 Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv
 2412.06590. `inline_core_fast` takes the arguments, layout and result of inline.inline_core, the
-reference it replaces, and is inline.FAST_CORES['compile']: an InLineAttention with fast='compile'
-calls it in place of inline_core, with and without a gradient, and nothing else changes.
-`enable_fast(model)` (create_model(name, fast=True)) turns that switch on in every InLine module
-once the module's forward on the fast core gives the reference's output and every gradient, with
-parameters drawn away from their initial values: a change the fast core does not follow is refused
-when the model is built. test_inline.py proves the two equal; bench.py measures them.
+reference it replaces, and is its fast twin 'compile' (inline.FAST_TWINS): an InLine module with
+fast='compile' calls it in place of inline_core, with and without a gradient, and nothing else
+changes. `enable_fast(model)` (create_model(name, fast='compile')) turns that switch on in every
+InLine module once the module's forward on the fast core gives the reference's output and every
+gradient, with parameters drawn away from their initial values, and every parameter receives a
+gradient: a change the fast core does not follow, or one that does not reach the forward, is
+refused when the model is built. test_inline.py proves the two equal; bench.py measures them.
 
 - The backward is in closed form (the means' gradients vanish); compiled models trace both into
   their graph.
@@ -39,7 +40,7 @@ import inline
 # --------------------------------------------------------------------------------------------------
 # Eq. 6 on the token axis: neighbour t of grid token n sits at n + (dy - 1) * w + (dx - 1)
 
-def neighbourhood(N, grid, device, size=inline.LOCAL_SIZE, dilation=1):
+def grid_table(N, grid, device, size=inline.LOCAL_SIZE, dilation=1):
     """index (T, N): token n's neighbour t (row-major as inline.local_residual counts), clamped into
     [0, N) so every read is in bounds; masks (T, N, 1): 1 where n and its neighbour are on the grid,
     else 0."""
@@ -57,10 +58,10 @@ def neighbourhood(N, grid, device, size=inline.LOCAL_SIZE, dilation=1):
         return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
 
 
-_cached_neighbourhood = functools.lru_cache(maxsize=32)(neighbourhood)
+_cached_grid_table = functools.lru_cache(maxsize=32)(grid_table)
 
 
-def neighbour_table(cached, *args):
+def cached_table(cached, *args):
     """A neighbour table from its per-shape cache, or built in a torch.compile'd model's graph, a
     constant."""
     return cached.__wrapped__(*args) if torch.compiler.is_compiling() else cached(*args)
@@ -74,7 +75,8 @@ def neighbours(x, index, flip=False):
 
 
 # --------------------------------------------------------------------------------------------------
-# The two halves, each compiled to one graph. taps (B, H, T, D) is r with neighbour t before channel
+# The two halves, each compiled to one graph. r (B, H, T, D): Eq. 6's weights, neighbour t before
+# channel
 
 def wide(x):
     """x in at least fp32: where sums and elementwise math happen."""
@@ -93,7 +95,7 @@ def token_major(x):
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def core_forward(q, k, v, taps, index, masks, scale, scale_by_count):
+def core_forward(q, k, v, r, index, masks, scale, scale_by_count):
     """-> o (B, H, N, D) stored token-major, and for the backward (k - k_mean) and (v - v_mean)
     (B, H, N, D) as the GEMM's operands, v_mean (B, H, 1, D) and g N Cov (B, H, D, D), g =
     inline.eq5_gain."""
@@ -108,14 +110,14 @@ def core_forward(q, k, v, taps, index, masks, scale, scale_by_count):
     gain = inline.eq5_gain(scale, N, scale_by_count)
     cov = (wide(k_c.transpose(-2, -1) @ v_c) * (gain / c)).to(dtype)  # (B, H, D, D)
     o = wide(q @ cov) + v_mean  # Eq. 5: g N q_i^T Cov + v_mean, (B, H, N, D)
-    if taps is not None:
+    if r is not None:
         for t, v_t in enumerate(neighbours(v, index)):
-            o = o + wide(taps[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
+            o = o + wide(r[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
     return token_major(o.to(dtype)), k_c, v_c, v_mean, cov
 
 
-def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale_by_count):
-    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, D), given do (token-major)."""
+def core_backward(do, q, k_c, v_c, r, index, masks, v_mean, cov, scale, scale_by_count):
+    """-> the gradients of q, k, v (B, H, N, D) and of r (B, H, T, D), given do (token-major)."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
     dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
@@ -129,23 +131,23 @@ def core_backward(do, q, k_c, v_c, taps, index, masks, v_mean, cov, scale, scale
     g_c = g if c == 1.0 else (wide(g) / c).to(dtype)  # k_c carries the forward's factor c
     # o += v_mean gives the mean, (B, H, N, D)
     dv = wide(k_c @ g_c) + wide(do).mean(2, keepdim=True)
-    dtaps = None
-    if taps is not None:
+    dr = None
+    if r is not None:
         for t, do_t in enumerate(neighbours(do, index, flip=True)):  # Eq. 6 transposed
-            dv = dv + wide(taps[:, :, t, None]) * masks[-1 - t] * wide(do_t)
+            dv = dv + wide(r[:, :, t, None]) * masks[-1 - t] * wide(do_t)
         v = wide(v_c) + v_mean  # (B, H, N, D), never stored
-        dtaps = torch.stack([(wide(do) * masks[t] * v_t).sum(2)
-                             for t, v_t in enumerate(neighbours(v, index))], dim=2)
-        dtaps = dtaps.to(taps.dtype)  # (B, H, T, D)
-    return dq, dk, dv.to(dtype), dtaps
+        dr = torch.stack([(wide(do) * masks[t] * v_t).sum(2)
+                          for t, v_t in enumerate(neighbours(v, index))], dim=2)
+        dr = dr.to(r.dtype)  # (B, H, T, D)
+    return dq, dk, dv.to(dtype), dr
 
 
 # sequence.py adds its causal core's two
-def core_inference(q, k, v, taps, index, masks, scale, scale_by_count, dtype):
+def core_inference(q, k, v, r, index, masks, scale, scale_by_count, dtype):
     """core_forward's output alone, q, k, v cast to dtype and laid out inside the graph: the same
     forward where no gradient is asked, without the outputs the backward keeps."""
     q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
-    return core_forward(q, k, v, taps, index, masks, scale, scale_by_count)[0]
+    return core_forward(q, k, v, r, index, masks, scale, scale_by_count)[0]
 
 
 # the graphs by name; sequence.py adds its causal core's two
@@ -251,22 +253,21 @@ class InLineCore(torch.autograd.Function):
     """core_forward's output, with core_backward as its gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, taps, index, masks, scale, scale_by_count):
-        o, k_c, v_c, v_mean, cov = compiled_call(core_forward, q, k, v, taps, index, masks, scale,
+    def forward(ctx, q, k, v, r, index, masks, scale, scale_by_count):
+        o, k_c, v_c, v_mean, cov = compiled_call(core_forward, q, k, v, r, index, masks, scale,
                                                  scale_by_count)
-        ctx.save_for_backward(q, k_c, v_c, taps, index, masks, v_mean, cov)
+        ctx.save_for_backward(q, k_c, v_c, r, index, masks, v_mean, cov)
         ctx.scale, ctx.scale_by_count = scale, scale_by_count
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k_c, v_c, taps, index, masks, v_mean, cov = ctx.saved_tensors
+        q, k_c, v_c, r, index, masks, v_mean, cov = ctx.saved_tensors
         # do as o was stored: a copy only if it comes otherwise
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv, dtaps = compiled_call(core_backward, token_major(do), q, k_c, v_c, taps,
-                                              index, masks, v_mean, cov, ctx.scale,
-                                              ctx.scale_by_count)
-        return dq, dk, dv, dtaps, None, None, None, None
+            dq, dk, dv, dr = compiled_call(core_backward, token_major(do), q, k_c, v_c, r, index,
+                                           masks, v_mean, cov, ctx.scale, ctx.scale_by_count)
+        return dq, dk, dv, dr, None, None, None, None
 
 
 def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilation=1,
@@ -276,13 +277,13 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     a Python bool, part of the graphs' signature; a tensor scale joins q (s q^T Cov = (s q)^T Cov).
     Under autocast the inputs are cast to its dtype, as the reference's matmuls would be. table: a
     neighbour table (index, masks) of one's own, sequence.py's 1-D one; None: Eq. 6's on grid
-    (neighbourhood)."""
+    (grid_table)."""
     B, H, N, D = q.shape
     if table is None:
         inline.check_grid(N, grid)
         # built once per shape; traced into a compiled model's graph, a constant there
         if r is not None:
-            table = neighbour_table(_cached_neighbourhood, N, tuple(grid), q.device, size, dilation)
+            table = cached_table(_cached_grid_table, N, tuple(grid), q.device, size, dilation)
     T = table[0].shape[0] if r is not None else None  # Eq. 6's neighbours
     if r is not None and r.shape != (B, T * H * D):
         raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = "
@@ -294,25 +295,21 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     device = q.device.type
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else q.dtype
-    taps = None  # (B, H, T, D)
-    if r is not None:
-        taps = r.reshape(B, H, D, -1).transpose(-2, -1).to(dtype).contiguous()
-    index, masks = table if taps is not None else (None, None)
-    if not (torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (q, k, v, r))):
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r))
+    index, masks = table if r is not None else (None, None)
+    if r is not None:  # neighbour t before channel: (B, T*C) -> (B, H, T, D)
+        r = r.reshape(B, H, D, -1).transpose(-2, -1).to(dtype).contiguous()
+    if not grad:
         # No gradient: one graph casts q, k, v and lays them out itself (outside, each would cost a
         # copy); outside autocast only where it is on: a graph called under the switch costs more
         with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-            return compiled_call(core_inference, q, k, v, taps, index, masks, scale,
+            return compiled_call(core_inference, q, k, v, r, index, masks, scale,
                                  bool(scale_by_count), dtype)
     # One memory layout for every caller, so one graph serves them all (the matmuls would copy
     # strided views)
     q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
     with torch.autocast(device, enabled=False):
-        return InLineCore.apply(q, k, v, taps, index, masks, scale, bool(scale_by_count))
-
-
-inline.FAST_CORES['compile'] = inline_core_fast
+        return InLineCore.apply(q, k, v, r, index, masks, scale, bool(scale_by_count))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,8 +379,9 @@ def outside_function_modes():
 def check_against_reference(path, module, fast, device):
     """Raise ValueError unless module's forward with fast on gives the reference's output and
     gradients (within difference), with and without a gradient, on copies whose every parameter is
-    drawn away from its initial value (a change that agrees at initialisation is caught too); the
-    model and the random state are untouched."""
+    drawn away from its initial value (a change that agrees at initialisation is caught too), and
+    every parameter receives a gradient: one that receives none is a change that does not reach the
+    forward, which no comparison could see. The model and the random state are untouched."""
     with outside_function_modes():
         generator = torch.Generator().manual_seed(0)
         reference = copy.deepcopy(module)
@@ -411,6 +409,13 @@ def check_against_reference(path, module, fast, device):
                 torch.enable_grad(), torch.autocast(device.type, enabled=False):
             exact = forward_and_gradients(copy.deepcopy(reference).double(), inputs,
                                           upstream.double(), prefix)
+            unreached = [f'{prefix}{n}' for n, _ in reference.named_parameters()
+                         if exact[f'gradient of {prefix}{n}'] is None]
+            if unreached:
+                raise ValueError(f"{where}: parameter(s) {', '.join(unreached)} receive no "
+                                 f"gradient in its forward: a change that does not reach this "
+                                 f"module's forward (a line in inline.InLineBase.attend reaches "
+                                 f"every InLine attention; README, \"Changing the method\")")
             # parameters named by path
             ours = forward_and_gradients(reference, inputs, upstream, prefix)
             try:
@@ -425,46 +430,45 @@ def check_against_reference(path, module, fast, device):
             None)
         if why:
             raise ValueError(f"the fast InLine core ({fast!r}) and the reference differ in "
-                             f"{where}: {why}. Build the model with fast=False (train.py: "
-                             f"--attention-impl reference), or make the change in a form the fast "
-                             f"core follows (README, \"Changing the method\")")
+                             f"{where}: {why}. Build the model with fast=None (train.py: --fast "
+                             f"none), or make the change in a form the fast core follows (README, "
+                             f"\"Changing the method\")")
 
 
 def enable_fast(model, fast='compile', device=None, log=print):
-    """Turn the switch `fast` on in every InLine module of model: its forward then calls the fast
-    twin inline.FAST_CORES[fast] in place of inline.inline_core. Returns how many modules it
-    switched. All are checked first, so a model is fast throughout or refused: linear attention and
-    the peers (peers.py) by name, a change the fast core does not follow by one module of each
+    """Turn the switch `fast` on in every InLine module of model (inline.InLineBase): its attend
+    then calls its core's fast twin (inline.fast_twin) in place of the core. Returns how many
+    modules it switched. All are checked first, so a model is fast throughout or refused: a core
+    without that twin (the linear baseline's) and the peers (peers.py) by name; a change the fast
+    core does not follow, or a parameter that receives no gradient, by one module of each
     configuration (check_against_reference). fast: 'compile' (this file, any device) or 'triton'
     (triton_core.py, CUDA). device: where the check runs (the model's, else the CPU); log=None:
     silent."""
+    if fast not in inline.FAST[1:]:
+        raise ValueError(f"fast={fast!r}: enable_fast switches on one of {list(inline.FAST[1:])} "
+                         f"(fast=None is the reference, inline.py)")
     # peers.py's
     peers = sorted({m.no_fast_path for m in model.modules() if hasattr(m, 'no_fast_path')})
     if peers:
         raise ValueError(f"the fast core is InLine's alone; {' and '.join(peers)} "
                          f"{'has' if len(peers) == 1 else 'have'} none: build the model with "
-                         f"fast=False (train.py: --attention-impl reference)")
-    # InLine's modules
-    modules = [(path, m) for path, m in model.named_modules() if hasattr(m, 'fast')]
-    if any(getattr(m, 'attention', 'inline') == 'linear' for _, m in modules):
-        raise ValueError("the fast InLine core has no attention='linear' (layout letter L, vanilla "
-                         "linear attention): build the model with fast=False (train.py: "
-                         "--attention-impl reference)")
+                         f"fast=None (train.py: --fast none)")
+    modules = [(path, m) for path, m in model.named_modules() if isinstance(m, inline.InLineBase)]
     device = torch.device(device
                           or next((p.device for p in model.parameters() if not p.is_meta), 'cpu'))
-    if fast == 'triton' and 'triton' not in inline.FAST_CORES:
-        if device.type != 'cuda' and os.environ.get('TRITON_INTERPRET') != '1':
-            raise ValueError(f"fast='triton' runs InLine's Triton kernel, which needs a CUDA "
-                             f"device (the model is on {device.type}); on the CPU use "
-                             f"fast='compile' (torch.compile), or run with TRITON_INTERPRET=1 to "
-                             f"interpret the kernel, slowly, for testing")
-        import triton_core  # imports inline alone: it registers nothing until it is asked for here
-        inline.FAST_CORES['triton'] = triton_core.inline_core_triton
+    if (fast == 'triton' and device.type != 'cuda'
+            and os.environ.get('TRITON_INTERPRET') != '1'):
+        raise ValueError(f"fast='triton' runs InLine's Triton kernel, which needs a CUDA "
+                         f"device (the model is on {device.type}); on the CPU use "
+                         f"fast='compile' (torch.compile), or run with TRITON_INTERPRET=1 to "
+                         f"interpret the kernel, slowly, for testing")
     for path, m in modules:
-        if fast not in getattr(m, 'fast_cores', inline.FAST_CORES):
-            raise ValueError(f"{path or 'the model'} ({type(m).__name__}) has no fast core "
-                             f"{fast!r}; it has "
-                             f"{list(getattr(m, 'fast_cores', inline.FAST_CORES))}")
+        try:
+            inline.fast_twin(m.core(), fast)
+        except ValueError as e:  # the linear baseline: its division has no twin
+            what = ", attention='linear': vanilla linear attention" * (m.attention == 'linear')
+            raise ValueError(f"{path or 'the model'} ({type(m).__name__}{what}): {e}. Build the "
+                             f"model with fast=None (train.py: --fast none)") from None
     swapped = [(path, m) for path, m in modules if not m.fast]
     configurations, start = {}, time.perf_counter()  # configuration: the modules that have it
     for path, m in swapped:

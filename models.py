@@ -16,11 +16,11 @@ checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights lo
     model = create_model('inline_cswin_t', img_size=(224, 320), num_classes=0)
     # a Table 4 ablation
     model = create_model('inline_swin_t', window=7, residual='none')
-    # stage maps (dense.py)
-    model = create_model('inline_pvt_s', features_only=True)
+    # stage maps for detection and segmentation
+    backbone = dense.create_backbone('inline_pvt_s')
 
 Attention layout, one letter per stage: I = InLine attention (Eq. 5 + Eq. 6); L = vanilla linear
-attention (division normalisation, relu kernel by default), the paper's baseline; S = softmax
+attention (division normalisation, phi = relu by default), the paper's baseline; S = softmax
 attention (DeiT: over all tokens; PVT: with spatial reduction; Swin: shifted windows with relative
 position bias; CSwin: cross-shaped stripes); M = the stage's first k blocks are I and the rest S, k
 after the letters ('IIMS2'). PVT and Swin also take the peers (peers.py): F = FLatten's focused
@@ -43,10 +43,9 @@ import torch.utils.checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision.ops import StochasticDepth
 
-import dense
 import inline
 import peers
-from checkpoints import load_checkpoint, resize_grid
+from checkpoints import load_checkpoint, pair, resize_grid
 
 # The authors' figures for each variant at its released size: params and GMACs of their model
 # definitions, counted as count_macs counts, and the ImageNet-1K top-1 the paper reports for the
@@ -70,10 +69,6 @@ RELEASED = {
 
 # --------------------------------------------------------------------------------------------------
 # Pieces every family shares
-
-def pair(size):
-    return tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-
 
 def check_image_size(size, stride, what):
     """The one constraint on input size: height and width divisible by the total stride."""
@@ -115,22 +110,22 @@ def stage_grids(img_size):
 INLINE_DEFAULTS = {name: p.default for cls in (inline.InLineBase, inline.LinearAttention)
                    for name, p in inspect.signature(cls.__init__).parameters.items()
                    if p.kind is p.KEYWORD_ONLY}
-# every family's attention switches and their defaults: InLineBase's, but the kernel (None: each
-# letter's, below), and normalise_q, the letters of the blocks it acts on
-ATTENTION_OPTIONS = dict(kernel=None,
+# every family's attention switches and their defaults: InLineBase's, but the feature map (None:
+# each letter's, below), and normalise_q, the letters of the blocks it acts on
+ATTENTION_OPTIONS = dict(feature_map=None,
                          **{k: INLINE_DEFAULTS[k]
-                            for k in ('residual', 'local_size', 'dilation', 'nonneg')},
+                            for k in ('eq6', 'local_size', 'dilation', 'nonneg')},
                          normalise_q='', allow_divergent=INLINE_DEFAULTS['allow_divergent'],
                          **peers.OPTIONS)
 
 
 def attention_options(family, options, letters):
     """The attention switches a family was given, checked and completed with the defaults:
-    kernel (phi; None: identity for I, relu for L, 1 + elu for N), residual ('local' Eq. 6, 'plain',
-    'none'), local_size (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q (the
-    normalised-q ablation, asking the paper's Table 1 question of whether q's length matters: the
-    letters, 'S' and/or 'I', of the blocks whose q is L2-normalised with a learned per-head gain,
-    inline.NormalisedQ), allow_divergent (L with a signed kernel); focusing_factor, kernel_size,
+    feature_map (phi; None: identity for I, relu for L, 1 + elu for N), eq6 ('local' Eq. 6,
+    'plain', 'none'), local_size (Eq. 6's neighbourhood side), dilation, nonneg (I), normalise_q
+    (the normalised-q ablation, asking the paper's Table 1 question of whether q's length matters:
+    the letters, 'S' and/or 'I', of the blocks whose q is L2-normalised with a learned per-head
+    gain, inline.NormalisedQ), allow_divergent (L with a signed phi); focusing_factor, kernel_size,
     focused_normalisation (F), output_norm (N): the peers' (peers.make_peer).
     letters: every block's attention letter, among which normalise_q's must be."""
     unknown = sorted(set(options) - set(ATTENTION_OPTIONS))
@@ -138,7 +133,8 @@ def attention_options(family, options, letters):
         raise ValueError(f"{family}: window and ape are InLine-Swin's options (the authors' "
                          f"window ablation)")
     if unknown:
-        raise ValueError(f"{family}: unknown argument(s) {unknown}; allowed are its sizes "
+        said = [f"{k} (now {inline.RENAMED[k]})" if k in inline.RENAMED else k for k in unknown]
+        raise ValueError(f"{family}: unknown argument(s) {', '.join(said)}; allowed are its sizes "
                          f"(the arguments of its class) and the attention options "
                          f"{list(ATTENTION_OPTIONS)}")
     normalise = options.get('normalise_q', '')
@@ -153,10 +149,10 @@ def attention_options(family, options, letters):
     return {**ATTENTION_OPTIONS, **options}
 
 
-def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
-    """I: InLine attention (identity kernel unless given); L: vanilla linear attention
-    (relu unless given); S: softmax attention over all tokens (DeiT), with PVT's spatial reduction
-    sr_ratio."""
+def block_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
+    """The attention of a DeiT or PVT block by its layout letter. I: InLine attention (phi identity
+    unless given); L: vanilla linear attention (relu unless given); S: softmax attention over all
+    tokens (DeiT), with PVT's spatial reduction sr_ratio."""
     if letter == 'S':
         return SoftmaxAttention(dim, num_heads, sr_ratio=sr_ratio,
                                 normalise_q='S' in options['normalise_q'], **kwargs)
@@ -165,9 +161,9 @@ def make_attention(letter, dim, num_heads, options, sr_ratio=1, **kwargs):
 
 def inline_options(letter, options):
     """The InLineBase options of an I or L block."""
-    o = {k: options[k] for k in ('residual', 'local_size', 'dilation', 'nonneg', 'allow_divergent')}
+    o = {k: options[k] for k in ('eq6', 'local_size', 'dilation', 'nonneg', 'allow_divergent')}
     o['normalise_q'] = letter in options['normalise_q']
-    return dict(o, kernel=options['kernel'] or ('identity' if letter == 'I' else 'relu'),
+    return dict(o, feature_map=options['feature_map'] or ('identity' if letter == 'I' else 'relu'),
                 attention='inline' if letter == 'I' else 'linear')
 
 
@@ -364,7 +360,7 @@ class InLineDeiT(Backbone):
         self.blocks = nn.ModuleList([
             Block(embed_dim, mlp_ratio, dp, 1e-6,
                   # the class token
-                  make_attention(c, embed_dim, num_heads, self.options, leading_tokens=1))
+                  block_attention(c, embed_dim, num_heads, self.options, leading_tokens=1))
             for c, dp in zip(letters, rates)])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.init_weights()
@@ -427,8 +423,8 @@ class InLinePVT(Backbone):
                       peers.make_peer(c, dim, num_heads[i], self.options, math.prod(self.grids[i]),
                                       separate_q=True, sr_ratio=la_sr_ratios[i])
                       if c in peers.LETTERS
-                      else make_attention(c, dim, num_heads[i], self.options, sr_ratio=sr_ratios[i],
-                                          separate_q=True))
+                      else block_attention(c, dim, num_heads[i], self.options,
+                                           sr_ratio=sr_ratios[i], separate_q=True))
                 for c, dp in zip(layout[i], rates[i])]))
         if unused_norm:
             # frozen: it never gets a gradient, and DDP then needs no find_unused_parameters (the
@@ -680,7 +676,7 @@ def authors_ape(options):
     no position of its own, with no residual or the plain one (a neighbourhood of the token alone);
     without Eq. 6 nothing else does (their answer in their repository's issue #6;
     paper/experiments.py). Their final models, with Eq. 6, have none."""
-    return (inline.neighbourhood_size(options['residual'], options['local_size']) or 1) == 1
+    return (inline.neighbourhood_size(options['eq6'], options['local_size']) or 1) == 1
 
 
 class InLineSwin(Backbone):
@@ -810,21 +806,24 @@ class StripeAttention(nn.Module):
 
 
 class CSwinInLine(inline.InLineBase):
-    """The InLine (or linear) branch of a CSwin block (key attns.0), over the whole map:
-    InLineAttention's steps between CSwin's own projections, plus LePE (get_v). Its Eq. 6 weights
-    come from the block input x, not the normalised one (CSwin's quirk, as released). attention
-    'linear': division in place of Eq. 5; normalise_q: q of unit length times a learned gain
-    (inline.NormalisedQ)."""
+    """The InLine (or linear) branch of a CSwin block (key attns.0), over the whole map: CSwin's own
+    steps around InLineBase.attend (phi, Eq. 6's weights, the core), plus LePE (get_v). Its Eq. 6
+    weights come from the block input x, not the normalised one (CSwin's quirk, as released).
+    attention 'linear': division in place of Eq. 5 (inline.linear_core); normalise_q: q of unit
+    length times a learned gain (inline.NormalisedQ)."""
 
     def __init__(self, dim, num_heads, *, attention='inline', normalise_q=False,
                  allow_divergent=False, **options):
         if attention == 'linear':
-            inline.check_linear_options(options.get('kernel', 'identity'), allow_divergent,
+            inline.check_linear_options(options.get('feature_map', 'identity'), allow_divergent,
                                         options.get('nonneg'))
         super().__init__(dim, num_heads, **options)
         self.attention = attention
         self.get_v = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)  # LePE
         self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None
+
+    def core(self):
+        return inline.linear_core if self.attention == 'linear' else inline.inline_core
 
     def forward(self, q, k, v, x):
         """q, k, v (B, h, w, C) this branch's channels of the maps; x (B, h*w, C) its channels of
@@ -835,19 +834,7 @@ class CSwinInLine(inline.InLineBase):
         # (B, H, N, D)
         q, k, v = (t.reshape(B, h * w, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
         q = q if self.normalise_q is None else self.normalise_q(q)
-        q, k = self.phi(q), self.phi(k)
-        r = None if self.residual is None else inline.residual_weights(self.residual, x.mean(dim=1))
-        if self.attention == 'linear':
-            # the baseline: division in place of Eq. 5, then the same Eq. 6
-            o = inline.linear_attention(q, k, v)
-            o = o if r is None else o + inline.local_residual(v, r, (h, w), self.local_size,
-                                                              self.dilation)
-        elif self.fast:  # the fast twin of inline_core: the same arguments, the same result
-            o = inline.FAST_CORES[self.fast](q, k, v, r, (h, w), self.scale, self.local_size,
-                                             self.dilation, self.scale_by_count)
-        else:
-            o = inline.inline_core(q, k, v, r, (h, w), self.scale, self.local_size, self.dilation,
-                                   self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
+        o = self.attend(q, k, v, x, (h, w))  # phi, Eq. 6's weights, Eq. 5 and Eq. 6: (B, H, N, D)
         return (o + lepe.transpose(-2, -1)).transpose(1, 2).reshape(B, h * w, C)
 
     def example_inputs(self, generator, batch=2):
@@ -1011,31 +998,35 @@ def released_img_size(name):
     return pair(sizes.get('img_size', inspect.signature(cls).parameters['img_size'].default))
 
 
-def create_model(name, *, checkpoint=None, fast=False, features_only=False,
-                 out_indices=(0, 1, 2, 3), **overrides):
-
+def create_model(name, *, checkpoint=None, fast=None, **overrides):
     """Build a registered variant.
 
     name: one of MODELS (inline_<family>_<size>; the peers flatten_swin_t, flatten_pvt_t,
         flatten_pvt_s and transnormer_swin_t, our construction).
     checkpoint: weights to load (load_checkpoint: a path or a state dict).
-    fast: False (the reference, inline.py); True or 'compile': the fast core of kernels.py
-        (torch.compile); 'triton': the Triton kernel (triton_core.py, CUDA only). Switched on by
-        kernels.enable_fast, which first checks it against the reference; never a silent fallback.
-    features_only: timm's backbone convention (FeatureBackbone): the stages out_indices as a list of
-        maps, the checkpoint's head dropped.
+    fast: the switch of every InLine module (inline.FAST): None, the reference (inline.py);
+        'compile', the fast core of kernels.py (torch.compile); 'triton', the Triton kernel
+        (triton_core.py, CUDA only). Switched on by kernels.enable_fast, which first checks it
+        against the reference; never a silent fallback.
     **overrides, kept in model.arch; each wins over the variant's own value:
         img_size: int or (H, W).
         num_classes: head outputs; 0 for none.
         drop_path_rate: stochastic depth of the last block.
         layout: one attention letter per stage (module docstring).
-        kernel, residual, dilation, nonneg, normalise_q, allow_divergent: the attention options
-            (attention_options).
+        feature_map, eq6, local_size, dilation, nonneg, normalise_q, allow_divergent: the
+            attention options (attention_options).
         window, ape, softmax_window: InLine-Swin's (InLineSwin).
         any other argument of the family's class: its sizes (embed_dim, depths, num_heads, ...).
+    The stage maps for detection and segmentation: dense.create_backbone.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    if fast not in inline.FAST:
+        raise ValueError(f"fast={fast!r}: choose one of {list(inline.FAST)}"
+                         + (" (fast=True is now fast='compile')" if fast is True else ''))
+    if 'features_only' in overrides:
+        raise ValueError("features_only is dense.create_backbone(name, out_indices=..., ...): the "
+                         "stage maps for detection and segmentation")
     cls, sizes = MODELS[name]
     model = cls(**{**sizes, **overrides})
     model.arch = dict(overrides)
@@ -1043,14 +1034,10 @@ def create_model(name, *, checkpoint=None, fast=False, features_only=False,
         # resized from the image size the file records, else (the authors' files) from the variant's
         # own
         load_checkpoint(model, checkpoint, img_size=released_img_size(name))
-    if fast:
-        try:
-            import kernels
-        except ImportError as e:
-            raise ImportError(f"fast={fast!r} needs kernels.py, which failed to import ({e}); "
-                              f"use fast=False for the reference path") from e
-        kernels.enable_fast(model, 'compile' if fast is True else fast)
-    return dense.FeatureBackbone(model, out_indices) if features_only else model
+    if fast is not None:
+        import kernels  # torch.compile's machinery, loaded only where the fast path is asked for
+        kernels.enable_fast(model, fast)
+    return model
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", N
   - FLatten's focused linear attention (Han et al., "FLatten Transformer: Vision Transformer using
     Focused Linear Attention", ICCV 2023, arXiv 2308.00442; code LeapLabTHU/FLatten-Transformer,
     `models/flatten_swin.py` and `models/flatten_pvt.py`): vanilla division-normalised linear
-    attention on q, k through a "focused" kernel (relu, a learned per-channel scale, each entry
+    attention on q, k through a "focused function" (relu, a learned per-channel scale, each entry
     raised to the power p with the token's norm kept), plus a depthwise convolution of v (`dwc`)
     added to the output;
   - TransNormer's NormAttention (Qin et al., "The Devil in Linear Transformer", EMNLP 2022, arXiv
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import inline
 
 # --------------------------------------------------------------------------------------------------
-# FLatten: the focused kernel, the division, the depthwise convolution of v
+# FLatten: the focused function, the division, the depthwise convolution of v
 
 # FLatten's: added after the relu (every entry > 0) and to the division's denominator
 FLATTEN_EPS = 1e-6
@@ -44,8 +44,8 @@ def focusing(x, p):
     return x ** p / (x ** p).norm(dim=-1, keepdim=True) * x.norm(dim=-1, keepdim=True)  # (..., C)
 
 
-def focused_kernel(x, scale, p, eps=FLATTEN_EPS):
-    """FLatten's kernel phi_p on queries or keys x (B, N, C): relu(x) + eps, divided by
+def focused_function(x, scale, p, eps=FLATTEN_EPS):
+    """FLatten's focused function phi_p on queries or keys x (B, N, C): relu(x) + eps, divided by
     softplus(scale), the learned per-channel scale (1, 1, C), then focusing(., p). In the authors'
     order: the norm the focusing keeps is the scaled token's."""
     x = (F.relu(x) + eps) / F.softplus(scale)  # (B, N, C), every entry > 0
@@ -54,7 +54,7 @@ def focused_kernel(x, scale, p, eps=FLATTEN_EPS):
 
 def focused_linear_weights(q, k, eps=FLATTEN_EPS):
     """The explicit N x n weights of FLatten's division, w_ij = q_i.k_j / (q_i . sum_t k_t + n eps),
-    for q (B, H, N, D) and k (B, H, n, D) through the kernel: vanilla linear attention's (rows sum
+    for q (B, H, N, D) and k (B, H, n, D) through phi_p: vanilla linear attention's (rows sum
     to 1 up to eps)."""
     w = q @ k.transpose(-2, -1)  # (B, H, N, n)
     return w / (w.sum(dim=-1, keepdim=True) + k.shape[2] * eps)
@@ -85,8 +85,8 @@ def depthwise_residual(v, grid, conv):
 
 class FocusedLinearAttention(nn.Module):
     """FLatten's focused linear attention, `FocusedLinearAttention` in both of the authors' model
-    files: x (B, N, C) on grid (h, w) -> q, k, v -> k + positional_encoding -> the focused kernel on
-    q and k -> the division -> + dwc(v) -> proj -> (B, N, C).
+    files: x (B, N, C) on grid (h, w) -> q, k, v -> k + positional_encoding -> the focused function
+    on q and k -> the division -> + dwc(v) -> proj -> (B, N, C).
 
     dim, num_heads: C and H.
     tokens: the N of every call, which sizes positional_encoding (tokens / sr_ratio^2 keys):
@@ -157,9 +157,9 @@ class FocusedLinearAttention(nn.Module):
             raise ValueError(f"this attention's positional_encoding covers {pe.shape[1]} keys, got "
                              f"{n}: build it with tokens = N of the call ({N} here) or resize the "
                              f"parameter for this input size")
-        q = focused_kernel(q, self.scale, self.focusing_factor)  # (B, N, C)
-        # position before the kernel
-        k = focused_kernel(k + pe, self.scale, self.focusing_factor)  # (B, n, C)
+        q = focused_function(q, self.scale, self.focusing_factor)  # (B, N, C)
+        # position before the focused function
+        k = focused_function(k + pe, self.scale, self.focusing_factor)  # (B, n, C)
         q, k, v = (self.split(t) for t in (q, k, v))  # (B, H, N or n, D)
         # the division or Eq. 5's subtraction, (B, H, N, D)
         o = (focused_linear_attention(q, k, v) if self.normalisation == 'division'
@@ -176,8 +176,8 @@ class FocusedLinearAttention(nn.Module):
         """The explicit weights (B, H, N, n) of the division this module applies to x (B, N, C);
         dwc's are per channel, not among them."""
         q, k, _ = self.project(x, grid)
-        q = focused_kernel(q, self.scale, self.focusing_factor)
-        k = focused_kernel(k + self.positional_encoding, self.scale, self.focusing_factor)
+        q = focused_function(q, self.scale, self.focusing_factor)
+        k = focused_function(k + self.positional_encoding, self.scale, self.focusing_factor)
         weights = (focused_linear_weights if self.normalisation == 'division'
                    else inline.inline_weights)
         return weights(self.split(q), self.split(k))  # (B, H, N, n)
@@ -219,8 +219,8 @@ class NormAttention(nn.Module):
 
     dim, num_heads: C and H.
     qkv_bias, separate_q: as inline.InLineAttention's.
-    kernel: phi, one of inline.PHI ('one_plus_elu', 1 + elu, their default; 'relu' the other they
-        use).
+    feature_map: phi, one of inline.PHI ('one_plus_elu', 1 + elu, their default; 'relu' the other
+        they use).
     norm: 'srmsnorm', their SimpleRMSNorm without parameters (simple_rms_norm, their vision
         default), or 'layernorm', nn.LayerNorm(C) with its weight and bias (`norm`), their language
         code's default.
@@ -229,18 +229,18 @@ class NormAttention(nn.Module):
     """
     no_fast_path = "TransNormer's NormAttention (layout letter N)"  # kernels.enable_fast refuses it
 
-    def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False, kernel='one_plus_elu',
-                 norm='srmsnorm', leading_tokens=0):
+    def __init__(self, dim, num_heads, *, qkv_bias=True, separate_q=False,
+                 feature_map='one_plus_elu', norm='srmsnorm', leading_tokens=0):
         super().__init__()
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         if norm not in NORMS:
             raise ValueError(f"unknown norm {norm!r}; choose one of {list(NORMS)}")
-        if kernel == 'relu_affine':
-            raise ValueError("NormAttention takes a stateless kernel: relu_affine is "
+        if feature_map == 'relu_affine':
+            raise ValueError("NormAttention takes a stateless feature map: relu_affine is "
                              "InLine's ablation")
         self.num_heads, self.leading_tokens = num_heads, leading_tokens
-        self.phi = inline.get_phi(kernel)
+        self.phi = inline.get_phi(feature_map)
         inline.add_projections(self, dim, qkv_bias, separate_q)
         self.norm = nn.LayerNorm(dim) if norm == 'layernorm' else simple_rms_norm
 
@@ -297,4 +297,5 @@ def make_peer(letter, dim, num_heads, options, tokens, separate_q=False, sr_rati
         raise ValueError("NormAttention (layout letter N) has no spatial reduction: its "
                          "sr_ratio must be 1")
     return NormAttention(dim, num_heads, separate_q=separate_q,
-                         kernel=options['kernel'] or 'one_plus_elu', norm=options['output_norm'])
+                         feature_map=options['feature_map'] or 'one_plus_elu',
+                         norm=options['output_norm'])

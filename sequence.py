@@ -141,7 +141,8 @@ def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
 
 
 # --------------------------------------------------------------------------------------------------
-# Eq. 6 on a sequence: T = k taps per channel, the last k tokens (causal) or the k centred on each
+# Eq. 6 on a sequence: T = k weights per channel, the last k tokens (causal) or the k centred on
+# each
 
 def prefix_residual_weights(mlp, x):
     """inline.residual_weights at each token i from the mean m_i of x_1..x_i (B, N, C), so that no
@@ -151,25 +152,32 @@ def prefix_residual_weights(mlp, x):
     return inline.residual_weights(mlp, m)  # (B, N, T*C)
 
 
+def check_sequence_weights(r, v_shape, size, causal=False):
+    """Refuse Eq. 6's weights r that do not fit v (B, H, N, D): k = size per channel, (B, k*C), and
+    causal one set per token, (B, N, k*C)."""
+    B, H, N, D = v_shape
+    if r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
+        raise ValueError(f"r must hold {size} neighbour weights per "
+                         f"channel{' and token' if causal else ''}, "
+                         f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
+                         f"{tuple(v_shape)}")
+
+
 def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
-    """Eq. 6 on a 1-D sequence v (B, H, N, D), T = k = size taps per channel: o_i += sum_t
+    """Eq. 6 on a 1-D sequence v (B, H, N, D), T = k = size weights per channel: o_i += sum_t
     r[.., T*c + t] * v_{i + dilation*(t - (k-1))} causal (tokens i, i-1, .., i-k+1; zero before the
     start), else v_{i + dilation*(t - k//2)} (k tokens centred on i; zero outside). r (B, T*C) per
     sample, or causal (B, N, T*C) per token, predicted from the prefix mean
     (prefix_residual_weights). A depthwise 1-D convolution."""
     B, H, N, D = v.shape
-    if r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
-        raise ValueError(f"r must hold {size} neighbour weights per "
-                         f"channel{' and token' if causal else ''}, "
-                         f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
-                         f"{tuple(v.shape)}")
+    check_sequence_weights(r, v.shape, size, causal)
     left = dilation * (size - 1 if causal else size // 2)  # how far back the first tap reaches
     # (B, C, N + pad)
     planes = F.pad(v.transpose(-2, -1).reshape(B, H * D, N), (left, dilation * (size - 1) - left))
     # (B, C, N, T): v_{i + d t - left}
     windows = planes.unfold(-1, dilation * (size - 1) + 1, 1)[..., ::dilation]
-    taps = r.reshape(B, -1, H * D, size).transpose(1, 2)  # (B, C, N or 1, T)
-    return (windows * taps).sum(-1).reshape(B, H, D, N).transpose(-2, -1)  # Eq. 6, (B, H, N, D)
+    r = r.reshape(B, -1, H * D, size).transpose(1, 2)  # (B, C, N or 1, T)
+    return (windows * r).sum(-1).reshape(B, H, D, N).transpose(-2, -1)  # Eq. 6, (B, H, N, D)
 
 
 def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilation=1):
@@ -184,37 +192,67 @@ def sequence_residual_step(v_t, r_t, recent=None, size=inline.LOCAL_SIZE, dilati
     # v_{i - d(k-1)} .. v_i
     window = torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, ::dilation]  # (B, H, T, D)
     # channel c = head*D + j, tap t
-    taps = r_t.reshape(B, H, D, size).permute(0, 1, 3, 2)  # (B, H, T, D)
+    r_t = r_t.reshape(B, H, D, size).permute(0, 1, 3, 2)  # (B, H, T, D)
     # Eq. 6, (B, H, D)
-    return (window * taps).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]
+    return (window * r_t).sum(2), torch.cat([recent, v_t.unsqueeze(2)], 2)[:, :, 1:]
 
+
+# The cores of a sequence: inline.inline_core's arguments and result, grid None. Their fast twins
+# (inline.FAST_TWINS) are at the end of this file.
 
 def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
-                  causal=False, scale_by_count=True):
-    """inline.inline_core on a 1-D sequence (grid None): Eq. 5, then Eq. 6 over T = size taps;
-    causal: Eq. 5 over each prefix, Eq. 6 over the last k tokens, r (B, N, T*C); else r (B, T*C).
-    sequence_core_fast takes the same arguments and returns the same result, faster."""
+                  scale_by_count=True):
+    """inline.inline_core on a 1-D sequence read both ways: Eq. 5 over all N tokens, then Eq. 6 over
+    the T = size tokens centred on each, r (B, T*C)."""
+    check_no_grid(grid)
+    o = inline.inline_attention(q, k, v, scale, scale_by_count)  # Eq. 5, (B, H, N, D)
+    return o if r is None else o + sequence_residual(v, r, size, dilation)  # Eq. 6
+
+
+def causal_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                scale_by_count=True):
+    """Causal InLine: Eq. 5 over each prefix, then Eq. 6 over the token and the size - 1 before it,
+    r (B, N, T*C), one set per token (prefix_residual_weights)."""
+    check_no_grid(grid)
+    o = causal_inline_attention(q, k, v, scale, scale_by_count)  # Eq. 5, (B, H, N, D)
+    return o if r is None else o + sequence_residual(v, r, size, dilation, causal=True)  # Eq. 6
+
+
+def sequence_linear_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                         scale_by_count=True):
+    """sequence_core with linear attention's division in place of Eq. 5: the baseline, both ways."""
+    check_no_grid(grid)
+    o = inline.linear_attention(q, k, v)  # division in place of Eq. 5, (B, H, N, D)
+    return o if r is None else o + sequence_residual(v, r, size, dilation)  # Eq. 6
+
+
+def causal_linear_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                       scale_by_count=True):
+    """causal_core with linear attention's division in place of Eq. 5: the causal baseline."""
+    check_no_grid(grid)
+    o = causal_linear_attention(q, k, v)  # division over each prefix, (B, H, N, D)
+    return o if r is None else o + sequence_residual(v, r, size, dilation, causal=True)  # Eq. 6
+
+
+def check_no_grid(grid):
     if grid is not None:
         raise ValueError("attention over a 1-D sequence has no grid: grid must be None")
-    attention = causal_inline_attention if causal else inline.inline_attention
-    o = attention(q, k, v, scale, scale_by_count)  # Eq. 5, (B, H, N, D)
-    return o if r is None else o + sequence_residual(v, r, size, dilation, causal)  # Eq. 6
 
 
 # --------------------------------------------------------------------------------------------------
 # The module
 
 class SequenceAttention(inline.InLineAttention):
-    """inline.InLineAttention on a 1-D sequence: x (B, N, C) -> (B, N, C), called with no grid, its
-    forward the same steps. causal: Eq. 5 over each prefix, Eq. 6 over the last k tokens with
-    weights from the prefix mean: no output sees a later token; causal=False: both ways, Eq. 5 over
-    all N tokens and Eq. 6 over the k tokens centred on each. attention='linear': division in place
-    of Eq. 5 (the baseline). The other options are InLineAttention's. step runs a causal module
-    token by token, for generation. A class token before a sequence read both ways: InLineAttention
-    with grid (1, L) and leading_tokens=1, whose 3x3 neighbourhood on one row is Eq. 6 over the k =
-    3 tokens centred on each (the other taps see padding)."""
+    """inline.InLineAttention on a 1-D sequence: x (B, N, C) -> (B, N, C), called with no grid; its
+    forward and attend are InLineAttention's, with two steps of its own: the core (core) and,
+    causal, Eq. 6's weights (eq6_weights). causal: Eq. 5 over each prefix, Eq. 6 over the last k
+    tokens with weights from the prefix mean: no output sees a later token; causal=False: both
+    ways, Eq. 5 over all N tokens and Eq. 6 over the k tokens centred on each. attention='linear':
+    division in place of Eq. 5 (the baseline). The other options are InLineAttention's. step runs a
+    causal module token by token, for generation. A class token before a sequence read both ways:
+    InLineAttention with grid (1, L) and leading_tokens=1, whose 3x3 neighbourhood on one row is
+    Eq. 6 over the k = 3 neighbours centred on each (the other six see padding)."""
     token_dims = 1  # Eq. 6's neighbourhood is k tokens: T = k weights per channel
-    fast_cores = ('compile',)  # sequence_core_fast; kernels.enable_fast refuses another
 
     def __init__(self, dim, num_heads, *, causal=True, attention='inline', allow_divergent=False,
                  **options):
@@ -228,33 +266,24 @@ class SequenceAttention(inline.InLineAttention):
         if attention not in ('inline', 'linear'):
             raise ValueError(f"unknown attention {attention!r}; choose 'inline' or 'linear'")
         if attention == 'linear':
-            inline.check_linear_options(options.get('kernel', 'identity'), allow_divergent,
+            inline.check_linear_options(options.get('feature_map', 'identity'), allow_divergent,
                                         options.get('nonneg'))
         super().__init__(dim, num_heads, **options)
         self.causal, self.attention = bool(causal), attention
 
-    def forward(self, x, grid=None):
-        B, N, C = self.check_input(x, grid)
-        if self.ape is not None:
-            x = x + self.ape  # (B, N, C)
-        q, k, v = self.project(x)  # (B, H, N, D) each
-        q, k = self.phi(q), self.phi(k)
-        r = None  # Eq. 6's weights: (B, N, T*C) from each prefix's mean if causal, else (B, T*C)
-        if self.residual is not None:
-            r = (prefix_residual_weights(self.residual, x) if self.causal
-                 else inline.residual_weights(self.residual, x.mean(dim=1)))
+    def core(self):
+        """Eq. 5 over each prefix (causal) or all N tokens, then Eq. 6 on the sequence; the
+        baseline's division in Eq. 5's place."""
         if self.attention == 'linear':
-            # the baseline: division in place of Eq. 5, then the same Eq. 6
-            o = (causal_linear_attention if self.causal else inline.linear_attention)(q, k, v)
-            o = o if r is None else o + sequence_residual(v, r, self.local_size, self.dilation,
-                                                          self.causal)
-        elif self.fast:  # the fast twin of sequence_core: the same arguments, the same result
-            o = sequence_core_fast(q, k, v, r, None, self.scale, self.local_size, self.dilation,
-                                   self.causal, self.scale_by_count)
-        else:
-            o = sequence_core(q, k, v, r, None, self.scale, self.local_size, self.dilation,
-                              self.causal, self.scale_by_count)  # Eq. 5, then Eq. 6: (B, H, N, D)
-        return self.proj(o.transpose(1, 2).reshape(B, N, C))
+            return causal_linear_core if self.causal else sequence_linear_core
+        return causal_core if self.causal else sequence_core
+
+    def eq6_weights(self, x):
+        """Causal: one set of Eq. 6's weights per token, (B, N, T*C), from each prefix's mean, so
+        that no weight looks ahead; both ways: InLineBase's, from the mean of all N tokens."""
+        if self.causal and self.residual is not None:
+            return prefix_residual_weights(self.residual, x)
+        return super().eq6_weights(x)
 
     def check_input(self, x, grid):
         if grid is not None:
@@ -286,7 +315,8 @@ class SequenceAttention(inline.InLineAttention):
         phi, x_t (B, C) the token Eq. 6's weights are predicted from. Returns o_t (B, H, D) and the
         state after it: inline_step's, the running sum of x (B, C) for Eq. 6's prefix mean and the
         last dilation*(k-1) values (sequence_residual_step); one size however long the sequence.
-        None starts a sequence."""
+        None starts a sequence. attend's recurrent form: a change to attend is made here too
+        (test_step_equals_the_forward_token_by_token holds the two equal)."""
         if not self.causal or self.attention != 'inline':
             raise ValueError("a step is causal InLine's: build the module with causal=True and "
                              "attention='inline'")
@@ -298,11 +328,10 @@ class SequenceAttention(inline.InLineAttention):
         # (B, C), fp32 as prefix_residual_weights
         x_sum = x_sum + x_t.to(torch.promote_types(x_t.dtype, torch.float32))
         # (B, T*C) from the prefix mean
-        r_t = self.residual((x_sum / eq5[3]).to(x_t.dtype).unsqueeze(-1)).squeeze(-1)
+        r_t = inline.residual_weights(self.residual, (x_sum / eq5[3]).to(x_t.dtype))
         # Eq. 6
         local, recent = sequence_residual_step(v_t, r_t, recent, self.local_size, self.dilation)
         return o_t + local, (eq5, x_sum, recent)
-
 
     def step(self, x_t, state=None):
         """One token through a causal module, for generation: x_t (B, C) -> (B, C) and the state
@@ -336,8 +365,8 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def sequence_neighbourhood(N, device, size=inline.LOCAL_SIZE, dilation=1, causal=False, flip=False):
-    """neighbourhood's index and masks on a 1-D sequence, tap t at offset dilation *
+def sequence_table(N, device, size=inline.LOCAL_SIZE, dilation=1, causal=False, flip=False):
+    """kernels.grid_table's index and masks on a 1-D sequence, neighbour t at offset dilation *
     (t - (size - 1)) causal (the token and the size - 1 before it), else dilation * (t - size // 2),
     as sequence_residual counts them; flip: the opposite offsets, the transposed shift of Eq. 6's
     backward."""
@@ -350,11 +379,11 @@ def sequence_neighbourhood(N, device, size=inline.LOCAL_SIZE, dilation=1, causal
         return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
 
 
-_cached_sequence_neighbourhood = functools.lru_cache(maxsize=32)(sequence_neighbourhood)
+_cached_sequence_table = functools.lru_cache(maxsize=32)(sequence_table)
 
 
 # --------------------------------------------------------------------------------------------------
-# The fast causal core, sequence_core(..., causal=True)'s twin: Eq. 5 over each prefix in chunks
+# The fast causal core, causal_core's twin: Eq. 5 over each prefix in chunks
 # (inline_chunked), Eq. 6 over the last k tokens with one weight per token. kernels.py's design: two
 # graphs, the backward in closed form, through kernels.compiled_call (its compile switches, cache
 # lock and warning).
@@ -390,10 +419,10 @@ def causal_scan(q, k, v, reverse=False):
     return (wide(qc) @ other + wide(scores @ vc)).reshape(B, H, N, D)
 
 
-def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
+def causal_forward(q, k, v, r, index, masks, scale, scale_by_count):
     """-> o (B, H, N, D), and for the backward k and v less their first token (B, H, N, D), rounded
-    to scan_dtype, and v's first token (B, H, 1, D). taps (B, H, T, N, D): Eq. 6's weights, one per
-    token."""
+    to scan_dtype, and v's first token (B, H, 1, D). r (B, H, T, N, D): Eq. 6's weights, one set
+    per token."""
     N, dtype, mm = q.shape[2], q.dtype, scan_dtype(q.dtype, scale_by_count)
     n = torch.arange(1, N + 1, device=q.device, dtype=torch.float32)[:, None]  # (N, 1): the count i
     # Cov_i and o_i do not change when a constant is taken from every k (or v); taking the first
@@ -409,15 +438,15 @@ def causal_forward(q, k, v, taps, index, masks, scale, scale_by_count):
     o = (a * causal_scan(q.to(mm), k_s, v_s)
          - a * n * (wide(q) * k_mean).sum(-1, keepdim=True) * v_mean)
     o = o + v_mean + v_first  # Eq. 5 over the prefix: a_i i q_i^T Cov_i + v_mean_i
-    if taps is not None:
+    if r is not None:
         for t, v_t in enumerate(neighbours(v, index)):
-            o = o + wide(taps[:, :, t]) * masks[t] * wide(v_t)  # Eq. 6 over the last k tokens
+            o = o + wide(r[:, :, t]) * masks[t] * wide(v_t)  # Eq. 6 over the last k tokens
     return o.to(dtype), k_s, v_s, v_first
 
 
-def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t, scale,
+def causal_backward(do, q, k_s, v_s, v_first, r, index, masks, index_t, masks_t, scale,
                     scale_by_count):
-    """-> the gradients of q, k, v (B, H, N, D) and of taps (B, H, T, N, D), given do = dLoss/do.
+    """-> the gradients of q, k, v (B, H, N, D) and of r (B, H, T, N, D), given do = dLoss/do.
     With a_i Eq. 5's factor (s/i, or s where not scale_by_count) and c_i = a_i i (s, or s i), o_i =
     a_i sum_{j<=i} (q_i.k_j) v_j - c_i (q_i.k_mean_i) v_mean_i + v_mean_i: the sum's gradients are
     three more scans, the means' a reverse prefix sum."""
@@ -435,74 +464,76 @@ def causal_backward(do, q, k_s, v_s, v_first, taps, index, masks, index_t, masks
     dk = causal_scan(v_s, do, qa, reverse=True) + later(-c * gv * q_w / n)
     dv = causal_scan(k_s, qa, do, reverse=True) + later(
         (1 - c * (q_w * k_mean).sum(-1, keepdim=True)) * g / n)
-    dtaps = None
-    if taps is not None:
-        # Eq. 6 transposed: token j feeds token j - offset_t with weight taps_t
-        for t in range(taps.shape[2]):
-            dv = dv + (wide(taps[:, :, t]) * g)[:, :, index_t[t]] * masks_t[t]
+    dr = None
+    if r is not None:
+        # Eq. 6 transposed: token j feeds token j - offset_t with weight r_t
+        for t in range(r.shape[2]):
+            dv = dv + (wide(r[:, :, t]) * g)[:, :, index_t[t]] * masks_t[t]
         v = wide(v_s) + v_first  # (B, H, N, D), never stored
-        dtaps = torch.stack([g * masks[t] * v_t for t, v_t in enumerate(neighbours(v, index))],
-                            dim=2)
-        dtaps = dtaps.to(taps.dtype)  # (B, H, T, N, D)
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtaps
+        dr = torch.stack([g * masks[t] * v_t for t, v_t in enumerate(neighbours(v, index))], dim=2)
+        dr = dr.to(r.dtype)  # (B, H, T, N, D)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dr
 
 
 class CausalCore(torch.autograd.Function):
+    """causal_forward's output, with causal_backward as its gradient."""
+
     @staticmethod
     def forward(ctx, q, k, v, r, scale, size, dilation, scale_by_count):
         B, H, N, D = q.shape
         M = N + -N % CHUNK  # whole chunks: zero tokens at the end, which no earlier output sees
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
-        taps = index = masks = index_t = masks_t = None
+        index = masks = index_t = masks_t = None
         if r is not None:
-            table = functools.partial(kernels.neighbour_table, _cached_sequence_neighbourhood, M,
-                                      q.device)
+            table = functools.partial(kernels.cached_table, _cached_sequence_table, M, q.device)
             index, masks = table(size, dilation, True)
             index_t, masks_t = table(size, dilation, True, True)
             # (B, M, H, D, T): r's channel T*c + t
-            taps = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)
-            taps = taps.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
-        o, k_s, v_s, v_first = kernels.compiled_call(causal_forward, q, k, v, taps, index, masks,
+            r = F.pad(r, (0, 0, 0, M - N)).reshape(B, M, H, D, size)
+            r = r.permute(0, 2, 4, 1, 3).contiguous()  # (B, H, T, M, D)
+        o, k_s, v_s, v_first = kernels.compiled_call(causal_forward, q, k, v, r, index, masks,
                                                      scale, scale_by_count)
-        ctx.save_for_backward(q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t)
+        ctx.save_for_backward(q, k_s, v_s, v_first, r, index, masks, index_t, masks_t)
         ctx.scale, ctx.scale_by_count = scale, scale_by_count
         return o[:, :, :N]
 
     @staticmethod
     def backward(ctx, do):
-        q, k_s, v_s, v_first, taps, index, masks, index_t, masks_t = ctx.saved_tensors
+        q, k_s, v_s, v_first, r, index, masks, index_t, masks_t = ctx.saved_tensors
         B, H, M, D = q.shape
         N = do.shape[2]
         with torch.autocast(q.device.type, enabled=False):
             do = F.pad(do, (0, 0, 0, M - N)).contiguous()  # (B, H, M, D)
-            dq, dk, dv, dtaps = kernels.compiled_call(causal_backward, do, q, k_s, v_s, v_first,
-                                                      taps, index, masks, index_t, masks_t,
-                                                      ctx.scale, ctx.scale_by_count)
+            dq, dk, dv, dr = kernels.compiled_call(causal_backward, do, q, k_s, v_s, v_first, r,
+                                                   index, masks, index_t, masks_t, ctx.scale,
+                                                   ctx.scale_by_count)
         # (B, N, T*C)
-        dr = dtaps.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dtaps is not None else None
+        dr = dr.permute(0, 3, 1, 4, 2).reshape(B, M, -1)[:, :N] if dr is not None else None
         return dq[:, :, :N], dk[:, :, :N], dv[:, :, :N], dr, None, None, None, None
 
 
 def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
-                       causal=False, scale_by_count=True):
-    """sequence_core's arguments, layout and result: causal, the causal core (CausalCore); else
-    kernels.py's core with the 1-D neighbour table. scale, autocast and a compiled model as
-    kernels.inline_core_fast."""
-    B, H, N, D = q.shape
-    if grid is not None:
-        raise ValueError("attention over a 1-D sequence has no grid: grid must be None")
-    if r is not None and r.shape != ((B, N, size * H * D) if causal else (B, size * H * D)):
-        raise ValueError(f"r must hold {size} neighbour weights per "
-                         f"channel{' and token' if causal else ''}, "
-                         f"{'(B, N, kC)' if causal else '(B, kC)'}, got {tuple(r.shape)} for v of "
-                         f"{tuple(v.shape)}")
-    if not causal:
-        table = kernels.neighbour_table(_cached_sequence_neighbourhood, N, q.device, size, dilation)
-        return kernels.inline_core_fast(q, k, v, r, None, scale, size, dilation, scale_by_count,
-                                        table=table)
+                       scale_by_count=True):
+    """sequence_core's fast twin, its arguments, layout and result: kernels.py's core with the 1-D
+    neighbour table."""
+    check_no_grid(grid)
+    if r is not None:
+        check_sequence_weights(r, v.shape, size)
+        table = kernels.cached_table(_cached_sequence_table, q.shape[2], q.device, size, dilation)
+    return kernels.inline_core_fast(q, k, v, r, None, scale, size, dilation, scale_by_count,
+                                    table=table if r is not None else None)
+
+
+def causal_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
+                     scale_by_count=True):
+    """causal_core's fast twin, its arguments, layout and result: the causal core (CausalCore).
+    scale, autocast and a compiled model as kernels.inline_core_fast."""
+    check_no_grid(grid)
+    if r is not None:
+        check_sequence_weights(r, v.shape, size, causal=True)
     if isinstance(scale, torch.Tensor):  # as kernels.inline_core_fast: s q^T Cov = (s q)^T Cov
         q, scale = q * scale, 1.0
-    scale = inline.attention_scale(D) if scale is None else scale
+    scale = inline.attention_scale(q.shape[-1]) if scale is None else scale
     device = q.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)

@@ -211,7 +211,7 @@ def test_residual_weights_are_the_released_grouped_convolutions(causal):
     (causal: sequence.prefix_residual_weights, which gives inline.residual_weights every prefix's mean)."""
     torch.manual_seed(0)
     B, N, C, H = 2, 11, 12, 3
-    mlp = inline.residual_mlp(C, H, taps=9).double()
+    mlp = inline.residual_mlp(C, H, T=9).double()
     x = torch.randn(B, N, C, dtype=torch.float64)
     means = x.cumsum(1) / torch.arange(1, N + 1)[:, None] if causal \
         else x.mean(1, keepdim=True)  # (B, N or 1, C)
@@ -236,9 +236,9 @@ def test_module_with_class_token_and_non_square_grid_backward():
 def test_linear_baseline_and_no_residual_switches():
     torch.manual_seed(0)
     x = torch.randn(2, 16, 32)
-    lin = inline.make_attention(32, 2, kernel='relu', attention='linear')
+    lin = inline.make_attention(32, 2, feature_map='relu', attention='linear')
     assert type(lin) is inline.LinearAttention
-    no_res = inline.InLineAttention(32, 2, residual='none')
+    no_res = inline.InLineAttention(32, 2, eq6='none')
     assert lin(x, (4, 4)).shape == x.shape and no_res.residual is None
     assert not any('residual' in name for name, _ in no_res.named_parameters())
     assert no_res(x, (4, 4)).shape == x.shape
@@ -256,9 +256,9 @@ def test_bad_input_errors():
         inline.InLineAttention(30, 4)
     with pytest.raises(ValueError, match=r"unknown kernel function 'gelu'; choose one of "
                                          r"\['exp', 'identity'"):
-        inline.InLineAttention(32, 2, kernel='gelu')
-    with pytest.raises(ValueError, match=r"needs a non-negative kernel"):
-        inline.LinearAttention(32, 2, kernel='identity')
+        inline.InLineAttention(32, 2, feature_map='gelu')
+    with pytest.raises(ValueError, match=r"needs a non-negative feature map"):
+        inline.LinearAttention(32, 2, feature_map='identity')
     with pytest.raises(ValueError, match=r"cannot hold a 3x3 token grid"):
         q, k, v = qkv(1, 1, 8, 4)
         inline.inline_core(q, k, v, torch.zeros(1, 36, dtype=torch.float64), (3, 3))
@@ -624,7 +624,7 @@ def test_fast_core_on_cuda(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Whole models: fast=True equals fast=False in logits and in the gradient of every parameter
+# Whole models: fast='compile' equals fast=None in logits and in the gradient of every parameter
 
 FAST_SMALL = {  # one small variant per family; every InLine attention has at least two heads
     'inline_deit_t': dict(img_size=(48, 80), embed_dim=32, depth=2, num_heads=2),
@@ -641,7 +641,7 @@ def assert_fast_model_equals_reference(name, compile_fast=False, **switches):
     torch.manual_seed(0)
     config = dict(FAST_SMALL[name], num_classes=5, drop_path_rate=0.0, **switches)
     reference = models.create_model(name, **config)
-    fast = models.create_model(name, fast=True, **config)
+    fast = models.create_model(name, fast='compile', **config)
     fast.load_state_dict(reference.state_dict())
     assert sum(getattr(m, 'fast', None) == 'compile' for m in fast.modules()) >= 2
     x, upstream = torch.randn(2, 3, *config['img_size']), torch.randn(2, 5)
@@ -665,7 +665,7 @@ def test_fast_model_equals_reference_model(name):
 
 def test_fast_model_with_the_ablation_switches():
     """Shifted 2x2 InLine windows, a learnable kernel and a dilated Eq. 6, all in one model."""
-    assert_fast_model_equals_reference('inline_swin_t', window=2, kernel='relu_affine', dilation=2)
+    assert_fast_model_equals_reference('inline_swin_t', window=2, feature_map='relu_affine', dilation=2)
 
 
 def test_fast_core_inside_a_compiled_model():
@@ -674,7 +674,7 @@ def test_fast_core_inside_a_compiled_model():
     reference model's (the causal core: test_fast_causal_core_inside_a_compiled_module)."""
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled = assert_fast_model_equals_reference('inline_deit_t', compile_fast=True)
+    compiled = assert_fast_model_equals_reference('inline_deit_t', compile_fast='compile')
     with torch.no_grad():
         compiled(torch.randn(2, 3, *FAST_SMALL['inline_deit_t']['img_size']))  # inference: a graph of its own
     assert not counters['graph_break'], dict(counters['graph_break'])
@@ -723,8 +723,6 @@ def test_fast_module_without_a_gradient_under_bf16_autocast_within_twice_the_ref
     assert theirs.dtype == ours.dtype == torch.bfloat16 and error <= 2 * own + 1e-3 * exact.abs().max().item()
 
 
-def causal(core, **options):
-    return functools.partial(core, causal=True, **options)
 # ---------------------------------------------------------------------------------------------------
 # The README's "Changing the method": each recipe followed on a throwaway change, so the recipes cannot go
 # stale
@@ -810,9 +808,9 @@ def test_recipe_a_new_kernel_function(monkeypatch):
     q, k, v = qkv(2, 2, 49, 8)
     torch.testing.assert_close(inline.inline_attention(phi(q), phi(k), v),
                                inline.inline_attention_quadratic(phi(q), phi(k), v), rtol=0, atol=1e-12)
-    assert_fast_model_equals_reference('inline_swin_t', kernel='softplus')
-    assert meta_model('inline_swin_t', layout='LLLS', kernel='softplus')  # >= 0: linear attention takes it
-    assert meta_model('inline_swin_t', kernel='softplus').options['kernel'] == 'softplus'
+    assert_fast_model_equals_reference('inline_swin_t', feature_map='softplus')
+    assert meta_model('inline_swin_t', layout='LLLS', feature_map='softplus')  # >= 0: linear attention takes it
+    assert meta_model('inline_swin_t', feature_map='softplus').options['feature_map'] == 'softplus'
 
 
 def test_recipe_another_neighbourhood_for_eq6():
@@ -829,7 +827,7 @@ def test_recipe_another_neighbourhood_for_eq6():
     torch.manual_seed(0)
     one = models.create_model('inline_swin_t', local_size=1,
                               **dict(FAST_SMALL['inline_swin_t'], num_classes=5))
-    plain = models.create_model('inline_swin_t', residual='plain',
+    plain = models.create_model('inline_swin_t', eq6='plain',
                                 **dict(FAST_SMALL['inline_swin_t'], num_classes=5))
     plain.load_state_dict(one.state_dict())  # the same parameters, the same keys
     x = torch.randn(2, 3, 64, 96)
@@ -884,40 +882,91 @@ def test_recipe_a_learnable_temperature_in_eq5(monkeypatch):
     torch.testing.assert_close(taus[1], taus[0], rtol=1e-5, atol=1e-6)
 
 
-def test_a_change_in_the_forward_runs_on_both_paths_with_and_without_a_gradient(monkeypatch):
-    """A learnable gain alpha, 1 at initialisation, multiplied into Eq. 5's scale in InLineAttention.forward:
-    both paths run that forward, so the fast model is accepted and, once alpha has trained away from 1, gives
-    the reference's output with a gradient and without one (what validation runs) and the same gradients."""
+def add_a_gain_on_eq6s_weights(monkeypatch):
+    """A reader's change in the one place the method lives: a learnable gain, 1 at the start, on Eq. 6's
+    weights, as one line of InLineBase.attend (and its parameter in InLineBase.__init__)."""
     init = inline.InLineBase.__init__
 
-    def init_with_alpha(self, dim, num_heads, **options):
+    def init_with_gain(self, dim, num_heads, **options):
         init(self, dim, num_heads, **options)
-        self.alpha = nn.Parameter(torch.ones(1, num_heads, 1, 1))
-    monkeypatch.setattr(inline.InLineBase, '__init__', init_with_alpha)
-    edit(monkeypatch, inline.InLineAttention, 'forward', 'self.scale, self.local_size',
-         'self.scale * self.alpha, self.local_size')
+        self.gain = nn.Parameter(torch.ones(()))
+    monkeypatch.setattr(inline.InLineBase, '__init__', init_with_gain)
+    edit(monkeypatch, inline.InLineBase, 'attend', 'r = self.eq6_weights(x)',
+         'r = self.gain * self.eq6_weights(x)')
+
+
+class OnASequence(nn.Module):
+    """A SequenceAttention as a model: tokens (B, N, C) -> (B, N, C)."""
+
+    def __init__(self, causal):
+        super().__init__()
+        self.attn = sequence.SequenceAttention(16, 2, causal=causal)
+
+    def forward(self, x):
+        return self.attn(x)
+
+
+@pytest.mark.parametrize('name', [*FAST_SMALL, 'causal sequence', 'sequence both ways'])
+def test_a_gain_on_eq6s_weights_in_attend_trains_everywhere_on_both_paths(monkeypatch, name):
+    """The gain reaches every InLine attention: the four families (CSwin's whole-map branch included) and
+    sequences, causal and both ways. Each fast model is accepted by the check; with the gains moved off 1
+    alike, it gives the reference's output with a gradient and without one (what validation runs), every
+    gain receives the reference's gradient, not zero, and one optimizer step moves the gains alike."""
+    add_a_gain_on_eq6s_weights(monkeypatch)
     torch.manual_seed(0)
-    config = dict(FAST_SMALL['inline_swin_t'], num_classes=5, drop_path_rate=0.0)
-    reference = models.create_model('inline_swin_t', **config)
-    fast = models.create_model('inline_swin_t', fast=True, **config)
+    if name in FAST_SMALL:
+        config = dict(FAST_SMALL[name], num_classes=5, drop_path_rate=0.0)
+        reference, fast = (models.create_model(name, fast=fast, **config) for fast in (None, 'compile'))
+        x, upstream = torch.randn(2, 3, *config['img_size']), torch.randn(2, 5)
+    else:
+        reference = OnASequence(causal=name == 'causal sequence')
+        fast = copy.deepcopy(reference)
+        assert kernels.enable_fast(fast, log=None) == 1
+        x, upstream = torch.randn(2, 70, 16), torch.randn(2, 70, 16)  # 70 tokens: two causal chunks
     fast.load_state_dict(reference.state_dict())
-    x, upstream = torch.randn(2, 3, *config['img_size']), torch.randn(2, 5)
-    for model in (reference, fast):  # alpha moves off 1, alike in both
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith('alpha'):
-                    p.copy_(torch.linspace(0.5, 1.5, p.numel()).reshape(p.shape))
-    logits = [model(x) for model in (reference, fast)]
-    for model, out in zip((reference, fast), logits):
-        out.backward(upstream)
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    gains = [[p for n, p in m.named_parameters() if n.endswith('gain')] for m in (reference, fast)]
+    assert len(gains[0]) == sum(isinstance(m, inline.InLineBase) for m in reference.modules()) >= 1
+    assert {m.fast for m in fast.modules() if isinstance(m, inline.InLineBase)} == {'compile'}
+    with torch.no_grad():
+        for ours in gains:
+            for i, g in enumerate(ours):
+                g.fill_(0.5 + i / len(ours))
+    outputs = [model(x) for model in (reference, fast)]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         error = (fast(x) - reference(x)).abs().max().item()
-    print(f"without a gradient: max |fast - reference| {error:.1e}")
-    assert error <= 1e-5 * logits[0].abs().max().item()
-    alphas = [dict(m.named_parameters())['layers.0.blocks.0.attn.alpha'].grad for m in (reference, fast)]
-    assert alphas[0].abs().max() > 0
-    torch.testing.assert_close(alphas[1], alphas[0], rtol=1e-4, atol=1e-7)
+    print(f"{name}, without a gradient: max |fast - reference| {error:.1e}")
+    assert error <= 1e-5 * outputs[0].abs().max().item()
+    for model, out in zip((reference, fast), outputs):
+        out.backward(upstream)
+        torch.optim.SGD([p for n, p in model.named_parameters() if n.endswith('gain')], lr=0.1).step()
+    for i, (g, h) in enumerate(zip(*gains)):
+        # but DeiT's last block: its Eq. 6 acts on the grid tokens, which the head (the class token) never reads
+        assert g.grad.abs() > 0 or (name == 'inline_deit_t' and i == len(gains[0]) - 1)
+        torch.testing.assert_close(h.grad, g.grad, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(h.detach(), g.detach(), rtol=1e-5, atol=1e-7)  # moved alike
+
+
+@pytest.mark.parametrize('name', ['InLineAttention', 'CSwinInLine', 'causal sequence', 'sequence both ways'])
+def test_a_parameter_no_forward_uses_is_refused_by_name(monkeypatch, name):
+    """A parameter added to every InLine module that no forward uses receives no gradient on either path, so
+    no comparison could see it: enable_fast refuses it, naming the module and the parameter, and switches
+    nothing."""
+    init = inline.InLineBase.__init__
+
+    def init_with_unused(self, dim, num_heads, **options):
+        init(self, dim, num_heads, **options)
+        self.unused = nn.Parameter(torch.ones(()))
+    monkeypatch.setattr(inline.InLineBase, '__init__', init_with_unused)
+    block = nn.Module()
+    block.attn = {'InLineAttention': lambda: inline.InLineAttention(16, 2),
+                  'CSwinInLine': lambda: models.CSwinInLine(16, 2),
+                  'causal sequence': lambda: sequence.SequenceAttention(16, 2, causal=True),
+                  'sequence both ways': lambda: sequence.SequenceAttention(16, 2, causal=False)}[name]()
+    with pytest.raises(ValueError, match=rf"attn \({type(block.attn).__name__}\): parameter\(s\) attn\.unused "
+                                         r"receive no gradient in its forward: a change that does not reach"):
+        kernels.enable_fast(block, log=None)
+    assert block.attn.fast is None
 
 
 def test_a_change_the_fast_core_does_not_follow_is_refused_by_name(monkeypatch):
@@ -932,10 +981,9 @@ def test_a_change_the_fast_core_does_not_follow_is_refused_by_name(monkeypatch):
     block.attn = inline.InLineAttention(32, 2)
     with pytest.raises(ValueError, match=r"the fast InLine core \('compile'\) and the reference differ in "
                                          r"attn \(InLineAttention\): output: max \|fast - float64 reference\|"
-                                         r".*Build the model with fast=False \(train\.py: --attention-impl "
-                                         r"reference\)"):
+                                         r".*Build the model with fast=None \(train\.py: --fast none\)"):
         kernels.enable_fast(block, log=None)
-    assert block.attn.fast is False
+    assert block.attn.fast is None
 
 
 def test_fast_path_refuses_a_core_that_drops_a_gradient(monkeypatch):
@@ -945,14 +993,16 @@ def test_fast_path_refuses_a_core_that_drops_a_gradient(monkeypatch):
     block = nn.Module()
     block.attn = inline.InLineAttention(32, 2)
 
+    fast_core = kernels.inline_core_fast
+
     def detaching_core(q, k, v, r, grid, scale, *args):
-        return kernels.inline_core_fast(q, k, v, r, grid, scale.detach(), *args)
-    monkeypatch.setitem(inline.FAST_CORES, 'detaching', detaching_core)
+        return fast_core(q, k, v, r, grid, scale.detach(), *args)
+    monkeypatch.setattr(kernels, 'inline_core_fast', detaching_core)  # the twin inline.fast_twin finds
     with pytest.raises(ValueError, match=r"differ in attn \(InLineAttention\): gradient of attn\.scale: "
                                          r"reference \d\.\de[+-]\d\d, fast none\. Build the model with "
-                                         r"fast=False \(train\.py: --attention-impl reference\)"):
-        kernels.enable_fast(block, 'detaching')
-    assert block.attn.fast is False  # refused: nothing switched
+                                         r"fast=None \(train\.py: --fast none\)"):
+        kernels.enable_fast(block, 'compile')
+    assert block.attn.fast is None  # refused: nothing switched
 
 
 def test_a_fast_core_that_differs_without_a_gradient_is_refused(monkeypatch):
@@ -961,11 +1011,11 @@ def test_a_fast_core_that_differs_without_a_gradient_is_refused(monkeypatch):
     def twin(q, k, v, r, grid, *options):
         o = inline.inline_core(q, k, v, r, grid, *options)
         return o if torch.is_grad_enabled() else 1.01 * o
-    monkeypatch.setitem(inline.FAST_CORES, 'twin', twin)
+    monkeypatch.setattr(kernels, 'inline_core_fast', twin)  # the twin inline.fast_twin finds
     module = inline.InLineAttention(32, 2)
     with pytest.raises(ValueError, match=r"InLineAttention\): output with no gradient: max \|fast - float64"):
-        kernels.enable_fast(module, 'twin', log=None)
-    assert module.fast is False
+        kernels.enable_fast(module, 'compile', log=None)
+    assert module.fast is None
 
 
 def test_every_form_of_eq5_takes_its_factor_from_eq5_gain(monkeypatch):
@@ -1002,13 +1052,13 @@ def test_eq6_weights_per_token_the_reference_follows_and_the_fast_core_refuses(m
     residual_weights the tokens x, not their mean, so r is (B, N, T*C). The reference applies them
     (inline.local_residual takes r per token, and equals the per-sample form when every token's weights are
     the same), and the model trains on it; the fast core has one weight set per sample, so
-    create_model(fast=True) refuses it when the model is built, naming the module, what failed and the way
+    create_model(fast='compile') refuses it when the model is built, naming the module, what failed and the way
     out."""
     q, k, v = qkv(2, 2, 1 + 12, 4)
     r = torch.randn(2, 9 * 8, dtype=torch.float64)
     torch.testing.assert_close(inline.local_residual(v, r[:, None].expand(2, 13, -1), (3, 4)),
                                inline.local_residual(v, r, (3, 4)), rtol=0, atol=1e-14)
-    edit(monkeypatch, inline.InLineAttention, 'forward', 'residual_weights(self.residual, x.mean(dim=1))',
+    edit(monkeypatch, inline.InLineBase, 'eq6_weights', 'residual_weights(self.residual, x.mean(dim=1))',
          'residual_weights(self.residual, x)')
     torch.manual_seed(0)
     config = dict(FAST_SMALL['inline_deit_t'], num_classes=5)
@@ -1017,8 +1067,8 @@ def test_eq6_weights_per_token_the_reference_follows_and_the_fast_core_refuses(m
     assert model.blocks[0].attn.residual[0].weight.grad.abs().max() > 0
     with pytest.raises(ValueError, match=r"differ in blocks\.0\.attn \(InLineAttention\): the fast core "
                                          r"raised ValueError: r must hold 9 neighbour weights per channel"
-                                         r".*Build the model with fast=False"):
-        models.create_model('inline_deit_t', fast=True, **config)
+                                         r".*Build the model with fast=None"):
+        models.create_model('inline_deit_t', fast='compile', **config)
 
 
 def test_readme_vit_example_runs_on_both_paths():

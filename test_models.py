@@ -63,20 +63,21 @@ def perturb(module, seed=0):
 # ---------------------------------------------------------------------------------------------------
 # The authors' blocks, reproduced from their weights
 
-DEFAULTS = models.ATTENTION_OPTIONS  # the released models' attention: identity kernel, Eq. 6
+DEFAULTS = models.ATTENTION_OPTIONS  # the released models' attention: phi the identity, Eq. 6
 
 
 def golden_block(name, cfg):
     """Our module for a golden case, built from its config."""
     dim, heads = cfg['dim'], cfg['heads']
     if name.startswith('swin_attention'):
-        return inline.InLineAttention(dim, heads, kernel=cfg['kernel'])
+        # the golden file names phi by the authors' word, its 'kernel'
+        return inline.InLineAttention(dim, heads, feature_map=cfg['kernel'])
     if name.startswith('swin_block'):
         assert cfg['shift'] in (0, cfg['window'] // 2)
         return models.SwinBlock(dim, heads, cfg['attn'], cfg['window'], cfg['shift'] > 0, cfg['mlp_ratio'],
                                 0., DEFAULTS)
     if name in ('deit_block', 'pvt_block'):
-        attn = models.make_attention('I', dim, heads, DEFAULTS, separate_q=name == 'pvt_block',
+        attn = models.block_attention('I', dim, heads, DEFAULTS, separate_q=name == 'pvt_block',
                                      leading_tokens=int(name == 'deit_block'))  # DeiT's class token
         return models.Block(dim, cfg['mlp_ratio'], 0., cfg['norm_eps'], attn)
     if name.startswith('cswin_block'):
@@ -375,7 +376,7 @@ def test_swin_ape_ablation_is_resized_at_twice_the_size(residual, tmp_path):
     (the InLine window covers it): fine-tuned at twice the size, each is the bicubic resize of its
     grid."""
     torch.manual_seed(0)
-    small = dict(SMALL['inline_swin_t'], residual=residual, layout='IIIS')
+    small = dict(SMALL['inline_swin_t'], eq6=residual, layout='IIIS')
     source = models.create_model('inline_swin_t', **small)  # 64x96 px: stage 1 is 16x24
     assert source.ape
     torch.save({'model': source.state_dict(), 'arch': source.arch}, tmp_path / 'swin.pth')
@@ -469,24 +470,24 @@ def test_unknown_name_and_bad_overrides():
         meta_model('inline_swin_t', layout='IIMS')
     with pytest.raises(ValueError, match=r"layout 'IIMS7'"):  # stage 3 of Swin-T has 6 blocks
         meta_model('inline_swin_t', layout='IIMS7')
-    with pytest.raises(ValueError, match="needs a non-negative kernel"):
-        meta_model('inline_cswin_t', layout='LISS', kernel='identity')
+    with pytest.raises(ValueError, match="needs a non-negative feature map"):
+        meta_model('inline_cswin_t', layout='LISS', feature_map='identity')
 
 
 def test_layouts_and_ablation_switches():
     """'IIMS2' puts two InLine blocks before Swin-B's stage-3 softmax blocks; L is the linear baseline
-    (relu kernel); residual='none' removes Eq. 6 everywhere (Table 4)."""
+    (phi relu); eq6='none' removes Eq. 6 everywhere (Table 4)."""
     assert models.parse_layout('IIMS2', [2, 2, 5, 2], 'ILSM')[2] == ['I', 'I', 'S', 'S', 'S']
     swin_b = meta_model('inline_swin_b')
     letters = [block.letter for block in swin_b.layers[2].blocks]
     assert letters == ['I', 'I'] + ['S'] * 16
-    baseline = meta_model('inline_swin_t', layout='LLLS', residual='none')
+    baseline = meta_model('inline_swin_t', layout='LLLS', eq6='none')
     attns = [m for m in baseline.modules() if isinstance(m, inline.InLineAttention)]
-    assert len(attns) == 10 and all(type(a) is inline.LinearAttention and a.kernel == 'relu'
+    assert len(attns) == 10 and all(type(a) is inline.LinearAttention and a.feature_map == 'relu'
                                     and a.residual is None for a in attns)
-    cswin = meta_model('inline_cswin_t', kernel='relu')
+    cswin = meta_model('inline_cswin_t', feature_map='relu')
     branches = [m for m in cswin.modules() if isinstance(m, models.CSwinInLine)]
-    assert len(branches) == 6 and all(b.kernel == 'relu' and b.fast is False for b in branches)
+    assert len(branches) == 6 and all(b.feature_map == 'relu' and b.fast is None for b in branches)
     assert meta_model('inline_deit_t', layout='L').blocks[0].attn.attention == 'linear'
 
 
@@ -506,7 +507,7 @@ def test_model_api():
 
 def test_fast_switch_turns_on_every_inline_module():
     torch.manual_seed(0)
-    model = models.create_model('inline_cswin_t', fast=True, **dict(SMALL['inline_cswin_t'], layout='IISS'))
+    model = models.create_model('inline_cswin_t', fast='compile', **dict(SMALL['inline_cswin_t'], layout='IISS'))
     switches = [m.fast for m in model.modules() if isinstance(m, inline.InLineBase)]
     # the I blocks of stages 1, 2
     assert switches == ['compile'] * (1 + 2)
@@ -528,9 +529,9 @@ def test_features_only_at_coco_size_every_family_and_layout(name, overrides):
     """On the meta device: 800x1333 (padded to 800x1344) gives the four maps at strides 4-32 with the
     channels feature_info states, a LayerNorm on each where the family's own dense backbone has one."""
     with torch.device('meta'):
-        model = models.create_model(name, features_only=True, **overrides)
+        model = dense.create_backbone(name, **overrides)
         maps = model(torch.zeros(1, 3, 800, 1333))
-        subset = models.create_model(name, features_only=True, out_indices=(1, 2, 3), **overrides)
+        subset = dense.create_backbone(name, out_indices=(1, 2, 3), **overrides)
     channels = model.feature_info.channels()
     assert model.feature_info.reduction() == [4, 8, 16, 32] and subset.feature_info.channels() == channels[1:]
     assert [tuple(m.shape) for m in maps] == [(1, c, 800 // r, 1344 // r)
@@ -541,10 +542,13 @@ def test_features_only_at_coco_size_every_family_and_layout(name, overrides):
 
 
 def test_features_only_refuses_deit_and_bad_out_indices():
-    with pytest.raises(ValueError, match='isotropic .* pvt, swin, cswin'):
-        meta_model('inline_deit_t', features_only=True)
-    with pytest.raises(ValueError, match='out_indices'):
-        meta_model('inline_pvt_t', features_only=True, out_indices=(2, 1))
+    with torch.device('meta'):
+        with pytest.raises(ValueError, match='isotropic .* pvt, swin, cswin'):
+            dense.create_backbone('inline_deit_t')
+        with pytest.raises(ValueError, match='out_indices'):
+            dense.create_backbone('inline_pvt_t', out_indices=(2, 1))
+    with pytest.raises(ValueError, match=r"features_only is dense\.create_backbone"):
+        meta_model('inline_pvt_t', features_only=True)
 
 
 @pytest.mark.parametrize('name', TINY[1:])
@@ -552,8 +556,8 @@ def test_features_only_at_another_size_equals_a_model_built_for_it(name):
     """Built at one size and fed another (96x64), a backbone gives the maps of the same weights built for
     that size: PVT's position embeddings resized bilinearly, as its forward resizes them."""
     torch.manual_seed(0)
-    built = models.create_model(name, features_only=True, drop_path_rate=0., **SMALL[name]).eval()
-    sized = models.create_model(name, features_only=True, drop_path_rate=0.,
+    built = dense.create_backbone(name, drop_path_rate=0., **SMALL[name]).eval()
+    sized = dense.create_backbone(name, drop_path_rate=0.,
                                 **{**SMALL[name], 'img_size': (96, 64)})
     state = built.state_dict()
     for i, key in enumerate(k for k in state if re.fullmatch(r'model\.pos_embed\d', k)):
@@ -569,7 +573,7 @@ def test_features_only_loads_a_checkpoint_and_drops_the_head(tmp_path):
     torch.manual_seed(0)
     full = models.create_model('inline_pvt_t', **SMALL['inline_pvt_t']).eval()
     torch.save({'model': full.state_dict()}, tmp_path / 'pvt.pth')
-    backbone = models.create_model('inline_pvt_t', features_only=True, checkpoint=str(tmp_path / 'pvt.pth'),
+    backbone = dense.create_backbone('inline_pvt_t', checkpoint=str(tmp_path / 'pvt.pth'),
                                    **SMALL['inline_pvt_t']).eval()
     assert not any('head' in k for k in backbone.state_dict())
     x = torch.randn(1, 3, 64, 96)
@@ -627,7 +631,7 @@ def test_semantic_fpn_trains_with_inline_pvt_t():
     """Semantic FPN on the real InLine-PVT-T: a training step (finite loss, gradients in the attention of
     every stage), then eval logits at the input's size for two sizes, one not a multiple of 32."""
     torch.manual_seed(0)
-    model = dense.SemanticFPN(models.create_model('inline_pvt_t', features_only=True), num_classes=5)
+    model = dense.SemanticFPN(dense.create_backbone('inline_pvt_t'), num_classes=5)
     x, y = torch.rand(2, 3, 64, 96), torch.randint(0, 5, (2, 64, 96))
     loss = F.cross_entropy(model(x), y)
     loss.backward()
@@ -650,10 +654,9 @@ def test_faster_rcnn_and_retinanet_take_the_adapter():
     small = dict(SMALL['inline_pvt_t'], layout='IIII')
     images = [torch.rand(3, 64, 96), torch.rand(3, 80, 64)]
     targets = [dict(boxes=torch.tensor([[8., 8., 40., 50.]]), labels=torch.tensor([1]))] * 2
-    retina_backbone = models.create_model('inline_pvt_t', features_only=True, out_indices=(1, 2, 3), **small)
+    retina_backbone = dense.create_backbone('inline_pvt_t', out_indices=(1, 2, 3), **small)
     size = dict(min_size=64, max_size=96)  # small images and few boxes: seconds on a CPU
-    faster = FasterRCNN(dense.BackboneWithFPN(models.create_model('inline_pvt_t', features_only=True,
-                                                                  **small),
+    faster = FasterRCNN(dense.BackboneWithFPN(dense.create_backbone('inline_pvt_t', **small),
                                               out_channels=32), num_classes=3, rpn_post_nms_top_n_train=50,
                         rpn_post_nms_top_n_test=50, box_batch_size_per_image=32, box_detections_per_img=10,
                         **size)
@@ -758,7 +761,7 @@ def test_normalised_q_softmax_is_not_injective():
 
 def test_relu_affine_starts_as_relu_and_trains():
     torch.manual_seed(0)
-    attn = inline.InLineAttention(16, 2, kernel='relu_affine')
+    attn = inline.InLineAttention(16, 2, feature_map='relu_affine')
     x = torch.randn(2, 9, 16)
     q = torch.randn(2, 2, 9, 8)
     torch.testing.assert_close(attn.phi(q), torch.relu(q), rtol=0, atol=0)
@@ -770,21 +773,21 @@ def test_relu_affine_starts_as_relu_and_trains():
     assert not torch.equal(attn.phi.weight, torch.eye(8)) and attn.phi.bias.abs().sum() > 0
     # A starts at the identity: not decayed to zero
     assert models.InLineDeiT(img_size=32, embed_dim=16, depth=1, num_heads=2,
-                             kernel='relu_affine').no_weight_decay() \
+                             feature_map='relu_affine').no_weight_decay() \
         == {'pos_embed', 'cls_token', 'blocks.0.attn.phi.weight'}
 
 
 def test_ape_per_stage_and_window_reaches_qkv_not_the_shortcut():
-    swin = meta_model('inline_swin_t', window=7, residual='none')
+    swin = meta_model('inline_swin_t', window=7, eq6='none')
     for i, layer in enumerate(swin.layers):
         for block in layer.blocks:
             if block.letter == 'I':
                 assert block.attn.ape.shape == (1, 49, 96 * 2 ** i)  # 7x7 windows in every stage
-    assert meta_model('inline_swin_t', residual='none').layers[0].blocks[0].attn.ape.shape == (1, 56 * 56, 96)
+    assert meta_model('inline_swin_t', eq6='none').layers[0].blocks[0].attn.ape.shape == (1, 56 * 56, 96)
     assert meta_model('inline_swin_t').layers[0].blocks[0].attn.ape is None  # the released models: none
-    assert meta_model('inline_swin_t', ape=False, residual='none').layers[0].blocks[0].attn.ape is None
+    assert meta_model('inline_swin_t', ape=False, eq6='none').layers[0].blocks[0].attn.ape is None
     torch.manual_seed(0)
-    block = perturb(models.SwinBlock(16, 2, 'I', None, False, 2., 0., dict(DEFAULTS, residual='none'),
+    block = perturb(models.SwinBlock(16, 2, 'I', None, False, 2., 0., dict(DEFAULTS, eq6='none'),
                                      ape_tokens=16).double())
     x = torch.randn(2, 16, 16, dtype=torch.float64)
     seen = []
@@ -817,15 +820,17 @@ def test_softmax_originals_have_the_known_sizes():
 
 
 def test_fast_path_refuses_what_it_does_not_cover_when_the_model_is_built():
-    """Vanilla linear attention has no fast core: create_model(fast=True) refuses it, naming the option,
+    """Vanilla linear attention has no fast core: create_model(fast='compile') refuses it, naming the option,
     before any forward; every InLine option builds fast."""
-    with pytest.raises(ValueError, match=r"the fast InLine core has no attention='linear' \(layout letter L"):
-        meta_model('inline_swin_t', layout='LISS', fast=True)
-    with pytest.raises(ValueError, match=r"attention='linear'"):
-        meta_model('inline_cswin_t', layout='LISS', fast=True)
+    with pytest.raises(ValueError, match=r"layers\.0\.blocks\.0\.attn \(LinearAttention, attention='linear': "
+                                         r"vanilla linear attention\): inline\.linear_core has no fast twin "
+                                         r"'compile'.*Build the model with fast=None \(train\.py: --fast none\)"):
+        meta_model('inline_swin_t', layout='LISS', fast='compile')
+    with pytest.raises(ValueError, match=r"\(CSwinInLine, attention='linear': vanilla linear attention\)"):
+        meta_model('inline_cswin_t', layout='LISS', fast='compile')
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        model = meta_model('inline_swin_t', window=7, residual='plain', nonneg=True, kernel='relu_affine',
-                           fast=True)
+        model = meta_model('inline_swin_t', window=7, eq6='plain', nonneg=True, feature_map='relu_affine',
+                           fast='compile')
         assert all(m.fast == 'compile' for m in model.modules() if isinstance(m, inline.InLineBase))
-        meta_model('inline_swin_t', local_size=7, dilation=2, fast=True)
+        meta_model('inline_swin_t', local_size=7, dilation=2, fast='compile')

@@ -32,7 +32,7 @@ def slow_focusing(x, p):
     return out
 
 
-def slow_kernel(x, scale, p):
+def slow_focused_function(x, scale, p):
     """relu(x) + 1e-6, divided by log(1 + exp(scale)) channel by channel, then slow_focusing."""
     x = torch.where(x > 0, x, torch.zeros_like(x)) + 1e-6
     return slow_focusing(x / torch.log(1 + torch.exp(scale)), p)
@@ -73,10 +73,10 @@ def test_focusing_equals_slow_form_and_keeps_the_norm(p):
     torch.testing.assert_close(peers.focusing(x, p).norm(dim=-1), x.norm(dim=-1))
 
 
-def test_focused_kernel_equals_slow_form():
+def test_focused_function_equals_slow_form():
     torch.manual_seed(0)
     x, scale = torch.randn(2, 6, 12, **f64), torch.randn(1, 1, 12, **f64)
-    torch.testing.assert_close(peers.focused_kernel(x, scale, 3), slow_kernel(x, scale, 3))
+    torch.testing.assert_close(peers.focused_function(x, scale, 3), slow_focused_function(x, scale, 3))
 
 
 @pytest.mark.parametrize('N,n', [(49, 49), (20, 5)], ids=['N49', 'N20-n5'])
@@ -103,7 +103,7 @@ LAYOUTS = {  # id: (FocusedLinearAttention's layout arguments, grid)
 
 def explicit_flatten_weights(m, x, grid):
     """FLatten's weights built literally, entry by entry: projections, k + positional_encoding, the
-    slow kernel, the N x n weights of the division (or of Eq. 5) per head. Returns them (B, H, N, n)
+    slow focused function, the N x n weights of the division (or of Eq. 5) per head. Returns them (B, H, N, n)
     and v (B, H, n, D)."""
     B, N, C = x.shape
     H = m.num_heads
@@ -118,7 +118,7 @@ def explicit_flatten_weights(m, x, grid):
         q = F.linear(x, m.q.weight, m.q.bias)
         k, v = F.linear(kv_input, m.kv.weight, m.kv.bias).split(C, dim=-1)
     n = k.shape[1]
-    q, k = slow_kernel(q, m.scale, 3), slow_kernel(k + m.positional_encoding, m.scale, 3)
+    q, k = slow_focused_function(q, m.scale, 3), slow_focused_function(k + m.positional_encoding, m.scale, 3)
     q, k, v = (t.reshape(B, -1, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, ., D)
     weights = torch.zeros(B, H, N, n, **f64)
     k_mean = k.mean(2)  # (B, H, D)
@@ -408,7 +408,7 @@ def test_transnormer_swin_t_says_it_is_our_construction():
                                          ('transnormer_swin_t', 'N')])
 def test_fast_path_refuses_the_peers_by_name(name, letter):
     with torch.device('meta'), pytest.raises(ValueError, match=rf"\(layout letter {letter}\) has none"):
-        models.create_model(name, fast=True)
+        models.create_model(name, fast='compile')
 
 
 @pytest.mark.parametrize('name,layout', [('inline_deit_t', 'F'), ('inline_cswin_t', 'INSS')])

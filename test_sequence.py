@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import inline
 import kernels
 import sequence
-from test_inline import BF16_ROUNDING, CUDA, NAMES, assert_fp32_close, causal, core_inputs, run_core
+from test_inline import BF16_ROUNDING, CUDA, NAMES, assert_fp32_close, core_inputs, run_core
 from conftest import qkv
 
 # ===================================================================================================
@@ -18,14 +18,14 @@ from conftest import qkv
 # in float64, Eq. 6 over the last k tokens against a loop, the whole module's no-look-ahead, and the fast
 # causal core
 
-def sequence_inputs(B, H, N, D, taps=3, dtype=torch.float64, seed=0):
+def sequence_inputs(B, H, N, D, T=3, dtype=torch.float64, seed=0):
     """q, k, v (B, H, N, D) with non-zero means (what the uncentred prefix sums cost), r (B, N, k*C) per
     token, do."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(B, H, N, D, generator=g, dtype=dtype) for _ in range(4))
     k = k + torch.randn(B, H, 1, D, generator=g, dtype=dtype)
     v = v + 0.5
-    r = 0.3 * torch.randn(B, N, taps * H * D, generator=g, dtype=dtype)
+    r = 0.3 * torch.randn(B, N, T * H * D, generator=g, dtype=dtype)
     return q, k, v, r, do
 
 
@@ -124,8 +124,8 @@ def state_numel(state):
     return state.numel() if isinstance(state, torch.Tensor) else 0
 
 
-@pytest.mark.parametrize('options', [dict(), dict(kernel='one_plus_elu', scale_by_count=False),
-                                     dict(local_size=5, dilation=2), dict(residual='none')],
+@pytest.mark.parametrize('options', [dict(), dict(feature_map='one_plus_elu', scale_by_count=False),
+                                     dict(local_size=5, dilation=2), dict(eq6='none')],
                          ids=['eq6', 'one_plus_elu-printed-s', 'eq6-k5-dilation2', 'no-eq6'])
 def test_module_step_with_eq6_equals_the_whole_sequence(options):
     """Generation runs the trained module: SequenceAttention(causal=True).step token by token gives forward's
@@ -175,7 +175,7 @@ def sequence_residual_loop(v, r, size, dilation, causal):
                                                   (3, 2, False)],
                          ids=['k3-causal', 'k3-d2-causal', 'k1-causal', 'k5-centred', 'k3-d2-centred'])
 def test_eq6_on_a_sequence_against_an_explicit_loop(size, dilation, causal):
-    q, k, v, r, _ = sequence_inputs(2, 2, 11, 3, taps=size)
+    q, k, v, r, _ = sequence_inputs(2, 2, 11, 3, T=size)
     r = r if causal else r[:, 0]  # (B, N, kC) per token, or (B, kC) per sample
     expected = sequence_residual_loop(v, r, size, dilation, causal)
     torch.testing.assert_close(sequence.sequence_residual(v, r, size, dilation, causal), expected,
@@ -184,7 +184,7 @@ def test_eq6_on_a_sequence_against_an_explicit_loop(size, dilation, causal):
 
 def test_causal_eq6_weights_come_from_the_prefix_mean():
     torch.manual_seed(0)
-    mlp = inline.residual_mlp(8, 2, taps=3).double()
+    mlp = inline.residual_mlp(8, 2, T=3).double()
     x = torch.randn(2, 9, 8, dtype=torch.float64)
     r = sequence.prefix_residual_weights(mlp, x)
     assert r.shape == (2, 9, 24)
@@ -211,11 +211,11 @@ def test_causal_module_never_looks_ahead(attention, kernel):
     before j is unchanged exactly, in float64 and float32."""
     torch.manual_seed(0)
     for dtype in (torch.float64, torch.float32):
-        attn = sequence.SequenceAttention(24, 3, causal=True, attention=attention, kernel=kernel).to(dtype)
+        attn = sequence.SequenceAttention(24, 3, causal=True, attention=attention, feature_map=kernel).to(dtype)
         x = torch.randn(2, 45, 24, dtype=dtype)
         for j in (0, 17, 44):
             no_look_ahead(attn, x, j)
-    assert attn.residual[2].out_channels == 3 * 24  # k = 3 taps per channel on a sequence, not k^2
+    assert attn.residual[2].out_channels == 3 * 24  # k = 3 weights per channel on a sequence, not k^2
 
 
 def test_decoder_block_never_looks_ahead():
@@ -249,10 +249,10 @@ def test_sequence_modules_and_their_errors():
         inline.InLineAttention(16, 2)(x)
     q, k, v, r, _ = sequence_inputs(2, 2, 13, 8)
     with pytest.raises(ValueError, match=r"attention over a 1-D sequence has no grid: grid must be None"):
-        sequence.sequence_core(q, k, v, r, (1, 13), causal=True)
+        sequence.causal_core(q, k, v, r, (1, 13))
     with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, "
                                          r"\(B, N, kC\)"):
-        sequence.sequence_core(q, k, v, r[:, 0], None, causal=True)
+        sequence.causal_core(q, k, v, r[:, 0], None)
     with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel, \(B, kC\)"):
         sequence.sequence_core(q, k, v, r, None)
 
@@ -276,8 +276,8 @@ def test_fast_causal_core_equals_reference_fp32(shape, option):
     q, k, v, r, do = sequence_inputs(*shape)
     options = CAUSAL_OPTIONS[option] or {}
     r = r if 'size' in options else None
-    fast = run_core(causal(sequence.sequence_core_fast, **options), q, k, v, r, do, None, torch.float32)
-    reference = run_core(causal(sequence.sequence_core, **options), q, k, v, r, do, None, torch.float32)
+    fast = run_core(functools.partial(sequence.causal_core_fast, **options), q, k, v, r, do, None, torch.float32)
+    reference = run_core(functools.partial(sequence.causal_core, **options), q, k, v, r, do, None, torch.float32)
     assert fast[0].shape == shape
     assert_fp32_close(fast, reference)
 
@@ -292,9 +292,9 @@ def test_fast_causal_core_low_precision_within_twice_the_references(dtype, scale
     unscaled."""
     q, k, v, r, do = sequence_inputs(2, 3, 131, 32)
     c = dict(scale_by_count=scale_by_count)
-    truth = run_core(causal(sequence.sequence_core, **c), q, k, v, r, do, None, torch.float32)
-    fast = run_core(causal(sequence.sequence_core_fast, **c), q, k, v, r, do, None, dtype)
-    reference = run_core(causal(sequence.sequence_core, **c), q, k, v, r, do, None, dtype)
+    truth = run_core(functools.partial(sequence.causal_core, **c), q, k, v, r, do, None, torch.float32)
+    fast = run_core(functools.partial(sequence.causal_core_fast, **c), q, k, v, r, do, None, dtype)
+    reference = run_core(functools.partial(sequence.causal_core, **c), q, k, v, r, do, None, dtype)
     for name, f, ref, t in zip(NAMES, fast, reference, truth):
         fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
         noise = ROUNDING[dtype] * t.abs().max().item()
@@ -342,8 +342,8 @@ def test_fast_causal_module_never_looks_ahead():
     torch.testing.assert_close(fast(x), reference(x), rtol=0, atol=2e-5 * reference(x).abs().max().item())
     for j in (30, 70, 149):
         no_look_ahead(fast, x, j)
-    with pytest.raises(ValueError, match=r"the fast InLine core has no attention='linear'"):
-        kernels.enable_fast(sequence.SequenceAttention(64, 2, causal=True, attention='linear', kernel='relu'))
+    with pytest.raises(ValueError, match=r"attention='linear'.*sequence\.causal_linear_core has no fast twin"):
+        kernels.enable_fast(sequence.SequenceAttention(64, 2, causal=True, attention='linear', feature_map='relu'))
 
 
 def test_a_guard_failing_under_a_known_signature_compiles_with_the_switches(monkeypatch):
@@ -393,12 +393,12 @@ def test_fast_causal_core_inside_a_compiled_module():
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
 def test_fast_causal_core_on_cuda(dtype):
     q, k, v, r, do = (t.cuda() for t in sequence_inputs(2, 3, 131, 32))
-    truth = run_core(causal(sequence.sequence_core), q, k, v, r, do, None, torch.float32)
-    fast = run_core(causal(sequence.sequence_core_fast), q, k, v, r, do, None, dtype)
+    truth = run_core(functools.partial(sequence.causal_core), q, k, v, r, do, None, torch.float32)
+    fast = run_core(functools.partial(sequence.causal_core_fast), q, k, v, r, do, None, dtype)
     if dtype == torch.float32:
         assert_fp32_close(fast, truth, tolerance=1e-4)  # TF32 may be on for the caller's matmuls
     else:
-        reference = run_core(causal(sequence.sequence_core), q, k, v, r, do, None, dtype)
+        reference = run_core(functools.partial(sequence.causal_core), q, k, v, r, do, None, dtype)
         for name, f, ref, t in zip(NAMES, fast, reference, truth):
             fast_error, reference_error = (f - t).abs().max().item(), (ref - t).abs().max().item()
             print(f"{name}: bf16 error, fast {fast_error:.3e}, reference {reference_error:.3e}")
@@ -408,7 +408,7 @@ def test_fast_causal_core_on_cuda(dtype):
 def test_fast_causal_core_rejects_what_the_reference_rejects():
     q, k, v, r, _ = sequence_inputs(2, 2, 13, 8)
     with pytest.raises(ValueError, match=r"attention over a 1-D sequence has no grid: grid must be None"):
-        sequence.sequence_core_fast(q, k, v, r, (1, 13), causal=True)
+        sequence.causal_core_fast(q, k, v, r, (1, 13))
     with pytest.raises(ValueError, match=r"r must hold 3 neighbour weights per channel and token, "
                                          r"\(B, N, kC\)"):
-        sequence.sequence_core_fast(q, k, v, r[:, 0], None, causal=True)
+        sequence.causal_core_fast(q, k, v, r[:, 0], None)

@@ -41,7 +41,7 @@ from test_models import SMALL, TINY, bicubic, perturb
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 # the smallest variant at the smallest size it takes; the reference attention needs no compilation; one thread
 # per process, so that a busy machine slows the tests down rather than stalling them
-TINY_ARGS = ['--model', 'inline_deit_t', '--attention-impl', 'reference', '--img-size', '32',
+TINY_ARGS = ['--model', 'inline_deit_t', '--fast', 'none', '--img-size', '32',
         '--batch-size', '8', '--workers', '0', '--threads', '1']
 SYNTHETIC_ARGS = TINY_ARGS + ['--synthetic-train', '48', '--synthetic-val', '21', '--epochs', '2']
 
@@ -924,7 +924,7 @@ def test_finetune_starts_from_the_ema_weights(tmp_path):
     ema = {k: v + 1 for k, v in source.state_dict().items()}
     path = str(tmp_path / 'authors.pth')
     torch.save({'model': source.state_dict(), 'state_dict_ema': ema}, path)
-    run = resolved(['--model', 'inline_deit_t', '--img-size', '32', '--attention-impl', 'reference',
+    run = resolved(['--model', 'inline_deit_t', '--img-size', '32', '--fast', 'none',
                     '--finetune', path])
     model = train.build_model(run, num_classes=10)
     assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
@@ -938,7 +938,7 @@ def test_finetune_resizes_an_authors_file_from_its_variants_own_grid(tmp_path):
     path = str(tmp_path / 'authors.pth')
     torch.save({'model': source.state_dict()}, path)
     run = resolved(['--model', 'inline_deit_t', '--model-kwargs', 'embed_dim=32', 'depth=1',
-                    'num_heads=2', '--img-size', '64', '--attention-impl', 'reference',
+                    'num_heads=2', '--img-size', '64', '--fast', 'none',
                     '--finetune', path])
     model = train.build_model(run, num_classes=10)
     stored = source.pos_embed.detach()
@@ -953,7 +953,7 @@ def test_finetune_from_another_models_checkpoint_names_it_and_how_to_rebuild_it(
     path = str(tmp_path / 'swin.pt')
     torch.save({'model': source.state_dict(), 'args': {'model': 'inline_swin_t', 'img_size': 32},
                 'arch': source.arch}, path)
-    run = resolved(['--model', 'inline_deit_t', '--img-size', '32', '--attention-impl', 'reference',
+    run = resolved(['--model', 'inline_deit_t', '--img-size', '32', '--fast', 'none',
                     '--finetune', path])
     with pytest.raises(SystemExit):
         train.build_model(run, num_classes=10)
@@ -989,7 +989,7 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
     torch.save({'model': model.state_dict(), 'state_dict_ema': ema.state_dict(),
                 'config': argparse.Namespace()}, path)
     args = ['--model', 'inline_cswin_t', '--model-kwargs', 'embed_dim=16', 'depths=(1,1,1,1)',
-            'num_heads=(2,2,4,4)', '--img-size', '32', '--attention-impl', 'reference', '--threads', '1',
+            'num_heads=(2,2,4,4)', '--img-size', '32', '--fast', 'none', '--threads', '1',
             '--eval', '--checkpoint', path]
     error = refused(args + ['--data-path', root], capsys)
     assert 'weights_only=True' in error
@@ -1014,8 +1014,8 @@ def test_authors_checkpoint_with_ema_and_a_config_object(tmp_path, capsys):
 # ------------------------------------------------------------------------------------ the paper's ablations
 # Table 4's InLine windows of 7 without Eq. 6 in miniature, as the lab passes an experiment to train.py (its
 # model and overrides as flags): windows of 7 tokens tile 224 px stages (56-28-14-7), one block per stage
-ABLATION = ['--model', 'inline_swin_t', '--window', '7', '--residual', 'none', '--model-kwargs',
-            'depths=(1,1,1,1)', 'embed_dim=16', 'num_heads=(1,1,2,2)', '--attention-impl', 'reference',
+ABLATION = ['--model', 'inline_swin_t', '--window', '7', '--eq6', 'none', '--model-kwargs',
+            'depths=(1,1,1,1)', 'embed_dim=16', 'num_heads=(1,1,2,2)', '--fast', 'none',
             '--synthetic-train', '16', '--synthetic-val', '8', '--threads', '1']
 
 
@@ -1039,14 +1039,14 @@ def test_every_starting_checkpoint_goes_through_one_function(tmp_path, capsys):
 
 
 def test_architecture_flags_and_model_kwargs_resolve():
-    run = resolved(['--residual', 'none', '--window', '14', '--kernel', 'relu', '--no-ape',
+    run = resolved(['--eq6', 'none', '--window', '14', '--feature-map', 'relu', '--no-ape',
                     '--model-kwargs', 'window=7', 'embed_dim=48', 'depths=(1,1,2,1)', 'layout=IIIS'])
     assert run.args.model == 'inline_swin_t'  # the default model
-    assert run.arch == dict(window=14, residual='none', kernel='relu', ape=False, embed_dim=48,
+    assert run.arch == dict(window=14, eq6='none', feature_map='relu', ape=False, embed_dim=48,
                             depths=(1, 1, 2, 1),
                             layout='IIIS')  # the named flag's window wins over --model-kwargs' 7
     assert run.args.output_dir == os.path.join(
-        'runs', 'inline_swin_t-apeFalse-depths1.1.2.1-embed_dim48-kernelrelu-layoutIIIS-residualnone-'
+        'runs', 'inline_swin_t-apeFalse-depths1.1.2.1-embed_dim48-eq6none-feature_maprelu-layoutIIIS-'
                 'window14-synthetic')
     # the synthetic task: Swin's InLine windows smaller than its stages at 224 px, where they tile them
     assert (resolved(['--window', '7']).args.img_size, run.args.batch_size) == (224, 8)
@@ -1059,32 +1059,37 @@ def test_architecture_flags_and_model_kwargs_resolve():
 @pytest.mark.parametrize('argv,message', [
     (['--model', 'nope'], "argument --model: invalid choice: 'nope'"),
     (['--model-kwargs', 'depths'], '--model-kwargs takes KEY=VALUE pairs'),
-    (['--model-kwargs', 'img_size=64'], '--model-kwargs img_size: train.py sets it; use --img-size')],
-    ids=['unknown-model', 'model-kwargs-without-value', 'model-kwargs-img-size'])
+    (['--model-kwargs', 'img_size=64'], '--model-kwargs img_size: train.py sets it; use --img-size'),
+    (['--kernel', 'relu'], 'error: --kernel is now --feature-map'),
+    (['--residual', 'none'], 'error: --residual is now --eq6'),
+    (['--attention-impl', 'reference'], 'error: --attention-impl is now --fast (reference: none; fast: '
+                                        'compile; triton: triton)')],
+    ids=['unknown-model', 'model-kwargs-without-value', 'model-kwargs-img-size', 'renamed-kernel',
+         'renamed-residual', 'renamed-attention-impl'])
 def test_bad_architecture_flags_are_refused(argv, message, capsys):
     assert message in refused(argv, capsys)
 
 
 def test_an_architecture_the_model_refuses_is_a_clear_error(capsys):
-    run = resolved(['--model', 'inline_deit_t', '--kernel', 'bogus', '--attention-impl', 'reference'])
+    run = resolved(['--model', 'inline_deit_t', '--feature-map', 'bogus', '--fast', 'none'])
     with pytest.raises(SystemExit):
         train.build_model(run, num_classes=10)
-    assert "cannot build inline_deit_t with {'kernel': 'bogus'" in capsys.readouterr().err
+    assert "cannot build inline_deit_t with {'feature_map': 'bogus'" in capsys.readouterr().err
 
 
 def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_path, capsys):
     run_train(ABLATION + ['--epochs', '1'], cwd=tmp_path)
-    output_dir = tmp_path / 'runs' / ('inline_swin_t-depths1.1.1.1-embed_dim16-num_heads1.1.2.2-residualnone-'
+    output_dir = tmp_path / 'runs' / ('inline_swin_t-depths1.1.1.1-embed_dim16-eq6none-num_heads1.1.2.2-'
                                       'window7-synthetic')
     path = str(output_dir / 'checkpoint.pt')
-    arch = dict(window=7, residual='none', depths=(1, 1, 1, 1), embed_dim=16, num_heads=(1, 1, 2, 2))
+    arch = dict(window=7, eq6='none', depths=(1, 1, 1, 1), embed_dim=16, num_heads=(1, 1, 2, 2))
     assert arch.items() <= load_checkpoint_file(path)['arch'].items()
     # no architecture flags
     result = run_train(['--resume', path, '--epochs', '2', '--threads', '1'], cwd=tmp_path)
     assert 'resumed from' in result.stdout and "'window': 7" in result.stdout
     log = metrics(str(output_dir))
     assert [e['epoch'] for e in log] == [1, 2] and all(e['arch']['window'] == 7 for e in log)
-    result = run_train(['--eval', '--checkpoint', path, '--attention-impl', 'reference', '--threads', '1'])
+    result = run_train(['--eval', '--checkpoint', path, '--fast', 'none', '--threads', '1'])
     assert printed(result.stdout, 'eval model: ')['loss'] == pytest.approx(log[-1]['val_loss'], rel=1e-6)
     assert 'this run asks for window=14. They differ in window' in refused(['--eval', '--checkpoint', path,
                                                                              '--window', '14'], capsys)
@@ -1105,17 +1110,17 @@ def test_grad_checkpointing_keeps_the_gradients():
         return {n: p.grad.clone() for n, p in model.named_parameters()}
     without, with_ = gradients(False), gradients(True)
     assert all(torch.equal(without[n], with_[n]) for n in without)
-    run = resolved(['--model', name, '--img-size', '64', '--attention-impl', 'reference',
+    run = resolved(['--model', name, '--img-size', '64', '--fast', 'none',
                     '--grad-checkpoint'])
     assert train.build_model(run, num_classes=10).grad_checkpointing
 
 
-DEFAULT_IMPL = [('inline_swin_t', [], 'fast'), ('inline_swin_t', ['--layout', 'LISS'], 'reference'),
-                ('flatten_pvt_t', [], 'reference'), ('flatten_swin_t', [], 'reference'),
-                ('transnormer_swin_t', [], 'reference')]
+DEFAULT_FAST = [('inline_swin_t', [], 'compile'), ('inline_swin_t', ['--layout', 'LISS'], 'none'),
+                ('flatten_pvt_t', [], 'none'), ('flatten_swin_t', [], 'none'),
+                ('transnormer_swin_t', [], 'none')]
 
 
-@pytest.mark.parametrize('name,flags,impl', DEFAULT_IMPL)
-def test_attention_impl_defaults_to_the_reference_without_a_fast_path(name, flags, impl):
+@pytest.mark.parametrize('name,flags,fast', DEFAULT_FAST)
+def test_fast_defaults_to_none_without_a_fast_core(name, flags, fast):
     """Vanilla linear attention (L) and the peers (F, N, in the registry's layouts) have no fast core."""
-    assert resolved(['--model', name, *flags]).args.attention_impl == impl
+    assert resolved(['--model', name, *flags]).args.fast == fast

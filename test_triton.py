@@ -38,7 +38,7 @@ CASES = [
     (2, 3, 0, (7, 7), 12, 'unscaled', dict(scale_by_count=False)),  # Eq. 5's s as printed, not s/N
     (2, 3, 1, (6, 7), 16, 'scale-tensor', dict(scale='tensor')),  # a learnable temperature per head
     (2, 2, 1, (6, 7), 16, 'scale0.5', dict(scale=0.5)),  # a number: R-nonneg's s
-    (2, 2, 1, (6, 7), 16, 'no-eq6', dict(r=None)),  # residual='none'
+    (2, 2, 1, (6, 7), 16, 'no-eq6', dict(r=None)),  # eq6='none'
     (2, 2, 1, (8, 8), 16, 'dilation2', dict(dilation=2)),  # R-dil
     (2, 2, 0, (6, 7), 16, 'size5', dict(size=5)),  # a 5x5 neighbourhood
     (2, 2, 0, (6, 7), 16, 'size1', dict(size=1)),  # 'plain': o_i += r * v_i

@@ -58,10 +58,11 @@ from tqdm import tqdm
 
 import inline
 import models
-from checkpoints import (CHECKPOINT, EMA_KEYS, check_output_dir, fail, load_weights, print0,
-                         read_checkpoint, resume, save_checkpoint, save_correct)
+from checkpoints import (CHECKPOINT, EMA_KEYS, check_output_dir, load_weights, read_checkpoint,
+                         resume, save_checkpoint, save_correct)
 from data import (DATASETS, GO_ON, ResumableSampler, SyntheticShapes, count_images,
                   ignore_interrupt, leave_out_unreadable, load_data, unreadable)
+from ranks import fail, print0
 
 # ------------------------------------------------------------------------------------------- recipe
 # The released recipe, one row per variant (the authors' cfgs/inline_<variant>.yaml; PVT-L's is
@@ -98,8 +99,9 @@ VARIANTS = {
 PROCESSES = 8
 # shared by every variant; colour jitter acts only where RandAugment is off (as in timm), so not in
 # the released runs
-RELEASED = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5, randaug_n=2,
-                randaug_m=9, randaug_mstd=0.5, color_jitter=0.4, random_erase=0.25)
+RELEASED_RECIPE = dict(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mixup_switch_prob=0.5,
+                       randaug_n=2, randaug_m=9, randaug_mstd=0.5, color_jitter=0.4,
+                       random_erase=0.25)
 # decay 0.9996 per step at a total batch of 4096, i.e. 0.9996^(batch / 4096)
 EMA_FAMILIES = ('cswin',)
 # The synthetic task: fresh procedurally generated images every epoch, so no augmentation is needed
@@ -128,11 +130,21 @@ RELEASED_MIN_STEPS = 100
 # fewer optimizer steps an epoch than this, or a warm-up as long as the run, is said at start
 FEW_STEPS = 10
 # never taken from a checkpoint
-INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume', 'attention_impl')
-ARCH_FLAGS = ('layout', 'kernel', 'residual', 'local_size', 'dilation', 'window', 'ape', 'nonneg',
+INVOCATION = ('amp', 'workers', 'threads', 'finetune', 'resume', 'fast')
+ARCH_FLAGS = ('layout', 'feature_map', 'eq6', 'local_size', 'dilation', 'window', 'ape', 'nonneg',
               'normalise_q')
+# flags renamed so that each name means one thing: refused under the old name, naming the new
+RENAMED_FLAGS = {'--kernel': '--feature-map', '--residual': '--eq6',
+                 '--attention-impl': '--fast (reference: none; fast: compile; triton: triton)'}
 # the create_model arguments train.py sets itself, and their flags
 RUN_KEYS = {'img_size': 'img-size', 'num_classes': 'data-path', 'drop_path_rate': 'drop-path'}
+
+
+class Renamed(argparse.Action):
+    """A flag under its old name (RENAMED_FLAGS): refused, naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f'{option_string} is now {RENAMED_FLAGS[option_string]}')
 
 
 def get_args_parser():
@@ -146,8 +158,8 @@ def get_args_parser():
     a('--layout',
       help='attention per stage: I InLine, L linear, S softmax, M<k> after the '
            'letters (e.g. IIMS2)')
-    a('--kernel', help=f'phi of the I and L blocks: {", ".join(inline.PHI)}')
-    a('--residual', help='InLine\'s residual: local (Eq. 6, released), plain (r * v_i) or none')
+    a('--feature-map', help=f'phi of the I and L blocks: {", ".join(inline.PHI)}')
+    a('--eq6', help='Eq. 6\'s form: local (k x k neighbours, released), plain (r * v_i) or none')
     a('--local-size', type=int, help='side k of Eq. 6\'s k x k neighbourhood (odd; released: 3)')
     a('--dilation', type=int, help='dilation of Eq. 6\'s neighbourhood')
     a('--window', type=int,
@@ -180,10 +192,12 @@ def get_args_parser():
     a('--img-size', type=int,
       help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
       'DeiT 64, Swin with InLine windows smaller than the stage 224)')
-    a('--attention-impl', choices=['fast', 'triton', 'reference'],
-      help='the InLine core: kernels.py (fast, torch.compile; the default), triton_core.py '
-      '(triton, the Triton kernel; CUDA only) or inline.py (reference; the default for vanilla '
-      'linear attention, layout L, and the peers, F and N, which have no fast path)')
+    a('--fast', choices=['compile', 'triton', 'none'],
+      help='the InLine core: compile, kernels.py\'s (torch.compile; the default), triton, '
+      'triton_core.py\'s (CUDA only), or none, the reference of inline.py (the default for vanilla '
+      'linear attention, layout L, and the peers, F and N, which have no fast core)')
+    for old in RENAMED_FLAGS:
+        a(old, action=Renamed, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     a('--drop-path', type=float, help='stochastic depth rate')
     a('--finetune',
       help='initial weights, its EMA where it has one (e.g. the 224 px weights for a '
@@ -329,7 +343,10 @@ def open_checkpoint(run):
         if args.eval or not os.path.exists(path):
             return
     run.saved, run.saved_path = read_checkpoint(path), path
-    saved_args, saved_arch = run.saved.get('args'), run.saved.get('arch')
+    # a file saved before the options' renaming reads under their new names (inline.RENAMED)
+    saved_args, saved_arch = ({inline.RENAMED.get(k, k): v for k, v in d.items()}
+                              if d is not None else None
+                              for d in (run.saved.get('args'), run.saved.get('arch')))
     if args.eval and args.data_path is None and (saved_args is None
                                                  or saved_args['data_path'] is not None):
         fail(f'--eval of {path} needs --data-path DIR: '
@@ -368,7 +385,7 @@ def resolve(run):
     family = args.model.split('_')[1]  # registry names are inline_<family>_<size>
     recipe = SYNTHETIC if synthetic else SMALL
     if imagenet:
-        recipe = {**RELEASED, **dict(zip(COLUMNS, VARIANTS[args.model]))}
+        recipe = {**RELEASED_RECIPE, **dict(zip(COLUMNS, VARIANTS[args.model]))}
     if (synthetic and args.img_size is None and not args.throughput
             and (run.arch.get('window') or 56) < 56):
         recipe = SYNTHETIC_WINDOWED
@@ -391,10 +408,10 @@ def resolve(run):
         args.ema_decay = (0.9996 ** (run.total_batch / 4096) if family in EMA_FAMILIES and imagenet
                           else 0.0)
     # kernels.enable_fast refuses a model with linear attention or a peer's (F, N): they have no
-    # fast path
-    if args.attention_impl is None:
+    # fast core
+    if args.fast is None:
         layout = str(run.arch.get('layout', models.MODELS[args.model][1].get('layout', '')))
-        args.attention_impl = 'reference' if set(layout) & set('LFN') else 'fast'
+        args.fast = 'none' if set(layout) & set('LFN') else 'compile'
     run.amp_given = args.amp is not None
     amp = [(args.amp, 'given by --amp') if run.amp_given else default_amp(run.device)]
     # rank 0's, which a probe may have measured: every rank in the same precision
@@ -518,8 +535,7 @@ def setup(args):
 
 # ------------------------------------------------------------------------------ model and optimizer
 def build_model(run, num_classes):
-    """The variant at the run's image size and drop path, with the fast core unless --attention-impl
-    reference."""
+    """The variant at the run's image size and drop path, with the fast core unless --fast none."""
     args = run.args
     if run.saved and run.saved.get('num_classes', num_classes) != num_classes:
         fail(f'{run.saved_path} has {run.saved["num_classes"]} classes; the data has {num_classes}')
@@ -530,13 +546,12 @@ def build_model(run, num_classes):
     except (ValueError, TypeError) as e:
         fail(f'cannot build {args.model} with {overrides}: {e}')
     # checked against the reference on the run's device, before any step
-    if args.attention_impl != 'reference':
+    if args.fast != 'none':
         try:
             import kernels
-            kernels.enable_fast(model, 'compile' if args.attention_impl == 'fast' else 'triton',
-                                device=run.device, log=print0)
+            kernels.enable_fast(model, args.fast, device=run.device, log=print0)
         except ImportError as e:
-            fail(f'the fast attention path is unavailable ({e}); pass --attention-impl reference')
+            fail(f'the fast core is unavailable ({e}); pass --fast none for the reference')
         except ValueError as e:
             fail(str(e))
     # the authors' 384 px fine-tunes start from the 224 px weights, the EMA where there is one
@@ -547,7 +562,7 @@ def build_model(run, num_classes):
         print0(f'initial weights: {args.finetune} ({key})')
     model.set_grad_checkpointing(args.grad_checkpoint)
     print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M '
-           f'parameters, {args.img_size} px, attention {args.attention_impl}, amp {args.amp} '
+           f'parameters, {args.img_size} px, fast {args.fast}, amp {args.amp} '
            f'({run.amp_why}), device {run.device} x {run.world}')
     print0(f'architecture: layout {model.layout}, attention {model.options}; '
            f'overrides {model.arch}')

@@ -32,37 +32,37 @@ def experiment(name, model, overrides, table, reported, what, ours=False):
     EXPERIMENTS[name] = Experiment(model, overrides, table, reported, ours, what)
 
 
-# T3: division (vanilla linear) against subtraction (InLine) with the same kernel, in InLine-Swin-T with
+# T3: division (vanilla linear) against subtraction (InLine) with the same phi, in InLine-Swin-T with
 # global InLine windows, no local residual and therefore the authors' APE (ape=None turns it on)
 T3 = {'relu': ('77.3', '79.8'), 'relu_affine': ('70.2', '80.0'), 'leakyrelu': ('does not converge', None),
       'identity': ('does not converge', '80.2')}
-for kernel, (linear, inline_) in T3.items():
-    signed = kernel not in inline.NON_NEGATIVE_PHI
-    experiment(f't3_linear_{kernel}', 'inline_swin_t',
-               dict(layout='LLLS', kernel=kernel, residual='none',
+for phi, (linear, inline_) in T3.items():
+    signed = phi not in inline.NON_NEGATIVE_PHI
+    experiment(f't3_linear_{phi}', 'inline_swin_t',
+               dict(layout='LLLS', feature_map=phi, eq6='none',
                     **({'allow_divergent': True} if signed else {})),
-               'T3', linear, f'vanilla linear attention (division), phi = {kernel}, no Eq. 6, APE',
-               ours=kernel == 'relu_affine')
-    experiment(f't3_inline_{kernel}', 'inline_swin_t', dict(kernel=kernel, residual='none'), 'T3', inline_,
-               f'InLine attention (subtraction), phi = {kernel}, no Eq. 6, APE', ours=kernel == 'relu_affine')
+               'T3', linear, f'vanilla linear attention (division), phi = {phi}, no Eq. 6, APE',
+               ours=phi == 'relu_affine')
+    experiment(f't3_inline_{phi}', 'inline_swin_t', dict(feature_map=phi, eq6='none'), 'T3', inline_,
+               f'InLine attention (subtraction), phi = {phi}, no Eq. 6, APE', ours=phi == 'relu_affine')
 # T4: InLine windows 7^2 .. 56^2 (56 covers stage 1 at 224 px: global), without and with Eq. 6
 for window, without, with_ in ((7, '80.3', '81.6'), (14, '80.4', '82.1'), (28, '80.2', '82.3'),
                                (56, '80.2', '82.4')):
-    experiment(f't4_window{window}_no_residual', 'inline_swin_t', dict(window=window, residual='none'), 'T4',
+    experiment(f't4_window{window}_no_residual', 'inline_swin_t', dict(window=window, eq6='none'), 'T4',
                without, f'InLine windows {window}x{window}, shifted on odd blocks, no Eq. 6, APE')
     experiment(f't4_window{window}_residual', 'inline_swin_t', dict(window=window), 'T4', with_,
                f'InLine windows {window}x{window}, shifted on odd blocks, with Eq. 6')
-for kernel, reported in (('identity', '82.4'), ('relu', '82.5'), ('leakyrelu', None), ('exp', 'about relu')):
-    experiment(f't10_kernel_{kernel}', 'inline_swin_t', dict(kernel=kernel), 'T10', reported,
-               f'InLine-Swin-T with phi = {kernel}')
-experiment('r_residual_none', 'inline_swin_t', dict(residual='none'), 'R-res', '80.2', 'no residual (APE)')
-experiment('r_residual_plain', 'inline_swin_t', dict(residual='plain'), 'R-res', '80.2',
+for phi, reported in (('identity', '82.4'), ('relu', '82.5'), ('leakyrelu', None), ('exp', 'about relu')):
+    experiment(f't10_kernel_{phi}', 'inline_swin_t', dict(feature_map=phi), 'T10', reported,
+               f'InLine-Swin-T with phi = {phi}')
+experiment('r_residual_none', 'inline_swin_t', dict(eq6='none'), 'R-res', '80.2', 'no residual (APE)')
+experiment('r_residual_plain', 'inline_swin_t', dict(eq6='plain'), 'R-res', '80.2',
            'plain residual o_i += r * v_i, r per channel from the same MLP (C -> C -> C) (APE)', ours=True)
 experiment('r_residual_local', 'inline_swin_t', {}, 'R-res', '82.4', "Eq. 6's local 3x3 residual (released)")
 # R-res's pair changes two things at once: Eq. 6 and the APE (on without Eq. 6). The other two corners of the
 # 2x2 separate them: Eq. 6 against none with the same position embedding, both ways (ours; the paper has no
 # numbers)
-experiment('r_residual_none_no_ape', 'inline_swin_t', dict(residual='none', ape=False), 'R-res', None,
+experiment('r_residual_none_no_ape', 'inline_swin_t', dict(eq6='none', ape=False), 'R-res', None,
            'no residual and no APE', ours=True)
 experiment('r_residual_local_ape', 'inline_swin_t', dict(ape=True), 'R-res', None, "Eq. 6 and the APE",
            ours=True)
@@ -121,7 +121,7 @@ def describe(model):
     """One line: the attention a model was built with, every switch resolved."""
     o = model.options
     parts = [f"{model.family}", f"layout {model.layout}",
-             f"kernel {o['kernel'] or 'identity (I) / relu (L)'}", f"residual {o['residual']}"]
+             f"phi {o['feature_map'] or 'identity (I) / relu (L)'}", f"eq6 {o['eq6']}"]
     parts += ([f"local_size {o['local_size']}"] * (o['local_size'] != 3)
               + [f"dilation {o['dilation']}"] * (o['dilation'] > 1))
     parts += ['nonneg'] * o['nonneg']

@@ -139,10 +139,10 @@ F4_MODELS = {'softmax': 's_deit_t', 'linear (relu)': 'deit_linear_relu',
              # label: experiment; softmax is the S row's miniature (one head of 64)
              'InLine without Eq. 6': 'deit_no_residual', 'InLine': 'inline_deit_t'}
 F4_EXTRA = {  # the ablations' miniature DeiT with vanilla linear attention, and InLine without Eq. 6
-    'deit_linear_relu': Experiment('inline_deit_t', dict(layout='L', kernel='relu', residual='none'), 'F4',
+    'deit_linear_relu': Experiment('inline_deit_t', dict(layout='L', feature_map='relu', eq6='none'), 'F4',
                                           None, True,
                                           'DeiT miniature, vanilla linear attention (relu), no Eq. 6'),
-    'deit_no_residual': Experiment('inline_deit_t', dict(residual='none'), 'F4', None, True,
+    'deit_no_residual': Experiment('inline_deit_t', dict(eq6='none'), 'F4', None, True,
                                           'InLine-DeiT miniature without Eq. 6')}
 
 

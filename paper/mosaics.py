@@ -20,7 +20,7 @@ from torchvision.transforms.v2 import functional as F
 
 import data
 import train
-from checkpoints import fail
+from ranks import fail
 from data import TO_TENSOR  # FashionRecall's argument `train` is the split
 
 NAME = 'fashion_recall'

@@ -47,22 +47,22 @@ RECALL_MODELS = {  # name: how its attention is built (RecallLM); without Eq. 6 
     'softmax': dict(attention='softmax'),
     # T1 on sequences: q/|q| times a learned gain
     'softmax q-norm': dict(attention='softmax', normalise_q=True),
-    'floor phi=0': dict(kernel='zero', residual='none'),  # every weight 1/i: attention that cannot select
-    # division, the other usual kernel
-    'linear relu': dict(attention='linear', kernel='relu', residual='none'),
-    'linear 1+elu': dict(attention='linear', kernel='one_plus_elu', residual='none'),  # division
-    'InLine 1+elu s/i': dict(kernel='one_plus_elu', residual='none'),  # subtraction, Eq. 5 with s/i
-    'InLine 1+elu s': dict(kernel='one_plus_elu', residual='none', scale_by_count=False),  # the printed Eq. 5
-    'InLine s/i': dict(residual='none'),  # phi = identity, the paper's
-    'InLine s': dict(residual='none', scale_by_count=False),
-    'InLine s/i q-norm': dict(residual='none', normalise_q=True),
+    'floor phi=0': dict(feature_map='zero', eq6='none'),  # every weight 1/i: attention that cannot select
+    # division, the other usual feature map
+    'linear relu': dict(attention='linear', feature_map='relu', eq6='none'),
+    'linear 1+elu': dict(attention='linear', feature_map='one_plus_elu', eq6='none'),  # division
+    'InLine 1+elu s/i': dict(feature_map='one_plus_elu', eq6='none'),  # subtraction, Eq. 5 with s/i
+    'InLine 1+elu s': dict(feature_map='one_plus_elu', eq6='none', scale_by_count=False),  # the printed Eq. 5
+    'InLine s/i': dict(eq6='none'),  # phi = identity, the paper's
+    'InLine s': dict(eq6='none', scale_by_count=False),
+    'InLine s/i q-norm': dict(eq6='none', normalise_q=True),
 }
 # The study's models: each of the above with causal Eq. 6 (the token and the 2 before it), softmax too.
 # Without a token shift a linear-state layer cannot bind a key to the value after it, and none of them left
 # the guess (RESULTS.md)
 RECALL_EQ6 = ' + Eq. 6'
 RECALL_STUDY = [name + RECALL_EQ6 for name in RECALL_MODELS]
-RECALL_MODELS.update({name + RECALL_EQ6: {**options, 'residual': 'local'}
+RECALL_MODELS.update({name + RECALL_EQ6: {**options, 'eq6': 'local'}
                       for name, options in list(RECALL_MODELS.items())})
 RECALL_FLOOR = 'floor phi=0'
 # (question, a, b, whether the paper claims b over a): read seed by seed, with and without Eq. 6. The paper
@@ -124,15 +124,15 @@ def most_frequent_guess(x, y, pairs):
 
 class CausalSoftmax(torch.nn.Module):
     """Causal softmax attention between InLineAttention's projections: x (B, N, C) -> (B, N, C); with
-    residual='local', plus causal Eq. 6 as InLine has it (sequence.sequence_residual over the last 3
+    eq6='local', plus causal Eq. 6 as InLine has it (sequence.sequence_residual over the last 3
     tokens), so that softmax and InLine differ only in the attention."""
 
-    def __init__(self, dim, num_heads, normalise_q=False, residual='none'):
+    def __init__(self, dim, num_heads, normalise_q=False, eq6='none'):
         super().__init__()
         self.num_heads = num_heads
         inline.add_projections(self, dim, qkv_bias=True, separate_q=False)
         self.normalise_q = inline.NormalisedQ(num_heads, dim // num_heads) if normalise_q else None  # T1
-        self.local_size = inline.neighbourhood_size(residual)
+        self.local_size = inline.neighbourhood_size(eq6)
         self.residual = inline.residual_mlp(dim, num_heads, self.local_size) if self.local_size else None
 
     def forward(self, x):
@@ -147,8 +147,8 @@ class CausalSoftmax(torch.nn.Module):
 
 
 class CausalInLine(sequence.SequenceAttention):
-    """sequence.SequenceAttention (causal), its forward's steps with short_sequence_core in place of
-    sequence.sequence_core; normalise_q: q of unit length times a learned gain (inline.NormalisedQ)."""
+    """sequence.SequenceAttention (causal), its forward and attend, with short_causal_core in place of
+    sequence.causal_core (core); normalise_q: q of unit length times a learned gain (inline.NormalisedQ)."""
 
     def __init__(self, dim, num_heads, normalise_q=False, **options):
         super().__init__(dim, num_heads, causal=True, **options)
@@ -158,18 +158,8 @@ class CausalInLine(sequence.SequenceAttention):
         q, k, v = super().project(x)  # (B, H, N, D) each
         return q if self.normalise_q is None else self.normalise_q(q), k, v
 
-    def forward(self, x, grid=None):
-        B, N, C = self.check_input(x, grid)
-        q, k, v = self.project(x)  # (B, H, N, D) each
-        q, k = self.phi(q), self.phi(k)
-        r = None if self.residual is None else sequence.prefix_residual_weights(self.residual, x)  # (B, N, T*C)
-        if self.attention == 'linear':
-            o = sequence.causal_linear_attention(q, k, v)  # division, (B, H, N, D)
-            o = o if r is None else o + sequence.sequence_residual(v, r, self.local_size, causal=True)
-        else:
-            o = short_sequence_core(q, k, v, r, None, self.scale, self.local_size, self.dilation, True,
-                                    self.scale_by_count)  # (B, H, N, D)
-        return self.proj(o.transpose(1, 2).reshape(B, N, C))
+    def core(self):
+        return sequence.causal_linear_core if self.attention == 'linear' else short_causal_core
 
 
 class RecallLM(torch.nn.Module):
@@ -196,14 +186,13 @@ class RecallLM(torch.nn.Module):
         return self.head(self.norm(h if answers is None else h[:, -answers:]))
 
 
-def short_sequence_core(q, k, v, r, grid, scale=None, size=3, dilation=1, causal=False, scale_by_count=True):
-    """sequence.sequence_core through the explicit causal weights: at 64 tokens the N x N form costs a CPU the
+def short_causal_core(q, k, v, r, grid=None, scale=None, size=3, dilation=1, scale_by_count=True):
+    """sequence.causal_core through the explicit causal weights: at 64 tokens the N x N form costs a CPU the
     least (the prefix sums' (B, H, N, D, D) tensors made a step ten times slower); the two are the same
     function (test_causal_forms_equal_the_explicit_weights)."""
-    w = sequence.causal_inline_weights(q, k, scale, scale_by_count) if causal else \
-        inline.inline_weights(q, k, scale, scale_by_count)  # (B, H, N, N)
-    o = w @ v  # Eq. 5, (B, H, N, D)
-    return o if r is None else o + sequence.sequence_residual(v, r, size, dilation, causal)  # Eq. 6
+    w = sequence.causal_inline_weights(q, k, scale, scale_by_count)  # (B, H, N, N)
+    o = w @ v  # Eq. 5 over each prefix, (B, H, N, D)
+    return o if r is None else o + sequence.sequence_residual(v, r, size, dilation, causal=True)  # Eq. 6
 
 
 def recall_answers(model, pairs, tokens, seed):

@@ -45,7 +45,7 @@ RECORDS = os.path.join(ROOT, 'results', 'runs.jsonl')
 KEPT = ('epoch', 'train_loss', 'lr', 'val_loss', 'val_acc1', 'val_acc5', 'val_images', 'val_correct')
 
 
-class Run(NamedTuple):
+class LabRun(NamedTuple):
     """One training run: the experiment it trains under, its model (config_key), its recipe (data, budget,
     precision, device and train.py's own recipe: records of two recipes never mix), its seed, train.py's
     flags."""
@@ -166,7 +166,7 @@ def write_json(path, value):
 
 
 def train_runs(runs, args, desc='training'):
-    """Train each run (Run) without a record in args.results, args.jobs at a time (cores/jobs threads each),
+    """Train each run (LabRun) without a record in args.results, args.jobs at a time (cores/jobs threads each),
     as `python -m paper train ARGV --output-dir FOLDER`, holding a lock on FOLDER: a run another command is
     training is left to it and waited for at the end. Each finished run appends its record; an interrupted one
     resumes when rerun. Stopped (SIGTERM, Ctrl-C, a failed run), it stops the running train.py (they save) and

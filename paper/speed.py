@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import bench
+import dense
 import inline
 import kernels
 import models
@@ -43,10 +44,10 @@ def speed_models(figure, point, device):
     softmax attention ('S') against InLine-DeiT-T at point x point px."""
     if figure == 'F5b':
         pair = (models.create_model('inline_swin_t', layout='SSSS', softmax_window=point),
-                models.create_model('inline_swin_t', window=point, fast=True))
+                models.create_model('inline_swin_t', window=point, fast='compile'))
     else:
         pair = (models.create_model('inline_deit_t', layout='S', num_heads=3, img_size=point),
-                models.create_model('inline_deit_t', img_size=point, fast=True))
+                models.create_model('inline_deit_t', img_size=point, fast='compile'))
     return [m.eval().to(device) for m in pair]
 
 
@@ -167,13 +168,14 @@ def model_step(dtype, device, batch=8):
     x = torch.randn(batch, 3, 224, 224, generator=gen, device=device)
     y = torch.randint(0, 1000, (batch,), generator=gen, device=device)
     reference = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
-    fast = models.create_model('inline_swin_t', drop_path_rate=0.0, fast=True).to(device)
+    fast = models.create_model('inline_swin_t', drop_path_rate=0.0, fast='compile').to(device)
     fast.load_state_dict(reference.state_dict())
     free = models.create_model('inline_swin_t', drop_path_rate=0.0).to(device)
     free.load_state_dict(reference.state_dict())
-    inline.FAST_CORES['free'] = free_core  # a deliberate stand-in, so not through enable_fast's check
+    # a deliberate stand-in, so not through enable_fast's check: a twin of inline_core named 'free'
+    inline.FAST_TWINS['inline.inline_core']['free'] = 'paper.speed.free_core'
     for m in free.modules():
-        if hasattr(m, 'fast'):
+        if isinstance(m, inline.InLineBase):
             m.fast = 'free'
 
     def step(model):
@@ -188,7 +190,7 @@ def model_step(dtype, device, batch=8):
                                      'fast + compile': lambda: step(compiled), 'free core': lambda: step(free)},
                                     device, budget_s=60, max_rounds=15)
     finally:
-        del inline.FAST_CORES['free']
+        del inline.FAST_TWINS['inline.inline_core']['free']
     return {name: (statistics.median(t), bench.paired_ratio(ms, 'reference', name))
             for name, t in ms.items()}
 
@@ -238,7 +240,7 @@ def whole_point(row, dtype, device, rounds, compiled):
     what, name, softmax_name, side, batch, training = row
     drop = dict(drop_path_rate=0.0)  # no random depth: every round runs the same blocks
     softmax = create_experiment(softmax_name, img_size=side, **drop).train(training).to(device)
-    inline_model = models.create_model(name, img_size=side, fast=True, **drop).train(training).to(device)
+    inline_model = models.create_model(name, img_size=side, fast='compile', **drop).train(training).to(device)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, 3, side, side,
                        generator=gen).to(device), torch.randint(0, 1000, (batch,)).to(device)
@@ -275,8 +277,9 @@ def forward_profile(model, x, dtype, rounds=5):
     predictor are labelled around their calls, and the core split into its compiled graph's kernels
     (inductor's code and the GEMMs it calls), dynamo's guards and wrappers around them, and its call in
     Python (checks, the table)."""
-    saved = dict(inline.FAST_CORES), inline.residual_weights
-    inline.FAST_CORES['compile'] = functools.partial(labelled_call, CORE_LABEL, kernels.inline_core_fast)
+    # the twin is looked up by name at every call (inline.fast_twin), so the labelled one is called
+    saved = kernels.inline_core_fast, inline.residual_weights
+    kernels.inline_core_fast = functools.partial(labelled_call, CORE_LABEL, kernels.inline_core_fast)
     inline.residual_weights = functools.partial(labelled_call, PREDICTOR_LABEL, inline.residual_weights)
     try:
         for _ in range(2):
@@ -285,8 +288,7 @@ def forward_profile(model, x, dtype, rounds=5):
             for _ in range(rounds):
                 whole_step(model, x, None, dtype, False)
     finally:
-        inline.FAST_CORES.update(saved[0])
-        inline.residual_weights = saved[1]
+        kernels.inline_core_fast, inline.residual_weights = saved
     groups = {}
 
     def add(group, us, calls=1):
@@ -341,7 +343,7 @@ def cmd_speed_whole(args):
                           if args.compile else []) for r in rows])
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)
     profiles = {}
-    for name, model in (('InLine-DeiT-T', models.create_model('inline_deit_t', fast=True)),
+    for name, model in (('InLine-DeiT-T', models.create_model('inline_deit_t', fast='compile')),
                         ('DeiT-T', create_experiment('s_deit_t'))):
         for dtype in dtypes:
             profiles[f'{name} {str(dtype)[6:]}'] = forward_profile(model.eval().to(device), x, dtype)
@@ -385,7 +387,7 @@ def dense_forward(name, size, device):
     if variant.startswith('inline_deit'):
         model = models.create_model(variant, img_size=size, **overrides).eval().to(device)
         return model.forward_features
-    return models.create_model(variant, features_only=True, **overrides).eval().to(device)
+    return dense.create_backbone(variant, **overrides).eval().to(device)
 
 
 def vm_kib(field):

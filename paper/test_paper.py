@@ -22,6 +22,7 @@ from PIL import Image
 from torchvision import datasets
 
 import data
+import dense
 import inline
 import models
 import sequence
@@ -62,7 +63,7 @@ def test_every_experiment_builds_and_trains(name):
 
 def test_experiment_registry_matches_the_spec():
     e = registry.EXPERIMENTS
-    assert (e['t4_window7_no_residual'].overrides == dict(window=7, residual='none')
+    assert (e['t4_window7_no_residual'].overrides == dict(window=7, eq6='none')
             and e['t4_window7_no_residual'].reported == '80.3')
     assert e['t3_linear_relu_affine'].ours and e['t3_linear_relu_affine'].reported == '70.2'
     assert e['r_dilation3'].reported == '80.8' and e['r_nonneg'].reported == '81.7'
@@ -85,7 +86,7 @@ def test_experiment_switches_reject_bad_input():
     with pytest.raises(ValueError, match=r"dilation must be a whole number >= 1"):
         meta_model('inline_swin_t', dilation=0)
     with pytest.raises(ValueError, match=r"dilation must be .* > 1 only where Eq. 6 has neighbours"):
-        meta_model('inline_swin_t', dilation=2, residual='plain')
+        meta_model('inline_swin_t', dilation=2, eq6='plain')
     with pytest.raises(ValueError, match=r"dilation must be .* > 1 only where Eq. 6 has neighbours"):
         meta_model('inline_swin_t', dilation=2, local_size=1)
     for size in (4, 0, -1, 3.0):
@@ -96,12 +97,12 @@ def test_experiment_switches_reject_bad_input():
     with pytest.raises(ValueError, match=r"layout 'IIMI2': need 4 letters from I L S"):
         meta_model('inline_pvt_t', layout='IIMI2')
     with pytest.raises(ValueError,
-                       match=r"needs a non-negative kernel .* got 'leakyrelu'; pass allow_divergent=True"):
-        meta_model('inline_swin_t', layout='LLLS', kernel='leakyrelu')
-    assert meta_model('inline_swin_t', layout='LLLS', kernel='relu_affine')  # T3's 70.2 row: allowed
+                       match=r"needs a non-negative feature map .* got 'leakyrelu'; pass allow_divergent=True"):
+        meta_model('inline_swin_t', layout='LLLS', feature_map='leakyrelu')
+    assert meta_model('inline_swin_t', layout='LLLS', feature_map='relu_affine')  # T3's 70.2 row: allowed
     with pytest.raises(ValueError,
                        match=r"unknown residual 'global'; choose one of \['local', 'plain', 'none'\]"):
-        meta_model('inline_swin_t', residual='global')
+        meta_model('inline_swin_t', eq6='global')
     with pytest.raises(ValueError, match=r"window and ape are InLine-Swin's options"):
         meta_model('inline_deit_t', window=7)
     with pytest.raises(ValueError,
@@ -123,17 +124,17 @@ def test_paper_train_resolves_the_experiment_with_the_flags_given_winning(capsys
     """python -m paper train NAME: the experiment's model and overrides become train.py's --model and
     --model-kwargs, and the flags given (--model-kwargs, the named attention flags) win over them, each
     said."""
-    args = runs.train_args(['t4_window7_no_residual', '--residual', 'local', '--model-kwargs', 'window=14',
+    args = runs.train_args(['t4_window7_no_residual', '--eq6', 'local', '--model-kwargs', 'window=14',
                             '--epochs', '1'])
     assert args.model == 'inline_swin_t' and args.epochs == 1
-    assert train.model_kwargs(args) == dict(window=14, residual='local')
+    assert train.model_kwargs(args) == dict(window=14, eq6='local')
     out = capsys.readouterr().out
-    assert ("the flags given win over experiment t4_window7_no_residual: window=14 (its 7), residual='local' "
+    assert ("the flags given win over experiment t4_window7_no_residual: window=14 (its 7), eq6='local' "
             "(its 'none')") in out
     assert 'experiment: t4_window7_no_residual (T4, reported 80.3)' in out
     args = runs.train_args(['t3_linear_relu'])  # no flag given: the experiment's own
     assert args.model == 'inline_swin_t'
-    assert train.model_kwargs(args) == dict(layout='LLLS', kernel='relu', residual='none')
+    assert train.model_kwargs(args) == dict(layout='LLLS', feature_map='relu', eq6='none')
     args = runs.train_args(['t1_softmax', '--model', 'inline_deit_s'])
     assert args.model == 'inline_deit_s' and "--model inline_deit_s wins over experiment t1_softmax's" in \
         capsys.readouterr().out
@@ -194,7 +195,7 @@ def test_most_frequent_guess_against_a_hand_count():
 
 
 def test_recall_models_run_the_reference_function(monkeypatch):
-    """RecallLM's explicit-weight core (short_sequence_core) gives the reference core's logits, under either
+    """RecallLM's explicit-weight core (short_causal_core) gives the reference core's logits, under either
     factor of Eq. 5; q-norm models give q and 2q the same weights (injectivity in q's length off), the others
     do not."""
     torch.manual_seed(0)
@@ -209,7 +210,7 @@ def test_recall_models_run_the_reference_function(monkeypatch):
         # the head at the answers only
         torch.testing.assert_close(model(x, 4), logits[:, -4:], rtol=0, atol=1e-12)
         with monkeypatch.context() as patch:  # the reference's causal core in place of the explicit weights
-            patch.setattr(recall, 'short_sequence_core', sequence.sequence_core)
+            patch.setattr(recall, 'short_causal_core', sequence.causal_core)
             torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-10)
         assert logits.shape == (3, 12, 3 * recall.RECALL_VOCAB)
     q = torch.randn(2, 2, 12, 8, dtype=torch.float64)
@@ -217,7 +218,7 @@ def test_recall_models_run_the_reference_function(monkeypatch):
     torch.testing.assert_close(normalise(q), normalise(2 * q))
     x = torch.randn(2, 12, 16, dtype=torch.float64)
     for normalise_q, same in ((True, True), (False, False)):  # q doubled: qkv's first C rows times 2
-        attn = recall.CausalInLine(16, 2, normalise_q=normalise_q, residual='none').double()
+        attn = recall.CausalInLine(16, 2, normalise_q=normalise_q, eq6='none').double()
         before = attn.weights(x)
         with torch.no_grad():
             attn.qkv.weight[:16] *= 2
@@ -226,17 +227,17 @@ def test_recall_models_run_the_reference_function(monkeypatch):
 
 
 def test_recall_softmax_adds_causal_eq6_token_by_token():
-    """CausalSoftmax with residual='local' adds, at token i, sum over t of r_i[3c + t] * v_{i-2+t} (zero
+    """CausalSoftmax with eq6='local' adds, at token i, sum over t of r_i[3c + t] * v_{i-2+t} (zero
     before the start) to softmax's output, r from the prefix mean; token i's output does not move when a later
     token does."""
     torch.manual_seed(0)
     plain, shifted = recall.CausalSoftmax(16,
-                                          2).double(), recall.CausalSoftmax(16, 2, residual='local').double()
+                                          2).double(), recall.CausalSoftmax(16, 2, eq6='local').double()
     shifted.qkv.load_state_dict(plain.qkv.state_dict())
     shifted.proj.load_state_dict(plain.proj.state_dict())
     x = torch.randn(3, 7, 16, dtype=torch.float64)
     v = plain.qkv(x).chunk(3, -1)[2]  # (B, N, C), channel c = head*D + j
-    r = sequence.prefix_residual_weights(shifted.residual, x).reshape(3, 7, 16, 3)  # (B, N, C, taps)
+    r = sequence.prefix_residual_weights(shifted.residual, x).reshape(3, 7, 16, 3)  # (B, N, C, T)
     eq6 = torch.stack([sum(r[:, i, :, t] * v[:, i - 2 + t] for t in range(3) if i - 2 + t >= 0)
                        for i in range(7)], 1)
     expected = plain(x) + eq6 @ plain.proj.weight.T  # proj is linear: its bias is in plain(x) already
@@ -462,7 +463,7 @@ def test_paper_eq6_share_is_measured_apart_from_the_weights():
     centred over the sequence and no v bias."""
     torch.manual_seed(0)
     sizes = dict(img_size=32, patch_size=8, depth=1, embed_dim=16, num_heads=2)
-    with_eq6, without = (models.create_model('inline_deit_t', residual=r, **sizes) for r in ('local', 'none'))
+    with_eq6, without = (models.create_model('inline_deit_t', eq6=r, **sizes) for r in ('local', 'none'))
     x = torch.randn(3, 17, 16)  # (B, 1 + 4*4, C)
     with torch.no_grad():
         assert figures.eq6_share(without.blocks[0].attn, x, (4, 4)).tolist() == [0.0, 0.0]
@@ -591,8 +592,8 @@ def test_paper_speed_dense_rows_cache_and_picture(tmp_path, monkeypatch):
     tiny = dict(SMALL['inline_pvt_t'], layout='IIII')
     monkeypatch.setattr(speed, 'DENSE', {'PVT': ('soft', 'inl')})
     monkeypatch.setattr(speed, 'DENSE_SIZES', ((64, 64), (64, 96)))
-    monkeypatch.setattr(speed, 'dense_forward', lambda name, size, device: models.create_model(
-        'inline_pvt_t', features_only=True, **dict(tiny, layout='SSSS' if name == 'soft' else 'IIII')).eval())
+    monkeypatch.setattr(speed, 'dense_forward', lambda name, size, device: dense.create_backbone(
+        'inline_pvt_t', **dict(tiny, layout='SSSS' if name == 'soft' else 'IIII')).eval())
     monkeypatch.setattr(speed, 'dense_peak_mb', lambda name, size, device: calls.append(name) or size[1] / 8)
     calls = []
     rows = cli.main(['speed', '--dense', '--rounds', '2', '--out', str(tmp_path)])
@@ -797,7 +798,7 @@ def test_paper_family_adjusts_both_tests_of_every_comparison_together(tmp_path, 
     # softmax (t1_softmax = s_deit_t) 70 at every seed; the others offset from it; the floor 60
     def acc(seed, argv):
         name = argv[argv.index('train') + 1]  # python -m paper train NAME ...
-        return 60.0 if "kernel='zero'" in argv else 70.0 + offset.get(name, (0.0, 0.0, 0.0))[seed]
+        return 60.0 if "feature_map='zero'" in argv else 70.0 + offset.get(name, (0.0, 0.0, 0.0))[seed]
     monkeypatch.setattr(runs.subprocess, 'Popen', FakeTrain(acc))
     configs, rows = cli.main(['ablations', '--only', *chosen, '--seeds', '3', '--epochs', '2',
                               '--train-images', '64', '--jobs', '1', '--data-path', str(tmp_path / 'fm'),
@@ -822,7 +823,7 @@ def test_paper_sigterm_stops_the_runs_and_keeps_their_cpu_time(tmp_path):
     out = str(tmp_path)
     code = ('import argparse, subprocess, sys\nfrom paper import runs\nreal = '
             'subprocess.Popen\nsubprocess.Popen = lambda argv, **kw: real([sys.executable, "-c", "import '
-            'time\\nwhile True: sum(range(9999))"], pass_fds=kw["pass_fds"])\nrun = runs.Run("x", "config", '
+            'time\\nwhile True: sum(range(9999))"], pass_fds=kw["pass_fds"])\nrun = runs.LabRun("x", "config", '
             f'{{"epochs": 1}}, 0, ["--seed", "0"])\nopen({out!r} + "/started", '
             f'"w").close()\nruns.train_runs([run], argparse.Namespace(jobs=1, results={out!r} + '
             f'"/runs.jsonl", no_train=False, device="cpu", out={out!r}))\n')
@@ -849,7 +850,7 @@ def test_paper_records_keep_the_first_of_a_run_and_refuse_a_bad_line(tmp_path, c
     number."""
     path = str(tmp_path / 'r' / 'runs.jsonl')
     assert runs.read_records(path) == {}
-    run = runs.Run('x', 'config', {'epochs': 2}, 0, ['--seed', '0'])
+    run = runs.LabRun('x', 'config', {'epochs': 2}, 0, ['--seed', '0'])
     runs.append_record(path, fake_record(run, 50.0))
     runs.append_record(path, fake_record(run, 99.0))
     runs.append_record(path, fake_record(run._replace(recipe={'epochs': 3}), 60.0))
@@ -879,7 +880,7 @@ def test_paper_run_lock_keeps_a_second_command_off_a_run(tmp_path, monkeypatch):
     os.close(again)
 
     results = str(tmp_path / 'runs.jsonl')
-    planned = [runs.Run(f'x{i}', 'config', {'epochs': 1}, i, ['--epochs', '1', '--seed', str(i)])
+    planned = [runs.LabRun(f'x{i}', 'config', {'epochs': 1}, i, ['--epochs', '1', '--seed', str(i)])
                for i in range(2)]
     # another command trains run 0: it holds the lock, then records it
     other = planned[0].folder(str(tmp_path))
@@ -994,7 +995,7 @@ def test_paper_matched_row_has_eq6s_parameter_count_and_runs_of_its_own():
         model = ablations.miniature(e)
         counts[name] = sum(p.numel() for p in model.parameters())
         if name == 'matched':
-            assert model.options['residual'] == 'none' and matched.overrides['mlp_ratio'] > 4
+            assert model.options['eq6'] == 'none' and matched.overrides['mlp_ratio'] > 4
             assert all(m.fc1.out_features == int(m.fc1.in_features * matched.overrides['mlp_ratio'])
                        for m in model.modules() if isinstance(m, models.Mlp))
     assert counts['local'] - counts['none'] > 100_000  # Eq. 6's MLPs: the gap the widening closes
@@ -1013,7 +1014,7 @@ def test_paper_record_keeps_the_final_per_image_results(tmp_path):
         f.write(json.dumps({'epoch': 1, 'train_loss': 2.0, 'images_per_s': 9.0, 'arch': {}}) + '\n')
         f.write(json.dumps({'epoch': 2, 'val_acc1': 66.67, 'val_images': 3, 'arch': {}}) + '\n')
     torch.save(torch.tensor([True, False, True]), tmp_path / 'val_correct.pt')
-    record = runs.make_record(runs.Run('x', 'config', {'epochs': 2}, 0, []), str(tmp_path), 'done', 1)
+    record = runs.make_record(runs.LabRun('x', 'config', {'epochs': 2}, 0, []), str(tmp_path), 'done', 1)
     assert record['epochs'] == [{'epoch': 1, 'train_loss': 2.0},
                                 {'epoch': 2, 'val_acc1': 66.67, 'val_images': 3, 'val_correct': correct}]
     assert stats.summarise([record]).correct[0].tolist() == [True, False, True]
