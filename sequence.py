@@ -316,7 +316,7 @@ class SequenceAttention(inline.InLineAttention):
         state after it: inline_step's, the running sum of x (B, C) for Eq. 6's prefix mean and the
         last dilation*(k-1) values (sequence_residual_step); one size however long the sequence.
         None starts a sequence. attend's recurrent form: a change to attend is made here too
-        (test_step_equals_the_forward_token_by_token holds the two equal)."""
+        (test_module_step_with_eq6_equals_the_whole_sequence holds the two equal)."""
         if not self.causal or self.attention != 'inline':
             raise ValueError("a step is causal InLine's: build the module with causal=True and "
                              "attention='inline'")

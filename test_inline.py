@@ -254,7 +254,7 @@ def test_bad_input_errors():
         inline.inline_core(*qkv(1, 2, 16, 16), torch.zeros(1, 9 * 32, dtype=torch.float64), (5, 5))
     with pytest.raises(ValueError, match=r"channels \(30\) must be divisible by heads \(4\)"):
         inline.InLineAttention(30, 4)
-    with pytest.raises(ValueError, match=r"unknown kernel function 'gelu'; choose one of "
+    with pytest.raises(ValueError, match=r"unknown feature map 'gelu' \(phi\); choose one of "
                                          r"\['exp', 'identity'"):
         inline.InLineAttention(32, 2, feature_map='gelu')
     with pytest.raises(ValueError, match=r"needs a non-negative feature map"):
@@ -811,6 +811,39 @@ def test_recipe_a_new_kernel_function(monkeypatch):
     assert_fast_model_equals_reference('inline_swin_t', feature_map='softplus')
     assert meta_model('inline_swin_t', layout='LLLS', feature_map='softplus')  # >= 0: linear attention takes it
     assert meta_model('inline_swin_t', feature_map='softplus').options['feature_map'] == 'softplus'
+
+
+def test_recipe_another_statistic_in_place_of_eq5s_mean(monkeypatch):
+    """inline_attention's docstring and the README: a median in k_mean's place changes nothing in the centred
+    linear form (the centred values sum to zero, so any constant cancels), while the explicit weights change;
+    in the uncentred form, g q_i^T sum_j (k_j - c) v_j^T + v_mean, the median gives the explicit weights'
+    output with the median: the form a change to Eq. 5's mean belongs in."""
+    q, k, v = qkv(2, 2, 13, 4)
+    before = inline.inline_attention(q, k, v)
+    median = k.median(dim=2, keepdim=True).values  # (B, H, 1, D)
+    edit(monkeypatch, inline, 'inline_attention', 'k_mean = k.mean(dim=2, keepdim=True)',
+         'k_mean = k.median(dim=2, keepdim=True).values')
+    edit(monkeypatch, inline, 'inline_weights', 'k_mean = k.mean(dim=2, keepdim=True)',
+         'k_mean = k.median(dim=2, keepdim=True).values')
+    centred = inline.inline_attention(q, k, v)
+    assert (centred - before).abs().max() < 1e-12  # the silent no-op the docstring warns of
+    explicit = inline.inline_attention_quadratic(q, k, v)
+    assert (explicit - before).abs().max() > 1e-2
+    N, s = q.shape[2], inline.attention_scale(q.shape[-1])
+    uncentred = (inline.eq5_gain(s, N) * q) @ ((k - median).transpose(-2, -1) @ v) + v.mean(2, keepdim=True)
+    torch.testing.assert_close(uncentred, explicit, rtol=0, atol=1e-12)
+
+
+def test_renamed_options_are_refused_naming_the_new():
+    """kernel is feature_map, residual is eq6, fast=True is fast='compile': refused under the old name, with
+    the new one, in the module, create_model and train.py's flags (test_train.py)."""
+    with pytest.raises(TypeError, match=r"InLineAttention got unknown option\(s\) kernel \(now feature_map\)"):
+        inline.InLineAttention(32, 2, kernel='relu')
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) residual \(now eq6\)"):
+        meta_model('inline_swin_t', residual='none')
+    with pytest.raises(ValueError, match=r"fast=True: choose one of \[None, 'compile', 'triton'\] \(fast=True is "
+                                         r"now fast='compile'\)"):
+        meta_model('inline_swin_t', fast=True)
 
 
 def test_recipe_another_neighbourhood_for_eq6():

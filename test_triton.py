@@ -233,6 +233,6 @@ def test_bench_gpu_smoke_rows_have_their_keys():
         if row['status'] == 'ok':
             assert all(row[key] > 0 for key in ('fwd_ms', 'fwdbwd_ms', 'peak_mb')), row
     assert rows[1]['status'] == "not run (needs CUDA or TRITON_INTERPRET=1)"
-    step = bench.bench_gpu_step(False, torch.device('cpu'), smoke=True)
+    step = bench.bench_gpu_step(None, torch.device('cpu'), smoke=True)
     assert step['status'] == 'ok' and step['step_ms'] > 0 and step['peak_mb'] > 0, step
     print('\n'.join(bench.format_gpu_row(row) for row in rows + [step]))
