@@ -5,12 +5,13 @@ Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention", N
 arXiv 2412.06590. `inline_core_triton` takes the arguments, layout and result of inline.inline_core
 (read that first: this file computes the same numbers, a block of tokens at a time). Notation as in
 inline.py: B batch, H heads, N tokens, D head dim, C = H*D, (h, w) the token grid after P leading
-tokens; T = size^2 neighbours in Eq. 6; g = inline.eq5_gain(s, N); Cov' = g N Cov.
+tokens; T = size^2 the weights per channel of Eq. 6, r (B, T*C); g = inline.eq5_gain(s, N);
+Cov' = g N Cov.
 
     forward   1. eq5_covariance  per (b, h):         k_mean, v_mean, then Cov'          (Eq. 5)
               2. inline_forward  per (b, h, block):  o = q Cov' + v_mean + sum_t r_t v_t (Eq. 5, 6)
     backward  3. eq5_sums        per (b, h):         G = g Q^T dO and mean_i dO_i
-              4. eq6_taps        per (b, h, t):      dr_t = sum_i dO_i v_{N_t(i)}        (Eq. 6)
+              4. eq6_dr          per (b, h, t):      dr_t = sum_i dO_i v_{N_t(i)}        (Eq. 6)
               5. inline_backward per (b, h, block):  dq, dk, dv in closed form, Eq. 6 transposed
 
 Every sum accumulates in fp32, whatever the inputs (fp32, fp16, bf16). tl.dot needs sides >= 16, so
@@ -35,7 +36,14 @@ INTERPRETED = triton.knobs.runtime.interpret  # as the kernels below were decora
 
 
 # --------------------------------------------------------------------------------------------------
-# Eq. 6's neighbourhood on the token axis, and the loads every kernel shares
+# Eq. 6's neighbourhood on the token axis, and the offsets and loads every kernel shares
+
+@triton.jit
+def neighbour_offset(t, SIZE: tl.constexpr, dilation):
+    """Neighbour t's offset (dy, dx) on the grid from its token: t = SIZE*row + col, row-major over
+    the SIZE x SIZE neighbourhood as inline.py counts, centred on the token, spaced by dilation."""
+    return dilation * (t // SIZE - SIZE // 2), dilation * (t % SIZE - SIZE // 2)
+
 
 @triton.jit
 def neighbour(n, N, P, h, w, dy, dx):
@@ -60,10 +68,17 @@ def load_rows(ptr, n, d, N, D, ok=None):
 
 
 @triton.jit
-def load_tap(r_ptr, bh, d, D, t, T):
+def load_r(r_ptr, bh, d, D, t, T):
     """Eq. 6's weights r[b, T*c + t] of neighbour t for the head's channels c = h*D + d: (BLOCK_D,)
     read in place from r (B, T*C), since T*(h*D + d) + b*T*C = T*(bh*D + d), bh = b*H + h."""
     return tl.load(r_ptr + T * (bh * D + d) + t, mask=d < D, other=0.).to(tl.float32)
+
+
+@triton.jit
+def square(i, d, BLOCK_D: tl.constexpr):
+    """Offsets (BLOCK_D, BLOCK_D) of the i-th padded (D, D) fp32 sum in a stack of them, row-major:
+    Cov' and G, one per (b, h)."""
+    return i * BLOCK_D * BLOCK_D + d[:, None] * BLOCK_D + d[None, :]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,36 +112,33 @@ def eq5_covariance(k_ptr, v_ptr, k_mean_ptr, v_mean_ptr, cov_ptr, N, D, gain,
         cov += tl.dot(tl.trans(k_c), v_c, input_precision=PRECISION)  # (BLOCK_D, BLOCK_D)
     tl.store(k_mean_ptr + bh * BLOCK_D + d, k_mean)
     tl.store(v_mean_ptr + bh * BLOCK_D + d, v_mean)
-    square = bh * BLOCK_D * BLOCK_D + d[:, None] * BLOCK_D + d[None, :]
-    tl.store(cov_ptr + square, gain * cov)  # Eq. 5's g N Cov, zero in the padding
+    tl.store(cov_ptr + square(bh, d, BLOCK_D), gain * cov)  # Eq. 5's g N Cov, zero in the padding
 
 
 @triton.jit
 def inline_forward(q_ptr, v_ptr, r_ptr, v_mean_ptr, cov_ptr, o_ptr, N, D, P, h, w, dilation,
-                   HAS_R: tl.constexpr, SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                   SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """Per (b, h, token block): o_i = q_i^T Cov' + v_mean, Eq. 5 summed over j (inline_attention),
-    then on grid tokens Eq. 6, + sum_t r_t * v at neighbour t."""
+    then on grid tokens Eq. 6, + sum_t r_t * v at neighbour t; r_ptr None: no Eq. 6."""
     bh = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     q_ptr += bh * N * D
     v_ptr += bh * N * D
-    cov = tl.load(cov_ptr + bh * BLOCK_D * BLOCK_D + d[:, None] * BLOCK_D + d[None, :])
+    cov = tl.load(cov_ptr + square(bh, d, BLOCK_D))  # (BLOCK_D, BLOCK_D)
     v_mean = tl.load(v_mean_ptr + bh * BLOCK_D + d)  # (BLOCK_D,)
     q = load_rows(q_ptr, n, d, N, D)  # (BLOCK_N, BLOCK_D)
     # Eq. 5, summed over j: sum_j w_ij v_j = g q_i^T sum_j (k_j - k_mean) v_j^T + v_mean
     o = tl.dot(q, cov, input_precision=PRECISION) + v_mean[None, :]
-    if HAS_R:
+    if r_ptr is not None:  # decided when the kernel is compiled: see InLineTriton.forward
         T: tl.constexpr = SIZE * SIZE
-        # neighbour t = SIZE*dy + dx, row-major as inline.py counts; a loop, not unrolled: nine
-        # gathers in flight spill registers at D = 64 (ptxas, sm_90)
+        # a loop, not unrolled: nine gathers in flight spill registers at D = 64 (ptxas, sm_90)
         for t in range(T):
-            dy = dilation * (t // SIZE - SIZE // 2)
-            dx = dilation * (t % SIZE - SIZE // 2)
+            dy, dx = neighbour_offset(t, SIZE, dilation)
             m, ok = neighbour(n, N, P, h, w, dy, dx)
             # Eq. 6
-            o += load_tap(r_ptr, bh, d, D, t, T)[None, :] * load_rows(v_ptr, m, d, N, D, ok)
+            o += load_r(r_ptr, bh, d, D, t, T)[None, :] * load_rows(v_ptr, m, d, N, D, ok)
     rows = (n[:, None] < N) & (d[None, :] < D)
     tl.store(o_ptr + bh * N * D + n[:, None] * D + d[None, :], o, mask=rows)
 
@@ -151,13 +163,13 @@ def eq5_sums(q_ptr, do_ptr, g_ptr, do_mean_ptr, N, D, gain,
         do = load_rows(do_ptr, start + n0, d, N, D)
         G += tl.dot(tl.trans(q), do, input_precision=PRECISION)  # (BLOCK_D, BLOCK_D)
         do_sum += tl.sum(do, axis=0)
-    tl.store(g_ptr + bh * BLOCK_D * BLOCK_D + d[:, None] * BLOCK_D + d[None, :], gain * G)
+    tl.store(g_ptr + square(bh, d, BLOCK_D), gain * G)
     tl.store(do_mean_ptr + bh * BLOCK_D + d, do_sum / N)
 
 
 @triton.jit
-def eq6_taps(do_ptr, v_ptr, dr_ptr, N, D, P, h, w, dilation,
-             SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def eq6_dr(do_ptr, v_ptr, dr_ptr, N, D, P, h, w, dilation,
+           SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per (b, h, neighbour t): the gradient of Eq. 6's weights, dr[b, T*c + t] = sum_i dO_i * v at
     neighbour t of i, for the head's channels c. One program a sum: no atomics, the same every
     run."""
@@ -165,8 +177,7 @@ def eq6_taps(do_ptr, v_ptr, dr_ptr, N, D, P, h, w, dilation,
     do_ptr += bh * N * D
     v_ptr += bh * N * D
     n0, d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
-    dy = dilation * (t // SIZE - SIZE // 2)
-    dx = dilation * (t % SIZE - SIZE // 2)
+    dy, dx = neighbour_offset(t, SIZE, dilation)
     dr = tl.zeros([BLOCK_D], tl.float32)
     for start in range(0, N, BLOCK_N):
         m, ok = neighbour(start + n0, N, P, h, w, dy, dx)
@@ -177,17 +188,18 @@ def eq6_taps(do_ptr, v_ptr, dr_ptr, N, D, P, h, w, dilation,
 
 
 @triton.jit
-def inline_backward(q_ptr, k_ptr, v_ptr, do_ptr, r_ptr, k_mean_ptr, v_mean_ptr, cov_ptr, g_ptr,
+def inline_backward(k_ptr, v_ptr, do_ptr, r_ptr, k_mean_ptr, v_mean_ptr, cov_ptr, g_ptr,
                     do_mean_ptr, dq_ptr, dk_ptr, dv_ptr, N, D, P, h, w, dilation,
-                    HAS_R: tl.constexpr, SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """Per (b, h, token block): dq, dk, dv of the block's tokens from the (D, D) sums above."""
+                    SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Per (b, h, token block): dq, dk, dv of the block's tokens from the (D, D) sums above (q
+    itself is not needed: it reached them through G); r_ptr None: no Eq. 6."""
     bh = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     for_head = bh * N * D  # where this (b, h)'s (N, D) slice starts
-    square = bh * BLOCK_D * BLOCK_D + d[:, None] * BLOCK_D + d[None, :]
-    cov, G = tl.load(cov_ptr + square), tl.load(g_ptr + square)  # (BLOCK_D, BLOCK_D) each
+    sums = square(bh, d, BLOCK_D)
+    cov, G = tl.load(cov_ptr + sums), tl.load(g_ptr + sums)  # (BLOCK_D, BLOCK_D) each
     do = load_rows(do_ptr + for_head, n, d, N, D)  # (BLOCK_N, BLOCK_D)
     k_c = load_rows(k_ptr + for_head, n, d, N, D) - tl.load(k_mean_ptr + bh * BLOCK_D + d)[None, :]
     v_c = load_rows(v_ptr + for_head, n, d, N, D) - tl.load(v_mean_ptr + bh * BLOCK_D + d)[None, :]
@@ -196,13 +208,12 @@ def inline_backward(q_ptr, k_ptr, v_ptr, do_ptr, r_ptr, k_mean_ptr, v_mean_ptr, 
     dv = tl.dot(k_c, G, input_precision=PRECISION)  # k_c G
     dv += tl.load(do_mean_ptr + bh * BLOCK_D + d)[None, :]  # + mean_i dO_i, from o = ... + v_mean
     # Eq. 6 transposed: v_j reached token i = j - offset_t with weight r_t: dv_j += r_t dO_i
-    if HAS_R:
+    if r_ptr is not None:
         T: tl.constexpr = SIZE * SIZE
         for t in range(T):
-            dy = dilation * (t // SIZE - SIZE // 2)
-            dx = dilation * (t % SIZE - SIZE // 2)
+            dy, dx = neighbour_offset(t, SIZE, dilation)
             i, ok = neighbour(n, N, P, h, w, -dy, -dx)
-            dv += (load_tap(r_ptr, bh, d, D, t, T)[None, :]
+            dv += (load_r(r_ptr, bh, d, D, t, T)[None, :]
                    * load_rows(do_ptr + for_head, i, d, N, D, ok))
     where, rows = for_head + n[:, None] * D + d[None, :], (n[:, None] < N) & (d[None, :] < D)
     tl.store(dq_ptr + where, dq, mask=rows)
@@ -233,21 +244,45 @@ def precision(dtype):
 
 
 class InLineTriton(torch.autograd.Function):
+    """inline.inline_core as one autograd Function of the kernels above. Per (b, h), in (N, D)
+    matrices with the token means subtracted, K_c = K - k_mean and V_c = V - v_mean, g =
+    inline.eq5_gain(s, N), N_t(i) the token at neighbour t of token i (no term where it is off the
+    grid or i is a leading token) and * per channel:
+
+      forward   Cov' = g K_c^T V_c   (D, D)                  eq5_covariance     (Eq. 5)
+                o_i  = q_i^T Cov' + v_mean                   inline_forward     (Eq. 5)
+                       + sum_t r_t * v_{N_t(i)}                                 (Eq. 6)
+      backward  G = g Q^T dO  (D, D),  mean_i dO_i           eq5_sums
+                dr_t = sum_i dO_i * v_{N_t(i)}               eq6_dr             (Eq. 6)
+                dQ = dO Cov'^T,  dK = V_c G^T,               inline_backward
+                dv_j = (K_c G)_j + mean_i dO_i + sum_t r_t * dO_i where N_t(i) = j   (Eq. 6)
+
+    The backward is closed-form, nothing of the forward replayed: the gradient of Q Cov' is
+    dO Cov'^T for Q and Q^T dO for Cov', and Cov' = g K_c^T V_c passes the latter on as V_c G^T and
+    K_c G. The means' own gradients vanish, each meeting a column sum of K_c or V_c, which is 0.
+    Saved for it: q, k, v, r and the fp32 means and Cov'."""
+
     @staticmethod
     def forward(ctx, q, k, v, r, grid, s, size, dilation, scale_by_count):
         B, H, N, D = q.shape
         (h, w), BLOCK_D, PRECISION = grid, block_d(D), precision(q.dtype)
         gain = inline.eq5_gain(s, N, scale_by_count)  # Cov' = g N Cov: g times the plain sum
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (B, H, N, D), one layout
-        r = r.contiguous() if r is not None else None  # (B, T*C)
+        # (B, T*C), or None: no Eq. 6. Triton compiles a None argument as a constant, so the
+        # kernels' `if r_ptr is not None` is decided when they are compiled: without Eq. 6 they
+        # are a variant with no r at all, and no stand-in pointer is needed
+        r = r.contiguous() if r is not None else None
         f32 = dict(device=q.device, dtype=torch.float32)
         k_mean, v_mean = torch.empty(B * H, BLOCK_D, **f32), torch.empty(B * H, BLOCK_D, **f32)
         cov = torch.empty(B * H, BLOCK_D, BLOCK_D, **f32)
-        eq5_covariance[(B * H,)](k, v, k_mean, v_mean, cov, N, D, gain, BLOCK_N, BLOCK_D, PRECISION)
+        eq5_covariance[(B * H,)](
+            k_ptr=k, v_ptr=v, k_mean_ptr=k_mean, v_mean_ptr=v_mean, cov_ptr=cov, N=N, D=D,
+            gain=gain, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=PRECISION)
         o = torch.empty_like(q)  # (B, H, N, D)
         inline_forward[(B * H, triton.cdiv(N, BLOCK_N))](
-            q, v, v if r is None else r, v_mean, cov, o, N, D, N - h * w, h, w, dilation,
-            r is not None, size, BLOCK_N, BLOCK_D, PRECISION, num_warps=warps(BLOCK_D))
+            q_ptr=q, v_ptr=v, r_ptr=r, v_mean_ptr=v_mean, cov_ptr=cov, o_ptr=o, N=N, D=D,
+            P=N - h * w, h=h, w=w, dilation=dilation, SIZE=size, BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D, PRECISION=PRECISION, num_warps=warps(BLOCK_D))
         ctx.save_for_backward(q, k, v, r, k_mean, v_mean, cov)
         ctx.grid, ctx.gain, ctx.size, ctx.dilation = grid, gain, size, dilation
         return o
@@ -260,17 +295,21 @@ class InLineTriton(torch.autograd.Function):
         do = do.to(q.dtype).contiguous()  # (B, H, N, D)
         f32 = dict(device=q.device, dtype=torch.float32)
         G, do_mean = torch.empty(B * H, BLOCK_D, BLOCK_D, **f32), torch.empty(B * H, BLOCK_D, **f32)
-        eq5_sums[(B * H,)](q, do, G, do_mean, N, D, ctx.gain, BLOCK_N, BLOCK_D, PRECISION)
+        eq5_sums[(B * H,)](
+            q_ptr=q, do_ptr=do, g_ptr=G, do_mean_ptr=do_mean, N=N, D=D, gain=ctx.gain,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=PRECISION)
         dr = None
         if r is not None:
             dr = torch.empty_like(r)  # (B, T*C)
-            eq6_taps[(B * H, ctx.size ** 2)](do, v, dr, N, D, N - h * w, h, w, ctx.dilation,
-                                             ctx.size, BLOCK_N, BLOCK_D)
+            eq6_dr[(B * H, ctx.size ** 2)](
+                do_ptr=do, v_ptr=v, dr_ptr=dr, N=N, D=D, P=N - h * w, h=h, w=w,
+                dilation=ctx.dilation, SIZE=ctx.size, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         inline_backward[(B * H, triton.cdiv(N, BLOCK_N))](
-            q, k, v, do, v if r is None else r, k_mean, v_mean, cov, G, do_mean, dq, dk, dv,
-            N, D, N - h * w, h, w, ctx.dilation, r is not None, ctx.size, BLOCK_N, BLOCK_D,
-            PRECISION, num_warps=warps(BLOCK_D))
+            k_ptr=k, v_ptr=v, do_ptr=do, r_ptr=r, k_mean_ptr=k_mean, v_mean_ptr=v_mean,
+            cov_ptr=cov, g_ptr=G, do_mean_ptr=do_mean, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, N=N, D=D,
+            P=N - h * w, h=h, w=w, dilation=ctx.dilation, SIZE=ctx.size, BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D, PRECISION=PRECISION, num_warps=warps(BLOCK_D))
         return dq, dk, dv, dr, None, None, None, None, None
 
 
