@@ -26,8 +26,10 @@ CUDA = torch.cuda.is_available() and not INTERPRETED
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (B, H, P, grid, D, label, options): P leading tokens before the (h, w) grid, N = P + h*w; options of
-# inline_core ('tensor': a learnable scale per head). BLOCK_N is 64 tokens, so N = 197 and 72 end in a
-# partial block, and D = 4, 8, 12 are padded to 16.
+# inline_core ('tensor': a learnable scale per head), and 'shift', added to k and v. BLOCK_N is 64 tokens,
+# so N = 197 and 72 end in a partial block, and D = 4, 8, 12 are padded to 16. The sums over all tokens
+# split into chunks of whole blocks (triton_core.split, INTERPRETED_SMS = 4 here): N = 197 into 2, N = 72
+# into 2, and the 'chunks' cases into 3 and 5, each with a short last chunk (test_cases_split_the_tokens).
 CASES = [
     (1, 3, 1, (14, 14), 32, '', {}),  # DeiT-T at 224 px: a class token, N = 197 = 3 blocks + 5
     (2, 2, 1, (6, 7), 8, '', {}),  # a class token before a non-square grid
@@ -42,6 +44,11 @@ CASES = [
     (2, 2, 1, (8, 8), 16, 'dilation2', dict(dilation=2)),  # R-dil
     (2, 2, 0, (6, 7), 16, 'size5', dict(size=5)),  # a 5x5 neighbourhood
     (2, 2, 0, (6, 7), 16, 'size1', dict(size=1)),  # 'plain': o_i += r * v_i
+    (1, 2, 1, (16, 17), 8, 'chunks', {}),  # N = 273: chunks of 128, 128 and 17 tokens
+    # N = 260: chunks of 64, 64, 64, 64 and 4 tokens; k and v far from 0, where Cov keeps its precision
+    # only centred on the means of all N tokens (uncentred, K^T V / N - k_mean^T v_mean, dq missed its
+    # fp32 bound 290-fold here)
+    (1, 1, 0, (13, 20), 8, 'chunks-far-means', dict(shift=30.)),
 ]
 DTYPES = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}
 FP32_TOLERANCE = 1e-5  # of the tensor's largest entry: fp32 sums over tokens, in another order than torch's
@@ -59,7 +66,9 @@ def core_inputs(B, H, P, grid, D, options, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     N, T = P + grid[0] * grid[1], options.get('size', inline.LOCAL_SIZE) ** 2
     q, k, v, do = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(4))
-    tensors = dict(q=q, k=k + torch.randn(B, H, 1, D, generator=g, dtype=torch.float64), v=v + 0.5)
+    shift = options.get('shift', 0.)
+    tensors = dict(q=q, k=k + torch.randn(B, H, 1, D, generator=g, dtype=torch.float64) + shift,
+                   v=v + 0.5 + shift)
     if 'r' not in options:
         tensors['r'] = 0.3 * torch.randn(B, T * H * D, generator=g, dtype=torch.float64)
     if options.get('scale') == 'tensor':
@@ -71,7 +80,7 @@ def core_inputs(B, H, P, grid, D, options, dtype, seed=0):
 def run_core(core, tensors, grid, options, dtype, device):
     """{'o': output, 'dq': ..., 'dr', 'dscale'}: core's output and gradients as float64 on the CPU."""
     leaves = {name: t.to(device, dtype).requires_grad_() for name, t in tensors.items() if name != 'do'}
-    kwargs = {key: value for key, value in options.items() if key not in ('r', 'scale')}
+    kwargs = {key: value for key, value in options.items() if key not in ('r', 'scale', 'shift')}
     scale = leaves.get('scale', options.get('scale'))
     o = core(leaves['q'], leaves['k'], leaves['v'], leaves.get('r'), grid, scale=scale, **kwargs)
     assert o.dtype == dtype and o.shape == leaves['q'].shape
@@ -150,6 +159,24 @@ def test_interpreted_core_takes_strided_views_and_autocast_and_no_gradient():
         quiet = triton_core.inline_core_triton(q.half(), k.half(), v.half(), r.half(), grid)
     assert cast.dtype == quiet.dtype == torch.float16 and not q.is_contiguous()
     assert torch.equal(cast, plain) and torch.equal(quiet, plain)
+
+
+def test_cases_split_the_tokens():
+    """The split that CASES prove under the interpreter: several chunks of whole blocks, the last one
+    short; and on an H100's 132 SMs, Swin-T's stage 1 (3 heads, 3136 tokens = 49 blocks) splits so that
+    every SM gets a program: 49 chunks of one block at batch 1 (147 programs), 7 of 8 blocks at batch 8
+    (168), one at batch 128 (384)."""
+    chunks = {}
+    for B, H, P, grid, D, label, options in CASES:
+        N = P + grid[0] * grid[1]
+        chunk = triton_core.split(B * H, N, triton_core.INTERPRETED_SMS)
+        chunks[label or f"N{N}"] = (-(-N // chunk), N - (-(-N // chunk) - 1) * chunk)  # (S, last chunk's)
+    assert chunks['N197'] == (2, 5) and chunks['N72'] == (2, 8)
+    assert chunks['chunks'] == (3, 17) and chunks['chunks-far-means'] == (5, 4)
+    for B, chunk, programs in ((1, 64, 147), (8, 512, 168), (128, 64 * 49, 384)):
+        assert triton_core.split(B * 3, 3136, 132) == chunk
+        S = triton_core.launch_grids(B, 3, 3136, 3, chunk)['eq5_covariance'][1]
+        assert B * 3 * S == programs >= 132
 
 
 def test_core_refuses_what_it_does_not_compute():
