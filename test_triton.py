@@ -27,9 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (B, H, P, grid, D, label, options): P leading tokens before the (h, w) grid, N = P + h*w; options of
 # inline_core ('tensor': a learnable scale per head), and 'shift', added to k and v. BLOCK_N is 64 tokens,
-# so N = 197 and 72 end in a partial block, and D = 4, 8, 12 are padded to 16. The sums over all tokens
-# split into chunks of whole blocks (triton_core.split, INTERPRETED_SMS = 4 here): N = 197 into 2, N = 72
-# into 2, and the 'chunks' cases into 3 and 5, each with a short last chunk (test_cases_split_the_tokens).
+# so N = 197 and 72 end in a partial block, and D = 4, 8, 12 are padded to 16. From 1024 tokens the sums
+# over all tokens split into chunks of whole blocks (triton_core.split, with INTERPRETED_SMS = 4 here):
+# the 'chunks' case into 3 (test_cases_split_the_tokens).
 CASES = [
     (1, 3, 1, (14, 14), 32, '', {}),  # DeiT-T at 224 px: a class token, N = 197 = 3 blocks + 5
     (2, 2, 1, (6, 7), 8, '', {}),  # a class token before a non-square grid
@@ -44,11 +44,10 @@ CASES = [
     (2, 2, 1, (8, 8), 16, 'dilation2', dict(dilation=2)),  # R-dil
     (2, 2, 0, (6, 7), 16, 'size5', dict(size=5)),  # a 5x5 neighbourhood
     (2, 2, 0, (6, 7), 16, 'size1', dict(size=1)),  # 'plain': o_i += r * v_i
-    (1, 2, 1, (16, 17), 8, 'chunks', {}),  # N = 273: chunks of 128, 128 and 17 tokens
-    # N = 260: chunks of 64, 64, 64, 64 and 4 tokens; k and v far from 0, where Cov keeps its precision
-    # only centred on the means of all N tokens (uncentred, K^T V / N - k_mean^T v_mean, dq missed its
-    # fp32 bound 290-fold here)
-    (1, 1, 0, (13, 20), 8, 'chunks-far-means', dict(shift=30.)),
+    # N = 1057: chunks of 512, 512 and 33 tokens; k and v far from 0, where Cov keeps its precision only
+    # centred on the means of all N tokens (uncentred, K^T V / N - k_mean^T v_mean, dq missed its fp32
+    # bound 400-fold here)
+    (1, 2, 1, (32, 33), 8, 'chunks', dict(shift=30.)),
 ]
 DTYPES = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}
 FP32_TOLERANCE = 1e-5  # of the tensor's largest entry: fp32 sums over tokens, in another order than torch's
@@ -163,20 +162,22 @@ def test_interpreted_core_takes_strided_views_and_autocast_and_no_gradient():
 
 def test_cases_split_the_tokens():
     """The split that CASES prove under the interpreter: several chunks of whole blocks, the last one
-    short; and on an H100's 132 SMs, Swin-T's stage 1 (3 heads, 3136 tokens = 49 blocks) splits so that
-    every SM gets a program: 49 chunks of one block at batch 1 (147 programs), 7 of 8 blocks at batch 8
-    (168), one at batch 128 (384)."""
+    short, and none under SPLIT_FROM tokens; on an H100's 132 SMs, Swin-T's stage 1 (3 heads, 3136
+    tokens = 49 blocks) splits so that every SM gets a program: 49 chunks of one block at batch 1 (147
+    programs), 7 of 8 blocks at batch 8 (168), one at batch 128 (384); DeiT-T's 197 tokens do not."""
     chunks = {}
     for B, H, P, grid, D, label, options in CASES:
         N = P + grid[0] * grid[1]
         chunk = triton_core.split(B * H, N, triton_core.INTERPRETED_SMS)
-        chunks[label or f"N{N}"] = (-(-N // chunk), N - (-(-N // chunk) - 1) * chunk)  # (S, last chunk's)
-    assert chunks['N197'] == (2, 5) and chunks['N72'] == (2, 8)
-    assert chunks['chunks'] == (3, 17) and chunks['chunks-far-means'] == (5, 4)
-    for B, chunk, programs in ((1, 64, 147), (8, 512, 168), (128, 64 * 49, 384)):
-        assert triton_core.split(B * 3, 3136, 132) == chunk
-        S = triton_core.launch_grids(B, 3, 3136, 3, chunk)['eq5_covariance'][1]
-        assert B * 3 * S == programs >= 132
+        S = -(-N // chunk)
+        chunks[label or f"N{N}"] = (S, N - (S - 1) * chunk)  # (chunks, the last one's tokens)
+    assert chunks['chunks'] == (3, 33)
+    assert all(S == 1 for label, (S, _) in chunks.items() if label != 'chunks'), chunks
+    for B, N, chunk, programs in ((1, 3136, 64, 147), (8, 3136, 512, 168), (128, 3136, 3136, 384),
+                                  (1, 197, 256, 3)):
+        assert triton_core.split(B * 3, N, 132) == chunk
+        S = triton_core.launch_grids(B, 3, N, 3, chunk)['eq5_covariance'][1]
+        assert B * 3 * S == programs
 
 
 def test_core_refuses_what_it_does_not_compute():

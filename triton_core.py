@@ -40,8 +40,11 @@ import inline
 # tokens a program holds at once; with warps() below, no register spills (ptxas, sm_90)
 BLOCK_N = 64
 INTERPRETED = triton.knobs.runtime.interpret  # as the kernels below were decorated: numpy on CPU
-# the SMs split() counts for CPU tensors under the interpreter: few, so that the tests' small
-# shapes already make several chunks
+# split(): a (b, h) of fewer tokens is summed by one program, whose loop is then about as short as
+# the two launches a split adds (eq5_means's own and the shares' sum); bench.py --triton-cost
+SPLIT_FROM = 1024
+# the SMs split() counts for CPU tensors under the interpreter: few, so that a test's shape of
+# about SPLIT_FROM tokens makes several chunks
 INTERPRETED_SMS = 4
 
 
@@ -263,10 +266,12 @@ def block_d(D):
 def split(BH, N, sms):
     """Tokens per chunk of the per-(b, h) sums (eq5_means, eq5_covariance, eq5_sums): whole blocks
     of BLOCK_N, as many blocks a chunk as still give every SM a program (B*H*S >= sms, S chunks),
-    or one where even that does not. One program per (b, h) would leave most SMs idle while B*H < sms:
-    24 programs at Swin-T's stage 1, batch 8, on an H100's 132. More chunks than the SMs need
-    would only add shares to sum."""
+    or one where even that does not. One program per (b, h) would leave most SMs idle while
+    B*H < sms: 24 programs at Swin-T's stage 1, batch 8, on an H100's 132. More chunks than the
+    SMs need would only add shares to sum. Under SPLIT_FROM tokens, one chunk."""
     blocks = triton.cdiv(N, BLOCK_N)
+    if N < SPLIT_FROM:
+        return blocks * BLOCK_N
     return BLOCK_N * min(blocks, max(1, BH * blocks // sms))
 
 
