@@ -261,6 +261,37 @@ def test_bench_gpu_smoke_rows_have_their_keys():
         if row['status'] == 'ok':
             assert all(row[key] > 0 for key in ('fwd_ms', 'fwdbwd_ms', 'peak_mb')), row
     assert rows[1]['status'] == "not run (needs CUDA or TRITON_INTERPRET=1)"
+    assert 0 < rows[1]['expected_fwd_ms'] < rows[1]['expected_fwdbwd_ms'], rows[1]  # an H100's, by model
     step = bench.bench_gpu_step(False, torch.device('cpu'), smoke=True)
     assert step['status'] == 'ok' and step['step_ms'] > 0 and step['peak_mb'] > 0, step
     print('\n'.join(bench.format_gpu_row(row) for row in rows + [step]))
+
+
+def test_triton_cost_counts_match_hand_formulas():
+    """bench.py --triton-cost's counts, written out by hand: Swin-T's stage 1 in fp16 at batch 8 (B*H = 24
+    programs a token block, N = 3136 = 49 blocks of 64, split into 7 chunks of 512, D = 32, T = 9) and at
+    batch 1, and the H100's times of a memory-bound and an occupancy-bound launch."""
+    if INTERPRETED:
+        pytest.skip("the main run's test")
+    import bench
+    launches = {launch['name']: launch for launch in bench.triton_launches(8, 3, 3136, 32)}
+    assert list(launches) == ['eq5_means', 'sum of mean shares', 'eq5_covariance', "sum of Cov' shares",
+                              'inline_forward', 'eq5_sums', 'sum of G shares', 'sum of dO shares', 'eq6_dr',
+                              'inline_backward']
+    x, r = 8 * 3 * 3136 * 32 * 2, 8 * 9 * 3 * 32 * 2  # one (B, H, N, D) fp16 tensor, 4,816,896 bytes; r
+    square, vec = 24 * 32 * 32 * 4, 24 * 32 * 4  # fp32 (B*H, D, D) and (B*H, D)
+    assert [launches[name]['programs'] for name in ('eq5_covariance', 'inline_forward', 'eq6_dr')] == [
+        24 * 7, 24 * 49, 24 * 9]
+    assert launches['eq5_covariance']['bytes'] == 2 * x + 2 * vec + 7 * square  # k, v, means; 7 shares
+    assert launches['inline_forward']['bytes'] == 3 * x + r + square + vec == 14_565_888  # q, v, o
+    assert launches["sum of Cov' shares"]['bytes'] == 8 * square  # 7 shares in, their sum out
+    assert launches['inline_backward']['tensor_flops'] == 3 * 2 * 24 * 3136 * 32 * 32  # three products
+    assert launches['eq6_dr']['flops'] == 2 * 9 * 24 * 3136 * 32  # a multiply-add a neighbour, element
+    us = bench.launch_us(launches['inline_backward'])
+    assert max(us, key=us.get) == 'memory'
+    assert us['memory'] == pytest.approx((6 * x + r + 2 * square + 3 * vec) / 3.35e12 * 1e6)  # 8.7 µs
+    one = {launch['name']: launch for launch in bench.triton_launches(1, 3, 3136, 32)}
+    assert one['eq5_covariance']['programs'] == 3 * 49 and one['eq6_dr']['programs'] == 27
+    us = bench.launch_us(one['eq6_dr'])  # 27 programs: 27 of the 132 SMs
+    assert us['memory'] == pytest.approx((2 * x + r) / 8 / 3.35e12 / (27 / 132) * 1e6)
+    assert len(bench.triton_launches(128, 3, 3136, 32)) == 6  # one chunk: no sums of shares
