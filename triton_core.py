@@ -16,15 +16,14 @@ Cov' = g N Cov; S the chunks of the token axis that the sums over all N tokens a
               6. inline_backward per (b, h, block):  dq, dk, dv in closed form, Eq. 6 transposed
 
 A sum over all N tokens in one program per (b, h) would leave most of a GPU idle while B*H is
-under its SM count, so each program of 1, 2 and 4 sums one chunk of the tokens, and torch adds
-the S chunks' shares (split() picks S; add_shares). torch, not a seventh kernel: its sum adds the
-shares in fp32 in one fixed order, the same every run, in one launch, all a kernel would do; the
-shares are about one (D, D) sum per SM. Every sum accumulates in fp32, whatever the inputs (fp32,
-fp16, bf16). tl.dot needs sides >= 16, so
-the head dim is padded to BLOCK_D = max(16, next power of 2) by masked loads: zero columns add
-nothing. It runs on CUDA, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set
-before triton is first imported), which is how test_triton.py proves it against the reference
-without a GPU:
+under its SM count, so programs 1, 2 and 4 each sum one chunk of the tokens (split() picks the
+chunks), and torch adds the S chunks' shares (add_shares). torch rather than a seventh kernel: its
+sum adds the shares in fp32, in one fixed order (the same every run), in one launch, all such a
+kernel would do; and the shares are small, about one (D, D) sum per SM. Every sum accumulates in
+fp32, whatever the inputs (fp32, fp16, bf16). tl.dot needs sides >= 16, so the head dim is padded
+to BLOCK_D = max(16, next power of 2) by masked loads: zero columns add nothing. It runs on CUDA,
+or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set before triton is first
+imported), which is how test_triton.py proves it against the reference without a GPU:
 
     python -m pytest -q test_triton.py                      # starts the interpreted run itself
     TRITON_INTERPRET=1 python -m pytest -q test_triton.py   # that run alone
