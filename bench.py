@@ -18,6 +18,7 @@ that printed it.
                                             # rebuttal
     python bench.py --gpu                   # on one GPU: reference, compiled, Triton, softmax; a
                                             # Swin-T step
+    python bench.py --triton-cost           # each launch of the Triton core costed for an H100
     (a whole-model training step, reference against fast core: python -m paper speed --model-step)
 
 Median times in one interleaved run, so load from other processes hits all; speed-ups are medians of
@@ -26,6 +27,7 @@ per-round ratios. Notation as in inline.py.
 import argparse
 import functools
 import json
+import math
 import statistics
 import sys
 import time
@@ -383,6 +385,115 @@ def _demo():
 
 
 # --------------------------------------------------------------------------------------------------
+# python bench.py --triton-cost: each launch of the Triton core (triton_core.py) costed for an H100
+# SXM from its launch grid and the bytes and FLOPs of its work; no GPU needed, nothing timed
+
+# An H100 SXM: SMs, HBM bytes/s, FLOP/s of tl.dot in TF32 (the core's precision for fp16 and bf16
+# inputs, triton_core.precision; dense, half of bf16's 990e12) and of fp32 arithmetic off the
+# tensor cores; and the least a launch takes, µs (starting a kernel, filling and draining the SMs,
+# Triton's launcher in Python: an assumption until a GPU measures it)
+H100 = dict(sms=132, bandwidth=3.35e12, tf32=495e12, fp32=67e12, launch_us=4.0)
+# name: (B, H, P, grid side, D), as GPU_CASES: Swin-T's stage 1 at batch 1, 8 and 128; DeiT-T at
+# 224 and 1024 px, batch 1 (a single image's latency)
+COST_CASES = {
+    'swin_t_stage1 B1': (1, 3, 0, 56, 32), 'swin_t_stage1 B8': (8, 3, 0, 56, 32),
+    'swin_t_stage1 B128': (128, 3, 0, 56, 32), 'deit_t_224px B1': (1, 3, 1, 14, 64),
+    'deit_t_1024px B1': (1, 3, 1, 64, 64),
+}
+
+
+def triton_launches(B, H, N, D, size=inline.LOCAL_SIZE, itemsize=2, gpu=H100):
+    """The launches of one forward and backward of triton_core.inline_core_triton with Eq. 6, in
+    order, each a dict: name, part, programs (its grid's; None for torch's sum of the chunks'
+    shares), bytes from and to memory (each tensor once: what programs read again, the L2 cache
+    serves) and FLOPs on the tensor cores (tl.dot, at BLOCK_D) and off them. q, k, v, r, o and the
+    gradients take itemsize bytes an element; the means, the (D, D) sums and their shares fp32.
+    Not counted: copies where q, k, v arrive as views (the models' are), and the allocations."""
+    import triton_core
+    T, BH, BD = size * size, B * H, triton_core.block_d(D)
+    chunk = triton_core.split(BH, N, gpu['sms'])
+    grids, S = triton_core.launch_grids(B, H, N, size, chunk), -(-N // chunk)
+    x, r = BH * N * D * itemsize, B * T * H * D * itemsize  # a (B, H, N, D) tensor; r (B, T*C)
+    vec, square = 4 * BH * BD, 4 * BH * BD * BD  # fp32 (B*H, BLOCK_D), (B*H, BLOCK_D, BLOCK_D)
+    dot, each = 2 * BH * N * BD * BD, BH * N * D  # (N, D) x (D, D) per (b, h); one op an element
+    launches = []
+
+    def kernel(name, part, nbytes, tensor_flops, flops):
+        if itemsize == 4:  # fp32 inputs: tl.dot exact, off the tensor cores (triton_core.precision)
+            tensor_flops, flops = 0, flops + tensor_flops
+        launches.append(dict(name=name, part=part, programs=math.prod(grids[name]), bytes=nbytes,
+                             tensor_flops=tensor_flops, flops=flops))
+
+    def add_shares(name, part, total):  # triton_core.add_shares: torch's sum, none for one chunk
+        if S > 1:
+            launches.append(dict(name=name, part=part, programs=None, bytes=(S + 1) * total,
+                                 tensor_flops=0, flops=(S - 1) * total // 4))
+
+    kernel('eq5_means', 'forward', 2 * x + 2 * S * vec, 0, 2 * each)
+    add_shares('sum of mean shares', 'forward', 2 * vec)
+    kernel('eq5_covariance', 'forward', 2 * x + 2 * vec + S * square, dot, 2 * each)
+    add_shares('sum of Cov\' shares', 'forward', square)
+    # q, v, o; Eq. 5's Q Cov' + v_mean, Eq. 6's T multiply-adds
+    kernel('inline_forward', 'forward', 3 * x + r + square + vec, dot, (1 + 2 * T) * each)
+    kernel('eq5_sums', 'backward', 2 * x + S * (square + vec), dot, each)
+    add_shares('sum of G shares', 'backward', square)
+    add_shares('sum of dO shares', 'backward', vec)
+    kernel('eq6_dr', 'backward', 2 * x + r, 0, 2 * T * each)
+    # k, v, dO in, dq, dk, dv out; three products; centring, + mean dO, Eq. 6 transposed
+    kernel('inline_backward', 'backward', 6 * x + r + 2 * square + 3 * vec, 3 * dot,
+           (3 + 2 * T) * each)
+    return launches
+
+
+def launch_us(launch, gpu=H100):
+    """{'memory', 'compute', 'latency': µs} of one launch: its bytes at the HBM bandwidth, its FLOPs
+    at the peaks (on the tensor cores and off them, one after the other), and the least a launch
+    takes. A launch of fewer programs than SMs runs on that share of the GPU: each program on one
+    SM, at its share of the bandwidth and the peaks. The expected time is the largest of the three,
+    and the launch is bound by it."""
+    share = 1 if launch['programs'] is None else min(1, launch['programs'] / gpu['sms'])
+    return {'memory': 1e6 * launch['bytes'] / gpu['bandwidth'] / share,
+            'compute': 1e6 * (launch['tensor_flops'] / gpu['tf32']
+                              + launch['flops'] / gpu['fp32']) / share,
+            'latency': gpu['launch_us']}
+
+
+def triton_expected_ms(B, H, N, D, itemsize=2, gpu=H100):
+    """(forward, forward + backward) ms of the Triton core by launch_us, launch after launch."""
+    us = {'forward': 0., 'backward': 0.}
+    for launch in triton_launches(B, H, N, D, itemsize=itemsize, gpu=gpu):
+        us[launch['part']] += max(launch_us(launch, gpu).values())
+    return us['forward'] / 1e3, (us['forward'] + us['backward']) / 1e3
+
+
+def bench_triton_cost(gpu=H100):
+    """python bench.py --triton-cost: for each case of COST_CASES in fp16/bf16, each launch's
+    programs, bytes, FLOPs and µs on gpu (launch_us), then each case's totals: two markdown
+    tables."""
+    print(f"| case | launch | programs | SMs used | MB | MFLOP tensor / other | µs memory | "
+          f"µs compute | µs expected | bound |\n|{'---|' * 10}")
+    totals = {}
+    for name, (B, H, P, side, D) in COST_CASES.items():
+        totals[name] = {'forward': [], 'backward': []}
+        for launch in triton_launches(B, H, P + side * side, D, gpu=gpu):
+            us, programs = launch_us(launch, gpu), launch['programs']
+            bound = max(us, key=us.get)
+            totals[name][launch['part']].append(us[bound])
+            used = 'all' if programs is None else f"{min(programs, gpu['sms'])}/{gpu['sms']}"
+            print(f"| {name} | {launch['name']} | {programs or 'torch'} | {used} | "
+                  f"{launch['bytes'] / 1e6:.2f} | {launch['tensor_flops'] / 1e6:.1f} / "
+                  f"{launch['flops'] / 1e6:.1f} | {us['memory']:.1f} | {us['compute']:.1f} | "
+                  f"{us[bound]:.1f} | {bound} |")
+    print(f"\n| case | forward: launches, µs | backward: launches, µs | forward + backward µs | "
+          f"launches at the floor |\n|{'---|' * 5}")
+    for name, us in totals.items():
+        times = us['forward'] + us['backward']
+        print(f"| {name} | {len(us['forward'])}, {sum(us['forward']):.1f} | "
+              f"{len(us['backward'])}, {sum(us['backward']):.1f} | {sum(times):.1f} | "
+              f"{sum(t == gpu['launch_us'] for t in times)} of {len(times)} |")
+
+
+# --------------------------------------------------------------------------------------------------
 # python bench.py --gpu: the reference, the compiled core, the Triton kernel (triton_core.py) and
 # softmax SDPA on one GPU, and a whole InLine-Swin-T training step with each InLine core. --device
 # cpu: a smoke test at tiny sizes (the Triton rows under the interpreter if TRITON_INTERPRET=1, else
@@ -451,6 +562,12 @@ def bench_gpu_case(name, dtype, device, smoke=False, cores=GPU_CORES):
         core = gpu_core(core_name, device)
         row = dict(case=name, batch=B, tokens=N, dtype=str(dtype).replace('torch.', ''),
                    core=core_name)
+        if core_name == 'triton':  # what --triton-cost expects on an H100, beside the measured
+            try:
+                row['expected_fwd_ms'], row['expected_fwdbwd_ms'] = triton_expected_ms(
+                    B, H, N, D, dtype.itemsize)
+            except ImportError:  # no triton: the row says so
+                pass
         if isinstance(core, str):
             rows.append(dict(row, status=core))
             continue
@@ -500,15 +617,19 @@ def bench_gpu_step(fast, device, smoke=False):
 
 
 def format_gpu_row(row):
-    """One line of --gpu's table."""
+    """One line of --gpu's table: measured ms, the H100's expected ms (the Triton core's rows) and
+    peak MB, or why the row did not run."""
     tokens = '' if row['tokens'] is None else row['tokens']
     start = (f"{row['case']:18s} {row['batch']:3d} {tokens:>6} {row['dtype']:>8s} "
              f"{row['core']:>9s} |")
+    expected = (f"{row['expected_fwd_ms']:8.3f} {row['expected_fwdbwd_ms']:8.3f}"
+                if 'expected_fwd_ms' in row else f"{'':>17s}")
     if row['status'] != 'ok':
-        return f"{start} {row['status']}"
+        return f"{start} {'':>17s} | {expected} | {row['status']}"
     if 'step_ms' in row:
-        return f"{start} {'':>8s} {row['step_ms']:8.1f} | {row['peak_mb']:8.1f}"
-    return f"{start} {row['fwd_ms']:8.3f} {row['fwdbwd_ms']:8.3f} | {row['peak_mb']:8.1f}"
+        return f"{start} {'':>8s} {row['step_ms']:8.1f} | {expected} | {row['peak_mb']:8.1f}"
+    return (f"{start} {row['fwd_ms']:8.3f} {row['fwdbwd_ms']:8.3f} | {expected} | "
+            f"{row['peak_mb']:8.1f}")
 
 
 def bench_gpu(device):
@@ -517,9 +638,10 @@ def bench_gpu(device):
     smoke = device.type != 'cuda'
     where = (torch.cuda.get_device_name(device) if not smoke
              else f"{device.type}: a smoke test, tiny sizes")
-    print(f"# {where}\n"
-          f"{'case':18s} {'B':>3s} {'tokens':>6s} {'dtype':>8s} {'core':>9s} | {'fwd ms':>8s} "
-          f"{'f+b ms':>8s} | {'peak MB':>8s}   (a step: its ms under f+b)", flush=True)
+    print(f"# {where}; expected: the Triton core on an H100 by python bench.py --triton-cost's "
+          f"model\n{'case':18s} {'B':>3s} {'tokens':>6s} {'dtype':>8s} {'core':>9s} | "
+          f"{'fwd ms':>8s} {'f+b ms':>8s} | {'expected':>8s} {'f+b':>8s} | {'peak MB':>8s}   "
+          f"(a step: its ms under f+b)", flush=True)
     for name in GPU_CASES:
         for dtype in (torch.float16, torch.bfloat16):
             for row in bench_gpu_case(name, dtype, device, smoke):
@@ -558,6 +680,9 @@ def main():
     parser.add_argument('--gpu', action='store_true',
                         help="the four cores and an InLine-Swin-T training step on one GPU (see "
                              "bench_gpu); --device cpu: a smoke test at tiny sizes")
+    parser.add_argument('--triton-cost', action='store_true',
+                        help="each launch of the Triton core costed for an H100 from its grid, "
+                             "bytes and FLOPs (see bench_triton_cost); nothing is timed")
     parser.add_argument('--rounds', type=int, default=9,
                         help="rounds of --peers, each timing every case once")
     args = parser.parse_args()
@@ -575,6 +700,8 @@ def main():
               f"{'fwd':>8s} {'fwd+bwd':>8s} | {'f+b ms':>7s} {'floor':>6s} | {'MB':>6s}")
     if args.demo:
         _demo()
+    if args.triton_cost:
+        bench_triton_cost()
     if args.gpu:
         bench_gpu(device)
     if args.peers:

@@ -26,8 +26,10 @@ CUDA = torch.cuda.is_available() and not INTERPRETED
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (B, H, P, grid, D, label, options): P leading tokens before the (h, w) grid, N = P + h*w; options of
-# inline_core ('tensor': a learnable scale per head). BLOCK_N is 64 tokens, so N = 197 and 72 end in a
-# partial block, and D = 4, 8, 12 are padded to 16.
+# inline_core ('tensor': a learnable scale per head), and 'shift', added to k and v. BLOCK_N is 64 tokens,
+# so N = 197 and 72 end in a partial block, and D = 4, 8, 12 are padded to 16. From 1024 tokens the sums
+# over all tokens split into chunks of whole blocks (triton_core.split, with INTERPRETED_SMS = 4 here):
+# the 'chunks' case into 3 (test_cases_split_the_tokens).
 CASES = [
     (1, 3, 1, (14, 14), 32, '', {}),  # DeiT-T at 224 px: a class token, N = 197 = 3 blocks + 5
     (2, 2, 1, (6, 7), 8, '', {}),  # a class token before a non-square grid
@@ -42,6 +44,11 @@ CASES = [
     (2, 2, 1, (8, 8), 16, 'dilation2', dict(dilation=2)),  # R-dil
     (2, 2, 0, (6, 7), 16, 'size5', dict(size=5)),  # a 5x5 neighbourhood
     (2, 2, 0, (6, 7), 16, 'size1', dict(size=1)),  # 'plain': o_i += r * v_i
+    # N = 1057: chunks of 512, 512 and 33 tokens; k and v far from 0, where Cov keeps its precision only
+    # centred on the means of all N tokens (uncentred, K^T V / N - k_mean^T v_mean, dq missed its fp32
+    # bound 400-fold here). Eq. 6 over one neighbour: the split is Eq. 5's, and nine take the
+    # interpreter five times as long
+    (1, 2, 1, (32, 33), 8, 'chunks', dict(shift=30., size=1)),
 ]
 DTYPES = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}
 FP32_TOLERANCE = 1e-5  # of the tensor's largest entry: fp32 sums over tokens, in another order than torch's
@@ -59,7 +66,9 @@ def core_inputs(B, H, P, grid, D, options, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     N, T = P + grid[0] * grid[1], options.get('size', inline.LOCAL_SIZE) ** 2
     q, k, v, do = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(4))
-    tensors = dict(q=q, k=k + torch.randn(B, H, 1, D, generator=g, dtype=torch.float64), v=v + 0.5)
+    shift = options.get('shift', 0.)
+    tensors = dict(q=q, k=k + torch.randn(B, H, 1, D, generator=g, dtype=torch.float64) + shift,
+                   v=v + 0.5 + shift)
     if 'r' not in options:
         tensors['r'] = 0.3 * torch.randn(B, T * H * D, generator=g, dtype=torch.float64)
     if options.get('scale') == 'tensor':
@@ -71,7 +80,7 @@ def core_inputs(B, H, P, grid, D, options, dtype, seed=0):
 def run_core(core, tensors, grid, options, dtype, device):
     """{'o': output, 'dq': ..., 'dr', 'dscale'}: core's output and gradients as float64 on the CPU."""
     leaves = {name: t.to(device, dtype).requires_grad_() for name, t in tensors.items() if name != 'do'}
-    kwargs = {key: value for key, value in options.items() if key not in ('r', 'scale')}
+    kwargs = {key: value for key, value in options.items() if key not in ('r', 'scale', 'shift')}
     scale = leaves.get('scale', options.get('scale'))
     o = core(leaves['q'], leaves['k'], leaves['v'], leaves.get('r'), grid, scale=scale, **kwargs)
     assert o.dtype == dtype and o.shape == leaves['q'].shape
@@ -150,6 +159,26 @@ def test_interpreted_core_takes_strided_views_and_autocast_and_no_gradient():
         quiet = triton_core.inline_core_triton(q.half(), k.half(), v.half(), r.half(), grid)
     assert cast.dtype == quiet.dtype == torch.float16 and not q.is_contiguous()
     assert torch.equal(cast, plain) and torch.equal(quiet, plain)
+
+
+def test_cases_split_the_tokens():
+    """The split that CASES prove under the interpreter: several chunks of whole blocks, the last one
+    short, and none under SPLIT_FROM tokens; on an H100's 132 SMs, Swin-T's stage 1 (3 heads, 3136
+    tokens = 49 blocks) splits so that every SM gets a program: 49 chunks of one block at batch 1 (147
+    programs), 7 of 8 blocks at batch 8 (168), one at batch 128 (384); DeiT-T's 197 tokens do not."""
+    chunks = {}
+    for B, H, P, grid, D, label, options in CASES:
+        N = P + grid[0] * grid[1]
+        chunk = triton_core.split(B * H, N, triton_core.INTERPRETED_SMS)
+        S = -(-N // chunk)
+        chunks[label or f"N{N}"] = (S, N - (S - 1) * chunk)  # (chunks, the last one's tokens)
+    assert chunks['chunks'] == (3, 33)
+    assert all(S == 1 for label, (S, _) in chunks.items() if label != 'chunks'), chunks
+    for B, N, chunk, programs in ((1, 3136, 64, 147), (8, 3136, 512, 168), (128, 3136, 3136, 384),
+                                  (1, 197, 256, 3)):
+        assert triton_core.split(B * 3, N, 132) == chunk
+        S = triton_core.launch_grids(B, 3, N, 3, chunk)['eq5_covariance'][1]
+        assert B * 3 * S == programs
 
 
 def test_core_refuses_what_it_does_not_compute():
@@ -233,6 +262,37 @@ def test_bench_gpu_smoke_rows_have_their_keys():
         if row['status'] == 'ok':
             assert all(row[key] > 0 for key in ('fwd_ms', 'fwdbwd_ms', 'peak_mb')), row
     assert rows[1]['status'] == "not run (needs CUDA or TRITON_INTERPRET=1)"
+    assert 0 < rows[1]['expected_fwd_ms'] < rows[1]['expected_fwdbwd_ms'], rows[1]  # an H100's, by model
     step = bench.bench_gpu_step(None, torch.device('cpu'), smoke=True)
     assert step['status'] == 'ok' and step['step_ms'] > 0 and step['peak_mb'] > 0, step
     print('\n'.join(bench.format_gpu_row(row) for row in rows + [step]))
+
+
+def test_triton_cost_counts_match_hand_formulas():
+    """bench.py --triton-cost's counts, written out by hand: Swin-T's stage 1 in fp16 at batch 8 (B*H = 24
+    programs a token block, N = 3136 = 49 blocks of 64, split into 7 chunks of 512, D = 32, T = 9) and at
+    batch 1, and the H100's times of a memory-bound and an occupancy-bound launch."""
+    if INTERPRETED:
+        pytest.skip("the main run's test")
+    import bench
+    launches = {launch['name']: launch for launch in bench.triton_launches(8, 3, 3136, 32)}
+    assert list(launches) == ['eq5_means', 'sum of mean shares', 'eq5_covariance', "sum of Cov' shares",
+                              'inline_forward', 'eq5_sums', 'sum of G shares', 'sum of dO shares', 'eq6_dr',
+                              'inline_backward']
+    x, r = 8 * 3 * 3136 * 32 * 2, 8 * 9 * 3 * 32 * 2  # one (B, H, N, D) fp16 tensor, 4,816,896 bytes; r
+    square, vec = 24 * 32 * 32 * 4, 24 * 32 * 4  # fp32 (B*H, D, D) and (B*H, D)
+    assert [launches[name]['programs'] for name in ('eq5_covariance', 'inline_forward', 'eq6_dr')] == [
+        24 * 7, 24 * 49, 24 * 9]
+    assert launches['eq5_covariance']['bytes'] == 2 * x + 2 * vec + 7 * square  # k, v, means; 7 shares
+    assert launches['inline_forward']['bytes'] == 3 * x + r + square + vec == 14_565_888  # q, v, o
+    assert launches["sum of Cov' shares"]['bytes'] == 8 * square  # 7 shares in, their sum out
+    assert launches['inline_backward']['tensor_flops'] == 3 * 2 * 24 * 3136 * 32 * 32  # three products
+    assert launches['eq6_dr']['flops'] == 2 * 9 * 24 * 3136 * 32  # a multiply-add a neighbour, element
+    us = bench.launch_us(launches['inline_backward'])
+    assert max(us, key=us.get) == 'memory'
+    assert us['memory'] == pytest.approx((6 * x + r + 2 * square + 3 * vec) / 3.35e12 * 1e6)  # 8.7 µs
+    one = {launch['name']: launch for launch in bench.triton_launches(1, 3, 3136, 32)}
+    assert one['eq5_covariance']['programs'] == 3 * 49 and one['eq6_dr']['programs'] == 27
+    us = bench.launch_us(one['eq6_dr'])  # 27 programs: 27 of the 132 SMs
+    assert us['memory'] == pytest.approx((2 * x + r) / 8 / 3.35e12 / (27 / 132) * 1e6)
+    assert len(bench.triton_launches(128, 3, 3136, 32)) == 6  # one chunk: no sums of shares
