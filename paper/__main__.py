@@ -32,7 +32,8 @@ paper/experiments.py, each on first use, a model that several need trained once.
 record to results/runs.jsonl, from which the tables are rebuilt; recall's small sequence models train in this
 process (paper/recall.py says why) and keep theirs in results/recall.jsonl. The verdicts' rules are fixed in
 paper/stats.py and in the tests. Files, one job each: charts (pictures), stats, runs (the scheduler, the
-records, the train command), experiments, ablations, figures (F1, F4, F3), speed, recall, mosaics.
+records, the train command), experiments, ablations, verdicts (labels, robustness, power plan), figures (F1,
+F4, F3), speed, recall, mosaics.
 """
 import argparse
 import os

@@ -19,8 +19,10 @@ import train
 from paper.charts import ablations_pictures, print_table, short_name
 from paper.experiments import EXPERIMENTS, T1_REFERENCE, Experiment, paper_claim
 from paper.runs import LabRun, read_records, train_runs
-from paper.stats import (ALPHA, EQUIVALENT, MARGIN, PAPER_TIE, POWER, compare, half_width, holm, power,
-                         scores, seed_correlation, seeds_for, summarise, tests, verdict)
+from paper.stats import (ALPHA, EQUIVALENT, MARGIN, PAPER_TIE, compare, half_width, holm, power, scores,
+                         seed_correlation, summarise, tests, verdict)
+from paper.verdicts import (CONFIRMATORY, EXPLORATORY, READS, power_plan, read_summary, readable, robustness,
+                            rules_label, side_by_side)
 
 
 # The ablations (T3, T4, T10, R-res, R-dil, R-nonneg, T1, S), each experiment trained small by train.py
@@ -53,11 +55,11 @@ BUDGET = {'cpu': dict(train_images=60_000, epochs=4), 'cuda': dict(train_images=
 # stage) scores 1 in 3 at best. On CUDA, a scale at which the curves should flatten (not yet measured).
 MOSAICS = dict(task='below', val_images=10_000, heads=(4, 8, 16, 32), guess=100 / 3)
 MOSAIC_BUDGET = {'cpu': dict(train_images=20_000, epochs=4), 'cuda': dict(train_images=100_000, epochs=20)}
-# The power plan, fixed before the 16-epoch batch (RESULTS.md, "Verdicts"): the pooled sd of the six
-# converged 16-epoch rows' seeds (points), and the seeds it asks of a new row: 80% power for TOST at Δ = 0
-# against InLine-Swin-T's 10 seeds, at Holm's strictest step
+# The power plan, fixed before the 16-epoch batch (RESULTS.md, "Verdicts"): the pooled sd of the seeds of the
+# six rows with 16-epoch records then (points), and the seeds it asks of a new row: 80% power for TOST at
+# Δ = 0 against InLine-Swin-T's 10 seeds, at Holm's strictest step
 PLAN_SD, PLAN_SEEDS = 0.25, 12
-# The converged budget: every comparison of MOSAIC_ROWS again at 16 epochs (`--rerun`), the family the README
+# The longer budget: every comparison of MOSAIC_ROWS again at 16 epochs (`--rerun`), the family the README
 # quotes (RESULTS.md, "Verdicts"). 16 epochs: the pilot at 8 (r_residual_none, t3_inline_relu, seed 0) still
 # gained 1.7 and 2.1 points over its last quarter, at 16 r_residual_none 0.7. In bf16 as the 4-epoch rows, so
 # that the budget is all that differs. Seeds a row: those read at 16 epochs before the rules keep theirs (a
@@ -478,11 +480,15 @@ def cmd_ablations(args):
         t = budget_table(args, every, records, None)
         ablations_pictures(args, *t[:4], t[6], t[4], comparisons(t[0]))
         return t[5], t[6]
-    # the mosaics: both budgets' families, each in full, then side by side and the power plan
+    # the mosaics: both budgets' families, each in full, then side by side, the power plan and the robustness
+    # read
     tables = [budget_table(argparse.Namespace(**{**vars(args), **b}), every, records, MOSAICS['guess'])
               for b in mosaic_budgets(args)]
-    side_by_side(tables)
-    power_plan(tables[1])
+    side_by_side(tables, [MOSAIC_BUDGET['cpu']['epochs'], MOSAIC_RERUN['epochs']])
+    power_plan(tables[1], MOSAIC_RERUN, PLAN_SD)
+    reads = epoch_reads(tables[1], every)
+    if reads:
+        robustness(*reads)
     t, rerun = tables
     ablations_pictures(args, *t[:4], t[6], t[4], comparisons(t[0]),
                        (MOSAIC_RERUN['epochs'], *rerun[:3], comparisons(rerun[0])))
@@ -509,6 +515,9 @@ def budget_table(args, every, records, guess):
     # the 16-epoch batch's seeds were fixed before it (MOSAIC_RERUN); the 4-epoch records predate any plan
     batch = {n: len(planned[n]) for n in chosen} if args.rerun else None
     configs, rows, points, m = table_rows(chosen, planned, result, every, guess, batch)
+    kept = {n: [records[r.key()] for r in planned[n] if r.key() in records] for n in chosen}
+    for r in rows:  # confirmatory or exploratory: did its data come after the rules (paper/verdicts.py)?
+        r.append(rules_label([kept[x] for x in r[1].rstrip('†').split(' − ')], r[10]))
     family_name = f'{args.dataset}, {args.epochs} epochs x {args.train_images:,} images'
     bed = (f'task {MOSAICS["task"]}, heads {", ".join(map(str, MOSAICS["heads"]))} (D 8 in every stage), the '
            f'same {MOSAICS["val_images"]:,} test mosaics for every run' if guess is not None
@@ -518,8 +527,8 @@ def budget_table(args, every, records, guess):
           'one model), final-epoch top-1 (%), mean ± sd over (n) seeds, beside the paper\'s ImageNet-1K '
           'top-1; over the φ = 0 floor: its mean minus the mean of its family\'s attention-free miniature '
           f'(the gate: under it when less than {FLOOR_MARGIN:g}); last quarter: the top-1 gained over the '
-          'last quarter of the epochs (near 0: flat); a diverged run is left out and named. * our '
-          'construction (no released code).\n')
+          'last quarter of the epochs (the cosine schedule, whose rate ends near 0, pulls it toward 0: small '
+          'is not a plateau); a diverged run is left out and named. * our construction (no released code).\n')
     print_table(['configuration', 'tables', 'params', 'top-1 here ± sd (seeds)', 'paper (ImageNet)',
                  'over the φ = 0 floor', 'last quarter'], configs)
     gaps = [c[5] for c in configs if c[5] and c[1] != 'floor']
@@ -536,62 +545,29 @@ def budget_table(args, every, records, guess):
           f'the paper makes, on the other side), {EQUIVALENT}, not resolved, untestable (a side under the '
           f'gate: its φ = 0 floor + {FLOOR_MARGIN:g}, or the guess where the recipe has no floor runs), not '
           'yet run (under two seeds a side), running (a side under the seeds its batch plans: the difference '
-          'is progress, no verdict is read). Power: '
-          f'TOST\'s at Δ = 0 / the ordering test\'s at |Δ| = {MARGIN:g}, at these seeds and sds, at '
-          f'Holm\'s strictest step (5% / {2 * max(m, 1)}). † a claim row.\n')
+          'is progress, no verdict is read); "contradicted: the opposite sign, within ±0.5" where the '
+          'paper\'s gap is under the margin and the interval reaches inside it. Power: '
+          f'TOST\'s at Δ = 0 / the ordering test\'s at |Δ| = {MARGIN:g}, at this difference\'s standard '
+          'error and degrees of freedom (the test set\'s term included), at '
+          f'Holm\'s strictest step (5% / {2 * max(m, 1)}). Rules: {CONFIRMATORY}, the commit that wrote the '
+          f'rules before its data; {EXPLORATORY}, its data came first. † a claim row.\n')
     print_table(['tables', 'row − reference', 'paper (ImageNet)', 'difference here [95% CI]', 'interval over',
-                 'seeds', 'r', 'ordering p / Holm', 'TOST p / Holm', 'power', 'verdict'], rows)
+                 'seeds', 'r', 'ordering p / Holm', 'TOST p / Holm', 'power', 'verdict', 'rules'], rows)
     gains = {n: result[n].gain for n in chosen}
     return chosen, planned, records, result, points, configs, rows, gains
 
 
-def side_by_side(tables):
-    """The comparisons of both budgets side by side: each difference (seeds), the last-quarter gains of its
-    row / its reference (near 0: converged) and the verdict of each budget's family."""
-    columns, labels = [], {}
-    for chosen, _, _, result, _, _, rows, gains in tables:
-        cells = {}
-        for r in rows:
-            name, ref = r[1].rstrip('†').split(' − ')
-            gain = '' if None in (gains[name], gains[ref]) else f'{gains[name]:+.1f} / {gains[ref]:+.1f}'
-            cells[r[1]] = [f'{r[3]} ({r[5]})' if r[3] else '—', gain, r[10]]
-            labels.setdefault(r[1], r[2])
-        columns.append(cells)
-    table = [[label, paper] + [x for cells in columns for x in cells.get(label, ['—', '', 'not planned'])]
-             for label, paper in labels.items()]
-    epochs = [f'{MOSAIC_BUDGET["cpu"]["epochs"]} epochs', f'{MOSAIC_RERUN["epochs"]} epochs']
-    print(f'\nBoth budgets side by side (`python -m paper ablations --dataset fashion_recall --rerun` trains '
-          f'the {epochs[1]}): each comparison\'s difference [95% CI] (seeds row / reference), the '
-          'last-quarter gain of its row / its reference (near 0: converged), and the verdict of that '
-          'budget\'s family.\n')
-    print_table(['row − reference', 'paper (ImageNet)'] + [f'{e}: {c}' for e in epochs for c in (
-        'difference', 'last quarter', 'verdict')], table)
-
-
-def power_plan(table):
-    """The 16-epoch family's power plan, fixed before its batch: each comparison's planned seeds and power at
-    PLAN_SD, beside the seeds and sds its records have now."""
-    chosen, _, _, result, _, _, rows, _ = table
-    level = ALPHA / (2 * sum(1 for r in rows if r[2] != '—'))
-    out = []
-    for r in rows:
-        if r[2] == '—':
-            continue
-        name, ref = r[1].rstrip('†').split(' − ')
-        n, n_ref = MOSAIC_RERUN['seeds'][name], MOSAIC_RERUN['seeds'][ref]
-        plan = power(PLAN_SD, n, PLAN_SD, n_ref, level)
-        tops = [list(result[x].top1.values()) for x in (name, ref)]
-        now = '' if min(map(len, tops)) < 2 else ' / '.join(f'{statistics.stdev(t):.2f}' for t in tops)
-        out.append([r[1], f'{n} / {n_ref}', f'{plan[0]:.2f} / {plan[1]:.2f}',
-                    seeds_for(PLAN_SD, n_ref, level) or '> 100', r[5], now or '—', r[9] or '—'])
-    print(f'\nThe {MOSAIC_RERUN["epochs"]}-epoch power plan (RESULTS.md, "Verdicts"), fixed before its '
-          f'batch: seeds planned (row / reference), the power at the pooled sd {PLAN_SD:g} of the '
-          'converged rows '
-          f'(TOST at Δ = 0 / ordering at |Δ| = {MARGIN:g}, Welch, noncentral t, at Holm\'s strictest step '
-          f'{level:.4f}), the seeds a row needs for {POWER:.0%} TOST power against its reference\'s planned '
-          'seeds; then the seeds and sds (row / reference) its records have now, and the power at those.\n')
-    print_table(['row − reference', 'seeds planned', 'power planned', 'seeds for 80% (TOST)', 'seeds now',
-                 'sd now', 'power now'], out)
+def epoch_reads(table, every):
+    """(the 16-epoch family's rows, {read: the same comparisons' rows at that read}, {name: records}): its
+    robustness read (paper/verdicts.py), each read through table_rows as the family itself; None where a run
+    has no evaluation at the epoch it reads (a shorter recipe)."""
+    chosen, planned, records, *_, rows, _ = table
+    kept = {n: [records[r.key()] for r in planned[n] if r.key() in records] for n in chosen}
+    if not readable(kept):
+        return None
+    batch = {n: len(planned[n]) for n in chosen}
+    return rows, {read: table_rows(chosen, planned, {n: read_summary(kept[n], read) for n in chosen}, every,
+                                   MOSAICS['guess'], batch)[1] for read in READS}, kept
 
 
 def table_rows(chosen, planned, result, every, guess=None, batch=None):
@@ -664,7 +640,7 @@ def comparison_rows(chosen, result, every, above, cleared, batch=None):
                 row[3] = f'{statistics.mean(single[0].values()) - statistics.mean(single[1].values()):+.1f}'
             row[10] = 'not yet run' if paper_diff is not None else '—'
             if paper_diff is not None:
-                family_ps.append((len(rows) - 1, 1.0, 1.0, 0.0))
+                family_ps.append((len(rows) - 1, 1.0, 1.0, 0.0, math.inf, 0))
             continue
         mean, se, df = compare(a, b)
         half = half_width(se, df)
@@ -683,17 +659,16 @@ def comparison_rows(chosen, result, every, above, cleared, batch=None):
         running = batch and any(len(s.top1) + len(s.diverged) < batch[n] for s, n in ((a, name), (b, ref)))
         if running:  # progress, not yet a result: in the family at p = 1, not drawn
             rows[-1], row[10] = (row, None), f'running ({batch[name]} / {batch[ref]} seeds planned)'
-        family_ps.append((len(rows) - 1, *((1.0, 1.0) if running else tests(mean, se, df, paper_diff)), mean))
+        family_ps.append((len(rows) - 1, *((1.0, 1.0) if running else tests(mean, se, df, paper_diff)), mean,
+                          se, df))
     m = len(family_ps)
-    adjusted = holm([p for _, p_order, p_tost, _ in family_ps for p in (p_order, p_tost)])
-    for k, (i, p_order, p_tost, mean) in enumerate(family_ps):
+    adjusted = holm([p for _, p_order, p_tost, *_ in family_ps for p in (p_order, p_tost)])
+    for k, (i, p_order, p_tost, mean, se, df) in enumerate(family_ps):
         row, q_order, q_tost = rows[i][0], adjusted[2 * k], adjusted[2 * k + 1]
         row[7], row[8] = (f'{p:.3f} / {q:.3f}' for p, q in ((p_order, q_order), (p_tost, q_tost)))
         if row[10] == 'not yet run' or row[10].startswith('running'):
             continue
         _, paper_diff = paper_claim(*row[1].rstrip('†').split(' − '), every)
-        row[10] = verdict(paper_diff, mean, q_order, q_tost)
-        sds = [statistics.stdev(result[x].top1.values()) for x in row[1].rstrip('†').split(' − ')]
-        ns = [len(result[x].top1) for x in row[1].rstrip('†').split(' − ')]
-        row[9] = '{:.2f} / {:.2f}'.format(*power(sds[0], ns[0], sds[1], ns[1], ALPHA / (2 * m)))
+        row[10] = verdict(paper_diff, mean, q_order, q_tost, half_width(se, df))
+        row[9] = '{:.2f} / {:.2f}'.format(*power(se, df, ALPHA / (2 * m)))
     return [r for r, _ in rows], [p for _, p in rows], m

@@ -24,6 +24,7 @@ import train
 from paper.charts import charts, print_table
 from paper.runs import ROOT, append_record, lock_run, pack_correct, read_records, unpack_correct
 from paper.stats import ALPHA, boschloo, clopper_pearson, holm, interval, welch_text
+from paper.verdicts import CONFIRMATORY, EXPLORATORY, rules_label
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ def recall_run(name, width, pairs, tokens, seed, lr, steps, compiled=False):
                 recall=round(100 * test.double().mean().item(), 2), correct=pack_correct(test.flatten()),
                 final_loss=round(loss.item(), 4), params=sum(p.numel() for p in model.parameters()),
                 cpu_s=round(time.process_time() - start, 1), threads=torch.get_num_threads(),
-                compiled=compiled)
+                compiled=compiled, finished=time.strftime('%Y-%m-%d %H:%M:%S'))
 
 
 def recall_key(name, width, pairs, tokens, seed, lr, steps, batch=RECALL_BATCH):
@@ -391,8 +392,8 @@ def recall_report(runs, models, sizes, args):
     guesses = {(w, p, n): most_frequent_guess(*mqar_batch(RECALL_HELD_OUT, p, n,
                                                           torch.Generator().manual_seed(RECALL_TEST)), p)
                for w, p, n in sizes}
-    recall, sequences = recall_table(runs, models, sizes, guesses, args)
-    recall_comparisons(recall, guesses, models, sizes)
+    recall, kept = recall_table(runs, models, sizes, guesses, args)
+    recall_comparisons(recall, guesses, models, sizes, kept)
     panels = []
     for size in sizes:
         series = [(name, list(RECALL_LRS), held_out(runs, name, size, args.steps), None) for name in models]
@@ -409,7 +410,7 @@ def recall_report(runs, models, sizes, args):
 
 def recall_table(runs, models, sizes, guesses, args):
     """Print each model's learning rates, recall and seeds at each size; return {(model, C, pairs, tokens):
-    recall per seed} and {the same: by_sequence}."""
+    recall per seed} and {the same: its records}."""
     print(f"\nMQAR: keys, values and filler from {RECALL_VOCAB} tokens each, 2 layers, {RECALL_HEADS} heads, "
           f"{args.steps} steps of {RECALL_BATCH} sequences; recall = right answers on {RECALL_HELD_OUT} test "
           "sequences, mean over the seeds with its 95% interval over the seeds and the test sequences (the "
@@ -417,16 +418,16 @@ def recall_table(runs, models, sizes, guesses, args):
           f"results; each model at the learning rate of {', '.join(map(str, RECALL_LRS))} that recalled most "
           f"on {RECALL_HELD_OUT} held-out sequences (seed 0). Every query sits at token D + 1 or later.\n")
     first = args.steps != RECALL_FIRST_STEPS  # a column for the first study's recall
-    recall, sequences, table, missing = {}, {}, [], []
+    recall, kept, table, missing = {}, {}, [], []
     for (w, p, n), name in itertools.product(sizes, models):
         lr, rows = chosen_runs(runs, name, (w, p, n), args.steps, seeds_of(name, (w, p, n), args.seeds))
         tried = held_out(runs, name, (w, p, n), args.steps)
         recall[name, w, p, n] = values = [r['recall'] for r in rows]
-        sequences[name, w, p, n] = by_sequence(rows, p)
+        kept[name, w, p, n] = rows
         if all(v is None for v in tried):
             missing.append(f"{name} at {w} / {p} / {n}")
             continue
-        mean, half = interval(values, sequences[name, w, p, n]) if values else (math.nan, math.nan)
+        mean, half = interval(values, by_sequence(rows, p)) if values else (math.nan, math.nan)
         table.append([f"{w} / {p} / {n}", name, ' '.join('-' if v is None else f'{v:.1f}' for v in tried),
                       lr or '-', f"{mean:.1f} ± {half:.1f}" if values else '-',
                       ' '.join(f'{v:.1f}' for v in values),
@@ -442,7 +443,7 @@ def recall_table(runs, models, sizes, guesses, args):
           + ', '.join(f"{g:.1f}% at {w} / {p} / {n}" for (w, p, n), g in guesses.items()) +
           f'. CPU time of these runs: {cpu / 60:.1f} min.'
           + (f' No runs yet: {", ".join(missing)}.' if missing else ''))
-    return recall, sequences
+    return recall, kept
 
 
 def learned(value, guess, best, share=LEARNED):
@@ -459,12 +460,13 @@ def learners(values, guess, best, share=LEARNED):
     return sum(learned(v, guess, best, share) for v in later), len(later)
 
 
-def recall_comparisons(recall, guesses, models, sizes):
+def recall_comparisons(recall, guesses, models, sizes, kept):
     """Print each model's share of seeds that learn, with its Clopper-Pearson interval, then each
     comparison's: "b recalls more than a" read as "b learns in more seeds than a", by Boschloo's exact test
     on the seeds that did not choose the learning rate, Holm over the testable ones, at each of THRESHOLDS;
     and, apart, the recall among the seeds that learned. A size is testable when softmax learns in more seeds
-    than the floor (phi = 0) by the same test: the study's gate, one per size."""
+    than the floor (phi = 0) by the same test: the study's gate, one per size. Each verdict with its rules
+    label (paper/verdicts.py), from its models' records at that size (kept)."""
     best = {size: max((v for (_, *s), values in recall.items() if tuple(s) == size for v in values),
                       default=100.0) for size in sizes}
     shares = []
@@ -507,7 +509,7 @@ def recall_comparisons(recall, guesses, models, sizes):
                     row[-1] = 'untestable'
             among_a, among_b = ([v for v in recall[x, w, p, n] if learned(v, guesses[w, p, n], best[w, p, n])]
                                 for x in (a, b))
-            rows.append(row + ['', welch_text(among_a, among_b)])
+            rows.append(row + ['', welch_text(among_a, among_b), [kept[x, w, p, n] for x in (a, b)]])
     for share, found in tested.items():  # Holm over the testable comparisons at each line
         for (i, j, _, side, claim, b), q in zip(found, holm([q for _, _, q, _, _, _ in found])):
             word = ('not resolved' if q >= ALPHA or side is None else
@@ -515,8 +517,9 @@ def recall_comparisons(recall, guesses, models, sizes):
                     f'{side.replace(RECALL_EQ6, "")} ahead')
             rows[i][j] = f'{q:.3f}: {word}'
     for row in rows:  # the verdict: the same at every line, else it rests on where the line is drawn
-        words = {cell.split(': ')[-1] for cell in row[4:-2:3]}
-        row[-2] = words.pop() if len(words) == 1 else 'not resolved (the line)'
+        words = {cell.split(': ')[-1] for cell in row[4:-3:3]}
+        row[-3] = words.pop() if len(words) == 1 else 'not resolved (the line)'
+        row[-1] = rules_label(row[-1], row[-3])
     if rows:
         print('\nComparisons, "b recalls more than a" read as "b learns in more seeds than a" (RESULTS.md, '
               '"Recall, by the seeds that learn"): at each line (the share of the way from the guess to the '
@@ -526,11 +529,13 @@ def recall_comparisons(recall, guesses, models, sizes):
               'contradicted where a\'s is; "X ahead" where the paper claims no order; untestable where '
               'softmax does not learn in more seeds than the floor (phi = 0) at that size. Verdict: the same '
               'at every line, else not resolved. Apart, recall among the seeds that learned at '
-              f'{LEARNED:.0%} (all seeds): b − a with its Welch 95% interval, where each has two learners.\n')
+              f'{LEARNED:.0%} (all seeds): b − a with its Welch 95% interval, where each has two learners. '
+              f'Rules: {CONFIRMATORY}, the commit that wrote these rules before its data; {EXPLORATORY}, its '
+              'data came first.\n')
         print_table(['question', 'C / pairs / tokens'] + [f'{share:.0%}: {c}' for share in THRESHOLDS
                                                           for c in ('learned a / b', 'Boschloo p',
                                                                     'Holm p: verdict')]
-                    + ['verdict', 'among learners: b − a'], rows)
+                    + ['verdict', 'among learners: b − a', 'rules'], rows)
 
 
 # ---------------------------------------------------------------------------------------------------

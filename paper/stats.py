@@ -160,34 +160,48 @@ def holm(ps):
     return adjusted
 
 
-def verdict(paper_diff, mean, q_order, q_tost):
+def verdict(paper_diff, mean, q_order, q_tost, half=0.0):
     """The verdict word from the Holm-adjusted p's (RESULTS.md, "Verdicts"). A paper tie: reproduced by TOST,
     contradicted by the test of "beyond ±MARGIN". A paper ordering: reproduced or contradicted by the side
-    its t-test rejects on (noting where TOST also puts it within the margin), else EQUIVALENT by TOST."""
+    its t-test rejects on (noting where TOST also puts it within the margin), else EQUIVALENT by TOST. A
+    contradiction of a paper gap under the margin, whose 95% interval (mean ± half) reaches inside the margin,
+    reverses a difference that does not matter on either side, and says so."""
     if is_tie(paper_diff):
         return 'reproduced' if q_tost < ALPHA else 'contradicted' if q_order < ALPHA else 'not resolved'
     if q_order < ALPHA:
-        word = 'reproduced' if (mean > 0) == (paper_diff > 0) else 'contradicted'
-        return word + (f' (within ±{MARGIN:g})' if q_tost < ALPHA else '')
+        same = (mean > 0) == (paper_diff > 0)
+        if q_tost < ALPHA:
+            return ('reproduced' if same else 'contradicted') + f' (within ±{MARGIN:g})'
+        if not same and abs(paper_diff) < MARGIN and abs(mean) - half < MARGIN:
+            return f'contradicted: the opposite sign, within ±{MARGIN:g}'
+        return 'reproduced' if same else 'contradicted'
     return EQUIVALENT if q_tost < ALPHA else 'not resolved'
 
 
-def power(sd_a, n_a, sd_b, n_b, level, image_var=0.0, margin=MARGIN):
-    """(TOST's power at Δ = 0, the ordering test's at |Δ| = margin) of a Welch comparison at `level`, from
-    the noncentral t on n_a + n_b - 2 degrees of freedom, noncentrality margin / se. TOST's is the bound
+def planned(sd_a, n_a, sd_b, n_b):
+    """(se, df) of a Welch comparison planned at these sds and seeds, without the test set's term: welch's
+    variance on Welch-Satterthwaite's degrees of freedom."""
+    va, vb = sd_a ** 2 / n_a, sd_b ** 2 / n_b
+    return math.sqrt(va + vb), (va + vb) ** 2 / (va ** 2 / (n_a - 1) + vb ** 2 / (n_b - 1))
+
+
+def power(se, df, level, margin=MARGIN):
+    """(TOST's power at Δ = 0, the ordering test's at |Δ| = margin) of a comparison whose difference has
+    standard error se on df degrees of freedom (welch's, the test set's term included where it has one, or
+    planned's), at `level`, from the noncentral t with noncentrality margin / se. TOST's is the bound
     1 - 2 P(T' <= t(1 - level)): each one-sided test fails with that chance at most."""
-    se = math.sqrt(sd_a ** 2 / n_a + sd_b ** 2 / n_b + image_var)
-    df = n_a + n_b - 2
+    if df < 1 or math.isinf(se):
+        return 0.0, 0.0
     nc = margin / se
     tost = 1 - 2 * stats.nct.cdf(stats.t.ppf(1 - level, df), df, nc)
     return max(0.0, float(tost)), float(stats.nct.sf(stats.t.ppf(1 - level / 2, df), df, nc))
 
 
-def seeds_for(sd, n_ref, level, image_var=0.0, which=0, most=100):
+def seeds_for(sd, n_ref, level, which=0, most=100):
     """The fewest seeds (2 to `most`) of a row that give power(...)[which] >= POWER against a reference of
     n_ref seeds (None: as many as the row), both at sd; None where none does."""
     return next((n for n in range(2, most + 1)
-                 if power(sd, n, sd, n_ref or n, level, image_var)[which] >= POWER), None)
+                 if power(*planned(sd, n, sd, n_ref or n), level)[which] >= POWER), None)
 
 
 # ---------------------------------------------------------------------------------------------------

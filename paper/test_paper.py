@@ -34,7 +34,7 @@ from test_train import write_fashion_mnist, write_image_folder
 pytest.importorskip('scipy.stats')  # the lab's own requirements (paper/requirements.txt)
 pytest.importorskip('matplotlib')
 from paper import __main__ as cli  # noqa: E402
-from paper import ablations, charts, figures, mosaics, recall, runs, speed, stats  # noqa: E402
+from paper import ablations, charts, figures, mosaics, recall, runs, speed, stats, verdicts  # noqa: E402
 from paper import experiments as registry  # noqa: E402
 from paper.runs import ROOT  # noqa: E402
 
@@ -368,24 +368,63 @@ def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys
     assert len(tables) > 10 and [line for line in tables if line not in results] == []
 
 
+def tables_of(out):
+    """{the line before a table (its caption's start): [its rows as lists of cells]} of a command's output."""
+    found, caption = {}, None
+    for line in out.splitlines():
+        if line.startswith('|') and caption is not None:
+            found.setdefault(caption, []).append([c.strip() for c in line.split('|')[1:-1]])
+        elif line.strip():
+            caption = line[:60]
+    return {c: rows[2:] for c, rows in found.items()}  # without the header and its rule
+
+
 def test_the_committed_records_rebuild_the_results_mosaic_tables(tmp_path, capsys):
     """RESULTS.md's tables of the test bed where attention must select are what `python -m paper ablations
-    --dataset fashion_recall --no-train` prints from results/runs.jsonl, line for line."""
+    --dataset fashion_recall --no-train` prints from results/runs.jsonl, line for line, labels and robustness
+    read included. The labels are the git history's: at 92b2312, which wrote the rules, results/runs.jsonl
+    held the 16-epoch records of T3's pair, R-res's none and local, T4's one-cell window and TransNormer
+    (`git show 92b2312:results/runs.jsonl`), so their four comparisons are exploratory and the six whose row
+    came after are confirmatory; every 4-epoch record predates the rules. RESULTS' prose on each 16-epoch verdict
+    (the bullet naming its comparison) gives its label and its robustness read as the table does."""
     cli.main(['ablations', '--dataset', 'fashion_recall', '--no-train', '--out', str(tmp_path)])
-    tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
+    out = capsys.readouterr().out
+    tables = [line for line in out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
-        results = f.read().splitlines()
+        text = f.read()
+    results = text.splitlines()
     assert len(tables) > 10 and [line for line in tables if line not in results] == []
+    found = tables_of(out)
+    short, long = (next(rows for caption, rows in found.items()
+                        if caption.startswith(f'The family "fashion_recall, {e} epochs')) for e in (4, 16))
+    assert {r[11] for r in short if r[10] != '—'} == {verdicts.EXPLORATORY}
+    exploratory = {'t3_linear_relu − t3_inline_relu†', 'r_residual_none − r_residual_local†',
+                   't4_window14_no_residual − t4_window56_no_residual†',
+                   'p_transnormer_swin − r_residual_local'}
+    assert {r[1]: r[11] for r in long} == {r[1]: verdicts.EXPLORATORY if r[1] in exploratory
+                                           else verdicts.CONFIRMATORY for r in long}
+    robust = next(rows for caption, rows in found.items()
+                  if caption.startswith("The 16-epoch family's robustness"))
+    assert [r[0] for r in robust] == [r[1] for r in long] and all(r[1] and r[6] for r in robust)
+    bullets = text.split('What the 16-epoch family shows')[1].split('**The 16-epoch batch (run).**')[0]
+    for r in robust:
+        bullet = next(b for b in (' '.join(b.split()) for b in bullets.split('\n- '))
+                      if f'`{r[0].rstrip("†")}`' in b)
+        assert r[1] in bullet.lower() and (verdicts.CHANGED in bullet) == (r[6] == verdicts.CHANGED), r[0]
 
 
 def test_the_committed_recall_records_rebuild_the_results_recall_tables(tmp_path, capsys):
     """RESULTS.md's recall tables are what `python -m paper recall --no-train` prints from
     results/recall.jsonl, line for line."""
     cli.main(['recall', '--no-train', '--out', str(tmp_path)])
-    tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
+    out = capsys.readouterr().out
+    tables = [line for line in out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
         results = f.read().splitlines()
     assert len(tables) > 10 and [line for line in tables if line not in results] == []
+    # all 499 records were in before 92b2312 wrote Boschloo's test and the 60% and 70% lines: exploratory
+    comparisons = next(rows for caption, rows in tables_of(out).items() if caption.startswith('Comparisons'))
+    assert len(comparisons) == 18 and {r[-1] for r in comparisons} == {verdicts.EXPLORATORY}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -684,7 +723,8 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     assert rows == [['T1', 't1_softmax_normalised_q − t1_softmax', '70.6 / 69.9 vs 72.2',
                      f'{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]', 'seeds only', '3 / 3',
                      rows[0][6],
-                     *(f'{p:.3f} / {q:.3f}' for p, q in zip(ps, stats.holm(ps))), rows[0][9], 'reproduced']]
+                     *(f'{p:.3f} / {q:.3f}' for p, q in zip(ps, stats.holm(ps))), rows[0][9], 'reproduced',
+                     verdicts.CONFIRMATORY]]  # its row trained now, after the rules
     records = runs.read_records(results)
     assert len(records) == 9
     assert all(r['cpu_min'] >= 0 and r['machine'] for r in records.values())
@@ -724,7 +764,9 @@ def test_paper_ablations_rerun_prints_both_budgets_side_by_side(tmp_path, monkey
     row = next(line for line in out.splitlines() if line.startswith('| r_residual_none − r_residual_local'))
     welch = stats.welch([84.1, 84.9, 86.0], [84.0, 85.0, 86.0])
     assert row.split(' | ')[1:4] == ['80.2 vs 82.4', '-10.0 [-12.3, -7.7] (5 / 5)', '']
-    assert row.split(' | ')[5:] == ['+0.0 [-2.2, +2.2] (3 / 3)', '', 'not resolved |']
+    assert row.split(' | ')[5:] == ['+0.0 [-2.2, +2.2] (3 / 3)', '',
+                                    f'not resolved; {verdicts.EXPLORATORY} |']  # records with no time
+    assert 'robustness read' not in out  # 3 epochs: no evaluation at epoch 12 to read
     s_row = next(line for line in out.splitlines() if line.startswith('| s_swin_t − inline_swin_t'))
     assert s_row.endswith('| — |  | not yet run |')
     assert stats.tost_p(*welch) > 0.05  # 3 seeds a side cannot show ±0.5 at this spread

@@ -60,6 +60,8 @@ def test_the_tests_cross_five_percent_where_their_intervals_edges_do():
     (-1.6, +2.0, 0.01, 1.0, 'contradicted'),  # ... on the other
     (-1.1, -0.1, 0.30, 0.01, stats.EQUIVALENT),  # only TOST: no difference that matters
     (-2.2, -0.3, 0.01, 0.02, 'reproduced (within ±0.5)'),  # both: a real difference, smaller than 0.5
+    (-2.5, +0.6, 0.01, 0.60, 'contradicted'),  # the paper's gap beyond the margin: a plain reversal
+    (-0.3, +0.49, 0.01, 0.45, 'contradicted: the opposite sign, within ±0.5'),  # a gap under it, reversed
     (-1.6, -0.1, 0.30, 0.20, 'not resolved'),  # neither
     (0.2, 0.1, 1.0, 0.01, 'reproduced'),  # a paper tie: TOST
     (0.2000000000000028, 1.1, 0.01, 1.0, 'contradicted'),  # a tie as printed, "beyond ±0.5" rejects
@@ -67,6 +69,14 @@ def test_the_tests_cross_five_percent_where_their_intervals_edges_do():
     (float('-inf'), -60.0, 0.001, 1.0, 'reproduced')])  # 'does not converge' against a number
 def test_verdict_words(paper_diff, mean, q_order, q_tost, expected):
     assert stats.verdict(paper_diff, mean, q_order, q_tost) == expected
+
+
+def test_a_reversal_of_a_gap_under_the_margin_says_so_only_where_the_interval_reaches_inside_it():
+    """The paper's -0.3 reversed: 'the opposite sign, within ±0.5' while the 95% interval reaches inside
+    ±0.5 (+0.49 ± 0.25, FLatten's at 16 epochs); a plain 'contradicted' once it lies wholly beyond (+0.9 ±
+    0.3)."""
+    assert stats.verdict(-0.3, 0.49, 0.01, 0.45, half=0.25) == 'contradicted: the opposite sign, within ±0.5'
+    assert stats.verdict(-0.3, 0.9, 0.01, 1.0, half=0.3) == 'contradicted'
 
 
 def test_holm_adjusts_against_a_worked_example():
@@ -77,29 +87,51 @@ def test_holm_adjusts_against_a_worked_example():
 
 
 def test_power_against_a_simulation():
-    """power's two figures against 20,000 simulated Welch comparisons at 6 and 8 seeds, sd 0.25, at 0.0025:
-    the ordering test at a true 0.5 (noncentral t, about exact), TOST at a true 0 (a lower bound: the
-    simulation reaches it or more); seeds_for finds the fewest seeds that reach 80%."""
+    """power's two figures against 20,000 simulated Welch comparisons at 6 and 8 seeds, sd 0.25, at 0.0025,
+    each test on its own Welch-Satterthwaite degrees of freedom, as the family's: the ordering test at a true
+    0.5 within 0.05 of the noncentral t on planned's degrees of freedom (about 10.9), and nearer it than on
+    n_a + n_b - 2 = 12, the count the power column once used; TOST at a true 0 (a lower bound: the simulation
+    reaches it or more); seeds_for finds the fewest seeds that reach 80%."""
     g = np.random.default_rng(0)
     level, sd, n_a, n_b = 0.0025, 0.25, 6, 8
-    tost, order = stats.power(sd, n_a, sd, n_b, level)
-    for truth, expected, which in ((0.5, order, 0), (0.0, tost, 1)):
+    se, df = stats.planned(sd, n_a, sd, n_b)
+    tost, order = stats.power(se, df, level)
+    for truth, which in ((0.5, 0), (0.0, 1)):
         a = truth + sd * g.standard_normal((20_000, n_a))
         b = sd * g.standard_normal((20_000, n_b))
         va, vb = a.var(1, ddof=1) / n_a, b.var(1, ddof=1) / n_b
-        mean, se = a.mean(1) - b.mean(1), np.sqrt(va + vb)
-        df = n_a + n_b - 2  # as power plans it
+        mean, se_each = a.mean(1) - b.mean(1), np.sqrt(va + vb)
+        df_each = (va + vb) ** 2 / (va ** 2 / (n_a - 1) + vb ** 2 / (n_b - 1))  # each comparison's own
         if which == 0:
-            hits = np.abs(mean / se) > scipy_stats.t.ppf(1 - level / 2, df)
+            hits = np.abs(mean / se_each) > scipy_stats.t.ppf(1 - level / 2, df_each)
+            assert abs(hits.mean() - order) < 0.05
+            assert abs(hits.mean() - order) < abs(hits.mean() - stats.power(se, n_a + n_b - 2, level)[1])
         else:
-            t = scipy_stats.t.ppf(1 - level, df)
-            hits = ((mean + stats.MARGIN) / se > t) & ((stats.MARGIN - mean) / se > t)
-        if which == 0:
-            assert hits.mean() == pytest.approx(expected, abs=0.02)
-        else:
-            assert expected - 0.01 <= hits.mean() <= expected + 0.15
+            t = scipy_stats.t.ppf(1 - level, df_each)
+            hits = ((mean + stats.MARGIN) / se_each > t) & ((stats.MARGIN - mean) / se_each > t)
+            assert tost - 0.01 <= hits.mean() <= tost + 0.15
     n = stats.seeds_for(sd, None, level)
-    assert stats.power(sd, n, sd, n, level)[0] >= 0.8 > stats.power(sd, n - 1, sd, n - 1, level)[0]
+    assert stats.power(*stats.planned(sd, n, sd, n), level)[0] >= 0.8 > stats.power(
+        *stats.planned(sd, n - 1, sd, n - 1), level)[0]
+
+
+def test_power_counts_the_test_sets_term_and_welchs_degrees_of_freedom():
+    """The power column is the test's own: at the se and degrees of freedom welch gives with the test set's
+    term, lower than at the seeds' variance alone; and planned's degrees of freedom are Welch-Satterthwaite's,
+    n_a + n_b - 2 only where the two rows have the same seeds and sd (5 against 10 at one sd: about 8.1, not
+    13)."""
+    g = np.random.default_rng(1)
+    a, b = list(85 + 0.29 * g.standard_normal(10)), list(84.4 + 0.28 * g.standard_normal(10))
+    kind = g.random(2000) < 0.5  # images one model gets right more often and the other less
+    images = [100.0 * (g.random((10, 2000)) < np.where(kind, hi, lo))
+              for hi, lo in ((0.95, 0.75), (0.74, 0.94))]
+    seeds_only, with_images = stats.welch(a, b), stats.welch(a, b, *images)
+    assert with_images[1] > seeds_only[1]
+    assert stats.power(*with_images[1:], 0.0025)[0] < stats.power(*seeds_only[1:], 0.0025)[0]
+    assert stats.planned(0.25, 6, 0.25, 6)[1] == pytest.approx(10)
+    welch_df = 0.01875 ** 2 / (0.0125 ** 2 / 4 + 0.00625 ** 2 / 9)  # about 8.1
+    assert stats.planned(0.25, 5, 0.25, 10)[1] == pytest.approx(welch_df)
+    assert stats.power(math.inf, 0, 0.0025) == (0.0, 0.0)
 
 
 def test_welch_with_the_test_sets_term_covers_a_known_difference():
