@@ -134,7 +134,7 @@ def attention_options(family, options, letters):
                          f"window ablation)")
     if unknown:
         said = [f"{k} (now {inline.RENAMED[k]})" if k in inline.RENAMED else k for k in unknown]
-        raise ValueError(f"{family}: unknown argument(s) {', '.join(said)}; allowed are its sizes "
+        raise ValueError(f"{family}: unknown argument(s) {said}; allowed are its sizes "
                          f"(the arguments of its class) and the attention options "
                          f"{list(ATTENTION_OPTIONS)}")
     normalise = options.get('normalise_q', '')

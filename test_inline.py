@@ -839,7 +839,7 @@ def test_renamed_options_are_refused_naming_the_new():
     the new one, in the module, create_model and train.py's flags (test_train.py)."""
     with pytest.raises(TypeError, match=r"InLineAttention got unknown option\(s\) kernel \(now feature_map\)"):
         inline.InLineAttention(32, 2, kernel='relu')
-    with pytest.raises(ValueError, match=r"unknown argument\(s\) residual \(now eq6\)"):
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['residual \(now eq6\)'\]"):
         meta_model('inline_swin_t', residual='none')
     with pytest.raises(ValueError, match=r"fast=True: choose one of \[None, 'compile', 'triton'\] \(fast=True is "
                                          r"now fast='compile'\)"):

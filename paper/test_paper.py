@@ -101,7 +101,7 @@ def test_experiment_switches_reject_bad_input():
         meta_model('inline_swin_t', layout='LLLS', feature_map='leakyrelu')
     assert meta_model('inline_swin_t', layout='LLLS', feature_map='relu_affine')  # T3's 70.2 row: allowed
     with pytest.raises(ValueError,
-                       match=r"unknown residual 'global'; choose one of \['local', 'plain', 'none'\]"):
+                       match=r"unknown eq6 'global' \(Eq\. 6's form\); choose one of \['local', 'plain', 'none'\]"):
         meta_model('inline_swin_t', eq6='global')
     with pytest.raises(ValueError, match=r"window and ape are InLine-Swin's options"):
         meta_model('inline_deit_t', window=7)
