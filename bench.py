@@ -650,7 +650,7 @@ def bench_gpu(device):
         print(format_gpu_row(bench_gpu_step(fast, device, smoke)), flush=True)
 
 
-def main():
+def run_benchmarks():
     parser = argparse.ArgumentParser(
         description="Benchmark the fast InLine core against the reference")
     parser.add_argument('--bench', action='store_true', help="time the attention-core cases")
@@ -751,4 +751,4 @@ def main():
                       f"{row['fast_peak_mb']:6.1f}", flush=True)
 
 if __name__ == '__main__':
-    main()
+    run_benchmarks()

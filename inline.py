@@ -23,7 +23,6 @@ T = k*k the weights per channel of Eq. 6's k x k neighbourhood.
 """
 import contextlib
 import importlib
-import inspect
 import sys
 
 import torch
@@ -299,7 +298,7 @@ def fast_twin(core, fast):
         raise ValueError(f"{name} has no fast twin {fast!r}; it has {sorted(twins) or 'none'} "
                          f"(fast=None runs it on the reference path)")
     module, function = twins[fast].rsplit('.', 1)
-    if module not in sys.modules:  # imported at the first call (sys.modules: what torch.compile traces)
+    if module not in sys.modules:  # imported at the first call; torch.compile traces sys.modules
         importlib.import_module(module)
     return getattr(sys.modules[module], function)
 
@@ -309,16 +308,6 @@ def fast_twin(core, fast):
 
 # options renamed so that each name means one thing: old -> new, refused under the old name
 RENAMED = {'kernel': 'feature_map', 'residual': 'eq6'}
-
-
-def refuse_unknown(where, unknown):
-    """Raise TypeError for options `where` does not take, naming the new name of a renamed one."""
-    if unknown:
-        said = [f"{k} (now {RENAMED[k]})" if k in RENAMED else k for k in sorted(unknown)]
-        options = [name for name, p in inspect.signature(InLineBase).parameters.items()
-                   if p.kind is p.KEYWORD_ONLY]
-        raise TypeError(f"{where} got unknown option(s) {', '.join(said)}; InLine attention's "
-                        f"options are {', '.join(options)}")
 
 
 def add_projections(module, dim, qkv_bias, separate_q):
@@ -352,7 +341,9 @@ class InLineBase(nn.Module):
                  local_size=LOCAL_SIZE, dilation=1, leading_tokens=0, scale_by_count=True,
                  nonneg=False, **unknown):
         super().__init__()
-        refuse_unknown(type(self).__name__, unknown)
+        if unknown:  # an option under its old name (RENAMED) is refused with its new one
+            said = [f"{k} (now {RENAMED[k]})" if k in RENAMED else k for k in sorted(unknown)]
+            raise TypeError(f"{type(self).__name__} got unknown option(s) {', '.join(said)}")
         if dim % num_heads != 0:
             raise ValueError(f"channels ({dim}) must be divisible by heads ({num_heads})")
         size = neighbourhood_size(eq6, local_size)
@@ -384,17 +375,18 @@ class InLineBase(nn.Module):
         weights are predicted from, -> o (B, H, N, D) on grid. Every InLine attention runs this, on
         both paths, with and without a gradient: a line added here reaches them all."""
         q, k = self.phi(q), self.phi(k)  # the feature map phi
-        r = self.eq6_weights(x)  # Eq. 6's weights, (B, T*C); None without Eq. 6
+        # Eq. 6's weights (B, T*C), predicted from x's token mean; None without Eq. 6
+        r = None if self.residual is None else residual_weights(self.residual, self.eq6_mean(x))
         core = self.core()  # inline_core: Eq. 5, then Eq. 6
         if self.fast:  # its fast twin: the same arguments, the same result
             core = fast_twin(core, self.fast)
         return core(q, k, v, r, grid, self.scale, self.local_size, self.dilation,
                     self.scale_by_count)  # (B, H, N, D)
 
-    def eq6_weights(self, x):
-        """Eq. 6's weights r (B, T*C), predicted from x's token mean (B, C); None without Eq. 6.
-        Causal sequences override it: one set per prefix mean."""
-        return None if self.residual is None else residual_weights(self.residual, x.mean(dim=1))
+    def eq6_mean(self, x):
+        """The token mean Eq. 6's weights are predicted from: x (B, N, C) -> (B, C). Causal sequences
+        override it: each prefix's mean, one set of weights per token."""
+        return x.mean(dim=1)
 
     def core(self):
         """The core function attend runs: Eq. 5, then Eq. 6. The linear baseline overrides it."""

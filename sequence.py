@@ -144,12 +144,12 @@ def inline_step(q_t, k_t, v_t, state=None, scale=None, scale_by_count=True):
 # Eq. 6 on a sequence: T = k weights per channel, the last k tokens (causal) or the k centred on
 # each
 
-def prefix_residual_weights(mlp, x):
-    """inline.residual_weights at each token i from the mean m_i of x_1..x_i (B, N, C), so that no
-    weight looks ahead: (B, N, T*C). The sums in fp32."""
+def prefix_means(x):
+    """The mean m_i of x_1..x_i at each token i, (B, N, C) -> (B, N, C): what causal Eq. 6's weights
+    are predicted from (inline.residual_weights gives one set per mean), so that no weight looks
+    ahead. The sums in fp32."""
     n = torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]  # (N, 1)
-    m = (x.to(torch.promote_types(x.dtype, torch.float32)).cumsum(1) / n).to(x.dtype)  # (B, N, C)
-    return inline.residual_weights(mlp, m)  # (B, N, T*C)
+    return (x.to(torch.promote_types(x.dtype, torch.float32)).cumsum(1) / n).to(x.dtype)
 
 
 def check_sequence_weights(r, v_shape, size, causal=False):
@@ -168,7 +168,7 @@ def sequence_residual(v, r, size=inline.LOCAL_SIZE, dilation=1, causal=False):
     r[.., T*c + t] * v_{i + dilation*(t - (k-1))} causal (tokens i, i-1, .., i-k+1; zero before the
     start), else v_{i + dilation*(t - k//2)} (k tokens centred on i; zero outside). r (B, T*C) per
     sample, or causal (B, N, T*C) per token, predicted from the prefix mean
-    (prefix_residual_weights). A depthwise 1-D convolution."""
+    (prefix_means). A depthwise 1-D convolution."""
     B, H, N, D = v.shape
     check_sequence_weights(r, v.shape, size, causal)
     left = dilation * (size - 1 if causal else size // 2)  # how far back the first tap reaches
@@ -212,7 +212,7 @@ def sequence_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dil
 def causal_core(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, dilation=1,
                 scale_by_count=True):
     """Causal InLine: Eq. 5 over each prefix, then Eq. 6 over the token and the size - 1 before it,
-    r (B, N, T*C), one set per token (prefix_residual_weights)."""
+    r (B, N, T*C), one set per token (from prefix_means)."""
     check_no_grid(grid)
     o = causal_inline_attention(q, k, v, scale, scale_by_count)  # Eq. 5, (B, H, N, D)
     return o if r is None else o + sequence_residual(v, r, size, dilation, causal=True)  # Eq. 6
@@ -245,7 +245,7 @@ def check_no_grid(grid):
 class SequenceAttention(inline.InLineAttention):
     """inline.InLineAttention on a 1-D sequence: x (B, N, C) -> (B, N, C), called with no grid; its
     forward and attend are InLineAttention's, with two steps of its own: the core (core) and,
-    causal, Eq. 6's weights (eq6_weights). causal: Eq. 5 over each prefix, Eq. 6 over the last k
+    causal, the means Eq. 6's weights come from (eq6_mean). causal: Eq. 5 over each prefix, Eq. 6 over the last k
     tokens with weights from the prefix mean: no output sees a later token; causal=False: both
     ways, Eq. 5 over all N tokens and Eq. 6 over the k tokens centred on each. attention='linear':
     division in place of Eq. 5 (the baseline). The other options are InLineAttention's. step runs a
@@ -278,12 +278,10 @@ class SequenceAttention(inline.InLineAttention):
             return causal_linear_core if self.causal else sequence_linear_core
         return causal_core if self.causal else sequence_core
 
-    def eq6_weights(self, x):
-        """Causal: one set of Eq. 6's weights per token, (B, N, T*C), from each prefix's mean, so
-        that no weight looks ahead; both ways: InLineBase's, from the mean of all N tokens."""
-        if self.causal and self.residual is not None:
-            return prefix_residual_weights(self.residual, x)
-        return super().eq6_weights(x)
+    def eq6_mean(self, x):
+        """Causal: each prefix's mean (B, N, C), so that Eq. 6's weights, one set per token, never
+        look ahead; both ways: InLineBase's, the mean of all N tokens."""
+        return prefix_means(x) if self.causal else super().eq6_mean(x)
 
     def check_input(self, x, grid):
         if grid is not None:
@@ -325,7 +323,7 @@ class SequenceAttention(inline.InLineAttention):
         o_t, eq5 = inline_step(q, k, v_t, eq5, self.scale, self.scale_by_count)  # Eq. 5, (B, H, D)
         if self.residual is None:
             return o_t, (eq5, x_sum, recent)
-        # (B, C), fp32 as prefix_residual_weights
+        # (B, C), fp32 as prefix_means
         x_sum = x_sum + x_t.to(torch.promote_types(x_t.dtype, torch.float32))
         # (B, T*C) from the prefix mean
         r_t = inline.residual_weights(self.residual, (x_sum / eq5[3]).to(x_t.dtype))

@@ -208,7 +208,7 @@ def test_residual_mlp_is_block_diagonal_per_head():
 def test_residual_weights_are_the_released_grouped_convolutions(causal):
     """residual_weights multiplies the token mean by W1's and W2's per-head blocks: the number the released
     two 1x1 grouped convolutions give on the mean as a 1-token sequence (per-sample), or on each prefix mean
-    (causal: sequence.prefix_residual_weights, which gives inline.residual_weights every prefix's mean)."""
+    (causal: inline.residual_weights of every prefix's mean, sequence.prefix_means)."""
     torch.manual_seed(0)
     B, N, C, H = 2, 11, 12, 3
     mlp = inline.residual_mlp(C, H, T=9).double()
@@ -216,7 +216,7 @@ def test_residual_weights_are_the_released_grouped_convolutions(causal):
     means = x.cumsum(1) / torch.arange(1, N + 1)[:, None] if causal \
         else x.mean(1, keepdim=True)  # (B, N or 1, C)
     expected = mlp(means.transpose(1, 2)).transpose(1, 2)  # (B, N or 1, 9C): the convolutions themselves
-    r = sequence.prefix_residual_weights(mlp, x) if causal else inline.residual_weights(mlp, x.mean(1))
+    r = inline.residual_weights(mlp, sequence.prefix_means(x) if causal else x.mean(1))
     torch.testing.assert_close(r, expected if causal else expected[:, 0], rtol=0, atol=1e-14)
 
 
@@ -776,32 +776,33 @@ def traced_walk(fn):
 
 def test_block_walk_is_the_readme():
     """The README's walk through one InLine-Swin block is what a forward passes on the way to the math, with
-    and without a gradient: on the reference path at most 6 steps, and on either path at most 6 of the
-    project's functions between the block's call and the math. The fast path is the reference's first steps,
-    then the README's second list."""
+    and without a gradient: on the reference path at most 7 steps (6 before the method had its one place,
+    InLineBase.attend, which every family's attention runs), and on either path at most 6 of the project's
+    functions between the block's call and the math. The fast path is the reference's first steps, then the
+    README's second list."""
     reference_walk, fast_walk = readme_walk()
     torch.manual_seed(0)
     block = models.SwinBlock(32, 2, 'I', None, False, 4., 0., DEFAULTS)
     x = torch.randn(2, 64, 32)
     walk, calls = traced_walk(lambda: block(x, (8, 8)))
-    assert walk == reference_walk and len(walk) <= 6, (walk, calls)
+    assert walk == reference_walk and len(walk) <= 7, (walk, calls)
     with torch.no_grad():  # one path: the same calls when no gradient is asked
         assert traced_walk(lambda: block(x, (8, 8))) == (walk, calls)
     kernels.enable_fast(block, log=None)
     block(x, (8, 8))  # compiled (or loaded from the cache) on the first call
     fast, fast_calls = traced_walk(lambda: block(x, (8, 8)))
-    assert fast == reference_walk[:3] + fast_walk, (fast, fast_calls)
+    assert fast == reference_walk[:4] + fast_walk, (fast, fast_calls)
     with torch.no_grad():  # no autograd Function: the same forward, in a graph that casts its inputs itself
         no_grad = traced_walk(lambda: block(x, (8, 8)))[0]
-    assert no_grad == fast[:4] + ['kernels.py:compiled_call', 'kernels.py:core_inference']
+    assert no_grad == fast[:5] + ['kernels.py:compiled_call', 'kernels.py:core_inference']
     for path in (walk, fast, no_grad):
         between = [f for f in path[1:] if f not in MATH]
         print(f"{len(between)} functions between the block and the math: {between}")
         assert len(between) <= 6
 
 
-def test_recipe_a_new_kernel_function(monkeypatch):
-    """A kernel function phi is one entry of inline.PHI, and one of NON_NEGATIVE_PHI if phi >= 0."""
+def test_recipe_a_new_feature_map(monkeypatch):
+    """A feature map phi is one entry of inline.PHI, and one of NON_NEGATIVE_PHI if phi >= 0."""
     monkeypatch.setitem(inline.PHI, 'softplus', F.softplus)
     monkeypatch.setattr(inline, 'NON_NEGATIVE_PHI', inline.NON_NEGATIVE_PHI + ('softplus',))
     phi = inline.get_phi('softplus')
@@ -924,8 +925,8 @@ def add_a_gain_on_eq6s_weights(monkeypatch):
         init(self, dim, num_heads, **options)
         self.gain = nn.Parameter(torch.ones(()))
     monkeypatch.setattr(inline.InLineBase, '__init__', init_with_gain)
-    edit(monkeypatch, inline.InLineBase, 'attend', 'r = self.eq6_weights(x)',
-         'r = self.gain * self.eq6_weights(x)')
+    edit(monkeypatch, inline.InLineBase, 'attend', 'residual_weights(self.residual, self.eq6_mean(x))',
+         'self.gain * residual_weights(self.residual, self.eq6_mean(x))')
 
 
 class OnASequence(nn.Module):
@@ -1091,8 +1092,7 @@ def test_eq6_weights_per_token_the_reference_follows_and_the_fast_core_refuses(m
     r = torch.randn(2, 9 * 8, dtype=torch.float64)
     torch.testing.assert_close(inline.local_residual(v, r[:, None].expand(2, 13, -1), (3, 4)),
                                inline.local_residual(v, r, (3, 4)), rtol=0, atol=1e-14)
-    edit(monkeypatch, inline.InLineBase, 'eq6_weights', 'residual_weights(self.residual, x.mean(dim=1))',
-         'residual_weights(self.residual, x)')
+    edit(monkeypatch, inline.InLineBase, 'eq6_mean', 'x.mean(dim=1)', 'x')
     torch.manual_seed(0)
     config = dict(FAST_SMALL['inline_deit_t'], num_classes=5)
     model = models.create_model('inline_deit_t', **config)

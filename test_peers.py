@@ -276,8 +276,8 @@ def test_wrong_sizes_and_options_are_refused():
 # ---------------------------------------------------------------------------------------------------
 # The peers' models (models.py's F and N letters): the authors' sizes, names and cost; ours builds and trains
 
-PEER_MODELS = ['flatten_swin_t', 'flatten_pvt_t', 'flatten_pvt_s', 'transnormer_swin_t']
-FLATTEN = [name for name in PEER_MODELS if name.startswith('flatten')]
+PEERS = ['flatten_swin_t', 'flatten_pvt_t', 'flatten_pvt_s', 'transnormer_swin_t']
+FLATTEN = [name for name in PEERS if name.startswith('flatten')]
 # A few keys and shapes read off the authors' code (models/flatten_swin.py: FocusedLinearAttention in stages 1
 # and 2 with window 56, so a 56x56 and a 28x28 positional_encoding, dwc over one head's D = 32 channels;
 # models/flatten_pvt.py: q and kv, positional_encoding over num_patches, the unused final `norm`)
@@ -301,7 +301,7 @@ def key_table(name):
     return {key: (tuple(int(n) for n in shape.split('x')), kind) for key, shape, kind in rows}
 
 
-@pytest.mark.parametrize('name', PEER_MODELS)
+@pytest.mark.parametrize('name', PEERS)
 def test_peer_models_have_the_authors_counts_keys_and_macs(name):
     """Built on the meta device: the parameter count and GMACs of models.RELEASED (the authors' for FLatten,
     ours for TransNormer-Swin-T), MACs within 0.5%; FLatten's parameter keys and shapes as the authors'."""

@@ -186,7 +186,7 @@ def test_causal_eq6_weights_come_from_the_prefix_mean():
     torch.manual_seed(0)
     mlp = inline.residual_mlp(8, 2, T=3).double()
     x = torch.randn(2, 9, 8, dtype=torch.float64)
-    r = sequence.prefix_residual_weights(mlp, x)
+    r = inline.residual_weights(mlp, sequence.prefix_means(x))
     assert r.shape == (2, 9, 24)
     for i in range(9):
         torch.testing.assert_close(r[:, i], inline.residual_weights(mlp, x[:, :i + 1].mean(1)), rtol=0,

@@ -21,16 +21,15 @@ import inline
 pytest.importorskip('triton')  # not installed with every torch (macOS): nothing here can run then
 import triton_core  # noqa: E402  (after the check; the subprocess's TRITON_INTERPRET=1 is set by then)
 
-INTERPRETED = triton_core.INTERPRETED  # this process is the interpreted run
-CUDA = torch.cuda.is_available() and not INTERPRETED
-HERE = os.path.dirname(os.path.abspath(__file__))
+ON_CUDA = torch.cuda.is_available() and not triton_core.INTERPRETED  # this process runs compiled on CUDA
+REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 
 # (B, H, P, grid, D, label, options): P leading tokens before the (h, w) grid, N = P + h*w; options of
 # inline_core ('tensor': a learnable scale per head), and 'shift', added to k and v. BLOCK_N is 64 tokens,
 # so N = 197 and 72 end in a partial block, and D = 4, 8, 12 are padded to 16. From 1024 tokens the sums
 # over all tokens split into chunks of whole blocks (triton_core.split, with INTERPRETED_SMS = 4 here):
 # the 'chunks' case into 3 (test_cases_split_the_tokens).
-CASES = [
+TRITON_CASES = [
     (1, 3, 1, (14, 14), 32, '', {}),  # DeiT-T at 224 px: a class token, N = 197 = 3 blocks + 5
     (2, 2, 1, (6, 7), 8, '', {}),  # a class token before a non-square grid
     (1, 2, 0, (8, 9), 64, '', {}),  # the other head dim of the backbones
@@ -51,15 +50,16 @@ CASES = [
     (1, 2, 1, (32, 33), 8, 'chunks', dict(shift=30., size=1)),
 ]
 DTYPES = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}
-FP32_TOLERANCE = 1e-5  # of the tensor's largest entry: fp32 sums over tokens, in another order than torch's
-ROUNDING = {'fp16': 2 ** -11, 'bf16': 2 ** -8}  # half an ulp at 1: the rounding of the stored result
+# of the tensor's largest entry: fp32 sums over tokens, in another order than torch's
+TRITON_FP32_TOLERANCE = 1e-5
+HALF_ULP = {'fp16': 2 ** -11, 'bf16': 2 ** -8}  # half an ulp at 1: the rounding of the stored result
 
 
 def case_id(B, H, P, grid, D, label, options):
     return f"B{B}-H{H}-N{P + grid[0] * grid[1]}-D{D}" + (f"-{label}" if label else '')
 
 
-def core_inputs(B, H, P, grid, D, options, dtype, seed=0):
+def triton_inputs(B, H, P, grid, D, options, dtype, seed=0):
     """{name: float64 tensor} rounded to dtype, so every run sees the same numbers: q, k, v (B, H, N, D)
     with token means away from 0 (what centring is for), r (B, T*C) unless None, the upstream do, and a
     scale (1, H, 1, 1) if asked."""
@@ -77,7 +77,7 @@ def core_inputs(B, H, P, grid, D, options, dtype, seed=0):
     return {name: t.to(dtype).double() for name, t in tensors.items()}
 
 
-def run_core(core, tensors, grid, options, dtype, device):
+def run_triton_core(core, tensors, grid, options, dtype, device):
     """{'o': output, 'dq': ..., 'dr', 'dscale'}: core's output and gradients as float64 on the CPU."""
     leaves = {name: t.to(device, dtype).requires_grad_() for name, t in tensors.items() if name != 'do'}
     kwargs = {key: value for key, value in options.items() if key not in ('r', 'scale', 'shift')}
@@ -89,27 +89,27 @@ def run_core(core, tensors, grid, options, dtype, device):
     return {'o': o.double().cpu(), **{f"d{name}": g.double().cpu() for name, g in zip(leaves, grads)}}
 
 
-def compare(case, dtype_name, device):
-    """The Triton core's output and gradients against the float64 reference: within FP32_TOLERANCE in
+def compare_case(case, dtype_name, device):
+    """The Triton core's output and gradients against the float64 reference: within TRITON_FP32_TOLERANCE in
     fp32; in fp16 and bf16 within twice the reference's own error in that dtype, plus one rounding."""
     B, H, P, grid, D, label, options = case
     dtype = DTYPES[dtype_name]
     torch.manual_seed(0)
-    tensors = core_inputs(B, H, P, grid, D, options, dtype)
+    tensors = triton_inputs(B, H, P, grid, D, options, dtype)
     print(f"\n{case_id(*case)}-{dtype_name} on {device}")
-    exact = run_core(inline.inline_core, tensors, grid, options, torch.float64, 'cpu')
-    ours = run_core(triton_core.inline_core_triton, tensors, grid, options, dtype, device)
-    reference = None if dtype == torch.float32 else run_core(inline.inline_core, tensors, grid, options,
-                                                            dtype, device)
+    exact = run_triton_core(inline.inline_core, tensors, grid, options, torch.float64, 'cpu')
+    ours = run_triton_core(triton_core.inline_core_triton, tensors, grid, options, dtype, device)
+    reference = None if dtype == torch.float32 else run_triton_core(inline.inline_core, tensors, grid,
+                                                                    options, dtype, device)
     failures = []
     for name, t in exact.items():
         error, scale = (ours[name] - t).abs().max().item(), t.abs().max().item()
         if reference is None:
-            bound = FP32_TOLERANCE * scale
+            bound = TRITON_FP32_TOLERANCE * scale
             print(f"{name:6s} fp32 error {error:.1e} of scale {scale:.1e}, bound {bound:.1e}")
         else:
             own = (reference[name] - t).abs().max().item()
-            bound = 2 * own + ROUNDING[dtype_name] * scale
+            bound = 2 * own + HALF_ULP[dtype_name] * scale
             print(f"{name:6s} {dtype_name} error: triton {error:.2e}, reference {own:.2e}, bound {bound:.2e}")
         if not error <= bound:  # NaN fails too
             failures.append(f"{name}: error {error:.2e} beyond {bound:.2e}")
@@ -122,12 +122,12 @@ def compare(case, dtype_name, device):
 def test_the_interpreted_run():
     """Starts this file under Triton's interpreter; its report (every case's errors) is printed, and the
     failing cases' messages are this test's."""
-    if INTERPRETED:
+    if triton_core.INTERPRETED:
         pytest.skip("this is the interpreted run")
     env = {**os.environ, 'TRITON_INTERPRET': '1', 'COLUMNS': '300'}  # FAILED lines keep their messages
     result = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-s', '-rfE', '--tb=short',
-                             '-p', 'no:cacheprovider', os.path.join(HERE, 'test_triton.py')],
-                            capture_output=True, text=True, env=env, cwd=HERE, timeout=600)
+                             '-p', 'no:cacheprovider', os.path.join(REPOSITORY, 'test_triton.py')],
+                            capture_output=True, text=True, env=env, cwd=REPOSITORY, timeout=600)
     print(result.stdout[-20000:])
     if result.returncode != 0:  # each failing case with its message, else the run's last lines
         failed = [line for line in result.stdout.splitlines() if line.startswith(('FAILED', 'ERROR'))]
@@ -136,14 +136,14 @@ def test_the_interpreted_run():
                         failed or result.stdout.splitlines()[-30:] + [result.stderr[-3000:]]), pytrace=False)
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="runs in test_the_interpreted_run's subprocess")
+@pytest.mark.skipif(not triton_core.INTERPRETED, reason="runs in test_the_interpreted_run's subprocess")
 @pytest.mark.parametrize('dtype', ['fp32', 'fp16'])
-@pytest.mark.parametrize('case', CASES, ids=[case_id(*case) for case in CASES])
+@pytest.mark.parametrize('case', TRITON_CASES, ids=[case_id(*case) for case in TRITON_CASES])
 def test_interpreted_core_matches_reference(case, dtype):
-    compare(case, dtype, 'cpu')
+    compare_case(case, dtype, 'cpu')
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="runs in test_the_interpreted_run's subprocess")
+@pytest.mark.skipif(not triton_core.INTERPRETED, reason="runs in test_the_interpreted_run's subprocess")
 def test_interpreted_core_takes_strided_views_and_autocast_and_no_gradient():
     """q, k, v as a model passes them (views of one (B, N, 3C) projection), under fp16 autocast, and
     with no gradient: the same numbers as the contiguous fp16 call."""
@@ -162,12 +162,12 @@ def test_interpreted_core_takes_strided_views_and_autocast_and_no_gradient():
 
 
 def test_cases_split_the_tokens():
-    """The split that CASES prove under the interpreter: several chunks of whole blocks, the last one
+    """The split that TRITON_CASES prove under the interpreter: several chunks of whole blocks, the last one
     short, and none under SPLIT_FROM tokens; on an H100's 132 SMs, Swin-T's stage 1 (3 heads, 3136
     tokens = 49 blocks) splits so that every SM gets a program: 49 chunks of one block at batch 1 (147
     programs), 7 of 8 blocks at batch 8 (168), one at batch 128 (384); DeiT-T's 197 tokens do not."""
     chunks = {}
-    for B, H, P, grid, D, label, options in CASES:
+    for B, H, P, grid, D, label, options in TRITON_CASES:
         N = P + grid[0] * grid[1]
         chunk = triton_core.split(B * H, N, triton_core.INTERPRETED_SMS)
         S = -(-N // chunk)
@@ -191,7 +191,7 @@ def test_core_refuses_what_it_does_not_compute():
         triton_core.inline_core_triton(q, k.half(), v, None, (3, 4))
     with pytest.raises(ValueError, match=r"13 tokens cannot hold a 4x4 token grid"):
         triton_core.inline_core_triton(q, k, v, None, (4, 4))
-    if not INTERPRETED:
+    if not triton_core.INTERPRETED:
         with pytest.raises(RuntimeError, match=r"CUDA tensors, or on CPU ones under Triton's interpreter"):
             triton_core.inline_core_triton(q, k, v, None, (3, 4))
 
@@ -203,7 +203,7 @@ def test_create_model_with_triton_is_refused_on_a_cpu_model():
     import models
     small = dict(img_size=64, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), softmax_window=2,
                  num_classes=3)
-    if not INTERPRETED:
+    if not triton_core.INTERPRETED:
         with pytest.raises(ValueError, match=r"fast='triton' runs InLine's Triton kernel, which needs a CUDA "
                                              r"device \(the model is on cpu\); on the CPU use "
                                              r"fast='compile'"):
@@ -222,20 +222,20 @@ def test_create_model_with_triton_is_refused_on_a_cpu_model():
 # ---------------------------------------------------------------------------------------------------
 # CUDA: the same comparisons compiled, bf16 among them, and Swin-T's stage 1; the speed is bench.py's
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize('dtype', list(DTYPES))
-@pytest.mark.parametrize('case', CASES, ids=[case_id(*case) for case in CASES])
+@pytest.mark.parametrize('case', TRITON_CASES, ids=[case_id(*case) for case in TRITON_CASES])
 def test_cuda_core_matches_reference(case, dtype):
-    compare(case, dtype, 'cuda')
+    compare_case(case, dtype, 'cuda')
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize('dtype', list(DTYPES))
 def test_cuda_core_at_swin_t_stage1(dtype):
-    compare((2, 3, 0, (56, 56), 32, '', {}), dtype, 'cuda')  # 3136 tokens: 49 blocks
+    compare_case((2, 3, 0, (56, 56), 32, '', {}), dtype, 'cuda')  # 3136 tokens: 49 blocks
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 def test_cuda_bench_rows_print_every_core():
     """bench.py --gpu's rows for Swin-T's stage 1 at batch 64, fp16, the compiled core left to
     test_inline.py (it compiles for a minute): each runs, and its times print."""
@@ -251,7 +251,7 @@ def test_bench_gpu_smoke_rows_have_their_keys():
     """bench.py --gpu --device cpu's rows, the cheap ones (the compiled core's CPU graphs take minutes):
     a case's row has its times and peak memory, the Triton row says why it does not run here, the step's
     row its time."""
-    if INTERPRETED:
+    if triton_core.INTERPRETED:
         pytest.skip("the main run's test")
     import bench
     rows = bench.bench_gpu_case('swin_t_stage1', torch.float32, torch.device('cpu'), smoke=True,
@@ -272,7 +272,7 @@ def test_triton_cost_counts_match_hand_formulas():
     """bench.py --triton-cost's counts, written out by hand: Swin-T's stage 1 in fp16 at batch 8 (B*H = 24
     programs a token block, N = 3136 = 49 blocks of 64, split into 7 chunks of 512, D = 32, T = 9) and at
     batch 1, and the H100's times of a memory-bound and an occupancy-bound launch."""
-    if INTERPRETED:
+    if triton_core.INTERPRETED:
         pytest.skip("the main run's test")
     import bench
     launches = {launch['name']: launch for launch in bench.triton_launches(8, 3, 3136, 32)}

@@ -16,6 +16,7 @@ the last one stopped. From the repository root:
     python -m paper speed --model-step     # a whole InLine-Swin-T training step: reference vs fast core
     python -m paper speed --dense          # backbones at detection sizes: forward time and peak memory
     python -m paper speed --whole [--compile]  # whole models against softmax; where a forward's time goes
+    python -m paper speed --level          # InLine-DeiT-T against DeiT-T at 1 and 2 threads, fp32 and bf16
     python -m paper ablations --claims     # the claim rows at 5 seeds and their floor: the first batch
     python -m paper ablations [--quick]    # T3, T4, T10, R-res, R-dil, R-nonneg, T1, S: trained small
     python -m paper ablations --no-train   # every table and picture from results/runs.jsonl alone, in seconds
@@ -49,7 +50,7 @@ from paper.runs import RECORDS, cmd_train
 from paper.speed import cmd_speed
 
 
-def main(argv=None):
+def lab(argv=None):
     """The command line; `train` hands the rest of it to train.py's parser (paper/runs.py, train_args)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ['train']:
@@ -157,6 +158,9 @@ def add_speed(sub, common):
                    help='--whole: also time InLine under whole-model torch.compile '
                    '(compiling takes minutes)')
     p.add_argument('--device', help='--whole: cpu (default) or cuda')
+    p.add_argument('--level', action='store_true',
+                   help='InLine-DeiT-T against DeiT-T where the tokens are few (224 px, and 512 px), at 1 and 2 '
+                   'threads, fp32 and bf16, each beside the speed-up it should reach (instead of F5b, F5c)')
     p.add_argument('--dense', action='store_true',
                    help='backbone forward time and peak memory at detection sizes, '
                    '512x512 to 800x1344: Swin-T, PVT-S, DeiT-T, each softmax against InLine (instead '
@@ -181,4 +185,4 @@ def add_ablations(sub, budget):
 
 
 if __name__ == '__main__':
-    main()
+    lab()

@@ -142,7 +142,7 @@ class CausalSoftmax(torch.nn.Module):
         q = self.normalise_q(q) if self.normalise_q is not None else q  # (B, H, N, D)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, N, D)
         if self.residual is not None:
-            r = sequence.prefix_residual_weights(self.residual, x)  # (B, N, T*C) from each prefix's mean
+            r = inline.residual_weights(self.residual, sequence.prefix_means(x))  # (B, N, T*C), per prefix
             o = o + sequence.sequence_residual(v, r, self.local_size, causal=True)  # Eq. 6, (B, H, N, D)
         return self.proj(o.transpose(1, 2).reshape(B, N, C))
 

@@ -95,6 +95,8 @@ def speed_point(figure, point, dtype, device, batch, rounds):
 
 
 def cmd_speed(args):
+    if args.level:
+        return cmd_speed_level(args)
     if args.dense:
         return cmd_speed_dense(args)
     if args.whole:
@@ -259,6 +261,41 @@ def whole_point(row, dtype, device, rounds, compiled):
         out.update(compiled_speedup=bench.paired_ratio(ms, 'softmax', 'compiled'),
                    compiled_over_fast=bench.paired_ratio(ms, 'InLine', 'compiled'))
     return out
+
+
+# python -m paper speed --level: where the tokens are few, InLine-DeiT-T at least level with DeiT-T
+# (what, image side, batch, training step?, the speed-up InLine should reach)
+LEVEL = (('inference, batch 1', 224, 1, False, 1.0), ('inference, batch 1', 512, 1, False, 1.3),
+         ('training step, batch 16', 224, 16, True, 1.0))
+
+
+def cmd_speed_level(args):
+    """InLine-DeiT-T (fast core, eager) against DeiT-T (SDPA) at 1 and 2 threads, fp32 and bf16, each row
+    beside the speed-up it should reach: level where the tokens are few (224 px), ahead at 512 px."""
+    rows, threads = [], torch.get_num_threads()
+    rounds = args.rounds or 7
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for dtype in (torch.float32, torch.bfloat16):
+                for what, side, batch, training, goal in LEVEL:
+                    row = ('InLine-DeiT-T', 'inline_deit_t', 's_deit_t', side, batch, training)
+                    r = whole_point(row, dtype, torch.device('cpu'), rounds, compiled=False)
+                    rows.append([n, r['dtype'], what, f"{side} px", f"{r['softmax_ms']:.1f}",
+                                 f"{r['InLine_ms']:.1f}", f"{r['speedup']:.2f}x", f">= {goal}x",
+                                 'yes' if r['speedup'] >= goal else 'no'])
+                    print(' | '.join(map(str, rows[-1])), flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    info = machine(threads)
+    print(f"\nInLine-DeiT-T through the fast core against DeiT-T through SDPA, both eager, the same sizes; "
+          f"{rounds} interleaved rounds, ms = median, speed-up = median of per-round ratios. CPU: "
+          f"{info['cpu']}, {info['cores']} cores, AVX-512 BF16 {'yes' if info['avx512_bf16'] else 'no'}, "
+          f"AMX {'yes' if info['amx'] else 'no'} (bf16 {'native' if info['avx512_bf16'] else 'emulated'}), "
+          f"torch {info['torch']}.\n")
+    print_table(['threads', 'dtype', 'row', 'image', 'DeiT-T ms', 'InLine-DeiT-T ms', 'speed-up', 'should be',
+                 'met'], rows)
+    return rows
 
 
 PROFILE_GROUPS = {  # top-level operator -> what it is in a ViT forward

@@ -237,7 +237,7 @@ def test_recall_softmax_adds_causal_eq6_token_by_token():
     shifted.proj.load_state_dict(plain.proj.state_dict())
     x = torch.randn(3, 7, 16, dtype=torch.float64)
     v = plain.qkv(x).chunk(3, -1)[2]  # (B, N, C), channel c = head*D + j
-    r = sequence.prefix_residual_weights(shifted.residual, x).reshape(3, 7, 16, 3)  # (B, N, C, T)
+    r = inline.residual_weights(shifted.residual, sequence.prefix_means(x)).reshape(3, 7, 16, 3)  # (B, N, C, T)
     eq6 = torch.stack([sum(r[:, i, :, t] * v[:, i - 2 + t] for t in range(3) if i - 2 + t >= 0)
                        for i in range(7)], 1)
     expected = plain(x) + eq6 @ plain.proj.weight.T  # proj is linear: its bias is in plain(x) already
@@ -256,7 +256,7 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
     results, argv = str(tmp_path / 'recall.jsonl'), ['recall', '--steps', '3', '--seeds', '2', '--sizes',
                                                      '8x2x6', '--out', str(tmp_path)]
     threads = torch.get_num_threads()
-    recorded = cli.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i'])
+    recorded = cli.lab(argv + ['--results', results, '--models', 'softmax', 'InLine s/i'])
     assert torch.get_num_threads() == threads  # --threads 1 held for the training only
     with open(results) as f:
         # 2 models x (3 learning rates + seed 1)
@@ -276,10 +276,10 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
     claimed = recall.recall_claim(str(tmp_path),
                                   recall.recall_key('linear 1+elu', 8, 2, 6, 0, recall.RECALL_LRS[0], 3))
     threading.Timer(2.0, os.close, (claimed,)).start()
-    cli.main(argv + ['--results', results, '--models', 'softmax', 'InLine s/i', 'linear 1+elu'])
+    cli.lab(argv + ['--results', results, '--models', 'softmax', 'InLine s/i', 'linear 1+elu'])
     assert {run[0] for run in trained} == {'linear 1+elu'} and [run[4] for run in trained] == [0, 0, 0, 1]
     assert [run[5] for run in trained[:3]] == [*recall.RECALL_LRS[1:], recall.RECALL_LRS[0]]
-    cli.main(argv + ['--results', results, '--models', 'softmax', 'InLine s', '--no-train'])
+    cli.lab(argv + ['--results', results, '--models', 'softmax', 'InLine s', '--no-train'])
     assert len(trained) == len(recall.RECALL_LRS) + 1
     out = capsys.readouterr().out
     assert '| 8 / 2 / 6 | linear 1+elu |' in out and 'No runs yet: InLine s at 8 / 2 / 6.' in out
@@ -289,7 +289,7 @@ def test_paper_recall_chooses_learning_rates_keeps_finished_runs_and_trains_only
                          (['--sizes', '16x4x10'], 'every query sits at token D + 1 or later'),
                          (['--seeds', '0'], '--seeds, --steps and --threads must be at least 1')):
         with pytest.raises(SystemExit):
-            cli.main(argv + ['--results', results] + bad)
+            cli.lab(argv + ['--results', results] + bad)
         assert message in capsys.readouterr().err
 
 
@@ -316,7 +316,7 @@ def test_recall_comparisons_read_the_seeds_that_learn(tmp_path, capsys):
             runs.append_record(str(path), dict(model=name, width=width, pairs=pairs, tokens=tokens, seed=seed,
                                                 steps=steps, batch=recall.RECALL_BATCH,
                                                 lr=recall.RECALL_LRS[1], cpu_s=1.0, valid=0.0, recall=value))
-    cli.main(['recall', '--no-train', '--results', str(path), '--steps', str(steps), '--seeds', '6',
+    cli.lab(['recall', '--no-train', '--results', str(path), '--steps', str(steps), '--seeds', '6',
               '--sizes', f'{width}x{pairs}x{tokens}', '--models', *scores, '--out', str(tmp_path)])
     out = capsys.readouterr().out
     assert '| 16 / 4 / 12 | InLine s/i | no | 5 of 5 | 1.00 [0.48, 1.00] | 99.0 (5) |' in out
@@ -347,7 +347,7 @@ def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
                                                steps=steps, batch=recall.RECALL_BATCH, lr=lr, cpu_s=1.0,
                                                valid=50.0, recall=100 * bits.double().mean().item(),
                                                correct=runs.pack_correct(bits)))
-    cli.main(['recall', '--no-train', '--results', path, '--steps', str(steps), '--seeds', '3', '--sizes',
+    cli.lab(['recall', '--no-train', '--results', path, '--steps', str(steps), '--seeds', '3', '--sizes',
                 f'{width}x{pairs}x{tokens}', '--models', 'InLine s/i q-norm', 'InLine s/i', '--out',
                 str(tmp_path)])
     row = next(line for line in capsys.readouterr().out.splitlines()
@@ -360,7 +360,7 @@ def test_recall_intervals_count_the_test_sequences(tmp_path, capsys):
 def test_the_committed_records_rebuild_the_results_claim_tables(tmp_path, capsys):
     """RESULTS.md's claim tables are what `python -m paper ablations --claims --no-train` prints from
     results/runs.jsonl, line for line: the evidence cannot drift from its records."""
-    cli.main(['ablations', '--claims', '--no-train', '--out', str(tmp_path), '--png',
+    cli.lab(['ablations', '--claims', '--no-train', '--out', str(tmp_path), '--png',
               str(tmp_path / 'a.png')])
     tables = [line for line in capsys.readouterr().out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
@@ -387,7 +387,7 @@ def test_the_committed_records_rebuild_the_results_mosaic_tables(tmp_path, capsy
     (`git show 92b2312:results/runs.jsonl`), so their four comparisons are exploratory and the six whose row
     came after are confirmatory; every 4-epoch record predates the rules. RESULTS' prose on each 16-epoch verdict
     (the bullet naming its comparison) gives its label and its robustness read as the table does."""
-    cli.main(['ablations', '--dataset', 'fashion_recall', '--no-train', '--out', str(tmp_path)])
+    cli.lab(['ablations', '--dataset', 'fashion_recall', '--no-train', '--out', str(tmp_path)])
     out = capsys.readouterr().out
     tables = [line for line in out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
@@ -416,7 +416,7 @@ def test_the_committed_records_rebuild_the_results_mosaic_tables(tmp_path, capsy
 def test_the_committed_recall_records_rebuild_the_results_recall_tables(tmp_path, capsys):
     """RESULTS.md's recall tables are what `python -m paper recall --no-train` prints from
     results/recall.jsonl, line for line."""
-    cli.main(['recall', '--no-train', '--out', str(tmp_path)])
+    cli.lab(['recall', '--no-train', '--out', str(tmp_path)])
     out = capsys.readouterr().out
     tables = [line for line in out.splitlines() if line.startswith('|')]
     with open(os.path.join(ROOT, 'RESULTS.md')) as f:
@@ -439,7 +439,7 @@ def assert_png(path, min_size=(100, 100)):
 
 
 def test_paper_injectivity_finds_identical_rows_for_linear_only(tmp_path):
-    groups = cli.main(['injectivity', '--out', str(tmp_path)])
+    groups = cli.lab(['injectivity', '--out', str(tmp_path)])
     # q, 2q, 3q, 4q (rows 0-3) share their weights under division; no other pair of rows does, anywhere
     assert groups == {'softmax': [], 'linear (relu)': [[0, 1, 2, 3]], 'linear (relu_affine)': [[0, 1, 2, 3]],
                       'InLine (identity)': []}
@@ -520,7 +520,7 @@ def test_paper_locality_and_maps_commands(tmp_path):
     the uniform lines the command prints. A name given twice is two seeds. Both commands draw their PNG."""
     softmax = tiny_deit_checkpoint(tmp_path / 'softmax.pt', layout='S')
     ours = tiny_deit_checkpoint(tmp_path / 'inline.pt', layout='I')
-    results, uniform = cli.main(['locality', '--checkpoints', f'softmax={softmax}', f'InLine={ours}',
+    results, uniform = cli.lab(['locality', '--checkpoints', f'softmax={softmax}', f'InLine={ours}',
                                    f'InLine={ours}', '--images', '4', '--out', str(tmp_path)])
     assert len(results['softmax']) == 1 and len(results['InLine']) == 2 and len(results['InLine'][0]) == 2
     assert uniform == pytest.approx({'own': 1 / 64, 'near': ((22 / 8) ** 2 - 1) / 64})
@@ -529,7 +529,7 @@ def test_paper_locality_and_maps_commands(tmp_path):
         assert layer['class'].tolist() == pytest.approx([1 / 65], abs=2e-3) and layer['eq6'].tolist() == [0.0]
     assert all((layer['eq6'] > 0).all() for layer in results['InLine'][0])
     assert_png(tmp_path / 'locality.png', (500, 300))
-    rows = cli.main(['maps', '--checkpoints', f'softmax={softmax}', f'InLine={ours}', '--queries', '0,0',
+    rows = cli.lab(['maps', '--checkpoints', f'softmax={softmax}', f'InLine={ours}', '--queries', '0,0',
                      '7,7',
                        '--out', str(tmp_path)])
     assert [label
@@ -547,14 +547,14 @@ def test_paper_locality_keeps_its_measurements_beside_the_records(tmp_path, monk
                         seeds=1: {'InLine': [('run-0', ours), ('run-1', ours)]})
     argv = ['locality', '--images', '4', '--out', str(tmp_path), '--results',
             str(tmp_path / 'r' / 'runs.jsonl')]
-    first, _ = cli.main(argv)
+    first, _ = cli.lab(argv)
     assert sorted(first) == ['InLine', 'InLine, untrained'] and len(first['InLine']) == 2
     os.remove(ours)
-    again, _ = cli.main(argv)
+    again, _ = cli.lab(argv)
     assert all(torch.equal(a[k], b[k]) for x, y in zip(first['InLine'], again['InLine']) for a, b in zip(x, y)
                for k in a)
     with pytest.raises(SystemExit):
-        cli.main(argv[:2] + ['8'] + argv[3:])  # 8 images: not measured, and the checkpoint is gone
+        cli.lab(argv[:2] + ['8'] + argv[3:])  # 8 images: not measured, and the checkpoint is gone
 
 
 def test_paper_measures_on_the_data_a_checkpoint_was_trained_on(tmp_path):
@@ -594,7 +594,7 @@ def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
             (['ablations', '--data-path', str(tmp_path / 'nothing')],
              'no fashion_mnist files in .*apt-get install dataset-fashion-mnist.*--download')]:
         with pytest.raises(SystemExit):
-            cli.main(argv + ['--out', str(tmp_path)])
+            cli.lab(argv + ['--out', str(tmp_path)])
         assert re.search('error: .*' + message, capsys.readouterr().err), argv
 
 
@@ -609,12 +609,12 @@ def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, caps
     monkeypatch.setattr(speed, 'speed_point', lambda *a, real=speed.speed_point,
                         **k: calls.append(a) or real(*a, **k))
     calls = []
-    rows = cli.main(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
+    rows = cli.lab(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
     assert [(r['figure'], r['point'], r['dtype']) for r in rows] == [
         (f, p, d) for d in ('float32', 'bfloat16') for f, p in (('F5b', 32), ('F5c', 32), ('F5c', 64))]
     assert all(r['softmax_img_s'] > 0 and r['inline_img_s'] > 0 and r['speedup'] > 0 for r in rows)
     assert_png(tmp_path / 'speed.png', (800, 300))
-    cli.main(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
+    cli.lab(['speed', '--batch', '1', '--rounds', '2', '--out', str(tmp_path)])
     assert len(calls) == 6  # the second run read every point from the cache
 
     class Explicit(torch.nn.Module):
@@ -635,12 +635,12 @@ def test_paper_speed_dense_rows_cache_and_picture(tmp_path, monkeypatch):
         'inline_pvt_t', **dict(tiny, layout='SSSS' if name == 'soft' else 'IIII')).eval())
     monkeypatch.setattr(speed, 'dense_peak_mb', lambda name, size, device: calls.append(name) or size[1] / 8)
     calls = []
-    rows = cli.main(['speed', '--dense', '--rounds', '2', '--out', str(tmp_path)])
+    rows = cli.lab(['speed', '--dense', '--rounds', '2', '--out', str(tmp_path)])
     assert [(r['comparison'], r['size']) for r in rows] == [('PVT', [64, 64]), ('PVT', [64, 96])]
     assert all(r['softmax_ms'] > 0 and r['inline_ms'] > 0 and r['speedup'] > 0 for r in rows)
     assert [(r['softmax_mb'], r['inline_mb']) for r in rows] == [(8, 8), (12, 12)]
     assert_png(tmp_path / 'dense.png', (800, 800))
-    cli.main(['speed', '--dense', '--rounds', '2', '--out', str(tmp_path)])
+    cli.lab(['speed', '--dense', '--rounds', '2', '--out', str(tmp_path)])
     assert len(calls) == 4  # the second run read every point from the cache
 
 
@@ -706,7 +706,7 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
         runs.append_record(results,
                            fake_record(ablations.make_run('floor_deit', chosen['floor_deit'], seed, ns),
                                        50.0))
-    configs, rows = cli.main(args)
+    configs, rows = cli.lab(args)
     assert len(fake.launched) == 3 and all('t1_softmax_normalised_q' in a for a in fake.launched)
     argv0 = ablations.make_run('t1_softmax', chosen['t1_softmax'], 0, ns).argv
     assert argv0[:1] == ['t1_softmax'] and 'num_heads=1' in argv0  # 3 heads x 1/3: head dim 64
@@ -732,7 +732,7 @@ def test_paper_ablations_reuse_records_and_train_the_rest(tmp_path, monkeypatch,
     assert_png(tmp_path / 'ablations.png', (300, 200))
     assert_png(tmp_path / 'curves.png', (300, 200))
     fake.launched.clear()
-    assert cli.main(args + ['--no-train']) == (configs, rows)
+    assert cli.lab(args + ['--no-train']) == (configs, rows)
     assert fake.launched == []
 
 
@@ -756,7 +756,7 @@ def test_paper_ablations_rerun_prints_both_budgets_side_by_side(tmp_path, monkey
     base = ['ablations', '--dataset', 'fashion_recall', '--rerun', '--data-path', str(tmp_path), '--out',
             str(tmp_path), '--results', results]
     monkeypatch.setattr(runs.subprocess, 'Popen', FakeTrain())
-    cli.main(base + ['--no-train'])
+    cli.lab(base + ['--no-train'])
     out = capsys.readouterr().out
     assert '10 runs of 3 epochs' in out and '6 of 10 runs have their record' in out  # s_swin_t: 4 seeds
     assert out.count('The family "fashion_recall, 4 epochs') == 1 and out.count('The family "fashion_recall, '
@@ -770,11 +770,11 @@ def test_paper_ablations_rerun_prints_both_budgets_side_by_side(tmp_path, monkey
     s_row = next(line for line in out.splitlines() if line.startswith('| s_swin_t − inline_swin_t'))
     assert s_row.endswith('| — |  | not yet run |')
     assert stats.tost_p(*welch) > 0.05  # 3 seeds a side cannot show ±0.5 at this spread
-    cli.main(base + ['--no-train', '--seeds', '1'])
+    cli.lab(base + ['--no-train', '--seeds', '1'])
     assert '3 runs of 3 epochs' in capsys.readouterr().out  # the pilot: seed 0 of each configuration
     for bad in (['--only', 'r_residual_none'], ['--seeds', 'S=2']):
         with pytest.raises(SystemExit):
-            cli.main(base + bad)
+            cli.lab(base + bad)
         assert '--rerun' in capsys.readouterr().err
 
 
@@ -802,7 +802,7 @@ def test_paper_device_cuda_is_refused_without_a_gpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip('a GPU is here: test_paper_device_cuda_plans_the_converging_scale covers it')
     with pytest.raises(SystemExit):
-        cli.main(['ablations', '--quick', '--device', 'cuda', '--dataset', 'synthetic', '--out',
+        cli.lab(['ablations', '--quick', '--device', 'cuda', '--dataset', 'synthetic', '--out',
                   str(tmp_path),
                     '--results', str(tmp_path / 'runs.jsonl')])
     assert '--device cuda: torch sees no CUDA device' in capsys.readouterr().err
@@ -842,7 +842,7 @@ def test_paper_family_adjusts_both_tests_of_every_comparison_together(tmp_path, 
         name = argv[argv.index('train') + 1]  # python -m paper train NAME ...
         return 60.0 if "feature_map='zero'" in argv else 70.0 + offset.get(name, (0.0, 0.0, 0.0))[seed]
     monkeypatch.setattr(runs.subprocess, 'Popen', FakeTrain(acc))
-    configs, rows = cli.main(['ablations', '--only', *chosen, '--seeds', '3', '--epochs', '2',
+    configs, rows = cli.lab(['ablations', '--only', *chosen, '--seeds', '3', '--epochs', '2',
                               '--train-images', '64', '--jobs', '1', '--data-path', str(tmp_path / 'fm'),
                               '--out', str(tmp_path), '--results', str(tmp_path / 'runs.jsonl')])
     assert [c[0] for c in configs] == ['t1_softmax = s_deit_t', 't1_softmax_normalised_q *', 'inline_deit_t',
@@ -995,10 +995,10 @@ def test_paper_ablation_subsets_share_the_runs_of_one_configuration(tmp_path, mo
     monkeypatch.setattr(runs.subprocess, 'Popen', fake)
     common = ['--seeds', '1', '--epochs', '1', '--train-images', '64', '--jobs', '1', '--dataset',
               'synthetic', '--out', str(tmp_path), '--results', str(tmp_path / 'runs.jsonl')]
-    cli.main(['ablations', '--only', 'r_residual_local', *common])
+    cli.lab(['ablations', '--only', 'r_residual_local', *common])
     assert len(fake.launched) == 1
     assert fake.launched[0][fake.launched[0].index('train') + 1] == 't4_window56_residual'
-    cli.main(['ablations', '--only', 't4_window56_residual', *common])
+    cli.lab(['ablations', '--only', 't4_window56_residual', *common])
     assert len(fake.launched) == 1  # recorded
 
 
