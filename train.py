@@ -58,8 +58,9 @@ from tqdm import tqdm
 
 import inline
 import models
-from checkpoints import (CHECKPOINT, EMA_KEYS, check_output_dir, load_weights, read_checkpoint,
-                         resume, save_checkpoint, save_correct)
+from checkpoints import (CHECKPOINT, EMA_KEYS, check_architecture, check_output_dir, load_initial,
+                         load_weights, read_checkpoint, resume, save_checkpoint, save_correct,
+                         saved_record)
 from data import (DATASETS, GO_ON, ResumableSampler, SyntheticShapes, count_images,
                   ignore_interrupt, leave_out_unreadable, load_data, unreadable)
 from ranks import fail, print0
@@ -277,6 +278,7 @@ class Run:
     name: str = ''  # the model and its overrides, short: the output folder's name
     saved: dict = None  # --eval's checkpoint, or the one to resume from
     saved_path: str = None
+    classes: list = None  # the class names in label order, which every checkpoint records
 
     def autocast(self, training):
         """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was
@@ -343,10 +345,7 @@ def open_checkpoint(run):
         if args.eval or not os.path.exists(path):
             return
     run.saved, run.saved_path = read_checkpoint(path), path
-    # a file saved before the options' renaming reads under their new names (inline.RENAMED)
-    saved_args, saved_arch = ({inline.RENAMED.get(k, k): v for k, v in d.items()}
-                              if d is not None else None
-                              for d in (run.saved.get('args'), run.saved.get('arch')))
+    saved_args, saved_arch = saved_record(run.saved)  # under the options' new names
     if args.eval and args.data_path is None and (saved_args is None
                                                  or saved_args['data_path'] is not None):
         fail(f'--eval of {path} needs --data-path DIR: '
@@ -359,16 +358,9 @@ def open_checkpoint(run):
         if getattr(args, key, False) is None and key not in mine:
             setattr(args, key, value)
     resolve_architecture(run)
-    # the saved model.arch, less what train.py sets for the run (image size, classes, drop path)
-    saved_arch = run.arch if saved_arch is None else {
-        k: v for k, v in saved_arch.items() if k not in RUN_KEYS}
-    differ = sorted(k for k in {**saved_arch, **run.arch} if saved_arch.get(k) != run.arch.get(k))
-    if differ:
-        fail(f'{path} holds a model built with {saved_arch}; this run asks for ' +
-             ', '.join(f'{k}={run.arch[k]!r}' if run.arch.get(k) is not None else f'no {k}'
-                       for k in differ) +
-             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue '
-             f'or evaluate the model as it was built, or give another --output-dir')
+    if saved_arch is not None:  # less what train.py sets: image size, classes, drop path
+        check_architecture(path, {k: v for k, v in saved_arch.items() if k not in RUN_KEYS},
+                           run.arch)
 
 
 def resolve(run):
@@ -556,10 +548,7 @@ def build_model(run, num_classes):
             fail(str(e))
     # the authors' 384 px fine-tunes start from the 224 px weights, the EMA where there is one
     if args.finetune:
-        saved = read_checkpoint(args.finetune)
-        key = next((k for k in EMA_KEYS if saved.get(k) is not None), 'model')
-        load_weights(model, saved, key, args.finetune, models.released_img_size(args.model))
-        print0(f'initial weights: {args.finetune} ({key})')
+        load_initial(model, args.finetune, models.released_img_size(args.model))
     model.set_grad_checkpointing(args.grad_checkpoint)
     print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M '
            f'parameters, {args.img_size} px, fast {args.fast}, amp {args.amp} '
@@ -909,7 +898,8 @@ def main(args):
     if not args.eval:  # before the data and the model: a run that cannot save says so first
         check_output_dir(args.output_dir)
     train_set, val_set = load_data(args)
-    model = build_model(run, num_classes=len(val_set.classes))
+    run.classes = list(val_set.classes)
+    model = build_model(run, num_classes=len(run.classes))
     if args.eval:
         evaluate_checkpoint(run, model, val_set)
     else:
