@@ -4,9 +4,9 @@ transforms.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
 NeurIPS 2024, arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args)
-returns (training set, validation set) for the flags train.py resolved. The small datasets are read
-from their files as distributed (Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no
-download is needed where they are installed.
+returns (training set, validation set) for the flags train.py resolved, train_loader and val_loader
+a run's loaders. The small datasets are read from their files as distributed (Fashion-MNIST's IDX
+.gz files, CIFAR's python batches), so no download is needed where they are installed.
 """
 import gzip
 import math
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from PIL import Image
-from torch.utils.data import Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchvision import datasets
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
@@ -364,6 +364,12 @@ DATASETS = {'synthetic': load_synthetic, 'imagefolder': load_image_folder,
             **{name: load_small for name in SMALL_DATASETS}}
 
 
+def dataset(args):
+    """--dataset, or what --data-path implies: an ImageFolder with it, the synthetic task
+    without."""
+    return args.dataset or ('imagefolder' if args.data_path else 'synthetic')
+
+
 def load_data(args):
     """(training set, validation set) of --dataset, with --train-subset of the training images (not
     synthetic)."""
@@ -413,6 +419,26 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self):
         return super().__len__() - self.start
+
+
+def train_loader(run, train_set):
+    """(sampler, loader) of a run's training images (run: a train.Run): each rank its share of a
+    fresh shuffle every epoch, whole batches only; the sampler resumes mid-epoch."""
+    sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=run.args.seed,
+                               drop_last=True)
+    loader = DataLoader(train_set, run.args.batch_size, sampler=sampler, drop_last=True,
+                        num_workers=run.args.workers, pin_memory=run.device.type == 'cuda',
+                        generator=torch.Generator(), worker_init_fn=ignore_interrupt)
+    return sampler, loader
+
+
+def val_loader(run, val_set):
+    """Every validation image exactly once across ranks: rank r takes images r, r + world, ... (no
+    padding)."""
+    subset = Subset(val_set, range(run.rank, len(val_set), run.world))
+    return DataLoader(subset, run.args.batch_size, num_workers=run.args.workers,
+                      pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
+                      worker_init_fn=ignore_interrupt)
 
 
 def ignore_interrupt(worker_id):

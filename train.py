@@ -52,7 +52,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
@@ -61,8 +60,8 @@ import models
 from checkpoints import (CHECKPOINT, EMA_KEYS, check_architecture, check_output_dir, load_initial,
                          load_weights, read_checkpoint, resume, save_checkpoint, save_correct,
                          saved_record)
-from data import (DATASETS, GO_ON, ResumableSampler, SyntheticShapes, count_images,
-                  ignore_interrupt, leave_out_unreadable, load_data, unreadable)
+from data import (DATASETS, GO_ON, SyntheticShapes, count_images, dataset, leave_out_unreadable,
+                  load_data, train_loader, unreadable, val_loader)
 from ranks import fail, print0
 
 # ------------------------------------------------------------------------------------------- recipe
@@ -316,12 +315,6 @@ def resolve_architecture(run):
                       f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
                for k, v in sorted(run.arch.items())]
     run.name = '-'.join([args.model] + summary)
-
-
-def dataset(args):
-    """--dataset, or what --data-path implies: an ImageFolder with it, the synthetic task
-    without."""
-    return args.dataset or ('imagefolder' if args.data_path else 'synthetic')
 
 
 def default_output_dir(run):
@@ -717,15 +710,6 @@ def evaluate(run, model, loader):
             'unreadable': correct[1].nonzero().flatten().tolist()}
 
 
-def val_loader(run, val_set):
-    """Every validation image exactly once across ranks: rank r takes images r, r + world, ... (no
-    padding)."""
-    subset = Subset(val_set, range(run.rank, len(val_set), run.world))
-    return DataLoader(subset, run.args.batch_size, num_workers=run.args.workers,
-                      pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
-                      worker_init_fn=ignore_interrupt)
-
-
 def evaluate_checkpoint(run, model, val_set):
     """--eval: the file's weights, then its EMA weights where it has them (ours or the authors'
     CSwin). The per-image results are printed as their SHA-256 (16 hex digits of the bool tensor's
@@ -749,11 +733,7 @@ def prepare_training(run, raw, train_set):
     """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from
     the checkpoint to resume; the recipe and the schedule they run, printed."""
     args, num_classes = run.args, len(train_set.classes)
-    sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed,
-                               drop_last=True)
-    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers,
-                        drop_last=True, pin_memory=run.device.type == 'cuda',
-                        generator=torch.Generator(), worker_init_fn=ignore_interrupt)
+    sampler, loader = train_loader(run, train_set)
     steps_per_epoch = len(loader) // args.accum_steps
     if steps_per_epoch == 0:
         fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} '
