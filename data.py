@@ -5,8 +5,9 @@ transforms.
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
 NeurIPS 2024, arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args)
 returns (training set, validation set) for the flags train.py resolved, train_loader and val_loader
-a run's loaders. The small datasets are read from their files as distributed (Fashion-MNIST's IDX
-.gz files, CIFAR's python batches), so no download is needed where they are installed.
+a run's loaders, val_transform the evaluation transform of a recipe. The small datasets are read
+from their files as distributed (Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no
+download is needed where they are installed.
 """
 import gzip
 import math
@@ -24,6 +25,7 @@ from torchvision import datasets
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
 
+from checkpoints import pair
 from ranks import fail, print0
 
 # its config's TEST.CROP is False: resized straight to 384 x 384
@@ -171,11 +173,28 @@ def train_transform(args):
 
 
 def eval_transform(img_size, crop=True):
-    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224),
-    aspect not kept, then the centre img x img; without crop (inline_swin_b_384's config) straight
-    to img x img. Bicubic."""
-    side = int(img_size * 256 / 224) if crop else img_size
-    return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + TO_TENSOR)
+    """The released evaluation (the authors' TEST.CROP): resize each side to int(side * 256 / 224)
+    (a square for a square img_size), aspect not kept, then the centre H x W; without crop
+    (inline_swin_b_384's config) straight to H x W. Bicubic."""
+    H, W = pair(img_size)
+    resize = (int(H * 256 / 224), int(W * 256 / 224)) if crop else (H, W)
+    return T.Compose([T.Resize(resize, BICUBIC), T.CenterCrop((H, W))] + TO_TENSOR)
+
+
+def val_transform(args):
+    """The validation transform of a run's recipe (args: its resolved flags, or a checkpoint's):
+    the released one (eval_transform) on the released recipe, else the small recipe's resize (the
+    synthetic task draws its images at the model's size: an image file is resized to it)."""
+    if args.recipe == 'released':
+        return eval_transform(args.img_size, args.model not in NO_EVAL_CROP)
+    return T.Compose([T.ToImage(), T.Resize(pair(args.img_size), BICUBIC, antialias=True)]
+                     + TO_TENSOR)
+
+
+def pixels(img_size):
+    """'32 px' for a square, '64x96 px' (H x W) for another size, as the runs print it."""
+    H, W = pair(img_size)
+    return f'{H} px' if H == W else f'{H}x{W} px'
 
 
 def load_rgb(path):
@@ -193,7 +212,7 @@ class ImageFolder(datasets.ImageFolder):
 
     def __init__(self, root, transform, img_size):
         super().__init__(root, transform, loader=load_rgb)
-        self.blank = torch.zeros(3, img_size, img_size)  # (3, S, S), as TO_TENSOR ends
+        self.blank = torch.zeros(3, *pair(img_size))  # (3, H, W), as TO_TENSOR ends
 
     def __getitem__(self, index):
         path, label = self.samples[index]
@@ -304,7 +323,10 @@ class TensorImages(Dataset):
 
 def load_synthetic(args):
     """The synthetic task: fresh images every training epoch (fit sets the epoch), a fixed
-    validation set."""
+    validation set; square."""
+    if len(set(pair(args.img_size))) > 1:
+        fail(f'the synthetic task draws square images; --img-size {pixels(args.img_size)} is not: '
+             f'give one side, or an ImageFolder (--data-path) for other sizes')
     return (SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True),
             SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False))
 
@@ -325,8 +347,7 @@ def load_image_folder(args):
         if not os.path.isdir(os.path.join(root, split)):
             fail(f'--data-path {root} has no {split}/ folder (expected '
                  f'{split}/<class>/<image> inside)')
-    transforms = (('train', train_transform(args)),
-                  ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP)))
+    transforms = (('train', train_transform(args)), ('val', val_transform(args)))
     if getattr(args, 'recipe', None) == 'small':
         transforms = zip(('train', 'val'), small_transforms(args))
     for split, transform in transforms:
@@ -349,12 +370,12 @@ def load_small(args):
 
 
 def small_transforms(args):
-    """(training, validation) transforms of the small-data recipe: resized to a square, then
-    (training) randomly cropped with an eighth of padding and flipped."""
-    resize = [T.ToImage(), T.Resize((args.img_size, args.img_size), BICUBIC, antialias=True)]
-    augment = [T.RandomCrop(args.img_size, padding=args.img_size // 8, padding_mode='reflect'),
+    """(training, validation) transforms of the small-data recipe: resized to the model's size,
+    then (training) randomly cropped with an eighth of padding and flipped."""
+    size, val = pair(args.img_size), val_transform(args)  # val: ToImage, Resize, then TO_TENSOR
+    augment = [T.RandomCrop(size, padding=min(size) // 8, padding_mode='reflect'),
                T.RandomHorizontalFlip()]
-    return T.Compose(resize + augment + TO_TENSOR), T.Compose(resize + TO_TENSOR)
+    return T.Compose(val.transforms[:2] + augment + TO_TENSOR), val
 
 
 # --dataset NAME -> load(args) -> (training set, validation set), each with .classes. train.py's
@@ -390,7 +411,7 @@ def load_data(args):
              f'train/: {only[0]}; only in val/: {only[1]}')
     if args.dataset == 'synthetic':
         print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), '
-               f'{args.img_size} px, {len(train_set):,} fresh training images per epoch, '
+               f'{pixels(args.img_size)}, {len(train_set):,} fresh training images per epoch, '
                f'{len(val_set):,} validation images')
         return train_set, val_set
     if args.train_subset and args.train_subset < len(train_set):
@@ -399,7 +420,7 @@ def load_data(args):
         train_set.classes = classes
     print0(f'data: {args.dataset} in {args.data_path or "data"}, {len(train_set.classes)} classes, '
            f'{len(train_set):,} training and {len(val_set):,} validation images, '
-           f'{args.img_size} px')
+           f'{pixels(args.img_size)}')
     return train_set, val_set
 
 

@@ -387,6 +387,8 @@ def write_image_folder(root, counts, seed=0):
 
 
 def test_image_folder_trains_and_evaluates(tmp_path):
+    """At a non-square size, --img-size H W: trained (crops of 32x48) and evaluated (a 36x54 resize, the
+    centre 32x48)."""
     torch.manual_seed(0)
     root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
     write_image_folder(root, {'train': 8, 'val': 3})
@@ -394,9 +396,11 @@ def test_image_folder_trains_and_evaluates(tmp_path):
     # 2 x 4 images
     args = TINY_ARGS + ['--data-path', root, '--batch-size', '4', '--accum-steps', '2', '--epochs', '2',
                    '--warmup-epochs', '1', '--workers', '1', '--output-dir', output_dir,
-                   '--recipe', 'released']
+                   '--recipe', 'released', '--img-size', '32', '48']
     result = run_train(args)
     assert 'released ImageNet-1K recipe for inline_deit_t (given)' in result.stdout
+    assert 'inline_deit_t, 6.2M parameters, 32x48 px' in result.stdout
+    assert load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))['arch']['img_size'] == (32, 48)
     log = metrics(output_dir)
     assert len(log) == 2 and log[-1]['val_images'] == 6
     result = run_train(args + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')])
@@ -964,6 +968,41 @@ def test_finetune_from_another_models_checkpoint_names_it_and_how_to_rebuild_it(
             in command)
     rebuilt = train.get_args_parser().parse_args(shlex.split(command)[1:])
     assert rebuilt.model == 'inline_swin_t' and train.model_kwargs(rebuilt) == sizes
+
+
+def test_finetune_at_twice_a_non_square_size_says_what_it_changed(tmp_path, capsys):
+    """--finetune of a 32x48 px checkpoint of 3 classes at --img-size 64 96 on 2 classes: its head dropped
+    for a new one, the position embedding resized from its 2x3 grid to 4x6 (bicubic, the class token's
+    vector kept), each in a line of the log."""
+    small = dict(embed_dim=32, depth=1, num_heads=2)
+    source = perturb(models.create_model('inline_deit_t', img_size=(32, 48), num_classes=3, **small))
+    path = str(tmp_path / 'best.pt')
+    torch.save({'model': source.state_dict(), 'args': {'model': 'inline_deit_t'}, 'arch': source.arch}, path)
+    run = resolved(['--model', 'inline_deit_t', '--model-kwargs', 'embed_dim=32', 'depth=1', 'num_heads=2',
+                    '--img-size', '64x96', '--fast', 'none', '--finetune', path])
+    capsys.readouterr()
+    model = train.build_model(run, num_classes=2)
+    assert capsys.readouterr().out.splitlines()[:4] == [
+        f'initial weights: {path} (model)',
+        f'{path}: dropped its head (3 classes x 32 features)',
+        f'{path}: a new head (2 classes x 32 features), initialised at random, to fine-tune',
+        f"{path}: resized pos_embed from its 2x3 grid to 4x6, bicubic, the class token's vector kept"]
+    stored = source.pos_embed.detach()
+    torch.testing.assert_close(model.pos_embed[:, 1:], bicubic(stored[:, 1:], (2, 3), (4, 6)))
+    assert model.img_size == (64, 96) and model(torch.randn(1, 3, 64, 96)).shape == (1, 2)
+
+
+def test_img_size_takes_one_side_or_the_height_and_width(capsys):
+    """--img-size 32, 64 96 or 64x96; anything else is refused, naming the forms it takes; the synthetic
+    task, which draws squares, refuses a non-square size by name."""
+    for given, size in ((['32'], 32), (['64', '96'], (64, 96)), (['64x96'], (64, 96)), (['48X48'], 48)):
+        assert resolved(['--img-size', *given]).args.img_size == size
+    for given in (['64', '96', '128'], ['64x'], ['0'], ['64x96', '32']):
+        assert (f'--img-size {" ".join(given)}: give one side (32), or the height and width (64 96, or '
+                f'64x96), in whole pixels') in refused(['--img-size', *given], capsys)
+    with pytest.raises(SystemExit):
+        data.load_data(resolved(['--img-size', '32', '64']).args)
+    assert 'the synthetic task draws square images; --img-size 32x64 px is not' in capsys.readouterr().err
 
 
 def test_commands_to_paste_are_quoted_for_the_shell(capsys):

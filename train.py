@@ -58,10 +58,10 @@ from tqdm import tqdm
 import inline
 import models
 from checkpoints import (CHECKPOINT, EMA_KEYS, check_architecture, check_output_dir, load_initial,
-                         load_weights, read_checkpoint, resume, save_checkpoint, save_correct,
+                         load_weights, pair, read_checkpoint, resume, save_checkpoint, save_correct,
                          saved_record)
 from data import (DATASETS, GO_ON, SyntheticShapes, count_images, dataset, leave_out_unreadable,
-                  load_data, train_loader, unreadable, val_loader)
+                  load_data, pixels, train_loader, unreadable, val_loader)
 from ranks import fail, print0
 
 # ------------------------------------------------------------------------------------------- recipe
@@ -147,6 +147,18 @@ class Renamed(argparse.Action):
         parser.error(f'{option_string} is now {RENAMED_FLAGS[option_string]}')
 
 
+class ImageSize(argparse.Action):
+    """--img-size S, H W or HxW, in pixels: an int for a square, else (H, W)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sides = [side for value in values for side in value.lower().split('x')]
+        if len(sides) > 2 or not all(side.isdigit() and int(side) > 0 for side in sides):
+            parser.error(f'{option_string} {" ".join(values)}: give one side (32), or the height '
+                         f'and width (64 96, or 64x96), in whole pixels')
+        H, W = int(sides[0]), int(sides[-1])
+        setattr(namespace, self.dest, H if H == W else (H, W))
+
+
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0],
                                 epilog='Flags without a default take the recipe\'s value '
@@ -189,9 +201,10 @@ def get_args_parser():
       help='download a small dataset into --data-path (torchvision)')
     a('--train-subset', type=int,
       help='train on this many images, a fixed random subset (the same for every seed)')
-    a('--img-size', type=int,
-      help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
-      'DeiT 64, Swin with InLine windows smaller than the stage 224)')
+    a('--img-size', nargs='+', action=ImageSize, metavar='PX',
+      help='input size in pixels: one side, or the height and width (64 96, or 64x96; default: '
+      'the variant\'s own; on the synthetic task 32, DeiT 64, Swin with InLine windows smaller '
+      'than the stage 224)')
     a('--fast', choices=['compile', 'triton', 'none'],
       help='the InLine core: compile, kernels.py\'s (torch.compile; the default), triton, '
       'triton_core.py\'s (CUDA only), or none, the reference of inline.py (the default for vanilla '
@@ -297,7 +310,8 @@ def model_kwargs(args):
             fail(f"--model-kwargs takes KEY=VALUE pairs (e.g. 'depths=(1,1,2,1)' embed_dim=48), "
                  f"not {item!r}")
         if key in RUN_KEYS:
-            fail(f'--model-kwargs {key}: train.py sets it; use --{RUN_KEYS[key]}')
+            fail(f'--model-kwargs {key}: train.py sets it; use --{RUN_KEYS[key]}'
+                 + ' (one side, or the height and width: 64 96)' * (key == 'img_size'))
         try:
             kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):  # not a Python literal: a string such as layout=IISS
@@ -544,7 +558,7 @@ def build_model(run, num_classes):
         load_initial(model, args.finetune, models.released_img_size(args.model))
     model.set_grad_checkpointing(args.grad_checkpoint)
     print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M '
-           f'parameters, {args.img_size} px, fast {args.fast}, amp {args.amp} '
+           f'parameters, {pixels(args.img_size)}, fast {args.fast}, amp {args.amp} '
            f'({run.amp_why}), device {run.device} x {run.world}')
     print0(f'architecture: layout {model.layout}, attention {model.options}; '
            f'overrides {model.arch}')
@@ -759,7 +773,8 @@ def prepare_training(run, raw, train_set):
         # augmentation, Mixup/CutMix and drop path differ between ranks
         torch.manual_seed(args.seed + run.rank)
     small = '; '.join(filter(None, [run.recipe_why,
-                                    f'random crop padded by {args.img_size // 8} px, flip']))
+                                    f'random crop padded by {min(pair(args.img_size)) // 8} px, '
+                                    f'flip']))
     recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; '
                            '--data-path gives an ImageFolder)',
               'released': f'released ImageNet-1K recipe for {args.model} '
@@ -870,11 +885,11 @@ def throughput(run, model, x, warmup=10, timed=30):
 def main(args):
     run = setup(args)
     if args.throughput:  # random input, the released 1000-class head
-        x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=run.device)
+        x = torch.randn(args.batch_size, 3, *pair(args.img_size), device=run.device)
         model = build_model(run, num_classes=1000).eval()
         speed = throughput(run, model, x)
         return print0(f'throughput: {speed:.1f} images/s (one process, batch {args.batch_size}, '
-                      f'{args.img_size} px, {args.amp})')
+                      f'{pixels(args.img_size)}, {args.amp})')
     if not args.eval:  # before the data and the model: a run that cannot save says so first
         check_output_dir(args.output_dir)
     train_set, val_set = load_data(args)
