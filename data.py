@@ -418,10 +418,37 @@ def load_data(args):
         classes = train_set.classes
         train_set = Subset(train_set, subset_indices(len(train_set), args.train_subset))
         train_set.classes = classes
+    own, (h, w) = typical_size(train_set), pair(args.img_size)
+    H, W = own
     print0(f'data: {args.dataset} in {args.data_path or "data"}, {len(train_set.classes)} classes, '
-           f'{len(train_set):,} training and {len(val_set):,} validation images, '
-           f'{pixels(args.img_size)}')
+           f'{len(train_set):,} training and {len(val_set):,} validation images'
+           + f' of about {H}x{W} px' * bool(H) + f', resized to {pixels(args.img_size)}')
+    if H and h * w >= 9 * H * W:  # a third of the side or less: 32 px images at 224 px
+        fit = [max(32, round(side / 32) * 32) for side in own]  # multiples of every stride
+        print0(f'warning: the images are about {H}x{W} px, the model\'s input {h}x{w} px: '
+               f'upsampled {min(h / H, w / W):.0f}x, each costs a {h}x{w} input\'s compute for no '
+               f'more detail. Choose --img-size near the images\' size, height and width '
+               f'multiples of the model\'s stride (16 DeiT, 32 the others): here --img-size '
+               f'{" ".join(map(str, dict.fromkeys(fit)))}')
     return train_set, val_set
+
+
+def typical_size(train_set):
+    """(H, W): the median height and width of the training images, from 16 spread over the set (of
+    an ImageFolder, each file's header only); (0, 0) where none can be read."""
+    folder = getattr(train_set, 'dataset', train_set)  # the Subset of --train-subset
+    if isinstance(folder, TensorImages):
+        return tuple(folder.images.shape[2:])
+    sizes = []
+    samples = getattr(folder, 'samples', [])  # an ImageFolder's; none in the lab's own datasets
+    for path, _ in samples[::max(1, len(samples) // 16)][:16]:
+        try:
+            with Image.open(path) as img:
+                sizes.append(img.size[::-1])  # PIL's (W, H)
+        except Exception:  # unreadable: named when it is read for training
+            pass
+    return tuple(sorted(size[i] for size in sizes)[len(sizes) // 2] if sizes else 0
+                 for i in (0, 1))
 
 
 def subset_indices(total, size):

@@ -450,6 +450,19 @@ def test_an_unreadable_image_stops_at_a_saved_step_and_skip_bad_images_goes_on(t
     assert [e['val_images'] for e in metrics(output_dir)] == [6, 6]  # 7 files, 6 images
 
 
+def test_images_much_smaller_than_the_input_are_said_with_the_size_to_choose(tmp_path, capsys):
+    """32 px images at the variant's own 224 px: a line says so and which --img-size fits them; at
+    --img-size 32, none."""
+    root = str(tmp_path / 'data')
+    write_image_folder(root, {'train': 2, 'val': 1})
+    for size, said in (([], True), (['--img-size', '32'], False)):
+        data.load_data(resolved(['--model', 'inline_swin_t', '--data-path', root, *size]).args)
+        out = capsys.readouterr().out
+        assert 'validation images of about 32x32 px, resized to ' in out
+        assert ('warning: the images are about 32x32 px, the model\'s input 224x224 px: upsampled 7x'
+                in out) == said and ('here --img-size 32\n' in out) == said, out
+
+
 # ----------------------------------------------------------- small datasets, read from their own files
 def write_idx(path, array):
     """An IDX file as MNIST's are distributed: gzipped, 0 0 8 D, D big-endian sizes, uint8 data."""
