@@ -361,12 +361,13 @@ def test_a_save_that_fails_halfway_leaves_the_last_checkpoint_readable(tmp_path,
 
 def test_ctrl_c_saves_at_the_step_and_says_how_to_continue(tmp_path):
     """python train.py in a terminal, Ctrl-C mid-epoch: the step ends, the checkpoint is saved
-    there, the command to continue is printed, and the run exits cleanly, with no traceback."""
+    there, the command to continue is printed, and the run exits with no traceback and status 130
+    (128 + SIGINT, as a shell reports it), which no script reads as a finished run."""
     output_dir = str(tmp_path / 'a run')  # a space, which the printed --resume must quote
     output, code = interrupt(RESUMABLE + ['--output-dir', output_dir, '--workers', '1'], output_dir,
                              signal.SIGINT, nproc=1)
     saved = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
-    assert code == 0 and 'Traceback' not in output, output[-3000:]
+    assert code == 130 and 'Traceback' not in output, output[-3000:]
     assert f'SIGINT: saved {output_dir}/checkpoint.pt at epoch 2, step {saved["step"]}; ' in output
     assert saved['epoch'] == 1 and saved['step'] > 0
     assert f"rerun the same command (or give --resume '{output_dir}/checkpoint.pt')" in output
@@ -623,7 +624,8 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
                                        "--recipe released is the authors' ImageNet-1K"),
     'img-size': (['--img-size', '40'], 'divisible by 16'),
     'batch-size-zero': (['--batch-size', '0'], '--batch-size 0 is out of range'),
-    'batch-size-too-big': (['--batch-size', '64'], 'exceeds the 48 training images'),
+    'batch-size-too-big': (['--batch-size', '64'], 'exceeds the 48 training images: pass --batch-size 4 '
+                                                   '(10 steps an epoch) or at most 48 (one step)'),
     'lr-negative': (['--lr=-1e-3'], '--lr -0.001 is out of range'),
     'lr-too-big': (['--lr', '3'], '--lr 3.0 is out of range'),
     'eval-without-checkpoint': (['--eval'], '--eval needs --checkpoint'),

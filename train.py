@@ -27,9 +27,10 @@ Inference throughput (images/s of one process, at the model's released image siz
     python train.py --model inline_swin_t --throughput --batch-size 64
 
 Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written
-atomically every epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits; on CPU, a run killed
-with -9 and rerun ends with an uninterrupted run's weights. An image that cannot be read stops the
-run at a saved step, naming it; --skip-bad-images leaves such files out, listed every epoch.
+atomically every epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits with 143 or 130
+(128 + the signal's number, as a shell reports it); on CPU, a run killed with -9 and rerun ends with
+an uninterrupted run's weights. An image that cannot be read stops the run at a saved step, naming
+it; --skip-bad-images leaves such files out, listed every epoch.
 """
 import argparse
 import ast
@@ -750,8 +751,12 @@ def prepare_training(run, raw, train_set):
     sampler, loader = train_loader(run, train_set)
     steps_per_epoch = len(loader) // args.accum_steps
     if steps_per_epoch == 0:
+        most = len(train_set) // (run.world * args.accum_steps)  # the batch of one step an epoch
+        fix = (f'pass --batch-size {max(1, most // FEW_STEPS)} ({FEW_STEPS} steps an epoch) or at '
+               f'most {most} (one step)' if most else
+               f'pass --accum-steps {max(1, len(train_set) // run.world)} or fewer')
         fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} '
-             f'accumulation steps exceeds the {len(train_set):,} training images')
+             f'accumulation steps exceeds the {len(train_set):,} training images: {fix}')
     optimizer, scheduler = build_optimizer(raw, args, run.total_batch, steps_per_epoch)
     model = torch.compile(raw) if args.compile else raw
     if run.world > 1:
@@ -801,14 +806,14 @@ def prepare_training(run, raw, train_set):
 
 def fit(run, raw, train_set, val_set):
     """Train epoch after epoch, validating and saving after each; SIGTERM or SIGINT (Ctrl-C) saves
-    mid-epoch and stops."""
+    mid-epoch and stops, exiting 143 or 130."""
     args = run.args
     t, sampler, loader = prepare_training(run, raw, train_set)
     val = val_loader(run, val_set)
     stop, received = threading.Event(), []  # set by SIGTERM or SIGINT: the step ends, then a save
 
     def interrupt(sig, frame):
-        received.append(signal.Signals(sig).name)
+        received.append(signal.Signals(sig))
         stop.set()
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C too: no KeyboardInterrupt mid-step
         signal.signal(sig, interrupt)
@@ -827,10 +832,12 @@ def fit(run, raw, train_set, val_set):
             if stopped == 'unreadable':
                 fail(f'{unreadable(train_set, t.unreadable, args.data_path)}, met at epoch '
                      f'{epoch + 1}, step {t.step + 1}; saved {latest} at step {t.step}. {GO_ON}')
-            why = received[0] if received else 'stopped with the other processes'
+            why = received[0].name if received else 'stopped with the other processes'
             print0(f'{why}: saved {latest} at epoch {epoch + 1}, step {t.step}; to continue, rerun '
                    f'the same command (or give --resume {shlex.quote(latest)})')
-            return
+            # as a shell reports a process a signal ended, 128 + its number: SIGINT 130, SIGTERM
+            # 143 (a process another's signal stopped: as SIGTERM), so no script reads it as done
+            raise SystemExit(128 + (received[0] if received else signal.SIGTERM))
         if args.skip_bad_images and (names := unreadable(train_set, t.unreadable, args.data_path)):
             print0(f'warning: epoch {epoch + 1} left out {names}')
         t.unreadable = []
