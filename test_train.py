@@ -373,6 +373,55 @@ def test_ctrl_c_saves_at_the_step_and_says_how_to_continue(tmp_path):
     assert f"rerun the same command (or give --resume '{output_dir}/checkpoint.pt')" in output
 
 
+def fit_in_process(argv, stop_at=None, signum=signal.SIGTERM, monkeypatch=None):
+    """train.py's loop on argv in this process, as main runs it (less setup's thread count), rerun as
+    a rerun of the command is: resumed from OUTPUT_DIR/checkpoint.pt where there is one. stop_at: send
+    this process `signum` while the loop reads its stop_at-th batch (as a terminal's Ctrl-C or a
+    scheduler's SIGTERM would); the step ends, then the save. Returns the exit status: 0 at the end,
+    else what train.py exits with. The loop's signal handlers are undone after."""
+    run = resolved(argv)
+    checkpoints.check_output_dir(run.args.output_dir)
+    train_set, val_set = data.load_data(run.args)
+    run.classes = list(val_set.classes)
+    model = train.build_model(run, num_classes=len(run.classes))
+    batches = []
+
+    def leave_out_unreadable(*args):  # train.py's, which every batch goes through
+        batches.append(1)
+        if len(batches) == stop_at:
+            os.kill(os.getpid(), signum)
+        return data.leave_out_unreadable(*args)
+    monkeypatch.setattr(train, 'leave_out_unreadable', leave_out_unreadable)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train.fit(run, model, train_set, val_set)
+        return 0
+    except SystemExit as e:
+        return e.code
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def test_a_run_stopped_twice_in_one_epoch_resumes_at_the_right_step(tmp_path, monkeypatch, capsys):
+    """SIGTERM after 3 of an epoch's 8 steps, then, resumed, SIGINT after 2 more: each saves at the step
+    it ended (3, then 3 + 2 = 5), exits 143 or 130 (128 + the signal, as a shell reports it), and the
+    run then ends with the weights of a run never stopped."""
+    args = TINY_ARGS + ['--synthetic-train', '64', '--synthetic-val', '8', '--epochs', '1']
+    stopped, whole = str(tmp_path / 'stopped'), str(tmp_path / 'whole')
+    assert fit_in_process(args + ['--output-dir', whole], monkeypatch=monkeypatch) == 0
+    steps = []
+    for stop_at, signum in ((3, signal.SIGTERM), (2, signal.SIGINT)):
+        code = fit_in_process(args + ['--output-dir', stopped], stop_at, signum, monkeypatch)
+        steps.append(load_checkpoint_file(os.path.join(stopped, 'checkpoint.pt'))['step'])
+        assert code == 128 + signum and f'{signum.name}: saved' in capsys.readouterr().out
+    assert steps == [3, 5]
+    assert fit_in_process(args + ['--output-dir', stopped], monkeypatch=monkeypatch) == 0
+    expected, got = (load_checkpoint_file(os.path.join(d, 'checkpoint.pt')) for d in (whole, stopped))
+    assert got['epoch'] == 1 and expected['model'].keys() == got['model'].keys()
+    assert all(torch.equal(expected['model'][k], got['model'][k]) for k in expected['model'])
+
+
 # ------------------------------------------------------------------------------------------ real images
 def write_image_folder(root, counts, seed=0):
     """Two classes of 32 px PNGs told apart by colour: root/<split>/<class>/<i>.png."""
@@ -449,6 +498,21 @@ def test_an_unreadable_image_stops_at_a_saved_step_and_skip_bad_images_goes_on(t
     assert result.stdout.count('val/blue/broken.png (cannot identify image file), left out of the '
                                'validation') == 2
     assert [e['val_images'] for e in metrics(output_dir)] == [6, 6]  # 7 files, 6 images
+
+
+def test_skip_bad_images_goes_on_past_a_batch_of_one_unreadable_image(tmp_path, monkeypatch, capsys):
+    """--batch-size 1: one step's batch is the unreadable image alone. --skip-bad-images takes nothing from
+    that step and goes on to the end, the file listed."""
+    root = str(tmp_path / 'data')
+    write_image_folder(root, {'train': 3, 'val': 1})
+    with open(os.path.join(root, 'train', 'red', 'broken.png'), 'wb') as f:
+        f.write(b'\x89PNG not a png at all')
+    args = TINY_ARGS + ['--data-path', root, '--batch-size', '1', '--epochs', '1', '--skip-bad-images',
+                        '--output-dir', str(tmp_path / 'run')]
+    assert fit_in_process(args, monkeypatch=monkeypatch) == 0
+    assert f'warning: epoch 1 left out 1 unreadable image(s) under {root}: train/red/broken.png' \
+        in capsys.readouterr().out
+    assert [e['epoch'] for e in metrics(str(tmp_path / 'run'))] == [1]
 
 
 def test_images_much_smaller_than_the_input_are_said_with_the_size_to_choose(tmp_path, capsys):
