@@ -5,9 +5,9 @@ transforms.
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
 NeurIPS 2024, arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args)
 returns (training set, validation set) for the flags train.py resolved, train_loader and val_loader
-a run's loaders, val_transform the evaluation transform of a recipe. The small datasets are read
-from their files as distributed (Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no
-download is needed where they are installed.
+a run's loaders, val_transform the evaluation transform of a recipe (predict.py's too). The small
+datasets are read from their files as distributed (Fashion-MNIST's IDX .gz files, CIFAR's python
+batches), so no download is needed where they are installed.
 """
 import gzip
 import math

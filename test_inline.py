@@ -1089,7 +1089,8 @@ def test_readme_vit_example_runs_on_both_paths():
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CORE = ['inline', 'kernels', 'sequence', 'models', 'dense', 'data', 'checkpoints', 'train', 'bench', 'peers']
+CORE = ['inline', 'kernels', 'sequence', 'models', 'dense', 'data', 'checkpoints', 'train', 'bench', 'peers',
+        'predict']
 TESTS = sorted(glob.glob(os.path.join(HERE, 'test_*.py'))
                + glob.glob(os.path.join(HERE, 'paper', 'test_*.py')))
 LAB = sorted(glob.glob(os.path.join(HERE, 'paper', '*.py')))

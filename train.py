@@ -30,7 +30,8 @@ Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.p
 atomically every epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits with 143 or 130
 (128 + the signal's number, as a shell reports it); on CPU, a run killed with -9 and rerun ends with
 an uninterrupted run's weights. An image that cannot be read stops the run at a saved step, naming
-it; --skip-bad-images leaves such files out, listed every epoch.
+it; --skip-bad-images leaves such files out, listed every epoch. predict.py classifies images with
+a checkpoint.
 """
 import argparse
 import ast
