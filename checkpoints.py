@@ -16,12 +16,12 @@ import random
 import shlex
 import shutil
 import tempfile
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import inline
 from ranks import fail, print0
 
 # --------------------------------------------------------------------------------------------------
@@ -59,19 +59,24 @@ def read_file(path):
                          f"such as train.py's {CHECKPOINT} or a released .pth") from None
 
 
-def load_checkpoint(model, checkpoint, img_size=None, key='model'):
+def load_checkpoint(model, checkpoint, img_size=None, key='model', finetune=False, log=print,
+                    path=None):
     """Load released or project weights into model: strict on parameters, ignoring the buffers we
-    rebuild; a different num_classes drops the head (with a warning); position embeddings and
-    relative position tables are resized to the model's image size (resize_positions).
+    rebuild; position embeddings and relative position tables resized to the model's image size
+    (resize_positions); each change said in one line through `log` (None: silent).
 
     checkpoint: a file's path, or what such a file holds, in memory: {'model': state_dict, ...}
         (train.py's, the authors'), or the state dict itself.
     img_size: (H, W) or an int, the image size the weights were trained at, for a checkpoint that
         records none (the authors' files: their variant's own, models.released_img_size); the size a
         checkpoint records (trained_img_size) wins.
-    key: which weights of the file: 'model', or an EMA's (EMA_KEYS)."""
+    key: which weights of the file: 'model', or an EMA's (EMA_KEYS).
+    finetune: a head the file does not hold (other classes) is refused unless True, where the
+        file's head is dropped and the model's new one, random, kept to be trained.
+    path: the file an in-memory checkpoint was read from, for the messages."""
     named = isinstance(checkpoint, (str, os.PathLike))
-    path, saved = (checkpoint, read_file(checkpoint)) if named else ('the state dict', checkpoint)
+    saved = read_file(checkpoint) if named else checkpoint
+    path = os.fspath(checkpoint) if named else path or IN_MEMORY
     state = saved.get(key, saved) if isinstance(saved, dict) else None
     if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
         held = state if isinstance(saved, dict) else saved
@@ -80,28 +85,54 @@ def load_checkpoint(model, checkpoint, img_size=None, key='model'):
     own = model.state_dict()
     state = {k: v for k, v in state.items()
              if not (k.rsplit('.', 1)[-1] in REBUILT_BUFFERS and k not in own)}
-    head = [k for k in state if k.startswith('head.')]
-    if any(k not in own or own[k].shape != state[k].shape for k in head):
-        (classes, width), (mine, my_width) = state['head.weight'].shape, own['head.weight'].shape
-        differ = (f'{classes} classes, not {mine}' if classes != mine
-                  else f'{width} features wide, not {my_width}')
-        warnings.warn(f"{path}: the checkpoint's head ({classes} classes x {width} features) does "
-                      f"not fit this model's ({mine} x {my_width}): {differ}; keeping the model's "
-                      f"new head")
-        state = {k: v for k, v in state.items() if k not in head}
-        own = {k: v for k, v in own.items() if not k.startswith('head.')}
-    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    body = lambda d: {k for k in d if not k.startswith('head.')}  # noqa: E731
+    missing, unexpected = sorted(body(own) - body(state)), sorted(body(state) - body(own))
     if missing or unexpected:
         raise RuntimeError(mismatch(path, saved, model, missing, unexpected))
-    recorded = trained_img_size(saved)
-    trained = recorded or (pair(img_size) if img_size else None)
-    state = resize_positions(model, state, own, trained, recorded is not None, path)
+    state = fit_head(state, own, finetune, path, log)
+    record = trained_img_size(saved)
+    trained = record or (pair(img_size) if img_size else None)
+    state = resize_positions(model, state, own, trained, record is not None, path, log)
     wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}"
              for k, v in state.items() if v.shape != own[k].shape]
     if wrong:
         raise RuntimeError(f"{path}: shapes that cannot be resized: {wrong}" + recorded(saved))
-    model.load_state_dict(state, strict=False)  # all checked above; strict=False for a dropped head
+    model.load_state_dict(state, strict=False)  # all checked above; strict=False for a new head
     return model
+
+
+def classes_of(state):
+    """The number of classes of a state dict's head, 0 where it has none."""
+    return state['head.weight'].shape[0] if 'head.weight' in state else 0
+
+
+def fit_head(state, own, finetune, path, log):
+    """state, its head kept where it fits the model's; else (other classes, another width, none)
+    refused, for a model whose head the file does not hold would answer at random, unless finetune:
+    then the file's head is dropped and the model's new one kept, each said through log."""
+    head = {k: v for k, v in state.items() if k.startswith('head.')}
+    mine = {k: v for k, v in own.items() if k.startswith('head.')}
+    if head.keys() == mine.keys() and all(v.shape == mine[k].shape for k, v in head.items()):
+        return state
+    if mine and not finetune:
+        raise RuntimeError(
+            f"{path}: its head ({said_head(head)}) does not fit this model's ({said_head(mine)}), "
+            f"which would answer at random. To use the file's, build the model with "
+            f"num_classes={classes_of(head)}; to fine-tune a new one, pass finetune=True "
+            f"(models.create_model, load_checkpoint; train.py: --finetune)")
+    if head and log:
+        log(f"{path}: dropped its head ({said_head(head)})")
+    if mine and log:
+        log(f"{path}: a new head ({said_head(mine)}), initialised at random, to fine-tune")
+    return {k: v for k, v in state.items() if not k.startswith('head.')}
+
+
+def said_head(head):
+    """'10 classes x 64 features', or 'none'."""
+    if 'head.weight' not in head:
+        return 'none'
+    classes, width = head['head.weight'].shape
+    return f"{classes} classes x {width} features"
 
 
 def pair(size):
@@ -119,7 +150,7 @@ def trained_img_size(saved):
     return None
 
 
-def resize_positions(model, state, own, trained, recorded, path):
+def resize_positions(model, state, own, trained, recorded, path, log=None):
     """state with its position embeddings (model.position_grids) resampled from their grids at the
     image size the checkpoint was trained at (`trained`; None: unknown) to the model's, bicubic on
     the grid, leading vectors (DeiT's class token) kept apart, as timm's resample_abs_pos_embed;
@@ -127,7 +158,8 @@ def resize_positions(model, state, own, trained, recorded, path):
     guessed from a vector count: 144 vectors are 12x12 or 9x16. A size the file records must fit its
     vectors; a size given for a file that records none (recorded False: the variant's own) is used
     where it fits them. Without one that fits, an equal count is taken as the same grid (a file
-    loaded at the size it was trained at), and another count is refused."""
+    loaded at the size it was trained at), and another count is refused. Each tensor resized is
+    said through log, a line each."""
     state = dict(state)
     grids = model.position_grids(model.img_size) if hasattr(model, 'position_grids') else {}
     before = model.position_grids(trained) if trained and grids else {}
@@ -149,10 +181,21 @@ def resize_positions(model, state, own, trained, recorded, path):
         if old != grid:
             resized = resize_grid(value[:, P:], old, grid, 'bicubic')  # (1, h'*w', C)
             state[name] = torch.cat([value[:, :P], resized], dim=1)  # (1, P + h'*w', C)
+            kept = ", the class token's vector kept" * bool(P)  # DeiT's, off the grid
+            say_resized(log, path, name, f'{old[0]}x{old[1]} grid', f'{grid[0]}x{grid[1]}', kept)
     for name, value in state.items():
         if name.endswith('relative_position_bias_table') and value.shape != own[name].shape:
             state[name] = resize_table(value, own[name].shape)
+            old, new = (math.isqrt(v.shape[0]) for v in (value, state[name]))
+            if state[name].shape == own[name].shape:  # else the shape check refuses it
+                say_resized(log, path, name, f'{old}x{old} table of offsets', f'{new}x{new}')
     return state
+
+
+def say_resized(log, path, name, old, new, more=''):
+    """One line for one tensor resized on load."""
+    if log:
+        log(f"{path}: resized {name} from its {old} to {new}, bicubic{more}")
 
 
 def unknown_grid(path, name, n, grid, img_size, given, given_grid):
@@ -196,21 +239,82 @@ def mismatch(path, saved, model, missing, unexpected):
     first = lambda keys: ', '.join(keys[:3]) + ', ...' * (len(keys) > 3)  # noqa: E731
     lines = [f"{path} does not fit this {model.name}: {len(missing)} of its keys missing "
              f"({first(missing)}), {len(unexpected)} unexpected ({first(unexpected)})"]
-    saved = saved if isinstance(saved, dict) else {}
-    if saved.get('args') and saved.get('arch') is not None:
-        name, run_keys = saved['args']['model'], ('img_size', 'num_classes', 'drop_path_rate')
-        sizes = {k: v for k, v in saved['arch'].items() if k not in run_keys}
+    flags, arch = saved_record(saved)
+    if flags and arch is not None:
+        name, run_keys = flags['model'], ('img_size', 'num_classes', 'drop_path_rate')
+        sizes = {k: v for k, v in arch.items() if k not in run_keys}
         # as train.py's --model-kwargs reads them, each quoted for the shell: 'depths=(2,2,2,2)'
         given = ' '.join(shlex.quote(f'{k}={v}' if isinstance(v, str) else
                                      f'{k}={v!r}'.replace(' ', '')) for k, v in sizes.items())
-        lines.append(f"it holds a {name} built with {sizes or 'its defaults'}: rebuild it with "
-                     f"models.create_model({name!r}, **those), or train.py --model {name}"
+        lines.append(f"it holds a {name} built with {sizes or 'its defaults'}: build it with "
+                     f"{create_call(name, path)}, or train.py --model {name}"
                      + f" --model-kwargs {given}" * bool(sizes))
     else:
         lines.append("another variant's or another size's weights: choose the variant "
                      "(models.MODELS) and the sizes (embed_dim, depths, num_heads, ...) they were "
                      "trained with")
     return '\n'.join(lines)
+
+
+# how messages name a checkpoint given in memory, not as a file
+IN_MEMORY = 'the checkpoint'
+# create_model arguments a checkpoint's weights are adapted to when loaded: position grids and
+# relative position tables are resized to the image size; drop path holds no weights
+ADAPTED = ('img_size', 'drop_path_rate')
+
+
+def saved_record(saved):
+    """(flags, arch) that a train.py checkpoint records: its flags ('args', --model among them) and
+    the create_model overrides its model was built with ('arch'), options saved before their
+    renaming under their new names (inline.RENAMED); None for each a file does not hold (the
+    authors' files, bare state dicts)."""
+    held = [saved.get(k) if isinstance(saved, dict) else None for k in ('args', 'arch')]
+    return tuple({inline.RENAMED.get(k, k): v for k, v in d.items()} if isinstance(d, dict)
+                 else None for d in held)
+
+
+def create_call(name, path, **overrides):
+    """The models.create_model call, as Python reads it, that builds `name` from the checkpoint at
+    path (one in memory: the variable `checkpoint`)."""
+    where = 'checkpoint' if path == IN_MEMORY else repr(os.fspath(path))
+    given = ''.join(f', {k}={v!r}' for k, v in overrides.items())
+    return f"models.create_model({name!r}, checkpoint={where}{given})"
+
+
+def recorded_build(name, saved, path, overrides, finetune, own):
+    """create_model's overrides for a checkpoint: the model a train.py file records (its variant
+    and arch), the overrides given over it where they adapt it (ADAPTED), or with finetune=True
+    (other classes: a new head); else refused, naming what differs and the call that builds the
+    file's model. own: the variant's own arguments, for those the file leaves at them. A file that
+    records nothing (the authors') takes the overrides as given."""
+    flags, arch = saved_record(saved)
+    if arch is None:  # the authors' files: a head of other classes only to fine-tune
+        state = saved.get('model', saved) if isinstance(saved, dict) else {}
+        held = classes_of(state) if isinstance(state, dict) else 0
+        wanted = overrides.get('num_classes', own.get('num_classes'))
+        if held and held != wanted and not finetune:
+            raise ValueError(
+                f"{path} holds a head of {held} classes, not {wanted}: "
+                f"to use it, {create_call(name, path, **(overrides | {'num_classes': held}))}; "
+                f"to fine-tune a new head, {create_call(name, path, **overrides, finetune=True)}")
+        return overrides
+    held = (flags or {}).get('model', name)
+    same = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731  a list as its tuple
+    differ = [k for k, v in overrides.items()
+              if k not in ADAPTED and same(v) != same(arch.get(k, own.get(k)))]
+    kept = {k: v for k, v in overrides.items() if k not in differ}
+    if held != name:
+        adapted = {k: v for k, v in overrides.items() if k in ADAPTED}
+        raise ValueError(f"{path} holds a {held}, not a {name}: "
+                         f"{create_call(held, path, **adapted)}")
+    if differ and not finetune:
+        asked = ', '.join(f'{k}={overrides[k]!r}' for k in differ)
+        built = ', '.join(f'{k}={arch.get(k, own.get(k))!r}' for k in differ)
+        tune = create_call(name, path, **overrides, finetune=True)
+        new_head = f"; to fine-tune a new head, {tune}" * (differ == ['num_classes'])
+        raise ValueError(f"{path} holds a {name} built with {built}, not {asked}: to build the "
+                         f"model it holds, {create_call(name, path, **kept)}{new_head}")
+    return {**arch, **overrides}
 
 
 def resize_grid(tokens, old_grid, new_grid, mode):
@@ -252,13 +356,36 @@ def read_checkpoint(path):
         fail(f'cannot read checkpoint {path}: {e}')
 
 
-def load_weights(model, saved, key, path, img_size):
+def check_architecture(path, saved, asked):
+    """A run that starts from the checkpoint at path goes on with the architecture it saved (its
+    create_model overrides, less the image size, classes and drop path train.py sets), else is
+    stopped, naming what differs."""
+    differ = sorted(k for k in {**saved, **asked} if saved.get(k) != asked.get(k))
+    if differ:
+        fail(f'{path} holds a model built with {saved}; this run asks for ' +
+             ', '.join(f'{k}={asked[k]!r}' if asked.get(k) is not None else f'no {k}'
+                       for k in differ) +
+             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue '
+             f'or evaluate the model as it was built, or give another --output-dir')
+
+
+def load_weights(model, saved, key, path, img_size, finetune=False):
     """saved[key] (the whole of saved for a bare state dict) into model, with load_checkpoint's
-    checks; img_size: the variant's own, for a file that records none."""
+    checks, each change said; img_size: the variant's own, for a file that records none."""
     try:
-        load_checkpoint(model, saved, img_size, key)
+        load_checkpoint(model, saved, img_size, key, finetune=finetune, log=print0, path=path)
     except RuntimeError as e:
         fail(f'cannot load {path} ({key}): {e}')
+
+
+def load_initial(model, path, img_size):
+    """train.py --finetune: the file's weights, its EMA where it has one (the authors' 384 px
+    fine-tunes start from the 224 px EMA weights), a new head where the classes differ; each
+    change said."""
+    saved = read_checkpoint(path)
+    key = next((k for k in EMA_KEYS if saved.get(k) is not None), 'model')
+    print0(f'initial weights: {path} ({key})')
+    load_weights(model, saved, key, path, img_size, finetune=True)
 
 
 def link_atomic(src, dst):
@@ -277,8 +404,10 @@ def link_atomic(src, dst):
 
 
 def save_checkpoint(run, t, is_best=False):
-    """Everything a rerun needs to continue exactly, with every rank's random generators, written
-    atomically."""
+    """Everything a rerun needs to continue exactly, with every rank's random generators, and what
+    rebuilds the model alone (models.create_model(name, checkpoint=path); predict.py): its variant
+    (args), every create_model argument it was built with (arch: sizes, image size, classes) and
+    the class names in label order; written atomically."""
     state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
              'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     states = [state] * run.world
@@ -294,7 +423,7 @@ def save_checkpoint(run, t, is_best=False):
                         'epoch': t.epoch, 'step': t.step,
                         'best_acc1': t.best_acc, 'is_best': is_best, 'log': t.log, 'rng': states,
                         'args': vars(run.args), 'arch': t.raw.arch,
-                        'num_classes': t.raw.num_classes}, f)
+                        'num_classes': t.raw.num_classes, 'classes': run.classes}, f)
             f.flush()
             os.fsync(f.fileno())
         # flushed to disk, then renamed: a crash leaves the old file or the new

@@ -4,9 +4,10 @@ transforms.
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
 NeurIPS 2024, arXiv 2412.06590. DATASETS maps each --dataset name to its loader; load_data(args)
-returns (training set, validation set) for the flags train.py resolved. The small datasets are read
-from their files as distributed (Fashion-MNIST's IDX .gz files, CIFAR's python batches), so no
-download is needed where they are installed.
+returns (training set, validation set) for the flags train.py resolved, train_loader and val_loader
+a run's loaders, val_transform the evaluation transform of a recipe (predict.py's too). The small
+datasets are read from their files as distributed (Fashion-MNIST's IDX .gz files, CIFAR's python
+batches), so no download is needed where they are installed.
 """
 import gzip
 import math
@@ -19,11 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from PIL import Image
-from torch.utils.data import Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchvision import datasets
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as F
 
+from checkpoints import pair
 from ranks import fail, print0
 
 # its config's TEST.CROP is False: resized straight to 384 x 384
@@ -171,11 +173,28 @@ def train_transform(args):
 
 
 def eval_transform(img_size, crop=True):
-    """The released evaluation (the authors' TEST.CROP): resize to a square of int(img * 256 / 224),
-    aspect not kept, then the centre img x img; without crop (inline_swin_b_384's config) straight
-    to img x img. Bicubic."""
-    side = int(img_size * 256 / 224) if crop else img_size
-    return T.Compose([T.Resize((side, side), BICUBIC), T.CenterCrop(img_size)] + TO_TENSOR)
+    """The released evaluation (the authors' TEST.CROP): resize each side to int(side * 256 / 224)
+    (a square for a square img_size), aspect not kept, then the centre H x W; without crop
+    (inline_swin_b_384's config) straight to H x W. Bicubic."""
+    H, W = pair(img_size)
+    resize = (int(H * 256 / 224), int(W * 256 / 224)) if crop else (H, W)
+    return T.Compose([T.Resize(resize, BICUBIC), T.CenterCrop((H, W))] + TO_TENSOR)
+
+
+def val_transform(args):
+    """The validation transform of a run's recipe (args: its resolved flags, or a checkpoint's):
+    the released one (eval_transform) on the released recipe, else the small recipe's resize (the
+    synthetic task draws its images at the model's size: an image file is resized to it)."""
+    if args.recipe == 'released':
+        return eval_transform(args.img_size, args.model not in NO_EVAL_CROP)
+    return T.Compose([T.ToImage(), T.Resize(pair(args.img_size), BICUBIC, antialias=True)]
+                     + TO_TENSOR)
+
+
+def pixels(img_size):
+    """'32 px' for a square, '64x96 px' (H x W) for another size, as the runs print it."""
+    H, W = pair(img_size)
+    return f'{H} px' if H == W else f'{H}x{W} px'
 
 
 def load_rgb(path):
@@ -193,7 +212,7 @@ class ImageFolder(datasets.ImageFolder):
 
     def __init__(self, root, transform, img_size):
         super().__init__(root, transform, loader=load_rgb)
-        self.blank = torch.zeros(3, img_size, img_size)  # (3, S, S), as TO_TENSOR ends
+        self.blank = torch.zeros(3, *pair(img_size))  # (3, H, W), as TO_TENSOR ends
 
     def __getitem__(self, index):
         path, label = self.samples[index]
@@ -304,7 +323,10 @@ class TensorImages(Dataset):
 
 def load_synthetic(args):
     """The synthetic task: fresh images every training epoch (fit sets the epoch), a fixed
-    validation set."""
+    validation set; square."""
+    if len(set(pair(args.img_size))) > 1:
+        fail(f'the synthetic task draws square images; --img-size {pixels(args.img_size)} is not: '
+             f'give one side, or an ImageFolder (--data-path) for other sizes')
     return (SyntheticShapes(args.synthetic_train, args.img_size, args.seed, train=True),
             SyntheticShapes(args.synthetic_val, args.img_size, args.seed, train=False))
 
@@ -325,8 +347,7 @@ def load_image_folder(args):
         if not os.path.isdir(os.path.join(root, split)):
             fail(f'--data-path {root} has no {split}/ folder (expected '
                  f'{split}/<class>/<image> inside)')
-    transforms = (('train', train_transform(args)),
-                  ('val', eval_transform(args.img_size, args.model not in NO_EVAL_CROP)))
+    transforms = (('train', train_transform(args)), ('val', val_transform(args)))
     if getattr(args, 'recipe', None) == 'small':
         transforms = zip(('train', 'val'), small_transforms(args))
     for split, transform in transforms:
@@ -349,12 +370,12 @@ def load_small(args):
 
 
 def small_transforms(args):
-    """(training, validation) transforms of the small-data recipe: resized to a square, then
-    (training) randomly cropped with an eighth of padding and flipped."""
-    resize = [T.ToImage(), T.Resize((args.img_size, args.img_size), BICUBIC, antialias=True)]
-    augment = [T.RandomCrop(args.img_size, padding=args.img_size // 8, padding_mode='reflect'),
+    """(training, validation) transforms of the small-data recipe: resized to the model's size,
+    then (training) randomly cropped with an eighth of padding and flipped."""
+    size, val = pair(args.img_size), val_transform(args)  # val: ToImage, Resize, then TO_TENSOR
+    augment = [T.RandomCrop(size, padding=min(size) // 8, padding_mode='reflect'),
                T.RandomHorizontalFlip()]
-    return T.Compose(resize + augment + TO_TENSOR), T.Compose(resize + TO_TENSOR)
+    return T.Compose(val.transforms[:2] + augment + TO_TENSOR), val
 
 
 # --dataset NAME -> load(args) -> (training set, validation set), each with .classes. train.py's
@@ -362,6 +383,12 @@ def small_transforms(args):
 # train.py's small-image recipe (SMALL). The lab adds its own (paper/).
 DATASETS = {'synthetic': load_synthetic, 'imagefolder': load_image_folder,
             **{name: load_small for name in SMALL_DATASETS}}
+
+
+def dataset(args):
+    """--dataset, or what --data-path implies: an ImageFolder with it, the synthetic task
+    without."""
+    return args.dataset or ('imagefolder' if args.data_path else 'synthetic')
 
 
 def load_data(args):
@@ -384,17 +411,44 @@ def load_data(args):
              f'train/: {only[0]}; only in val/: {only[1]}')
     if args.dataset == 'synthetic':
         print0(f'data: synthetic, {len(val_set.classes)} classes ({", ".join(val_set.classes)}), '
-               f'{args.img_size} px, {len(train_set):,} fresh training images per epoch, '
+               f'{pixels(args.img_size)}, {len(train_set):,} fresh training images per epoch, '
                f'{len(val_set):,} validation images')
         return train_set, val_set
     if args.train_subset and args.train_subset < len(train_set):
         classes = train_set.classes
         train_set = Subset(train_set, subset_indices(len(train_set), args.train_subset))
         train_set.classes = classes
+    own, (h, w) = typical_size(train_set), pair(args.img_size)
+    H, W = own
     print0(f'data: {args.dataset} in {args.data_path or "data"}, {len(train_set.classes)} classes, '
-           f'{len(train_set):,} training and {len(val_set):,} validation images, '
-           f'{args.img_size} px')
+           f'{len(train_set):,} training and {len(val_set):,} validation images'
+           + f' of about {H}x{W} px' * bool(H) + f', resized to {pixels(args.img_size)}')
+    if H and h * w >= 9 * H * W:  # a third of the side or less: 32 px images at 224 px
+        fit = [max(32, round(side / 32) * 32) for side in own]  # multiples of every stride
+        print0(f'warning: the images are about {H}x{W} px, the model\'s input {h}x{w} px: '
+               f'upsampled {min(h / H, w / W):.0f}x, each costs a {h}x{w} input\'s compute for no '
+               f'more detail. Choose --img-size near the images\' size, height and width '
+               f'multiples of the model\'s stride (16 DeiT, 32 the others): here --img-size '
+               f'{" ".join(map(str, dict.fromkeys(fit)))}')
     return train_set, val_set
+
+
+def typical_size(train_set):
+    """(H, W): the median height and width of the training images, from 16 spread over the set (of
+    an ImageFolder, each file's header only); (0, 0) where none can be read."""
+    folder = getattr(train_set, 'dataset', train_set)  # the Subset of --train-subset
+    if isinstance(folder, TensorImages):
+        return tuple(folder.images.shape[2:])
+    sizes = []
+    samples = getattr(folder, 'samples', [])  # an ImageFolder's; none in the lab's own datasets
+    for path, _ in samples[::max(1, len(samples) // 16)][:16]:
+        try:
+            with Image.open(path) as img:
+                sizes.append(img.size[::-1])  # PIL's (W, H)
+        except Exception:  # unreadable: named when it is read for training
+            pass
+    return tuple(sorted(size[i] for size in sizes)[len(sizes) // 2] if sizes else 0
+                 for i in (0, 1))
 
 
 def subset_indices(total, size):
@@ -413,6 +467,26 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self):
         return super().__len__() - self.start
+
+
+def train_loader(run, train_set):
+    """(sampler, loader) of a run's training images (run: a train.Run): each rank its share of a
+    fresh shuffle every epoch, whole batches only; the sampler resumes mid-epoch."""
+    sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=run.args.seed,
+                               drop_last=True)
+    loader = DataLoader(train_set, run.args.batch_size, sampler=sampler, drop_last=True,
+                        num_workers=run.args.workers, pin_memory=run.device.type == 'cuda',
+                        generator=torch.Generator(), worker_init_fn=ignore_interrupt)
+    return sampler, loader
+
+
+def val_loader(run, val_set):
+    """Every validation image exactly once across ranks: rank r takes images r, r + world, ... (no
+    padding)."""
+    subset = Subset(val_set, range(run.rank, len(val_set), run.world))
+    return DataLoader(subset, run.args.batch_size, num_workers=run.args.workers,
+                      pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
+                      worker_init_fn=ignore_interrupt)
 
 
 def ignore_interrupt(worker_id):

@@ -33,6 +33,7 @@ Notation, used in every shape comment: B batch, H heads, N tokens, D head dim, C
 """
 import inspect
 import math
+import os
 from collections import OrderedDict
 
 import torch
@@ -45,7 +46,8 @@ from torchvision.ops import StochasticDepth
 
 import inline
 import peers
-from checkpoints import load_checkpoint, pair, resize_grid
+from checkpoints import (IN_MEMORY, load_checkpoint, pair, read_file, recorded_build,
+                         resize_grid)
 
 # The authors' figures for each variant at its released size: params and GMACs of their model
 # definitions, counted as count_macs counts, and the ImageNet-1K top-1 the paper reports for the
@@ -998,12 +1000,16 @@ def released_img_size(name):
     return pair(sizes.get('img_size', inspect.signature(cls).parameters['img_size'].default))
 
 
-def create_model(name, *, checkpoint=None, fast=None, **overrides):
+def create_model(name, *, checkpoint=None, fast=None, finetune=False, **overrides):
     """Build a registered variant.
 
     name: one of MODELS (inline_<family>_<size>; the peers flatten_swin_t, flatten_pvt_t,
         flatten_pvt_s and transnormer_swin_t, our construction).
-    checkpoint: weights to load (load_checkpoint: a path or a state dict).
+    checkpoint: weights to load (load_checkpoint: a path or what the file holds, each change said in
+        a line). A train.py checkpoint builds the model it records (its arch); overrides other than
+        img_size and drop_path_rate that differ from it are refused, naming the call that builds it.
+    finetune: True to start a new head (other num_classes) from a checkpoint's weights, announced;
+        without it, a head the checkpoint does not hold is refused, never random.
     fast: the switch of every InLine module (inline.FAST): None, the reference (inline.py);
         'compile', the fast core of kernels.py (torch.compile); 'triton', the Triton kernel
         (triton_core.py, CUDA only). Switched on by kernels.enable_fast, which first checks it
@@ -1028,12 +1034,18 @@ def create_model(name, *, checkpoint=None, fast=None, **overrides):
         raise ValueError("features_only is dense.create_backbone(name, out_indices=..., ...): the "
                          "stage maps for detection and segmentation")
     cls, sizes = MODELS[name]
+    if checkpoint is not None:  # read once; a train.py file's record chooses the architecture
+        path = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else IN_MEMORY
+        checkpoint = read_file(checkpoint) if path != IN_MEMORY else checkpoint
+        own = {k: p.default for k, p in inspect.signature(cls).parameters.items()} | sizes
+        overrides = recorded_build(name, checkpoint, path, overrides, finetune, own)
     model = cls(**{**sizes, **overrides})
     model.arch = dict(overrides)
     if checkpoint is not None:
         # resized from the image size the file records, else (the authors' files) from the variant's
         # own
-        load_checkpoint(model, checkpoint, img_size=released_img_size(name))
+        load_checkpoint(model, checkpoint, img_size=released_img_size(name), finetune=finetune,
+                        path=path)
     if fast is not None:
         import kernels  # torch.compile's machinery, loaded only where the fast path is asked for
         kernels.enable_fast(model, fast)

@@ -1106,7 +1106,8 @@ def test_eq6_weights_per_token_the_reference_follows_and_the_fast_core_refuses(m
 
 def test_readme_vit_example_runs_on_both_paths():
     """The README's own ViT, run as written: a class token first, then the patch grid; the fast path's logits
-    and gradients equal the reference's."""
+    and gradients equal the reference's; torch.export takes it with a dynamic batch (x.shape[0], not len(x),
+    which export would fix at the example's 2)."""
     scope = {}
     exec(readme_block('### InLine attention in your own ViT'), scope)
     reference, fast = scope['TinyViT'](), scope['TinyViT']()
@@ -1119,10 +1120,15 @@ def test_readme_vit_example_runs_on_both_paths():
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     for (key, p), q in zip(reference.named_parameters(), fast.parameters()):
         assert (q.grad - p.grad).abs().max().item() <= 1e-4 * p.grad.abs().max().item() + 1e-7, key
+    batch = torch.export.Dim('batch', min=1, max=64)
+    exported = torch.export.export(reference.eval(), (x,), dynamic_shapes=({0: batch},)).module()
+    x5 = torch.randn(5, 3, 32, 32)
+    torch.testing.assert_close(exported(x5), reference(x5))
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CORE = ['inline', 'kernels', 'sequence', 'models', 'dense', 'data', 'checkpoints', 'train', 'bench', 'peers']
+CORE = ['inline', 'kernels', 'sequence', 'models', 'dense', 'data', 'checkpoints', 'train', 'bench', 'peers',
+        'predict']
 TESTS = sorted(glob.glob(os.path.join(HERE, 'test_*.py'))
                + glob.glob(os.path.join(HERE, 'paper', 'test_*.py')))
 LAB = sorted(glob.glob(os.path.join(HERE, 'paper', '*.py')))

@@ -229,24 +229,66 @@ def test_checkpoint_with_wrong_keys_names_them(tmp_path):
 
 
 def test_a_checkpoint_of_other_sizes_names_them_and_how_to_rebuild(tmp_path):
-    """train.py's checkpoint of other sizes: the sizes it stores and the flag that rebuilds them, in two lines
-    rather than hundreds of keys; a bare state dict of another variant says what to choose."""
+    """train.py's checkpoint loaded into a model of other sizes: the sizes it stores, the call and the flags
+    that rebuild them, in two lines rather than hundreds of keys; the call runs as printed and returns the
+    file's model, its trained head included. A bare state dict of another variant says what to choose."""
+    torch.manual_seed(0)
     small = SMALL['inline_swin_t']
-    model = models.create_model('inline_swin_t', **small)
+    model = perturb(models.create_model('inline_swin_t', **small, num_classes=7))
     path = tmp_path / 'checkpoint.pt'
     torch.save({'model': model.state_dict(), 'args': {'model': 'inline_swin_t'}, 'arch': model.arch}, path)
     with pytest.raises(RuntimeError) as e:
-        models.create_model('inline_swin_t', checkpoint=path, img_size=small['img_size'])
+        models.load_checkpoint(models.create_model('inline_swin_t', img_size=small['img_size']), path)
     message = str(e.value)
     assert len(message.splitlines()) == 2 and 'keys missing' in message and '...' in message, message
     assert "embed_dim': 16" in message and "--model-kwargs" in message \
         and 'depths=(2,2,2,2)' in message, message
+    call = re.search(r'build it with (models\.create_model\(.*\)), or train\.py', message).group(1)
+    rebuilt = eval(call, {'models': models})  # as printed
+    assert rebuilt.num_classes == 7 and rebuilt.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in rebuilt.state_dict().items())
     deit = models.create_model('inline_deit_t', **SMALL['inline_deit_t'])
     torch.save(deit.state_dict(), tmp_path / 'deit.pth')
-    with pytest.warns(UserWarning, match=r"\(1000 classes x 32 features\) does not fit this model's "
-                                         r"\(1000 x 128\): 32 features wide, not 128"):
-        with pytest.raises(RuntimeError, match="another variant's or another size's weights"):
-            models.create_model('inline_swin_t', checkpoint=tmp_path / 'deit.pth', **small)
+    with pytest.raises(RuntimeError, match="another variant's or another size's weights"):
+        models.create_model('inline_swin_t', checkpoint=tmp_path / 'deit.pth', **small)
+
+
+def test_create_model_builds_what_a_checkpoint_records_or_refuses_with_calls_that_run(tmp_path, capsys):
+    """A train.py checkpoint, given its variant's name alone, builds the model it records: its sizes, image
+    size and trained head. Another variant, other sizes or other classes are refused, naming what differs,
+    and every call the refusal gives runs as printed: the file's model, or (other classes) a new head to
+    fine-tune, announced. An authors' file records nothing: a head of other classes is refused the same
+    way, never left random."""
+    torch.manual_seed(0)
+    small = dict(SMALL['inline_deit_t'], num_classes=3)
+    source = perturb(models.create_model('inline_deit_t', **small))
+    path = tmp_path / 'best.pt'
+    torch.save({'model': source.state_dict(), 'args': {'model': 'inline_deit_t'}, 'arch': source.arch,
+                'classes': ['a', 'b', 'c']}, path)
+    model = models.create_model('inline_deit_t', checkpoint=path)
+    assert (model.num_classes, model.img_size, model.arch) == (3, (48, 80), source.arch)
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
+    authors = tmp_path / 'authors.pth'
+    torch.save({'model': models.create_model('inline_deit_t', **SMALL['inline_deit_t']).state_dict()}, authors)
+    for name, overrides, differ, checkpoint in [
+            ('inline_swin_t', {}, 'holds a inline_deit_t, not a inline_swin_t', path),
+            ('inline_deit_t', {'embed_dim': 64}, 'built with embed_dim=32, not embed_dim=64', path),
+            ('inline_deit_t', {'num_classes': 5}, 'built with num_classes=3, not num_classes=5', path),
+            ('inline_deit_t', {**SMALL['inline_deit_t'], 'num_classes': 5}, 'holds a head of 1000 classes, '
+                                                                             'not 5', authors)]:
+        with pytest.raises(ValueError, match=re.escape(differ)) as e:
+            models.create_model(name, checkpoint=checkpoint, **overrides)
+        calls = re.findall(r'models\.create_model\(.*?\)(?=;|$)', str(e.value))
+        assert len(calls) == 1 + ('num_classes' in overrides), str(e.value)
+        capsys.readouterr()
+        built = [eval(call, {'models': models}) for call in calls]  # as printed
+        if checkpoint == path:
+            assert all(torch.equal(v, source.state_dict()[k]) for k, v in built[0].state_dict().items())
+        if len(built) == 2:  # finetune=True: the file's head dropped, a new one of 5 classes, both said
+            assert built[1].num_classes == 5
+            assert [line.split(': ', 1)[1] for line in capsys.readouterr().out.splitlines()] == [
+                f"dropped its head ({built[0].num_classes} classes x 32 features)",
+                "a new head (5 classes x 32 features), initialised at random, to fine-tune"]
 
 
 def test_a_file_that_is_not_a_checkpoint_says_so(tmp_path):
@@ -261,9 +303,10 @@ def test_a_file_that_is_not_a_checkpoint_says_so(tmp_path):
 
 
 @pytest.mark.parametrize('name', ['inline_deit_t', 'inline_pvt_t', 'inline_swin_t'])
-def test_checkpoint_with_other_classes_and_size(name, tmp_path):
-    """A different num_classes drops the head with a warning; another image size resizes position
-    embeddings and relative position tables (bicubic); the rest loads unchanged."""
+def test_checkpoint_with_other_classes_and_size(name, tmp_path, capsys):
+    """Fine-tuning (finetune=True) for another num_classes drops the head for a new one; another image
+    size resizes position embeddings and relative position tables (bicubic); each change is said in a
+    line, the tensor's name and its old and new grid; the rest loads unchanged."""
     torch.manual_seed(0)
     small = dict(SMALL[name], num_classes=5)
     source = models.create_model(name, **small)
@@ -274,15 +317,29 @@ def test_checkpoint_with_other_classes_and_size(name, tmp_path):
     H, W = small['img_size']  # twice the size: every grid the file records is resized
     bigger = dict(small, img_size=(2 * H, 2 * W), num_classes=7,
                   **({'softmax_window': 4} if name == 'inline_swin_t' else {}))
-    with pytest.warns(UserWarning, match='5 classes, not 7'):
-        model = models.create_model(name, checkpoint=path, **bigger)
-    resized = 0
+    capsys.readouterr()
+    model = models.create_model(name, checkpoint=path, **bigger, finetune=True)
+    said = capsys.readouterr().out.splitlines()
+    assert said[:2] == [f"{path}: dropped its head (5 classes x {model.num_features} features)",
+                        f"{path}: a new head (7 classes x {model.num_features} features), initialised "
+                        f"at random, to fine-tune"]
+    resized = []
     for k, v in model.state_dict().items():
         if not k.startswith('head.') and v.shape == source.state_dict()[k].shape:
             assert torch.equal(v, source.state_dict()[k]), k
         elif not k.startswith('head.'):
-            resized += 1
-    assert resized > 0 and model(torch.randn(1, 3, 2 * H, 2 * W)).shape == (1, 7)
+            resized.append(k)
+    # one line each, 'resized NAME from its 12x20 grid to 24x40, bicubic' (tables: of offsets)
+    lines = [re.fullmatch(rf"{re.escape(str(path))}: resized (\S+) from its (\d+)x(\d+) (grid|table of "
+                          rf"offsets) to (\d+)x(\d+), bicubic(, the class token's vector kept)?", line)
+             for line in said[2:]]
+    assert all(lines) and sorted(m.group(1) for m in lines) == sorted(resized) and resized, said
+    for m in lines:
+        old, new = [int(g) for g in m.group(2, 3)], [int(g) for g in m.group(5, 6)]
+        assert new == [2 * n for n in old] if m.group(4) == 'grid' else new[0] == new[1] > old[0]
+    assert model(torch.randn(1, 3, 2 * H, 2 * W)).shape == (1, 7)
+    with pytest.raises(ValueError, match=r'built with (\S+ )?num_classes=5, not (\S+ )?num_classes=7'):
+        models.create_model(name, checkpoint=path, **bigger)  # a new head only to fine-tune
     if name == 'inline_deit_t':  # the class token's position embedding is kept, not resampled
         assert torch.equal(model.pos_embed[:, 0], source.pos_embed[:, 0])
 

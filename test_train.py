@@ -361,15 +361,65 @@ def test_a_save_that_fails_halfway_leaves_the_last_checkpoint_readable(tmp_path,
 
 def test_ctrl_c_saves_at_the_step_and_says_how_to_continue(tmp_path):
     """python train.py in a terminal, Ctrl-C mid-epoch: the step ends, the checkpoint is saved
-    there, the command to continue is printed, and the run exits cleanly, with no traceback."""
+    there, the command to continue is printed, and the run exits with no traceback and status 130
+    (128 + SIGINT, as a shell reports it), which no script reads as a finished run."""
     output_dir = str(tmp_path / 'a run')  # a space, which the printed --resume must quote
     output, code = interrupt(RESUMABLE + ['--output-dir', output_dir, '--workers', '1'], output_dir,
                              signal.SIGINT, nproc=1)
     saved = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))
-    assert code == 0 and 'Traceback' not in output, output[-3000:]
+    assert code == 130 and 'Traceback' not in output, output[-3000:]
     assert f'SIGINT: saved {output_dir}/checkpoint.pt at epoch 2, step {saved["step"]}; ' in output
     assert saved['epoch'] == 1 and saved['step'] > 0
     assert f"rerun the same command (or give --resume '{output_dir}/checkpoint.pt')" in output
+
+
+def fit_in_process(argv, stop_at=None, signum=signal.SIGTERM, monkeypatch=None):
+    """train.py's loop on argv in this process, as main runs it (less setup's thread count), rerun as
+    a rerun of the command is: resumed from OUTPUT_DIR/checkpoint.pt where there is one. stop_at: send
+    this process `signum` while the loop reads its stop_at-th batch (as a terminal's Ctrl-C or a
+    scheduler's SIGTERM would); the step ends, then the save. Returns the exit status: 0 at the end,
+    else what train.py exits with. The loop's signal handlers are undone after."""
+    run = resolved(argv)
+    checkpoints.check_output_dir(run.args.output_dir)
+    train_set, val_set = data.load_data(run.args)
+    run.classes = list(val_set.classes)
+    model = train.build_model(run, num_classes=len(run.classes))
+    batches = []
+
+    def leave_out_unreadable(*args):  # train.py's, which every batch goes through
+        batches.append(1)
+        if len(batches) == stop_at:
+            os.kill(os.getpid(), signum)
+        return data.leave_out_unreadable(*args)
+    monkeypatch.setattr(train, 'leave_out_unreadable', leave_out_unreadable)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train.fit(run, model, train_set, val_set)
+        return 0
+    except SystemExit as e:
+        return e.code
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def test_a_run_stopped_twice_in_one_epoch_resumes_at_the_right_step(tmp_path, monkeypatch, capsys):
+    """SIGTERM after 3 of an epoch's 8 steps, then, resumed, SIGINT after 2 more: each saves at the step
+    it ended (3, then 3 + 2 = 5), exits 143 or 130 (128 + the signal, as a shell reports it), and the
+    run then ends with the weights of a run never stopped."""
+    args = TINY_ARGS + ['--synthetic-train', '64', '--synthetic-val', '8', '--epochs', '1']
+    stopped, whole = str(tmp_path / 'stopped'), str(tmp_path / 'whole')
+    assert fit_in_process(args + ['--output-dir', whole], monkeypatch=monkeypatch) == 0
+    steps = []
+    for stop_at, signum in ((3, signal.SIGTERM), (2, signal.SIGINT)):
+        code = fit_in_process(args + ['--output-dir', stopped], stop_at, signum, monkeypatch)
+        steps.append(load_checkpoint_file(os.path.join(stopped, 'checkpoint.pt'))['step'])
+        assert code == 128 + signum and f'{signum.name}: saved' in capsys.readouterr().out
+    assert steps == [3, 5]
+    assert fit_in_process(args + ['--output-dir', stopped], monkeypatch=monkeypatch) == 0
+    expected, got = (load_checkpoint_file(os.path.join(d, 'checkpoint.pt')) for d in (whole, stopped))
+    assert got['epoch'] == 1 and expected['model'].keys() == got['model'].keys()
+    assert all(torch.equal(expected['model'][k], got['model'][k]) for k in expected['model'])
 
 
 # ------------------------------------------------------------------------------------------ real images
@@ -387,6 +437,8 @@ def write_image_folder(root, counts, seed=0):
 
 
 def test_image_folder_trains_and_evaluates(tmp_path):
+    """At a non-square size, --img-size H W: trained (crops of 32x48) and evaluated (a 36x54 resize, the
+    centre 32x48)."""
     torch.manual_seed(0)
     root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
     write_image_folder(root, {'train': 8, 'val': 3})
@@ -394,9 +446,11 @@ def test_image_folder_trains_and_evaluates(tmp_path):
     # 2 x 4 images
     args = TINY_ARGS + ['--data-path', root, '--batch-size', '4', '--accum-steps', '2', '--epochs', '2',
                    '--warmup-epochs', '1', '--workers', '1', '--output-dir', output_dir,
-                   '--recipe', 'released']
+                   '--recipe', 'released', '--img-size', '32', '48']
     result = run_train(args)
     assert 'released ImageNet-1K recipe for inline_deit_t (given)' in result.stdout
+    assert 'inline_deit_t, 6.2M parameters, 32x48 px' in result.stdout
+    assert load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))['arch']['img_size'] == (32, 48)
     log = metrics(output_dir)
     assert len(log) == 2 and log[-1]['val_images'] == 6
     result = run_train(args + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')])
@@ -444,6 +498,34 @@ def test_an_unreadable_image_stops_at_a_saved_step_and_skip_bad_images_goes_on(t
     assert result.stdout.count('val/blue/broken.png (cannot identify image file), left out of the '
                                'validation') == 2
     assert [e['val_images'] for e in metrics(output_dir)] == [6, 6]  # 7 files, 6 images
+
+
+def test_skip_bad_images_goes_on_past_a_batch_of_one_unreadable_image(tmp_path, monkeypatch, capsys):
+    """--batch-size 1: one step's batch is the unreadable image alone. --skip-bad-images takes nothing from
+    that step and goes on to the end, the file listed."""
+    root = str(tmp_path / 'data')
+    write_image_folder(root, {'train': 3, 'val': 1})
+    with open(os.path.join(root, 'train', 'red', 'broken.png'), 'wb') as f:
+        f.write(b'\x89PNG not a png at all')
+    args = TINY_ARGS + ['--data-path', root, '--batch-size', '1', '--epochs', '1', '--skip-bad-images',
+                        '--output-dir', str(tmp_path / 'run')]
+    assert fit_in_process(args, monkeypatch=monkeypatch) == 0
+    assert f'warning: epoch 1 left out 1 unreadable image(s) under {root}: train/red/broken.png' \
+        in capsys.readouterr().out
+    assert [e['epoch'] for e in metrics(str(tmp_path / 'run'))] == [1]
+
+
+def test_images_much_smaller_than_the_input_are_said_with_the_size_to_choose(tmp_path, capsys):
+    """32 px images at the variant's own 224 px: a line says so and which --img-size fits them; at
+    --img-size 32, none."""
+    root = str(tmp_path / 'data')
+    write_image_folder(root, {'train': 2, 'val': 1})
+    for size, said in (([], True), (['--img-size', '32'], False)):
+        data.load_data(resolved(['--model', 'inline_swin_t', '--data-path', root, *size]).args)
+        out = capsys.readouterr().out
+        assert 'validation images of about 32x32 px, resized to ' in out
+        assert ('warning: the images are about 32x32 px, the model\'s input 224x224 px: upsampled 7x'
+                in out) == said and ('here --img-size 32\n' in out) == said, out
 
 
 # ----------------------------------------------------------- small datasets, read from their own files
@@ -606,7 +688,8 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
                                        "--recipe released is the authors' ImageNet-1K"),
     'img-size': (['--img-size', '40'], 'divisible by 16'),
     'batch-size-zero': (['--batch-size', '0'], '--batch-size 0 is out of range'),
-    'batch-size-too-big': (['--batch-size', '64'], 'exceeds the 48 training images'),
+    'batch-size-too-big': (['--batch-size', '64'], 'exceeds the 48 training images: pass --batch-size 4 '
+                                                   '(10 steps an epoch) or at most 48 (one step)'),
     'lr-negative': (['--lr=-1e-3'], '--lr -0.001 is out of range'),
     'lr-too-big': (['--lr', '3'], '--lr 3.0 is out of range'),
     'eval-without-checkpoint': (['--eval'], '--eval needs --checkpoint'),
@@ -964,6 +1047,41 @@ def test_finetune_from_another_models_checkpoint_names_it_and_how_to_rebuild_it(
             in command)
     rebuilt = train.get_args_parser().parse_args(shlex.split(command)[1:])
     assert rebuilt.model == 'inline_swin_t' and train.model_kwargs(rebuilt) == sizes
+
+
+def test_finetune_at_twice_a_non_square_size_says_what_it_changed(tmp_path, capsys):
+    """--finetune of a 32x48 px checkpoint of 3 classes at --img-size 64 96 on 2 classes: its head dropped
+    for a new one, the position embedding resized from its 2x3 grid to 4x6 (bicubic, the class token's
+    vector kept), each in a line of the log."""
+    small = dict(embed_dim=32, depth=1, num_heads=2)
+    source = perturb(models.create_model('inline_deit_t', img_size=(32, 48), num_classes=3, **small))
+    path = str(tmp_path / 'best.pt')
+    torch.save({'model': source.state_dict(), 'args': {'model': 'inline_deit_t'}, 'arch': source.arch}, path)
+    run = resolved(['--model', 'inline_deit_t', '--model-kwargs', 'embed_dim=32', 'depth=1', 'num_heads=2',
+                    '--img-size', '64x96', '--fast', 'none', '--finetune', path])
+    capsys.readouterr()
+    model = train.build_model(run, num_classes=2)
+    assert capsys.readouterr().out.splitlines()[:4] == [
+        f'initial weights: {path} (model)',
+        f'{path}: dropped its head (3 classes x 32 features)',
+        f'{path}: a new head (2 classes x 32 features), initialised at random, to fine-tune',
+        f"{path}: resized pos_embed from its 2x3 grid to 4x6, bicubic, the class token's vector kept"]
+    stored = source.pos_embed.detach()
+    torch.testing.assert_close(model.pos_embed[:, 1:], bicubic(stored[:, 1:], (2, 3), (4, 6)))
+    assert model.img_size == (64, 96) and model(torch.randn(1, 3, 64, 96)).shape == (1, 2)
+
+
+def test_img_size_takes_one_side_or_the_height_and_width(capsys):
+    """--img-size 32, 64 96 or 64x96; anything else is refused, naming the forms it takes; the synthetic
+    task, which draws squares, refuses a non-square size by name."""
+    for given, size in ((['32'], 32), (['64', '96'], (64, 96)), (['64x96'], (64, 96)), (['48X48'], 48)):
+        assert resolved(['--img-size', *given]).args.img_size == size
+    for given in (['64', '96', '128'], ['64x'], ['0'], ['64x96', '32']):
+        assert (f'--img-size {" ".join(given)}: give one side (32), or the height and width (64 96, or '
+                f'64x96), in whole pixels') in refused(['--img-size', *given], capsys)
+    with pytest.raises(SystemExit):
+        data.load_data(resolved(['--img-size', '32', '64']).args)
+    assert 'the synthetic task draws square images; --img-size 32x64 px is not' in capsys.readouterr().err
 
 
 def test_commands_to_paste_are_quoted_for_the_shell(capsys):

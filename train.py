@@ -27,9 +27,11 @@ Inference throughput (images/s of one process, at the model's released image siz
     python train.py --model inline_swin_t --throughput --batch-size 64
 
 Nothing is lost: rerunning the same command resumes from OUTPUT_DIR/checkpoint.pt, written
-atomically every epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits; on CPU, a run killed
-with -9 and rerun ends with an uninterrupted run's weights. An image that cannot be read stops the
-run at a saved step, naming it; --skip-bad-images leaves such files out, listed every epoch.
+atomically every epoch; SIGTERM or Ctrl-C (SIGINT) saves at the step and exits with 143 or 130
+(128 + the signal's number, as a shell reports it); on CPU, a run killed with -9 and rerun ends with
+an uninterrupted run's weights. An image that cannot be read stops the run at a saved step, naming
+it; --skip-bad-images leaves such files out, listed every epoch. predict.py classifies images with
+a checkpoint.
 """
 import argparse
 import ast
@@ -52,16 +54,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
 import inline
 import models
-from checkpoints import (CHECKPOINT, EMA_KEYS, check_output_dir, load_weights, read_checkpoint,
-                         resume, save_checkpoint, save_correct)
-from data import (DATASETS, GO_ON, ResumableSampler, SyntheticShapes, count_images,
-                  ignore_interrupt, leave_out_unreadable, load_data, unreadable)
+from checkpoints import (CHECKPOINT, EMA_KEYS, check_architecture, check_output_dir, load_initial,
+                         load_weights, pair, read_checkpoint, resume, save_checkpoint, save_correct,
+                         saved_record)
+from data import (DATASETS, GO_ON, SyntheticShapes, count_images, dataset, leave_out_unreadable,
+                  load_data, pixels, train_loader, unreadable, val_loader)
 from ranks import fail, print0
 
 # ------------------------------------------------------------------------------------------- recipe
@@ -147,6 +149,18 @@ class Renamed(argparse.Action):
         parser.error(f'{option_string} is now {RENAMED_FLAGS[option_string]}')
 
 
+class ImageSize(argparse.Action):
+    """--img-size S, H W or HxW, in pixels: an int for a square, else (H, W)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sides = [side for value in values for side in value.lower().split('x')]
+        if len(sides) > 2 or not all(side.isdigit() and int(side) > 0 for side in sides):
+            parser.error(f'{option_string} {" ".join(values)}: give one side (32), or the height '
+                         f'and width (64 96, or 64x96), in whole pixels')
+        H, W = int(sides[0]), int(sides[-1])
+        setattr(namespace, self.dest, H if H == W else (H, W))
+
+
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0],
                                 epilog='Flags without a default take the recipe\'s value '
@@ -189,9 +203,10 @@ def get_args_parser():
       help='download a small dataset into --data-path (torchvision)')
     a('--train-subset', type=int,
       help='train on this many images, a fixed random subset (the same for every seed)')
-    a('--img-size', type=int,
-      help='input side in pixels (default: the variant\'s own; on the synthetic task 32, '
-      'DeiT 64, Swin with InLine windows smaller than the stage 224)')
+    a('--img-size', nargs='+', action=ImageSize, metavar='PX',
+      help='input size in pixels: one side, or the height and width (64 96, or 64x96; default: '
+      'the variant\'s own; on the synthetic task 32, DeiT 64, Swin with InLine windows smaller '
+      'than the stage 224)')
     a('--fast', choices=['compile', 'triton', 'none'],
       help='the InLine core: compile, kernels.py\'s (torch.compile; the default), triton, '
       'triton_core.py\'s (CUDA only), or none, the reference of inline.py (the default for vanilla '
@@ -277,6 +292,7 @@ class Run:
     name: str = ''  # the model and its overrides, short: the output folder's name
     saved: dict = None  # --eval's checkpoint, or the one to resume from
     saved_path: str = None
+    classes: list = None  # the class names in label order, which every checkpoint records
 
     def autocast(self, training):
         """Training in --amp's dtype; validation in fp32, as the authors validated, unless --amp was
@@ -296,7 +312,8 @@ def model_kwargs(args):
             fail(f"--model-kwargs takes KEY=VALUE pairs (e.g. 'depths=(1,1,2,1)' embed_dim=48), "
                  f"not {item!r}")
         if key in RUN_KEYS:
-            fail(f'--model-kwargs {key}: train.py sets it; use --{RUN_KEYS[key]}')
+            fail(f'--model-kwargs {key}: train.py sets it; use --{RUN_KEYS[key]}'
+                 + ' (one side, or the height and width: 64 96)' * (key == 'img_size'))
         try:
             kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):  # not a Python literal: a string such as layout=IISS
@@ -314,12 +331,6 @@ def resolve_architecture(run):
                       f'{k}{".".join(map(str, v)) if isinstance(v, (tuple, list)) else v}')
                for k, v in sorted(run.arch.items())]
     run.name = '-'.join([args.model] + summary)
-
-
-def dataset(args):
-    """--dataset, or what --data-path implies: an ImageFolder with it, the synthetic task
-    without."""
-    return args.dataset or ('imagefolder' if args.data_path else 'synthetic')
 
 
 def default_output_dir(run):
@@ -343,10 +354,7 @@ def open_checkpoint(run):
         if args.eval or not os.path.exists(path):
             return
     run.saved, run.saved_path = read_checkpoint(path), path
-    # a file saved before the options' renaming reads under their new names (inline.RENAMED)
-    saved_args, saved_arch = ({inline.RENAMED.get(k, k): v for k, v in d.items()}
-                              if d is not None else None
-                              for d in (run.saved.get('args'), run.saved.get('arch')))
+    saved_args, saved_arch = saved_record(run.saved)  # under the options' new names
     if args.eval and args.data_path is None and (saved_args is None
                                                  or saved_args['data_path'] is not None):
         fail(f'--eval of {path} needs --data-path DIR: '
@@ -359,16 +367,9 @@ def open_checkpoint(run):
         if getattr(args, key, False) is None and key not in mine:
             setattr(args, key, value)
     resolve_architecture(run)
-    # the saved model.arch, less what train.py sets for the run (image size, classes, drop path)
-    saved_arch = run.arch if saved_arch is None else {
-        k: v for k, v in saved_arch.items() if k not in RUN_KEYS}
-    differ = sorted(k for k in {**saved_arch, **run.arch} if saved_arch.get(k) != run.arch.get(k))
-    if differ:
-        fail(f'{path} holds a model built with {saved_arch}; this run asks for ' +
-             ', '.join(f'{k}={run.arch[k]!r}' if run.arch.get(k) is not None else f'no {k}'
-                       for k in differ) +
-             f'. They differ in {", ".join(differ)}: leave the architecture flags out to continue '
-             f'or evaluate the model as it was built, or give another --output-dir')
+    if saved_arch is not None:  # less what train.py sets: image size, classes, drop path
+        check_architecture(path, {k: v for k, v in saved_arch.items() if k not in RUN_KEYS},
+                           run.arch)
 
 
 def resolve(run):
@@ -556,13 +557,10 @@ def build_model(run, num_classes):
             fail(str(e))
     # the authors' 384 px fine-tunes start from the 224 px weights, the EMA where there is one
     if args.finetune:
-        saved = read_checkpoint(args.finetune)
-        key = next((k for k in EMA_KEYS if saved.get(k) is not None), 'model')
-        load_weights(model, saved, key, args.finetune, models.released_img_size(args.model))
-        print0(f'initial weights: {args.finetune} ({key})')
+        load_initial(model, args.finetune, models.released_img_size(args.model))
     model.set_grad_checkpointing(args.grad_checkpoint)
     print0(f'model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M '
-           f'parameters, {args.img_size} px, fast {args.fast}, amp {args.amp} '
+           f'parameters, {pixels(args.img_size)}, fast {args.fast}, amp {args.amp} '
            f'({run.amp_why}), device {run.device} x {run.world}')
     print0(f'architecture: layout {model.layout}, attention {model.options}; '
            f'overrides {model.arch}')
@@ -728,15 +726,6 @@ def evaluate(run, model, loader):
             'unreadable': correct[1].nonzero().flatten().tolist()}
 
 
-def val_loader(run, val_set):
-    """Every validation image exactly once across ranks: rank r takes images r, r + world, ... (no
-    padding)."""
-    subset = Subset(val_set, range(run.rank, len(val_set), run.world))
-    return DataLoader(subset, run.args.batch_size, num_workers=run.args.workers,
-                      pin_memory=run.device.type == 'cuda', generator=torch.Generator(),
-                      worker_init_fn=ignore_interrupt)
-
-
 def evaluate_checkpoint(run, model, val_set):
     """--eval: the file's weights, then its EMA weights where it has them (ours or the authors'
     CSwin). The per-image results are printed as their SHA-256 (16 hex digits of the bool tensor's
@@ -760,15 +749,15 @@ def prepare_training(run, raw, train_set):
     """The sampler, loader, optimizer, schedule, scaler, EMA, Mixup/CutMix and loss, restored from
     the checkpoint to resume; the recipe and the schedule they run, printed."""
     args, num_classes = run.args, len(train_set.classes)
-    sampler = ResumableSampler(train_set, run.world, run.rank, shuffle=True, seed=args.seed,
-                               drop_last=True)
-    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers,
-                        drop_last=True, pin_memory=run.device.type == 'cuda',
-                        generator=torch.Generator(), worker_init_fn=ignore_interrupt)
+    sampler, loader = train_loader(run, train_set)
     steps_per_epoch = len(loader) // args.accum_steps
     if steps_per_epoch == 0:
+        most = len(train_set) // (run.world * args.accum_steps)  # the batch of one step an epoch
+        fix = (f'pass --batch-size {max(1, most // FEW_STEPS)} ({FEW_STEPS} steps an epoch) or at '
+               f'most {most} (one step)' if most else
+               f'pass --accum-steps {max(1, len(train_set) // run.world)} or fewer')
         fail(f'--batch-size {args.batch_size} x {run.world} processes x {args.accum_steps} '
-             f'accumulation steps exceeds the {len(train_set):,} training images')
+             f'accumulation steps exceeds the {len(train_set):,} training images: {fix}')
     optimizer, scheduler = build_optimizer(raw, args, run.total_batch, steps_per_epoch)
     model = torch.compile(raw) if args.compile else raw
     if run.world > 1:
@@ -790,7 +779,8 @@ def prepare_training(run, raw, train_set):
         # augmentation, Mixup/CutMix and drop path differ between ranks
         torch.manual_seed(args.seed + run.rank)
     small = '; '.join(filter(None, [run.recipe_why,
-                                    f'random crop padded by {args.img_size // 8} px, flip']))
+                                    f'random crop padded by {min(pair(args.img_size)) // 8} px, '
+                                    f'flip']))
     recipe = {'synthetic': 'synthetic (no Mixup/CutMix/RandAugment/erasing; '
                            '--data-path gives an ImageFolder)',
               'released': f'released ImageNet-1K recipe for {args.model} '
@@ -817,14 +807,14 @@ def prepare_training(run, raw, train_set):
 
 def fit(run, raw, train_set, val_set):
     """Train epoch after epoch, validating and saving after each; SIGTERM or SIGINT (Ctrl-C) saves
-    mid-epoch and stops."""
+    mid-epoch and stops, exiting 143 or 130."""
     args = run.args
     t, sampler, loader = prepare_training(run, raw, train_set)
     val = val_loader(run, val_set)
     stop, received = threading.Event(), []  # set by SIGTERM or SIGINT: the step ends, then a save
 
     def interrupt(sig, frame):
-        received.append(signal.Signals(sig).name)
+        received.append(signal.Signals(sig))
         stop.set()
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C too: no KeyboardInterrupt mid-step
         signal.signal(sig, interrupt)
@@ -843,10 +833,12 @@ def fit(run, raw, train_set, val_set):
             if stopped == 'unreadable':
                 fail(f'{unreadable(train_set, t.unreadable, args.data_path)}, met at epoch '
                      f'{epoch + 1}, step {t.step + 1}; saved {latest} at step {t.step}. {GO_ON}')
-            why = received[0] if received else 'stopped with the other processes'
+            why = received[0].name if received else 'stopped with the other processes'
             print0(f'{why}: saved {latest} at epoch {epoch + 1}, step {t.step}; to continue, rerun '
                    f'the same command (or give --resume {shlex.quote(latest)})')
-            return
+            # as a shell reports a process a signal ended, 128 + its number: SIGINT 130, SIGTERM
+            # 143 (a process another's signal stopped: as SIGTERM), so no script reads it as done
+            raise SystemExit(128 + (received[0] if received else signal.SIGTERM))
         if args.skip_bad_images and (names := unreadable(train_set, t.unreadable, args.data_path)):
             print0(f'warning: epoch {epoch + 1} left out {names}')
         t.unreadable = []
@@ -901,15 +893,16 @@ def throughput(run, model, x, warmup=10, timed=30):
 def main(args):
     run = setup(args)
     if args.throughput:  # random input, the released 1000-class head
-        x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=run.device)
+        x = torch.randn(args.batch_size, 3, *pair(args.img_size), device=run.device)
         model = build_model(run, num_classes=1000).eval()
         speed = throughput(run, model, x)
         return print0(f'throughput: {speed:.1f} images/s (one process, batch {args.batch_size}, '
-                      f'{args.img_size} px, {args.amp})')
+                      f'{pixels(args.img_size)}, {args.amp})')
     if not args.eval:  # before the data and the model: a run that cannot save says so first
         check_output_dir(args.output_dir)
     train_set, val_set = load_data(args)
-    model = build_model(run, num_classes=len(val_set.classes))
+    run.classes = list(val_set.classes)
+    model = build_model(run, num_classes=len(run.classes))
     if args.eval:
         evaluate_checkpoint(run, model, val_set)
     else:
