@@ -331,6 +331,7 @@ def resize_grid(tokens, old_grid, new_grid, mode):
 
 # OUTPUT_DIR's latest checkpoint, which a rerun of the same command resumes
 CHECKPOINT = 'checkpoint.pt'
+METRICS = 'metrics.jsonl'
 
 
 def check_output_dir(path):
@@ -440,10 +441,16 @@ def publish(run, t, is_best):
     out = run.args.output_dir
     if is_best:
         link_atomic(os.path.join(out, CHECKPOINT), os.path.join(out, 'best.pt'))
-    metrics = os.path.join(out, 'metrics.jsonl')  # rewritten whole: always the checkpoint's log
+    metrics = os.path.join(out, METRICS)  # rewritten whole: always the checkpoint's log
     with open(metrics + '.tmp', 'w') as f:
         f.writelines(json.dumps(e) + '\n' for e in t.log)
     os.replace(metrics + '.tmp', metrics)
+
+
+def read_metrics(output_dir):
+    """A run's log as publish wrote it: one dict an evaluated epoch."""
+    with open(os.path.join(output_dir, METRICS)) as f:
+        return [json.loads(line) for line in f]
 
 
 def resume(run, t):

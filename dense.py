@@ -2,11 +2,11 @@
 
 InLine attention: Han et al., "Bridging the Divide: Reconsidering Softmax and Linear Attention",
 NeurIPS 2024, arXiv 2412.06590. The paper puts PVT and Swin in Mask R-CNN and Semantic FPN; the
-authors released no dense-prediction code. Here the backbones follow timm's features_only convention
-(create_backbone, FeatureBackbone), torchvision's FPN goes under them for its MaskRCNN, FasterRCNN and RetinaNet
-(BackboneWithFPN), and SemanticFPN is the Semantic FPN head. An example that runs in seconds on a
-CPU (test_models.py's test_detection_example_trains_mask_rcnn_with_inline_swin_t runs it
-as written):
+authors released no dense-prediction code. Here the backbones follow timm's features_only
+convention (create_backbone, FeatureBackbone), torchvision's FPN goes under them for its MaskRCNN,
+FasterRCNN and RetinaNet (BackboneWithFPN), and SemanticFPN is the Semantic FPN head. An example
+that runs in seconds on a CPU (test_models.py's
+test_detection_example_trains_mask_rcnn_with_inline_swin_t runs it as written):
 
     import torch
     import torch.nn.functional as F
@@ -58,8 +58,8 @@ A COCO run goes through torchvision's references/detection/train.py with this mo
 get_model(...).
 
 A backbone is any hierarchical model of models.py, which gives its four stage maps with
-forward_features(x, return_stages=True); create_backbone builds one by name and wraps it. Shapes: B batch, C_i stage i's channels,
-r_i = 4, 8, 16, 32 its stride, (H, W) the image.
+forward_features(x, return_stages=True); create_backbone builds one by name and wraps it.
+Shapes: B batch, C_i stage i's channels, r_i = 4, 8, 16, 32 its stride, (H, W) the image.
 """
 import math
 from collections import OrderedDict
@@ -109,8 +109,8 @@ class FeatureBackbone(nn.Module):
     def __init__(self, model, out_indices=(0, 1, 2, 3)):
         super().__init__()
         if model.family not in OUTPUT_NORMS:
-            raise ValueError(f"dense prediction: {type(model).__name__} is isotropic (one stride-16 "
-                             f"map); dense prediction supports the hierarchical families "
+            raise ValueError(f"dense prediction: {type(model).__name__} is isotropic (one "
+                             f"stride-16 map); dense prediction supports the hierarchical families "
                              f"{', '.join(OUTPUT_NORMS)}, as the paper used them")
         increasing = list(out_indices) == sorted(set(out_indices))
         if not out_indices or not increasing or not set(out_indices) <= {0, 1, 2, 3}:

@@ -384,8 +384,8 @@ class InLineBase(nn.Module):
                     self.scale_by_count)  # (B, H, N, D)
 
     def eq6_mean(self, x):
-        """The token mean Eq. 6's weights are predicted from: x (B, N, C) -> (B, C). Causal sequences
-        override it: each prefix's mean, one set of weights per token."""
+        """The token mean Eq. 6's weights are predicted from: x (B, N, C) -> (B, C). Causal
+        sequences override it: each prefix's mean, one set of weights per token."""
         return x.mean(dim=1)
 
     def core(self):

@@ -191,7 +191,21 @@ def signature(f, args):
             *(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
 
 
-_checking = []  # non-empty while enable_fast checks a module
+_eager = []  # non-empty: the closed forms run eagerly (eagerly())
+
+
+@contextlib.contextmanager
+def eagerly():
+    """Within it, the fast cores run their closed forms eagerly, not through their compiled graphs:
+    how enable_fast checks a module (compiling nothing), and how the tests run them but where they
+    prove the graphs (conftest.py)."""
+    _eager.append(True)
+    try:
+        yield
+    finally:
+        _eager.pop()
+
+
 # signatures that have a graph: their calls need no switches and no marks
 _compiled_signatures = set()
 COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, ImportError, OSError)
@@ -215,11 +229,11 @@ def compile_lock(key):
 def compiled_call(f, *args):
     """f(*args) through its compiled graph (compiled, or loaded from the inductor cache, under
     compile_lock at its first use); eagerly where the model around it is compiled (f is then traced
-    into that graph) and while enable_fast checks; eagerly after one warning if this machine cannot
+    into that graph) and within eagerly(); eagerly after one warning if this machine cannot
     compile."""
     # autograd is ours, not f's
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    if torch.compiler.is_compiling() or _checking or _compile_error:
+    if torch.compiler.is_compiling() or _eager or _compile_error:
         return f(*args)
     key = signature(f, args)
     try:
@@ -474,12 +488,9 @@ def enable_fast(model, fast='compile', device=None, log=print):
     for path, m in swapped:
         configurations.setdefault(configuration(m), []).append((path, m))
     # the closed forms eagerly: the graphs compile or load at their first use
-    _checking.append(True)
-    try:
+    with eagerly():
         for path, m in (alike[0] for alike in configurations.values()):
             check_against_reference(path, m, fast, device)
-    finally:
-        _checking.pop()
     if log and swapped:
         log(f"kernels.enable_fast: {len(swapped)} module(s), {len(configurations)} "
             f"configuration(s), equal the reference with {fast!r}: "

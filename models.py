@@ -11,11 +11,11 @@ checkpoints' keys exactly (golden/keys/<variant>.tsv.gz), so released weights lo
     # a released checkpoint
     model = create_model('inline_swin_t', checkpoint='inline_swin_t.pth')
     # Table 3's linear baseline
-    model = create_model('inline_swin_t', layout='LLLS', residual='none')
+    model = create_model('inline_swin_t', layout='LLLS', eq6='none')
     # non-square features
     model = create_model('inline_cswin_t', img_size=(224, 320), num_classes=0)
     # a Table 4 ablation
-    model = create_model('inline_swin_t', window=7, residual='none')
+    model = create_model('inline_swin_t', window=7, eq6='none')
     # stage maps for detection and segmentation
     backbone = dense.create_backbone('inline_pvt_s')
 

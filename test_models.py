@@ -29,7 +29,7 @@ TINY = ['inline_deit_t', 'inline_pvt_t', 'inline_swin_t', 'inline_cswin_t']  # o
 # Small models of each family, for real forward and backward passes on a non-square image. They reach
 # every code path: class token, separate q/kv, I, L, S and M letters, padded and shifted Swin windows,
 # two-branch CSwin stripes that need padding (stage 3: a 4x6 map in stripes of 3).
-SMALL = {
+SMALL_SIZES = {
     'inline_deit_t': dict(img_size=(48, 80), embed_dim=32, depth=2, num_heads=2, layout='I'),
     'inline_pvt_t': dict(img_size=(64, 96), embed_dims=(16, 32, 32, 64), depths=(1, 1, 1, 1),
                          num_heads=(1, 2, 2, 2), layout='ILII'),
@@ -219,13 +219,13 @@ def test_released_format_loads_strictly(name, tmp_path):
 
 def test_checkpoint_with_wrong_keys_names_them(tmp_path):
     torch.manual_seed(0)
-    state = models.create_model('inline_deit_t', **SMALL['inline_deit_t']).state_dict()
+    state = models.create_model('inline_deit_t', **SMALL_SIZES['inline_deit_t']).state_dict()
     del state['blocks.0.attn.proj.bias']
     state['blocks.9.attn.qkv.weight'] = torch.zeros(1)
     torch.save({'model': state}, tmp_path / 'wrong.pth')
     with pytest.raises(RuntimeError, match=r"1 of its keys missing \(blocks\.0\.attn\.proj\.bias\), "
                                            r"1 unexpected \(blocks\.9\.attn\.qkv\.weight\)"):
-        models.create_model('inline_deit_t', checkpoint=tmp_path / 'wrong.pth', **SMALL['inline_deit_t'])
+        models.create_model('inline_deit_t', checkpoint=tmp_path / 'wrong.pth', **SMALL_SIZES['inline_deit_t'])
 
 
 def test_a_checkpoint_of_other_sizes_names_them_and_how_to_rebuild(tmp_path):
@@ -233,7 +233,7 @@ def test_a_checkpoint_of_other_sizes_names_them_and_how_to_rebuild(tmp_path):
     that rebuild them, in two lines rather than hundreds of keys; the call runs as printed and returns the
     file's model, its trained head included. A bare state dict of another variant says what to choose."""
     torch.manual_seed(0)
-    small = SMALL['inline_swin_t']
+    small = SMALL_SIZES['inline_swin_t']
     model = perturb(models.create_model('inline_swin_t', **small, num_classes=7))
     path = tmp_path / 'checkpoint.pt'
     torch.save({'model': model.state_dict(), 'args': {'model': 'inline_swin_t'}, 'arch': model.arch}, path)
@@ -247,7 +247,7 @@ def test_a_checkpoint_of_other_sizes_names_them_and_how_to_rebuild(tmp_path):
     rebuilt = eval(call, {'models': models})  # as printed
     assert rebuilt.num_classes == 7 and rebuilt.state_dict().keys() == model.state_dict().keys()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in rebuilt.state_dict().items())
-    deit = models.create_model('inline_deit_t', **SMALL['inline_deit_t'])
+    deit = models.create_model('inline_deit_t', **SMALL_SIZES['inline_deit_t'])
     torch.save(deit.state_dict(), tmp_path / 'deit.pth')
     with pytest.raises(RuntimeError, match="another variant's or another size's weights"):
         models.create_model('inline_swin_t', checkpoint=tmp_path / 'deit.pth', **small)
@@ -260,7 +260,7 @@ def test_create_model_builds_what_a_checkpoint_records_or_refuses_with_calls_tha
     fine-tune, announced. An authors' file records nothing: a head of other classes is refused the same
     way, never left random."""
     torch.manual_seed(0)
-    small = dict(SMALL['inline_deit_t'], num_classes=3)
+    small = dict(SMALL_SIZES['inline_deit_t'], num_classes=3)
     source = perturb(models.create_model('inline_deit_t', **small))
     path = tmp_path / 'best.pt'
     torch.save({'model': source.state_dict(), 'args': {'model': 'inline_deit_t'}, 'arch': source.arch,
@@ -269,12 +269,12 @@ def test_create_model_builds_what_a_checkpoint_records_or_refuses_with_calls_tha
     assert (model.num_classes, model.img_size, model.arch) == (3, (48, 80), source.arch)
     assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
     authors = tmp_path / 'authors.pth'
-    torch.save({'model': models.create_model('inline_deit_t', **SMALL['inline_deit_t']).state_dict()}, authors)
+    torch.save({'model': models.create_model('inline_deit_t', **SMALL_SIZES['inline_deit_t']).state_dict()}, authors)
     for name, overrides, differ, checkpoint in [
             ('inline_swin_t', {}, 'holds a inline_deit_t, not a inline_swin_t', path),
             ('inline_deit_t', {'embed_dim': 64}, 'built with embed_dim=32, not embed_dim=64', path),
             ('inline_deit_t', {'num_classes': 5}, 'built with num_classes=3, not num_classes=5', path),
-            ('inline_deit_t', {**SMALL['inline_deit_t'], 'num_classes': 5}, 'holds a head of 1000 classes, '
+            ('inline_deit_t', {**SMALL_SIZES['inline_deit_t'], 'num_classes': 5}, 'holds a head of 1000 classes, '
                                                                              'not 5', authors)]:
         with pytest.raises(ValueError, match=re.escape(differ)) as e:
             models.create_model(name, checkpoint=checkpoint, **overrides)
@@ -296,10 +296,10 @@ def test_a_file_that_is_not_a_checkpoint_says_so(tmp_path):
     text = tmp_path / 'notes.txt'
     text.write_text('epoch 1: 52%')
     with pytest.raises(ValueError, match=f"{text} is not a checkpoint: torch.load cannot read it"):
-        models.create_model('inline_deit_t', checkpoint=text, **SMALL['inline_deit_t'])
+        models.create_model('inline_deit_t', checkpoint=text, **SMALL_SIZES['inline_deit_t'])
     torch.save([1, 2, 3], tmp_path / 'list.pt')
     with pytest.raises(ValueError, match="list.pt is not a checkpoint: it holds list"):
-        models.create_model('inline_deit_t', checkpoint=tmp_path / 'list.pt', **SMALL['inline_deit_t'])
+        models.create_model('inline_deit_t', checkpoint=tmp_path / 'list.pt', **SMALL_SIZES['inline_deit_t'])
 
 
 @pytest.mark.parametrize('name', ['inline_deit_t', 'inline_pvt_t', 'inline_swin_t'])
@@ -308,7 +308,7 @@ def test_checkpoint_with_other_classes_and_size(name, tmp_path, capsys):
     size resizes position embeddings and relative position tables (bicubic); each change is said in a
     line, the tensor's name and its old and new grid; the rest loads unchanged."""
     torch.manual_seed(0)
-    small = dict(SMALL[name], num_classes=5)
+    small = dict(SMALL_SIZES[name], num_classes=5)
     source = models.create_model(name, **small)
     path = tmp_path / 'project.pth'
     # train.py's format: its flags and its model's overrides, the image size among them
@@ -416,7 +416,7 @@ def test_a_grid_the_checkpoint_does_not_record_is_refused_naming_both(tmp_path):
 
 def test_pvt_position_embeddings_are_resized_stage_by_stage(tmp_path):
     torch.manual_seed(0)
-    small = SMALL['inline_pvt_t']
+    small = SMALL_SIZES['inline_pvt_t']
     source = models.create_model('inline_pvt_t', **small)  # 64x96 px: stage grids 16x24 ... 2x3
     torch.save({'model': source.state_dict(), 'arch': source.arch}, tmp_path / 'pvt.pth')
     model = models.create_model('inline_pvt_t', checkpoint=tmp_path / 'pvt.pth',
@@ -433,7 +433,7 @@ def test_swin_ape_ablation_is_resized_at_twice_the_size(residual, tmp_path):
     (the InLine window covers it): fine-tuned at twice the size, each is the bicubic resize of its
     grid."""
     torch.manual_seed(0)
-    small = dict(SMALL['inline_swin_t'], eq6=residual, layout='IIIS')
+    small = dict(SMALL_SIZES['inline_swin_t'], eq6=residual, layout='IIIS')
     source = models.create_model('inline_swin_t', **small)  # 64x96 px: stage 1 is 16x24
     assert source.ape
     torch.save({'model': source.state_dict(), 'arch': source.arch}, tmp_path / 'swin.pth')
@@ -477,7 +477,7 @@ def test_swin_at_384_takes_the_released_window_and_resizes_its_tables(tmp_path):
 def test_forward_backward_non_square(name):
     torch.manual_seed(0)
     # no stochastic depth: at batch 2 it can drop a branch for both samples, zeroing its gradients
-    model = models.create_model(name, num_classes=10, drop_path_rate=0., **SMALL[name])
+    model = models.create_model(name, num_classes=10, drop_path_rate=0., **SMALL_SIZES[name])
     x = torch.randn(2, 3, *model.img_size)  # non-square
     out = model(x)
     assert out.shape == (2, 10) and torch.isfinite(out).all()
@@ -493,10 +493,10 @@ def test_forward_backward_non_square(name):
 @pytest.mark.parametrize('name', TINY[1:])
 def test_hierarchical_stage_maps_and_other_input_size(name):
     torch.manual_seed(0)
-    model = models.create_model(name, num_classes=3, **SMALL[name]).eval()
+    model = models.create_model(name, num_classes=3, **SMALL_SIZES[name]).eval()
     with torch.no_grad():
         stages = model.forward_features(torch.randn(1, 3, 64, 96), return_stages=True)
-        config = SMALL[name]
+        config = SMALL_SIZES[name]
         dims = config.get('embed_dims') or [config['embed_dim'] * 2 ** i for i in range(4)]
         assert [tuple(s.shape[1:]) for s in stages] == [(dims[0], 16, 24), (dims[1], 8, 12), (dims[2], 4, 6),
                                                         (dims[3], 2, 3)]
@@ -506,7 +506,7 @@ def test_hierarchical_stage_maps_and_other_input_size(name):
 @pytest.mark.parametrize('name', TINY)
 def test_bad_input_size_is_a_clear_error(name):
     torch.manual_seed(0)
-    model = models.create_model(name, **SMALL[name])
+    model = models.create_model(name, **SMALL_SIZES[name])
     stride = 16 if name == 'inline_deit_t' else 32
     with pytest.raises(ValueError, match=f"divisible by {stride}"):
         model(torch.randn(1, 3, 70, 100))
@@ -551,8 +551,8 @@ def test_layouts_and_ablation_switches():
 def test_model_api():
     torch.manual_seed(0)
     for name in TINY:
-        model = models.create_model(name, **SMALL[name])
-        assert model.family == name.split('_')[1] and model.img_size == SMALL[name]['img_size']
+        model = models.create_model(name, **SMALL_SIZES[name])
+        assert model.family == name.split('_')[1] and model.img_size == SMALL_SIZES[name]['img_size']
         model.reset_classifier(4)
         assert model.num_classes == 4 and model(torch.randn(1, 3, *model.img_size)).shape == (1, 4)
         assert model.no_weight_decay() <= {n for n, _ in model.named_parameters()}
@@ -564,7 +564,7 @@ def test_model_api():
 
 def test_fast_switch_turns_on_every_inline_module():
     torch.manual_seed(0)
-    model = models.create_model('inline_cswin_t', fast='compile', **dict(SMALL['inline_cswin_t'], layout='IISS'))
+    model = models.create_model('inline_cswin_t', fast='compile', **dict(SMALL_SIZES['inline_cswin_t'], layout='IISS'))
     switches = [m.fast for m in model.modules() if isinstance(m, inline.InLineBase)]
     # the I blocks of stages 1, 2
     assert switches == ['compile'] * (1 + 2)
@@ -613,9 +613,9 @@ def test_features_only_at_another_size_equals_a_model_built_for_it(name):
     """Built at one size and fed another (96x64), a backbone gives the maps of the same weights built for
     that size: PVT's position embeddings resized bilinearly, as its forward resizes them."""
     torch.manual_seed(0)
-    built = dense.create_backbone(name, drop_path_rate=0., **SMALL[name]).eval()
+    built = dense.create_backbone(name, drop_path_rate=0., **SMALL_SIZES[name]).eval()
     sized = dense.create_backbone(name, drop_path_rate=0.,
-                                **{**SMALL[name], 'img_size': (96, 64)})
+                                **{**SMALL_SIZES[name], 'img_size': (96, 64)})
     state = built.state_dict()
     for i, key in enumerate(k for k in state if re.fullmatch(r'model\.pos_embed\d', k)):
         state[key] = models.resize_grid(state[key], built.model.grids[i], sized.model.grids[i], 'bilinear')
@@ -628,10 +628,10 @@ def test_features_only_at_another_size_equals_a_model_built_for_it(name):
 
 def test_features_only_loads_a_checkpoint_and_drops_the_head(tmp_path):
     torch.manual_seed(0)
-    full = models.create_model('inline_pvt_t', **SMALL['inline_pvt_t']).eval()
+    full = models.create_model('inline_pvt_t', **SMALL_SIZES['inline_pvt_t']).eval()
     torch.save({'model': full.state_dict()}, tmp_path / 'pvt.pth')
     backbone = dense.create_backbone('inline_pvt_t', checkpoint=str(tmp_path / 'pvt.pth'),
-                                   **SMALL['inline_pvt_t']).eval()
+                                   **SMALL_SIZES['inline_pvt_t']).eval()
     assert not any('head' in k for k in backbone.state_dict())
     x = torch.randn(1, 3, 64, 96)
     with torch.no_grad():
@@ -708,7 +708,7 @@ def test_faster_rcnn_and_retinanet_take_the_adapter():
     from torchvision.models.detection import FasterRCNN, RetinaNet
     from torchvision.ops.feature_pyramid_network import LastLevelP6P7
     torch.manual_seed(0)
-    small = dict(SMALL['inline_pvt_t'], layout='IIII')
+    small = dict(SMALL_SIZES['inline_pvt_t'], layout='IIII')
     images = [torch.rand(3, 64, 96), torch.rand(3, 80, 64)]
     targets = [dict(boxes=torch.tensor([[8., 8., 40., 50.]]), labels=torch.tensor([1]))] * 2
     retina_backbone = dense.create_backbone('inline_pvt_t', out_indices=(1, 2, 3), **small)

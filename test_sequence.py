@@ -269,7 +269,9 @@ CAUSAL_OPTIONS = {'eq6': dict(size=3), 'eq6-dilation2': dict(size=3, dilation=2)
 ROUNDING = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
 
 
-@pytest.mark.parametrize('option', list(CAUSAL_OPTIONS))
+# with Eq. 6, through the compiled graphs; the other options run the same closed forms (conftest.py)
+@pytest.mark.parametrize('option', [pytest.param(o, marks=pytest.mark.compiled) if o == 'eq6' else o
+                                    for o in CAUSAL_OPTIONS])
 @pytest.mark.parametrize('shape', CAUSAL_SHAPES,
                          ids=[f"B{B}-H{H}-N{N}-D{D}-fp32" for B, H, N, D in CAUSAL_SHAPES])
 def test_fast_causal_core_equals_reference_fp32(shape, option):
@@ -282,8 +284,12 @@ def test_fast_causal_core_equals_reference_fp32(shape, option):
     assert_fp32_close(fast, reference)
 
 
-@pytest.mark.parametrize('scale_by_count', [True, False], ids=['s-over-i', 'printed-s'])
-@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
+# bf16 with s/i through the compiled graphs; the others run the same closed forms eagerly (conftest.py)
+@pytest.mark.parametrize('dtype, scale_by_count', [
+    pytest.param(torch.bfloat16, True, marks=pytest.mark.compiled, id='bf16-s-over-i'),
+    pytest.param(torch.bfloat16, False, id='bf16-printed-s'),
+    pytest.param(torch.float16, True, id='fp16-s-over-i'),
+    pytest.param(torch.float16, False, id='fp16-printed-s')])
 def test_fast_causal_core_low_precision_within_twice_the_references(dtype, scale_by_count):
     """In bf16 and fp16 the fast causal core's error against the fp32 reference is at most twice the
     reference's own in that dtype, plus one rounding of the tensor's scale. (The reference sums in fp32
@@ -346,6 +352,7 @@ def test_fast_causal_module_never_looks_ahead():
         kernels.enable_fast(sequence.SequenceAttention(64, 2, causal=True, attention='linear', feature_map='relu'))
 
 
+@pytest.mark.compiled
 def test_a_guard_failing_under_a_known_signature_compiles_with_the_switches(monkeypatch):
     """Dynamo guards a compiled graph on the torch-function modes in force. A call under a new one, with a
     signature kernels.compiled_call has a graph for, would recompile without the core's switches and, past
@@ -367,6 +374,7 @@ def test_a_guard_failing_under_a_known_signature_compiles_with_the_switches(monk
     assert len(compiled) == 1  # under the mode: compiled again, with the switches
 
 
+@pytest.mark.compiled
 def test_fast_causal_core_inside_a_compiled_module():
     """torch.compile of a causal module on the fast path: the causal core's closed forms are traced into the
     module's graph, with no break; output and every gradient equal the reference module's."""

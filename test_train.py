@@ -29,10 +29,11 @@ from PIL import Image, ImageEnhance, ImageOps
 from torchvision import datasets
 
 import checkpoints
+from checkpoints import read_metrics
 import data
 import models
 import train
-from test_models import SMALL, TINY, bicubic, perturb
+from test_models import SMALL_SIZES, TINY, bicubic, perturb
 
 # ===================================================================================================
 # train.py, run as a user runs it: in a subprocess (one process, or two under torchrun with gloo), on
@@ -57,11 +58,6 @@ def run_train(args, nproc=1, ok=True, timeout=600, cwd=None):
         raise AssertionError(f'train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n'
                              f'{result.stderr[-3000:]}')
     return result
-
-
-def metrics(output_dir):
-    with open(os.path.join(output_dir, 'metrics.jsonl')) as f:
-        return [json.loads(line) for line in f]
 
 
 def printed(stdout, prefix):
@@ -109,7 +105,7 @@ def two_process_run(tmp_path_factory):
 def test_two_processes_train_and_write_checkpoints(two_process_run):
     output_dir, result = two_process_run
     assert 'schedule: 2 epochs' in result.stdout and 'data: synthetic' in result.stdout
-    log = metrics(output_dir)
+    log = read_metrics(output_dir)
     assert [e['epoch'] for e in log] == [1, 2]
     assert all(e['val_images'] == 21 for e in log)  # every image once: 11 + 10, no padding
     assert not any('val_correct' in e for e in log)  # per-image results: a file of their own, each image once
@@ -130,7 +126,7 @@ def test_eval_reproduces_the_logged_accuracy(two_process_run):
     output_dir, _ = two_process_run
     result = run_train(SYNTHETIC_ARGS + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')],
                        nproc=2)
-    evaluated, logged = printed(result.stdout, 'eval model: '), metrics(output_dir)[-1]
+    evaluated, logged = printed(result.stdout, 'eval model: '), read_metrics(output_dir)[-1]
     assert evaluated['images'] == 21
     assert evaluated['acc1'] == logged['val_acc1'] and evaluated['acc5'] == logged['val_acc5']
     correct = torch.load(os.path.join(output_dir, 'val_correct.pt'), weights_only=True)
@@ -296,7 +292,7 @@ def interrupt(args, output_dir, sig, nproc=2):
         for pid in [process.pid] + (workers if sig == signal.SIGKILL else []):
             os.kill(pid, sig)
     output, _ = process.communicate(timeout=120)
-    assert len(metrics(output_dir)) < 3, 'the interruption came too late to test anything'
+    assert len(read_metrics(output_dir)) < 3, 'the interruption came too late to test anything'
     return output, process.returncode
 
 
@@ -324,7 +320,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, sig, tmp_pa
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected), 'resumed weights differ'
     val = lambda log: [{k: v for k, v in e.items() if 'val_' in k} for e in log]  # noqa: E731
-    assert val(metrics(interrupted)) == val(metrics(reference))
+    assert val(read_metrics(interrupted)) == val(read_metrics(reference))
     correct = [torch.load(os.path.join(d, 'val_correct.pt'), weights_only=True)
                for d in (interrupted, reference)]
     assert torch.equal(*correct)
@@ -451,7 +447,7 @@ def test_image_folder_trains_and_evaluates(tmp_path):
     assert 'released ImageNet-1K recipe for inline_deit_t (given)' in result.stdout
     assert 'inline_deit_t, 6.2M parameters, 32x48 px' in result.stdout
     assert load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))['arch']['img_size'] == (32, 48)
-    log = metrics(output_dir)
+    log = read_metrics(output_dir)
     assert len(log) == 2 and log[-1]['val_images'] == 6
     result = run_train(args + ['--eval', '--checkpoint', os.path.join(output_dir, 'checkpoint.pt')])
     assert printed(result.stdout, 'eval model: ')['acc1'] == log[-1]['val_acc1']
@@ -469,7 +465,7 @@ def test_a_small_image_folder_gets_the_small_recipe_and_learns(tmp_path):
             "batch of 4,096: 100 or more take the released recipe" in result.stdout), result.stdout
     assert 'x 6 steps of 8 images (8 per process x 1 processes x 1 accumulation steps)' in result.stdout
     assert 'warning: 6 optimizer step(s) an epoch' in result.stdout
-    log = metrics(output_dir)
+    log = read_metrics(output_dir)
     assert len(log) == 3 and log[-1]['val_images'] == 16 and log[-1]['val_acc1'] > 50
 
 
@@ -497,7 +493,7 @@ def test_an_unreadable_image_stops_at_a_saved_step_and_skip_bad_images_goes_on(t
                f'train/red/broken.png' in result.stdout
     assert result.stdout.count('val/blue/broken.png (cannot identify image file), left out of the '
                                'validation') == 2
-    assert [e['val_images'] for e in metrics(output_dir)] == [6, 6]  # 7 files, 6 images
+    assert [e['val_images'] for e in read_metrics(output_dir)] == [6, 6]  # 7 files, 6 images
 
 
 def test_skip_bad_images_goes_on_past_a_batch_of_one_unreadable_image(tmp_path, monkeypatch, capsys):
@@ -512,7 +508,7 @@ def test_skip_bad_images_goes_on_past_a_batch_of_one_unreadable_image(tmp_path, 
     assert fit_in_process(args, monkeypatch=monkeypatch) == 0
     assert f'warning: epoch 1 left out 1 unreadable image(s) under {root}: train/red/broken.png' \
         in capsys.readouterr().out
-    assert [e['epoch'] for e in metrics(str(tmp_path / 'run'))] == [1]
+    assert [e['epoch'] for e in read_metrics(str(tmp_path / 'run'))] == [1]
 
 
 def test_images_much_smaller_than_the_input_are_said_with_the_size_to_choose(tmp_path, capsys):
@@ -630,7 +626,7 @@ def test_fashion_mnist_trains_with_the_small_image_recipe(tmp_path):
                                     '--val-every', '2',
                                     '--output-dir', output_dir])
     assert 'small-data recipe for fashion_mnist (random crop padded by 4 px, flip' in result.stdout
-    log = metrics(output_dir)  # validated every 2 epochs: not after the first
+    log = read_metrics(output_dir)  # validated every 2 epochs: not after the first
     assert 'val_acc1' not in log[0] and log[1]['val_images'] == 6
     args = load_checkpoint_file(os.path.join(output_dir, 'checkpoint.pt'))['args']
     assert args['dataset'] == 'fashion_mnist' and args['data_path'] == str(tmp_path / 'fm')
@@ -697,27 +693,55 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
 }
 
 
+# launched as a user would (a bad folder, a bad flag); the others call train.main in this process, which
+# reads the same arguments and files and stops the same way, without the ~5 s a launch spends importing
+LAUNCHED = ('no-train', 'lr-negative')
+
+
+def main_in_process(argv, capsys):
+    """train.py's main on argv in this process: (exit status, stdout, stderr); the thread count and the
+    signal handlers it sets are undone after."""
+    threads = torch.get_num_threads()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train.main(train.get_args_parser().parse_args(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @pytest.mark.parametrize('case', BAD)
-def test_bad_input_gets_a_clear_error(case, tmp_path):
+def test_bad_input_gets_a_clear_error(case, tmp_path, capsys):
     torch.manual_seed(0)
     extra, message = BAD[case]
     if isinstance(extra, str):
         extra = bad_data(str(tmp_path / 'data'), extra)
-    result = run_train(SYNTHETIC_ARGS + ['--output-dir', str(tmp_path / 'run')] + extra, ok=False)
-    assert result.returncode != 0
-    assert message in result.stderr, result.stderr[-2000:]
+    argv = SYNTHETIC_ARGS + ['--output-dir', str(tmp_path / 'run')] + extra
+    if case in LAUNCHED:
+        result = run_train(argv, ok=False)
+        code, stdout, stderr = result.returncode, result.stdout, result.stderr
+    else:
+        code, stdout, stderr = main_in_process(argv, capsys)
+    assert code != 0
+    assert message in stderr, stderr[-2000:]
     if case == 'undecodable':  # named with its split and class folder, and how to go on
-        assert 'train/red/broken.png (cannot identify image file)' in result.stderr
-        assert '--skip-bad-images' in result.stderr
+        assert 'train/red/broken.png (cannot identify image file)' in stderr
+        assert '--skip-bad-images' in stderr
     if case == 'output-dir-unwritable':  # said before the data is read and the model built
-        assert 'data:' not in result.stdout and 'model:' not in result.stdout
+        assert 'data:' not in stdout and 'model:' not in stdout
 
 
 # ------------------------------------------------------------------------------ the recipe, in process
 # The released recipe (the authors' cfgs/inline_<variant>.yaml), written out here apart from train.py's
 # VARIANTS: batch per process, epochs, (warm-up epochs, warm-up lr), min lr, cool-down, weight decay, clip
 # (None: off), drop path; and the peak lr per 512 images
-RELEASED_RECIPE = {
+RELEASED_SCHEDULES = {
     'inline_deit_t': (512, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
     'inline_deit_s': (128, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
     'inline_deit_b': (64, 300, (20, 5e-7), 5e-6, 0, 0.05, 5.0, 0.1, 5e-4),
@@ -773,11 +797,11 @@ def test_the_loop_smooths_labels_and_averages_weights_as_its_flags_say():
         torch.testing.assert_close(new, 0.9 * old + 0.1 * p, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize('name', list(RELEASED_RECIPE))
+@pytest.mark.parametrize('name', list(RELEASED_SCHEDULES))
 def test_recipe_is_the_released_table(name, monkeypatch):
     """ImageNet-1K's 1,281,167 training images take the released recipe by themselves; a folder of 1,437 the
     small-data one."""
-    batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = RELEASED_RECIPE[name]
+    batch, epochs, (warmup, warmup_lr), min_lr, cooldown, wd, clip, drop_path, lr = RELEASED_SCHEDULES[name]
     monkeypatch.setattr(train, 'count_images', lambda folder: 1437)
     small = resolved(['--model', name, '--data-path', 'imagenet']).args
     assert (small.recipe, small.accum_steps, small.mixup, small.warmup_epochs) == ('small', 1, 0.0, 1)
@@ -806,7 +830,7 @@ def test_recipe_threshold_is_100_steps_at_the_authors_total_batch(name, monkeypa
     total batch, the table's per-process batch x their 8 processes (inline_deit_t: 512 x 8 = 4,096
     images a step, so 409,600 images), whatever this run's processes; one image fewer takes the
     small-data recipe."""
-    threshold = 100 * RELEASED_RECIPE[name][0] * 8
+    threshold = 100 * RELEASED_SCHEDULES[name][0] * 8
     for images, recipe in ((threshold - 1, 'small'), (threshold, 'released')):
         monkeypatch.setattr(train, 'count_images', lambda folder: images)
         for world in (1, 8):
@@ -818,7 +842,7 @@ def test_recipe_threshold_is_100_steps_at_the_authors_total_batch(name, monkeypa
 def test_weight_decay_groups(name):
     """As released: no decay on 1-D parameters, DeiT's position embedding and class token, Swin's relative
     position bias tables; PVT's position embeddings are decayed."""
-    model = models.create_model(name, **SMALL[name])
+    model = models.create_model(name, **SMALL_SIZES[name])
     run = resolved(['--model', name, '--data-path', 'imagenet', '--recipe', 'released'])
     optimizer, _ = train.build_optimizer(model, run.args, run.total_batch, steps_per_epoch=1)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -930,12 +954,12 @@ def test_eval_transform_is_a_square_resize_then_a_centre_crop(size, crop, side):
 # timm's rand-m9-mstd0.5-inc1 at magnitude m = 9 (f = 0.9) and sign s: PIL's own operations, as timm calls
 # them, with timm's magnitude formulas (README, "Training"); geometric ops bicubic, filled with the mean
 # colour
-FILL = (124, 116, 104)
+PIL_FILL = (124, 116, 104)
 RANDAUG_FORMULAS = {
     'AutoContrast': lambda img, s: ImageOps.autocontrast(img),
     'Equalize': lambda img, s: ImageOps.equalize(img),
     'Invert': lambda img, s: ImageOps.invert(img),
-    'Rotate': lambda img, s: img.rotate(s * 27, resample=Image.BICUBIC, fillcolor=FILL),  # 30 f degrees
+    'Rotate': lambda img, s: img.rotate(s * 27, resample=Image.BICUBIC, fillcolor=PIL_FILL),  # 30 f degrees
     # 4 - int(4 f) = 1 bit
     'PosterizeIncreasing': lambda img, s: Image.fromarray(np.asarray(img) & 0b10000000),
     'SolarizeIncreasing': lambda img, s: Image.fromarray(np.where(
@@ -948,15 +972,15 @@ RANDAUG_FORMULAS = {
     'SharpnessIncreasing': lambda img, s: ImageEnhance.Sharpness(img).enhance(1 + s * 0.81),
     # PIL's affine maps each output pixel (x, y) to the input pixel (a x + b y + c, d x + e y + f)
     'ShearX': lambda img, s: img.transform(img.size, Image.AFFINE, (1, s * 0.27, 0, 0, 1, 0), Image.BICUBIC,
-                                           fillcolor=FILL),  # 0.3 f
+                                           fillcolor=PIL_FILL),  # 0.3 f
     'ShearY': lambda img, s: img.transform(img.size, Image.AFFINE, (1, 0, 0, s * 0.27, 1, 0), Image.BICUBIC,
-                                           fillcolor=FILL),
+                                           fillcolor=PIL_FILL),
     'TranslateXRel': lambda img, s: img.transform(img.size, Image.AFFINE,
                                                   (1, 0, s * 0.405 * img.width, 0, 1, 0),
-                                                  Image.BICUBIC, fillcolor=FILL),  # 0.45 f of the side
+                                                  Image.BICUBIC, fillcolor=PIL_FILL),  # 0.45 f of the side
     'TranslateYRel': lambda img, s: img.transform(img.size, Image.AFFINE,
                                                   (1, 0, 0, 0, 1, s * 0.405 * img.height),
-                                                  Image.BICUBIC, fillcolor=FILL),
+                                                  Image.BICUBIC, fillcolor=PIL_FILL),
 }
 
 
@@ -1203,9 +1227,9 @@ def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_
     arch = dict(window=7, eq6='none', depths=(1, 1, 1, 1), embed_dim=16, num_heads=(1, 1, 2, 2))
     assert arch.items() <= load_checkpoint_file(path)['arch'].items()
     # no architecture flags
-    result = run_train(['--resume', path, '--epochs', '2', '--threads', '1'], cwd=tmp_path)
+    result = run_train(['--resume', path, '--epochs', '2', '--threads', '1', '--fast', 'none'], cwd=tmp_path)
     assert 'resumed from' in result.stdout and "'window': 7" in result.stdout
-    log = metrics(str(output_dir))
+    log = read_metrics(str(output_dir))
     assert [e['epoch'] for e in log] == [1, 2] and all(e['arch']['window'] == 7 for e in log)
     result = run_train(['--eval', '--checkpoint', path, '--fast', 'none', '--threads', '1'])
     assert printed(result.stdout, 'eval model: ')['loss'] == pytest.approx(log[-1]['val_loss'], rel=1e-6)
@@ -1216,8 +1240,8 @@ def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_
 def test_grad_checkpointing_keeps_the_gradients():
     torch.manual_seed(0)
     name = 'inline_swin_t'
-    model = perturb(models.create_model(name, drop_path_rate=0.1, **SMALL[name]))
-    x = torch.randn(2, 3, *SMALL[name]['img_size'])
+    model = perturb(models.create_model(name, drop_path_rate=0.1, **SMALL_SIZES[name]))
+    x = torch.randn(2, 3, *SMALL_SIZES[name]['img_size'])
     upstream = torch.randn(2, model.num_classes)
 
     def gradients(enable):

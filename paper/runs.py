@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import models
+from checkpoints import read_metrics
 import train
 from paper import mosaics
 from paper.experiments import EXPERIMENTS
@@ -127,21 +128,16 @@ def run_state(path, epochs):
     if os.path.exists(os.path.join(path, 'diverged')):
         return 'diverged'
     try:
-        return 'done' if metrics(path)[-1]['epoch'] == epochs else None
+        return 'done' if read_metrics(path)[-1]['epoch'] == epochs else None
     except (FileNotFoundError, IndexError):
         return None
-
-
-def metrics(path):
-    with open(os.path.join(path, 'metrics.jsonl')) as f:
-        return [json.loads(line) for line in f]
 
 
 def make_record(run, folder, state, threads):
     """The record of a run finished in its folder: its CPU and wall time summed over every attempt (cpu.json),
     and in its last epoch the final validation's per-image results (FOLDER/val_correct.pt, packed)."""
     spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
-    log = metrics(folder) if os.path.exists(os.path.join(folder, 'metrics.jsonl')) else []
+    log = read_metrics(folder) if os.path.exists(os.path.join(folder, 'metrics.jsonl')) else []
     correct = os.path.join(folder, 'val_correct.pt')
     if log and 'val_acc1' in log[-1] and os.path.exists(correct):
         log[-1]['val_correct'] = pack_correct(torch.load(correct, weights_only=True))

@@ -28,7 +28,7 @@ import models
 import sequence
 import train
 from conftest import qkv
-from test_models import SMALL, meta_model
+from test_models import SMALL_SIZES, meta_model
 from test_train import write_fashion_mnist, write_image_folder
 
 pytest.importorskip('scipy.stats')  # the lab's own requirements (paper/requirements.txt)
@@ -628,7 +628,7 @@ def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, caps
 def test_paper_speed_dense_rows_cache_and_picture(tmp_path, monkeypatch):
     """speed --dense on tiny backbones (the real points are minutes each on a CPU): one row per comparison and
     size, with both forward times and peaks, kept and reused by a rerun."""
-    tiny = dict(SMALL['inline_pvt_t'], layout='IIII')
+    tiny = dict(SMALL_SIZES['inline_pvt_t'], layout='IIII')
     monkeypatch.setattr(speed, 'DENSE', {'PVT': ('soft', 'inl')})
     monkeypatch.setattr(speed, 'DENSE_SIZES', ((64, 64), (64, 96)))
     monkeypatch.setattr(speed, 'dense_forward', lambda name, size, device: dense.create_backbone(
