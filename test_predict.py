@@ -14,7 +14,8 @@ import torch
 
 import models
 import predict
-from test_train import TINY_ARGS, metrics, run_train, write_image_folder
+from checkpoints import read_metrics
+from test_train import TINY_ARGS, run_train, write_image_folder
 
 PREDICT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'predict.py')
 
@@ -55,7 +56,7 @@ def test_predict_names_the_trained_classes_as_the_loops_evaluation_judged_them(t
     loop = torch.load(os.path.join(out, 'val_correct.pt'), weights_only=True)
     assert torch.equal(right, loop) and not right.all()  # the misfiled image is wrong for both
     print(f'top-1 right on {right.sum()} of {len(right)} held-out images')
-    assert 100 * right.float().mean().item() == pytest.approx(metrics(out)[-1]['val_acc1'])
+    assert 100 * right.float().mean().item() == pytest.approx(read_metrics(out)[-1]['val_acc1'])
 
 
 def test_predict_names_imagenet_classes_for_the_authors_files_and_refuses_what_it_cannot_read(
