@@ -646,13 +646,13 @@ FAST_SMALL = {  # one small variant per family; every InLine attention has at le
 }
 
 
-def assert_fast_model_equals_reference(name, compile_fast=False, **switches):
+def assert_fast_model_equals_reference(name, compile_fast=False, switched=2, **switches):
     torch.manual_seed(0)
     config = dict(FAST_SMALL[name], num_classes=5, drop_path_rate=0.0, **switches)
     reference = models.create_model(name, **config)
     fast = models.create_model(name, fast='compile', **config)
     fast.load_state_dict(reference.state_dict())
-    assert sum(getattr(m, 'fast', None) == 'compile' for m in fast.modules()) >= 2
+    assert sum(getattr(m, 'fast', None) == 'compile' for m in fast.modules()) >= switched
     x, upstream = torch.randn(2, 3, *config['img_size']), torch.randn(2, 5)
     logits = []
     for model in (reference, torch.compile(fast) if compile_fast else fast):
@@ -691,7 +691,9 @@ def test_fast_core_inside_a_compiled_model():
     reference model's (the causal core: test_fast_causal_core_inside_a_compiled_module)."""
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled = assert_fast_model_equals_reference('inline_deit_t', compile_fast='compile')
+    # one block: each block is traced into the graph, and compiling two took 25 s more
+    compiled = assert_fast_model_equals_reference('inline_deit_t', compile_fast='compile', switched=1,
+                                                  depth=1)
     with torch.no_grad():
         compiled(torch.randn(2, 3, *FAST_SMALL['inline_deit_t']['img_size']))  # inference: a graph of its own
     assert not counters['graph_break'], dict(counters['graph_break'])

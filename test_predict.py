@@ -12,9 +12,11 @@ import sys
 import pytest
 import torch
 
+import data
 import models
 import predict
 from checkpoints import read_metrics
+from test_models import readme_block
 from test_train import TINY_ARGS, run_train, write_image_folder
 
 PREDICT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'predict.py')
@@ -57,6 +59,12 @@ def test_predict_names_the_trained_classes_as_the_loops_evaluation_judged_them(t
     assert torch.equal(right, loop) and not right.all()  # the misfiled image is wrong for both
     print(f'top-1 right on {right.sum()} of {len(right)} held-out images')
     assert 100 * right.float().mean().item() == pytest.approx(read_metrics(out)[-1]['val_acc1'])
+    # the README's three lines ("Using a trained model") give predict.py's top classes
+    printed = []
+    block = readme_block('## Using a trained model').replace('OUT/best.pt', os.path.join(out, 'best.pt'))
+    exec(block.replace("'IMAGE'", repr(images[0])), {'data': data, 'predict': predict, 'print': printed.append})
+    assert [name for name, _ in printed[0]] == [name for _, name in found[images[0]]]
+    assert [p for _, p in printed[0]] == pytest.approx([p for p, _ in found[images[0]]], abs=1.1e-3)
 
 
 def test_predict_names_imagenet_classes_for_the_authors_files_and_refuses_what_it_cannot_read(
