@@ -598,6 +598,28 @@ def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
         assert re.search('error: .*' + message, capsys.readouterr().err), argv
 
 
+def test_paper_speed_level_prints_each_row_beside_its_goal_and_the_machine(monkeypatch, capsys):
+    """--level: 1 and 2 threads x fp32 and bf16 x LEVEL's three rows, each timed at its own thread count,
+    'met' exactly where the speed-up reaches the goal; the CPU named and the thread count put back."""
+    seen = []
+
+    def point(row, dtype, device, rounds, compiled):
+        seen.append((torch.get_num_threads(), dtype, row[3], row[5]))
+        return dict(dtype=str(dtype).split('.')[-1], softmax_ms=10.0, InLine_ms=10.0 / (0.5 + len(seen) / 10),
+                    speedup=0.5 + len(seen) / 10)
+    monkeypatch.setattr(speed, 'whole_point', point)
+    threads = torch.get_num_threads()
+    rows = cli.lab(['speed', '--level', '--rounds', '2'])
+    assert torch.get_num_threads() == threads
+    assert [s[0] for s in seen] == [1] * 6 + [2] * 6 and len(rows) == 12
+    for (n, dtype, side, training), row in zip(seen, rows):
+        goal = {(224, False): 1.0, (512, False): 1.3, (224, True): 1.0}[side, training]
+        assert row[0] == n and row[3] == f'{side} px' and row[7] == f'>= {goal}x'
+        assert row[8] == ('yes' if float(row[6][:-1]) >= goal else 'no')
+    assert {row[8] for row in rows} == {'yes', 'no'}
+    assert 'CPU: ' in capsys.readouterr().out
+
+
 def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, capsys):
     """The speed command on tiny DeiTs (the real points are minutes each on a CPU): one row per point, dtype
     and device, cached; and a softmax that builds its N x N weights explicitly is refused."""
