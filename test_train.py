@@ -196,14 +196,18 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(two_process_run, tm
 
 
 @pytest.mark.parametrize('mode', ['--eval', '--resume'])
-def test_checkpoint_of_another_model_is_refused(two_process_run, mode, tmp_path):
-    """--eval's case runs under torchrun, where the error must print once, not once per process."""
+def test_checkpoint_of_another_model_is_refused(two_process_run, mode, tmp_path, capsys):
+    """--eval's case runs under torchrun, where the error must print once, not once per process;
+    --resume's in this process (main_in_process)."""
     path = os.path.join(two_process_run[0], 'checkpoint.pt')
     args = SYNTHETIC_ARGS + ['--model', 'inline_pvt_t', '--output-dir', str(tmp_path)]
-    result = run_train(args + ([mode, '--checkpoint', path] if mode == '--eval' else [mode, path]), ok=False,
-                       nproc=2 if mode == '--eval' else 1)
+    if mode == '--eval':
+        result = run_train(args + [mode, '--checkpoint', path], ok=False, nproc=2)
+        code, stderr = result.returncode, result.stderr
+    else:
+        code, _, stderr = main_in_process(args + [mode, path], capsys)
     message = 'is a checkpoint of inline_deit_t, not of --model inline_pvt_t'
-    assert result.returncode != 0 and result.stderr.count(message) == 1, result.stderr[-2000:]
+    assert code != 0 and stderr.count(message) == 1, stderr[-2000:]
 
 
 # the README's two-node launch; here both nodes are this machine, one process each
@@ -1219,8 +1223,12 @@ def test_an_architecture_the_model_refuses_is_a_clear_error(capsys):
     assert "cannot build inline_deit_t with {'feature_map': 'bogus'" in capsys.readouterr().err
 
 
-def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_path, capsys):
-    run_train(ABLATION + ['--epochs', '1'], cwd=tmp_path)
+def test_an_ablation_trains_resumes_and_evaluates_from_its_checkpoint_alone(tmp_path, capsys,
+                                                                           monkeypatch):
+    """Trained in this process; resumed and evaluated as a user would, from the file and no
+    architecture flag."""
+    monkeypatch.chdir(tmp_path)  # the default output folder, runs/NAME, is relative
+    assert main_in_process(ABLATION + ['--epochs', '1'], capsys)[0] == 0
     output_dir = tmp_path / 'runs' / ('inline_swin_t-depths1.1.1.1-embed_dim16-eq6none-num_heads1.1.2.2-'
                                       'window7-synthetic')
     path = str(output_dir / 'checkpoint.pt')
