@@ -249,9 +249,10 @@ class SequenceAttention(inline.InLineAttention):
     over the last k tokens with weights from the prefix mean: no output sees a later token;
     causal=False: both ways, Eq. 5 over all N tokens and Eq. 6 over the k tokens centred on each.
     attention='linear': division in place of Eq. 5 (the baseline). The other options are
-    InLineAttention's. step runs a causal module token by token, for generation. A class token before a sequence read both ways:
-    InLineAttention with grid (1, L) and leading_tokens=1, whose 3x3 neighbourhood on one row is
-    Eq. 6 over the k = 3 neighbours centred on each (the other six see padding)."""
+    InLineAttention's. step runs a causal module token by token, for generation. A class token
+    before a sequence read both ways: InLineAttention with grid (1, L) and leading_tokens=1, whose
+    3x3 neighbourhood on one row is Eq. 6 over the k = 3 neighbours centred on each (the other six
+    see padding)."""
     token_dims = 1  # Eq. 6's neighbourhood is k tokens: T = k weights per channel
 
     def __init__(self, dim, num_heads, *, causal=True, attention='inline', allow_divergent=False,
