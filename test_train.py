@@ -457,26 +457,29 @@ def test_image_folder_trains_and_evaluates(tmp_path):
     assert printed(result.stdout, 'eval model: ')['acc1'] == log[-1]['val_acc1']
 
 
-def test_a_small_image_folder_gets_the_small_recipe_and_learns(tmp_path):
-    """The README's command for one's own folder, no recipe flag: a folder far smaller than ImageNet gets the
-    small-data recipe (no accumulation to the authors' total batch, a warm-up that fits), says why, warns of
-    an epoch of few steps, and learns the two colours."""
+def test_a_small_image_folder_gets_the_small_recipe_and_learns(tmp_path, capsys):
+    """The README's command for one's own folder, no recipe flag (train.main in this process): a folder far
+    smaller than ImageNet gets the small-data recipe (no accumulation to the authors' total batch, a warm-up
+    that fits), says why, warns of an epoch of few steps, and learns the two colours."""
     torch.manual_seed(0)
     root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
     write_image_folder(root, {'train': 24, 'val': 8})
-    result = run_train(TINY_ARGS + ['--data-path', root, '--epochs', '3', '--output-dir', output_dir])
+    code, stdout, _ = main_in_process(TINY_ARGS + ['--data-path', root, '--epochs', '3', '--output-dir',
+                                                   output_dir], capsys)
+    assert code == 0
     assert ("small-data recipe for imagefolder (48 training images, 0 steps an epoch at the authors' total "
-            "batch of 4,096: 100 or more take the released recipe" in result.stdout), result.stdout
-    assert 'x 6 steps of 8 images (8 per process x 1 processes x 1 accumulation steps)' in result.stdout
-    assert 'warning: 6 optimizer step(s) an epoch' in result.stdout
+            "batch of 4,096: 100 or more take the released recipe" in stdout), stdout
+    assert 'x 6 steps of 8 images (8 per process x 1 processes x 1 accumulation steps)' in stdout
+    assert 'warning: 6 optimizer step(s) an epoch' in stdout
     log = read_metrics(output_dir)
     assert len(log) == 3 and log[-1]['val_images'] == 16 and log[-1]['val_acc1'] > 50
 
 
-def test_an_unreadable_image_stops_at_a_saved_step_and_skip_bad_images_goes_on(tmp_path):
+def test_an_unreadable_image_stops_at_a_saved_step_and_skip_bad_images_goes_on(tmp_path, capsys):
     """One broken file among 8 x 2 training images: the run stops at the step that met it, saved
-    there, naming the file with its folder; rerun with --skip-bad-images it resumes and leaves the
-    file out, listed every epoch; a broken validation image is left out of the counts and listed."""
+    there, naming the file with its folder; rerun with --skip-bad-images (in this process) it resumes
+    and leaves the file out, listed every epoch; a broken validation image is left out of the counts
+    and listed."""
     root, output_dir = str(tmp_path / 'data'), str(tmp_path / 'run')
     write_image_folder(root, {'train': 8, 'val': 3})
     for split, folder in (('train', 'red'), ('val', 'blue')):
@@ -490,13 +493,13 @@ def test_an_unreadable_image_stops_at_a_saved_step_and_skip_bad_images_goes_on(t
     assert (f"1 unreadable image(s) under {root}: train/red/broken.png (cannot identify image "
             f"file), met at epoch 1, step {saved['step'] + 1}; saved") in result.stderr
     assert saved['epoch'] == 0 and 'rerun the same command with --skip-bad-images' in result.stderr
-    result = run_train(args + ['--skip-bad-images'])
-    assert 'resumed from' in result.stdout
+    code, stdout, _ = main_in_process(args + ['--skip-bad-images'], capsys)
+    assert code == 0 and 'resumed from' in stdout
     for epoch in (1, 2):
         assert f'warning: epoch {epoch} left out 1 unreadable image(s) under {root}: ' \
-               f'train/red/broken.png' in result.stdout
-    assert result.stdout.count('val/blue/broken.png (cannot identify image file), left out of the '
-                               'validation') == 2
+               f'train/red/broken.png' in stdout
+    assert stdout.count('val/blue/broken.png (cannot identify image file), left out of the '
+                        'validation') == 2
     assert [e['val_images'] for e in read_metrics(output_dir)] == [6, 6]  # 7 files, 6 images
 
 
