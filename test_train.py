@@ -373,17 +373,34 @@ def test_ctrl_c_saves_at_the_step_and_says_how_to_continue(tmp_path):
     assert f"rerun the same command (or give --resume '{output_dir}/checkpoint.pt')" in output
 
 
+def run_main(argv):
+    """train.py's main on argv in this process, as `python train.py ARGV` runs it: its exit status (0 at
+    the end, else what train.py exits with); the thread count and the signal handlers it sets are undone
+    after."""
+    threads = torch.get_num_threads()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train.main(train.get_args_parser().parse_args(argv))
+        return 0
+    except SystemExit as e:
+        return e.code
+    finally:
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def main_in_process(argv, capsys):
+    """run_main(argv): (exit status, stdout, stderr)."""
+    code = run_main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def fit_in_process(argv, stop_at=None, signum=signal.SIGTERM, monkeypatch=None):
-    """train.py's loop on argv in this process, as main runs it (less setup's thread count), rerun as
-    a rerun of the command is: resumed from OUTPUT_DIR/checkpoint.pt where there is one. stop_at: send
-    this process `signum` while the loop reads its stop_at-th batch (as a terminal's Ctrl-C or a
-    scheduler's SIGTERM would); the step ends, then the save. Returns the exit status: 0 at the end,
-    else what train.py exits with. The loop's signal handlers are undone after."""
-    run = resolved(argv)
-    checkpoints.check_output_dir(run.args.output_dir)
-    train_set, val_set = data.load_data(run.args)
-    run.classes = list(val_set.classes)
-    model = train.build_model(run, num_classes=len(run.classes))
+    """run_main(argv), rerun as a rerun of the command is: resumed from OUTPUT_DIR/checkpoint.pt where
+    there is one. stop_at: send this process `signum` while the loop reads its stop_at-th batch (as a
+    terminal's Ctrl-C or a scheduler's SIGTERM would); the step ends, then the save."""
     batches = []
 
     def leave_out_unreadable(*args):  # train.py's, which every batch goes through
@@ -392,15 +409,7 @@ def fit_in_process(argv, stop_at=None, signum=signal.SIGTERM, monkeypatch=None):
             os.kill(os.getpid(), signum)
         return data.leave_out_unreadable(*args)
     monkeypatch.setattr(train, 'leave_out_unreadable', leave_out_unreadable)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        train.fit(run, model, train_set, val_set)
-        return 0
-    except SystemExit as e:
-        return e.code
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    return run_main(argv)
 
 
 def test_a_run_stopped_twice_in_one_epoch_resumes_at_the_right_step(tmp_path, monkeypatch, capsys):
@@ -703,24 +712,6 @@ BAD = {  # case: (extra arguments or a data-folder case, what the error must say
 # launched as a user would (a bad folder, a bad flag); the others call train.main in this process, which
 # reads the same arguments and files and stops the same way, without the ~5 s a launch spends importing
 LAUNCHED = ('no-train', 'lr-negative')
-
-
-def main_in_process(argv, capsys):
-    """train.py's main on argv in this process: (exit status, stdout, stderr); the thread count and the
-    signal handlers it sets are undone after."""
-    threads = torch.get_num_threads()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        train.main(train.get_args_parser().parse_args(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    finally:
-        torch.set_num_threads(threads)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize('case', BAD)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import models
-from checkpoints import read_metrics
+from checkpoints import METRICS, read_metrics
 import train
 from paper import mosaics
 from paper.experiments import EXPERIMENTS
@@ -137,7 +137,7 @@ def make_record(run, folder, state, threads):
     """The record of a run finished in its folder: its CPU and wall time summed over every attempt (cpu.json),
     and in its last epoch the final validation's per-image results (FOLDER/val_correct.pt, packed)."""
     spent = read_json(os.path.join(folder, 'cpu.json'), {'cpu_s': 0.0, 'wall_s': 0.0})
-    log = read_metrics(folder) if os.path.exists(os.path.join(folder, 'metrics.jsonl')) else []
+    log = read_metrics(folder) if os.path.exists(os.path.join(folder, METRICS)) else []
     correct = os.path.join(folder, 'val_correct.pt')
     if log and 'val_acc1' in log[-1] and os.path.exists(correct):
         log[-1]['val_correct'] = pack_correct(torch.load(correct, weights_only=True))
