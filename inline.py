@@ -286,6 +286,9 @@ FAST_TWINS = {
                            'triton': 'triton_core.inline_core_triton'},  # a Triton kernel, CUDA
     'sequence.sequence_core': {'compile': 'sequence.sequence_core_fast'},  # a 1-D neighbourhood
     'sequence.causal_core': {'compile': 'sequence.causal_core_fast'},  # over each prefix
+    # InLineAttention.steps where no gradient is asked: forward's steps, attend and its core's
+    # twin included, as one graph
+    'inline.steps': {'compile': 'kernels.steps_fast'},
 }
 
 
@@ -426,7 +429,18 @@ class InLineAttention(InLineBase):
         return [t.reshape(B, N, self.num_heads, -1).transpose(1, 2) for t in (q, k, v)]
 
     def forward(self, x, grid=None):
-        B, N, C = self.check_input(x, grid)
+        self.check_input(x, grid)
+        # No gradient asked, on a grid: steps' fast twin runs them, attend included, as one compiled
+        # graph per input shape (a sequence's length varies: sequence.py compiles its core alone)
+        if (self.fast == 'compile' and grid is not None and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
+            return fast_twin(InLineAttention.steps, self.fast)(self, x, grid)
+        return self.steps(x, grid)
+
+    def steps(self, x, grid):
+        """forward's steps on x, checked: the projections, attend (phi, Eq. 6's weights, Eq. 5 and
+        Eq. 6), proj."""
+        B, N, C = x.shape
         if self.ape is not None:  # the authors' ablations without Eq. 6 only
             x = x + self.ape
         q, k, v = self.project(x)  # (B, H, N, D) each

@@ -16,13 +16,15 @@ refused when the model is built. test_inline.py proves the two equal; bench.py m
   (sum_scale).
 - B, H and N are symbolic: one graph per dtype, head dim and T serves every batch, head count and
   grid.
+- Where no gradient is asked, an InLineAttention runs its steps whole, projections to proj with
+  this core traced in, as one graph (steps_fast), one per module configuration and input shape:
+  at a few hundred tokens the cost around the core outweighs the core.
 - A graph compiles or loads under compile_lock, a file lock per graph; if it cannot, the core runs
   its closed form eagerly after one warning that names any broken cache file.
 """
 import contextlib
 import copy
 import fcntl
-import functools
 import hashlib
 import os
 import re
@@ -58,13 +60,22 @@ def grid_table(N, grid, device, size=inline.LOCAL_SIZE, dilation=1):
         return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
 
 
-_cached_grid_table = functools.lru_cache(maxsize=32)(grid_table)
+_tables = {}  # (builder, its arguments) -> table; the 32 newest kept
 
 
-def cached_table(cached, *args):
-    """A neighbour table from its per-shape cache, or built in a torch.compile'd model's graph, a
-    constant."""
-    return cached.__wrapped__(*args) if torch.compiler.is_compiling() else cached(*args)
+def cached_table(build, *args):
+    """build(*args), a neighbour table, from a cache per builder and shape, built eagerly at its
+    first use. In a graph being traced, a table in the cache is one of the graph's inputs
+    (steps_fast builds it first, so its graph reads the table, not builds it at each call); one not
+    yet built is built in the graph."""
+    key = (build.__name__, *args)
+    if key not in _tables:
+        if torch.compiler.is_compiling():
+            return build(*args)
+        _tables[key] = build(*args)
+        if len(_tables) > 32:
+            del _tables[next(iter(_tables))]  # the oldest
+    return _tables[key]
 
 
 def neighbours(x, index, flip=False):
@@ -151,7 +162,11 @@ def core_inference(q, k, v, r, index, masks, scale, scale_by_count, dtype):
 
 
 # the graphs by name; sequence.py adds its causal core's two
-COMPILED = {f.__name__: torch.compile(f) for f in (core_forward, core_backward, core_inference)}
+COMPILED = {f.__name__: torch.compile(f)
+            for f in (core_forward, core_backward, core_inference, inline.InLineAttention.steps)}
+# steps (steps_fast): a whole InLine module where no gradient is asked, every size a constant, one
+# graph per module configuration and input shape
+STATIC = {'steps'}
 _compile_error = []  # filled once if the compiler cannot run here
 
 
@@ -181,8 +196,15 @@ def symbolic_sizes(args, N):
 
 def signature(f, args):
     """A key for what dynamo's guards on f's graph check: device, modes, D and B, H, N as 0, 1 or
-    more, the dtypes, T, the other arguments, f.chunk's count; a guard no key foresees makes the
-    call compile another."""
+    more, the dtypes, T, the other arguments, f.chunk's count; for InLineAttention.steps (STATIC),
+    the module's class, the modes, the input's shape, grid and the autocast dtype. A guard no key
+    foresees makes the call compile another."""
+    if f.__name__ in STATIC:  # cheap, not whole: two module configurations may share a key
+        module, x, grid = args
+        device = x.device.type
+        return (f.__name__, type(module), x.device, x.is_inference(), torch.is_grad_enabled(),
+                torch.is_inference_mode_enabled(), x.shape, x.dtype, grid,
+                torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // f.chunk, 2),) if hasattr(f, 'chunk') else ()
     return (f.__name__, x.device, x.is_inference(), torch.is_grad_enabled(), x.shape[3],
@@ -245,7 +267,8 @@ def compiled_call(f, *args):
             except RuntimeError as e:
                 if 'Detected recompile' not in str(e):
                     raise
-        symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
+        if f.__name__ not in STATIC:
+            symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
         # a new graph, or another for a key whose guard failed
         with compile_lock(key), compile_options():
             out = COMPILED[f.__name__](*args)
@@ -295,9 +318,9 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     B, H, N, D = q.shape
     if table is None:
         inline.check_grid(N, grid)
-        # built once per shape; traced into a compiled model's graph, a constant there
+        # built once per shape; in a graph that traces this, one of its inputs (cached_table)
         if r is not None:
-            table = cached_table(_cached_grid_table, N, tuple(grid), q.device, size, dilation)
+            table = cached_table(grid_table, N, tuple(grid), q.device, size, dilation)
     T = table[0].shape[0] if r is not None else None  # Eq. 6's neighbours
     if r is not None and r.shape != (B, T * H * D):
         raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = "
@@ -324,6 +347,20 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
     with torch.autocast(device, enabled=False):
         return InLineCore.apply(q, k, v, r, index, masks, scale, bool(scale_by_count))
+
+
+def steps_fast(module, x, grid):
+    """inline.InLineAttention.steps' fast twin where no gradient is asked (forward calls it): the
+    module's steps traced whole into one compiled graph, its projections, phi, Eq. 6's predictor
+    (inline.residual_weights), this file's core (core_inference, traced in) and proj. At a few
+    hundred tokens InLine's arithmetic is small and what surrounds it is not: each eager operation,
+    each entry into a compiled graph, the predictor's small matmuls run eagerly. One graph per layer
+    pays one entry and fuses the rest into its loops (RESULTS.md, "Level where the tokens are
+    few")."""
+    if module.local_size:  # Eq. 6's neighbour table, built here, so that the graph reads it
+        cached_table(grid_table, x.shape[1], tuple(grid), x.device, module.local_size,
+                     module.dilation)
+    return compiled_call(inline.InLineAttention.steps, module, x, grid)
 
 
 # --------------------------------------------------------------------------------------------------

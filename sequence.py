@@ -378,9 +378,6 @@ def sequence_table(N, device, size=inline.LOCAL_SIZE, dilation=1, causal=False, 
         return index, masks.float()[:, :, None]  # (T, N), (T, N, 1)
 
 
-_cached_sequence_table = functools.lru_cache(maxsize=32)(sequence_table)
-
-
 # --------------------------------------------------------------------------------------------------
 # The fast causal core, causal_core's twin: Eq. 5 over each prefix in chunks
 # (inline_chunked), Eq. 6 over the last k tokens with one weight per token. kernels.py's design: two
@@ -484,7 +481,7 @@ class CausalCore(torch.autograd.Function):
         q, k, v = (F.pad(t, (0, 0, 0, M - N)).contiguous() for t in (q, k, v))  # (B, H, M, D)
         index = masks = index_t = masks_t = None
         if r is not None:
-            table = functools.partial(kernels.cached_table, _cached_sequence_table, M, q.device)
+            table = functools.partial(kernels.cached_table, sequence_table, M, q.device)
             index, masks = table(size, dilation, True)
             index_t, masks_t = table(size, dilation, True, True)
             # (B, M, H, D, T): r's channel T*c + t
@@ -518,7 +515,7 @@ def sequence_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE
     check_no_grid(grid)
     if r is not None:
         check_sequence_weights(r, v.shape, size)
-        table = kernels.cached_table(_cached_sequence_table, q.shape[2], q.device, size, dilation)
+        table = kernels.cached_table(sequence_table, q.shape[2], q.device, size, dilation)
     return kernels.inline_core_fast(q, k, v, r, None, scale, size, dilation, scale_by_count,
                                     table=table if r is not None else None)
 

@@ -700,6 +700,39 @@ def test_fast_core_inside_a_compiled_model():
     assert not counters['graph_break'], dict(counters['graph_break'])
 
 
+@pytest.mark.compiled
+def test_no_gradient_runs_the_module_whole_as_one_graph():
+    """Where no gradient is asked, an InLine module's forward runs its steps, attend and the core's
+    closed form included, as one compiled graph (kernels.steps_fast), which reads Eq. 6's neighbour
+    table rather than building it: its output is the reference module's; a second module of the same
+    configuration and a second call reuse the graph; with a gradient the module runs as before."""
+    torch.manual_seed(0)
+    reference = inline.InLineAttention(64, 2, leading_tokens=1)
+    perturb(reference)
+    fast = [copy.deepcopy(reference) for _ in range(2)]
+    for m in fast:
+        assert kernels.enable_fast(m, log=None) == 1
+    x, grid = torch.randn(2, 1 + 5 * 6, 64), (5, 6)
+    counters, before = torch._dynamo.utils.counters, set(kernels._compiled_signatures)
+    counters.clear()
+    with torch.no_grad():
+        expected = reference(x, grid)
+        outputs = [m(x, grid) for m in fast] + [fast[0](x, grid)]
+    with torch.inference_mode():
+        outputs.append(fast[1](x, grid))
+    for o in outputs:
+        assert_fp32_close([o], [expected])
+    module_graphs = [k for k in kernels._compiled_signatures - before if k[0] == 'steps']
+    # one graph under no_grad, one under inference_mode (its tensors dispatch otherwise), for both modules
+    assert len(module_graphs) == 2
+    assert counters['stats']['unique_graphs'] == 2, dict(counters['stats'])
+    key = ('grid_table', 31, (5, 6), x.device, 3, 1)
+    assert key in kernels._tables  # built eagerly before the graph, which reads it
+    o = fast[0](x, grid)  # a gradient: the core's own graphs, as before
+    assert o.requires_grad
+    assert_fp32_close([o.detach()], [expected])
+
+
 def test_enable_fast_switches_exactly_the_inline_modules():
     torch.manual_seed(0)
     model = models.create_model('inline_swin_t', **FAST_SMALL['inline_swin_t'])
@@ -798,25 +831,26 @@ def traced_walk(fn):
 
 def test_block_walk_is_the_readme():
     """The README's walk through one InLine-Swin block is what a forward passes on the way to the math, with
-    and without a gradient: on the reference path at most 7 steps (6 before the method had its one place,
-    InLineBase.attend, which every family's attention runs), and on either path at most 6 of the project's
-    functions between the block's call and the math. The fast path is the reference's first steps, then the
-    README's second list."""
-    reference_walk, fast_walk = readme_walk()
+    and without a gradient: on the reference path at most 8 steps (6 before the method had its one place,
+    InLineBase.attend, which every family's attention runs; 7 before forward's steps became a method of their
+    own, which no gradient runs as one graph), and on either path at most 6 of the project's functions
+    between the block's call and the math. The fast path is the reference's first steps, then the README's
+    second list; with no gradient, its first two, then the third."""
+    reference_walk, fast_walk, no_grad_walk = readme_walk()
     torch.manual_seed(0)
     block = models.SwinBlock(32, 2, 'I', None, False, 4., 0., DEFAULTS)
     x = torch.randn(2, 64, 32)
     walk, calls = traced_walk(lambda: block(x, (8, 8)))
-    assert walk == reference_walk and len(walk) <= 7, (walk, calls)
+    assert walk == reference_walk and len(walk) <= 8, (walk, calls)
     with torch.no_grad():  # one path: the same calls when no gradient is asked
         assert traced_walk(lambda: block(x, (8, 8))) == (walk, calls)
     kernels.enable_fast(block, log=None)
     block(x, (8, 8))  # compiled (or loaded from the cache) on the first call
     fast, fast_calls = traced_walk(lambda: block(x, (8, 8)))
-    assert fast == reference_walk[:4] + fast_walk, (fast, fast_calls)
-    with torch.no_grad():  # no autograd Function: the same forward, in a graph that casts its inputs itself
+    assert fast == reference_walk[:5] + fast_walk, (fast, fast_calls)
+    with torch.no_grad():  # the module's steps as one graph (here run eagerly: conftest.py)
         no_grad = traced_walk(lambda: block(x, (8, 8)))[0]
-    assert no_grad == fast[:5] + ['kernels.py:compiled_call', 'kernels.py:core_inference']
+    assert no_grad == reference_walk[:2] + no_grad_walk, no_grad
     for path in (walk, fast, no_grad):
         between = [f for f in path[1:] if f not in MATH]
         print(f"{len(between)} functions between the block and the math: {between}")
