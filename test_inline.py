@@ -783,8 +783,8 @@ def test_fast_module_without_a_gradient_under_bf16_autocast_within_twice_the_ref
 # stale
 
 def readme_walk():
-    """The README's "One block end to end": its two numbered lists of `file.py:function`, reference and
-    fast."""
+    """The README's "One block end to end": its three numbered lists of `file.py:function`: reference,
+    fast, and fast with no gradient."""
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'README.md')) as f:
         section = f.read().split('## One block end to end')[1].split('\n## ')[0]
     lists = []
