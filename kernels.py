@@ -203,7 +203,7 @@ def signature(f, args):
         module, x, grid = args
         device = x.device.type
         return (f.__name__, type(module), x.device, x.is_inference(), torch.is_grad_enabled(),
-                torch.is_inference_mode_enabled(), x.shape, x.dtype, grid,
+                torch.is_inference_mode_enabled(), x.shape, x.dtype, tuple(grid),
                 torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
     x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // f.chunk, 2),) if hasattr(f, 'chunk') else ()
