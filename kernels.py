@@ -17,7 +17,7 @@ refused when the model is built. test_inline.py proves the two equal; bench.py m
 - B, H and N are symbolic: one graph per dtype, head dim and T serves every batch, head count and
   grid.
 - Where no gradient is asked, an InLineAttention runs its steps whole, projections to proj with
-  this core traced in, as one graph (steps_fast), one per module configuration and input shape:
+  this core traced in, as one graph (steps_fast), one per module configuration and token grid:
   at a few hundred tokens the cost around the core outweighs the core.
 - A graph compiles or loads under compile_lock, a file lock per graph; if it cannot, the core runs
   its closed form eagerly after one warning that names any broken cache file.
@@ -164,9 +164,9 @@ def core_inference(q, k, v, r, index, masks, scale, scale_by_count, dtype):
 # the graphs by name; sequence.py adds its causal core's two
 COMPILED = {f.__name__: torch.compile(f)
             for f in (core_forward, core_backward, core_inference, inline.InLineAttention.steps)}
-# steps (steps_fast): a whole InLine module where no gradient is asked, every size a constant, one
-# graph per module configuration and input shape
-STATIC = {'steps'}
+# steps (steps_fast): a whole InLine module where no gradient is asked, every size a constant but
+# the batch, one graph per module configuration and token grid
+MODULE_GRAPHS = {'steps'}
 _compile_error = []  # filled once if the compiler cannot run here
 
 
@@ -196,10 +196,10 @@ def symbolic_sizes(args, N):
 
 def signature(f, args):
     """A key for what dynamo's guards on f's graph check: device, modes, D and B, H, N as 0, 1 or
-    more, the dtypes, T, the other arguments, f.chunk's count; for InLineAttention.steps (STATIC),
-    the module's class, the modes, the input's shape, grid and the autocast dtype. A guard no key
-    foresees makes the call compile another."""
-    if f.__name__ in STATIC:  # cheap, not whole: two module configurations may share a key
+    more, the dtypes, T, the other arguments, f.chunk's count; for InLineAttention.steps
+    (MODULE_GRAPHS), the module's class, the modes, the input's shape, grid and the autocast dtype.
+    A guard no key foresees makes the call compile another."""
+    if f.__name__ in MODULE_GRAPHS:  # cheap, not whole: two configurations may share a key
         module, x, grid = args
         device = x.device.type
         return (f.__name__, type(module), x.device, x.is_inference(), torch.is_grad_enabled(),
@@ -267,7 +267,9 @@ def compiled_call(f, *args):
             except RuntimeError as e:
                 if 'Detected recompile' not in str(e):
                     raise
-        if f.__name__ not in STATIC:
+        if f.__name__ in MODULE_GRAPHS:  # (module, x, grid): x's batch a symbol (1 stays 1)
+            torch._dynamo.maybe_mark_dynamic(args[1], 0)
+        else:
             symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
         # a new graph, or another for a key whose guard failed
         with compile_lock(key), compile_options():

@@ -705,7 +705,8 @@ def test_no_gradient_runs_the_module_whole_as_one_graph():
     """Where no gradient is asked, an InLine module's forward runs its steps, attend and the core's
     closed form included, as one compiled graph (kernels.steps_fast), which reads Eq. 6's neighbour
     table rather than building it: its output is the reference module's; a second module of the same
-    configuration and a second call reuse the graph; with a gradient the module runs as before."""
+    configuration, a second call and another batch size reuse the graph; with a gradient the module
+    runs as before."""
     torch.manual_seed(0)
     reference = inline.InLineAttention(64, 2, leading_tokens=1)
     perturb(reference)
@@ -722,9 +723,13 @@ def test_no_gradient_runs_the_module_whole_as_one_graph():
         outputs.append(fast[1](x, grid))
     for o in outputs:
         assert_fp32_close([o], [expected])
+    with torch.no_grad():  # another batch size: the batch is a symbol in the graph
+        x3 = torch.randn(3, *x.shape[1:])
+        assert_fp32_close([fast[1](x3, grid)], [reference(x3, grid)])
     module_graphs = [k for k in kernels._compiled_signatures - before if k[0] == 'steps']
     # one graph under no_grad, one under inference_mode (its tensors dispatch otherwise), for both modules
-    assert len(module_graphs) == 2
+    # and batch sizes (keys: 3)
+    assert len(module_graphs) == 3
     assert counters['stats']['unique_graphs'] == 2, dict(counters['stats'])
     key = ('grid_table', 31, (5, 6), x.device, 3, 1)
     assert key in kernels._tables  # built eagerly before the graph, which reads it
