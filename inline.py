@@ -431,7 +431,7 @@ class InLineAttention(InLineBase):
     def forward(self, x, grid=None):
         self.check_input(x, grid)
         # No gradient asked, on a grid: steps' fast twin runs them, attend included, as one compiled
-        # graph per input shape (a sequence's length varies: sequence.py compiles its core alone)
+        # graph per token grid (a sequence's length varies: sequence.py compiles its core alone)
         if (self.fast == 'compile' and grid is not None and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling()):
             return fast_twin(InLineAttention.steps, self.fast)(self, x, grid)
