@@ -78,6 +78,12 @@ def cached_table(build, *args):
     return _tables[key]
 
 
+def eq6_table(N, grid, device, size, dilation):
+    """Eq. 6's neighbour table on grid from the cache: the one key inline_core_fast reads and
+    steps_fast builds ahead of its graph."""
+    return cached_table(grid_table, N, tuple(grid), device, size, dilation)
+
+
 def neighbours(x, index, flip=False):
     """The T gathers x[:, :, index[t]] (B, H, N, D); flip: offset T - 1 - t, minus t's
     (Eq. 6 transposed)."""
@@ -322,7 +328,7 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
         inline.check_grid(N, grid)
         # built once per shape; in a graph that traces this, one of its inputs (cached_table)
         if r is not None:
-            table = cached_table(grid_table, N, tuple(grid), q.device, size, dilation)
+            table = eq6_table(N, grid, q.device, size, dilation)
     T = table[0].shape[0] if r is not None else None  # Eq. 6's neighbours
     if r is not None and r.shape != (B, T * H * D):
         raise ValueError(f"r must hold {T} neighbour weights per channel, (B, {T}C) = "
@@ -360,8 +366,7 @@ def steps_fast(module, x, grid):
     pays one entry and fuses the rest into its loops (RESULTS.md, "Level where the tokens are
     few")."""
     if module.local_size:  # Eq. 6's neighbour table, built here, so that the graph reads it
-        cached_table(grid_table, x.shape[1], tuple(grid), x.device, module.local_size,
-                     module.dilation)
+        eq6_table(x.shape[1], grid, x.device, module.local_size, module.dilation)
     return compiled_call(inline.InLineAttention.steps, module, x, grid)
 
 
