@@ -100,6 +100,23 @@ def wide(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+# CPUs on which PyTorch multiplies bf16 and fp16 matrices natively, through oneDNN: AVX-512 and newer
+# (AVX-512 BF16 and AMX fastest). Elsewhere (AVX2 alone) its fallback GEMM is 5-20x slower than
+# fp32's at these shapes (RESULTS.md, "Level where the tokens are few").
+NATIVE_CPU_GEMM = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                   torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
+
+
+def matmul(a, b):
+    """a @ b as a GEMM of a's dtype computes it, fp32 sums rounded once to that dtype; on a CPU
+    without native GEMMs of a low-precision dtype (NATIVE_CPU_GEMM), with its operands widened to
+    fp32: the same products and sums (a bf16 or fp16 product is exact in fp32), an fp32 GEMM's
+    speed."""
+    if a.device.type != 'cpu' or NATIVE_CPU_GEMM.get(a.dtype, True):
+        return a @ b
+    return (wide(a) @ wide(b)).to(a.dtype)
+
+
 def sum_scale(dtype, N):
     """The factor one operand of a GEMM summing over N tokens is scaled by: in fp16 (max 65504)
     N^-1/2, so that N (k - k_mean)^T v or q^T dO stays in range where its mean does; bf16 has fp32's
@@ -125,8 +142,8 @@ def core_forward(q, k, v, r, index, masks, scale, scale_by_count):
     # Cov centred in fp32, then rounded (inline.inline_attention says why); g N / N is folded into
     # it
     gain = inline.eq5_gain(scale, N, scale_by_count)
-    cov = (wide(k_c.transpose(-2, -1) @ v_c) * (gain / c)).to(dtype)  # (B, H, D, D)
-    o = wide(q @ cov) + v_mean  # Eq. 5: g N q_i^T Cov + v_mean, (B, H, N, D)
+    cov = (wide(matmul(k_c.transpose(-2, -1), v_c)) * (gain / c)).to(dtype)  # (B, H, D, D)
+    o = wide(matmul(q, cov)) + v_mean  # Eq. 5: g N q_i^T Cov + v_mean, (B, H, N, D)
     if r is not None:
         for t, v_t in enumerate(neighbours(v, index)):
             o = o + wide(r[:, :, t, None]) * masks[t] * wide(v_t)  # Eq. 6
@@ -137,17 +154,17 @@ def core_backward(do, q, k_c, v_c, r, index, masks, v_mean, cov, scale, scale_by
     """-> the gradients of q, k, v (B, H, N, D) and of r (B, H, T, D), given do (token-major)."""
     N, dtype = q.shape[2], q.dtype
     c = sum_scale(dtype, N)
-    dq = do @ cov.transpose(-2, -1)  # (B, H, N, D)
+    dq = matmul(do, cov.transpose(-2, -1))  # (B, H, N, D)
     q_s = (wide(q) * c).to(dtype) if c != 1.0 else q
     # (B, H, D, D)
-    g = (wide(q_s.transpose(-2, -1) @ do)
+    g = (wide(matmul(q_s.transpose(-2, -1), do))
          * (inline.eq5_gain(scale, N, scale_by_count) / c)).to(dtype)
     # Cov = (1/N) (k - k_mean)^T (v - v_mean); the means' own gradients vanish because the centred
     # columns sum to zero, so dk = (v - v_mean) g^T and dv = (k - k_mean) g + mean_i do_i.
-    dk = v_c @ g.transpose(-2, -1)  # (B, H, N, D)
+    dk = matmul(v_c, g.transpose(-2, -1))  # (B, H, N, D)
     g_c = g if c == 1.0 else (wide(g) / c).to(dtype)  # k_c carries the forward's factor c
     # o += v_mean gives the mean, (B, H, N, D)
-    dv = wide(k_c @ g_c) + wide(do).mean(2, keepdim=True)
+    dv = wide(matmul(k_c, g_c)) + wide(do).mean(2, keepdim=True)
     dr = None
     if r is not None:
         for t, do_t in enumerate(neighbours(do, index, flip=True)):  # Eq. 6 transposed

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import inline
 import kernels
-from kernels import neighbours, wide
+from kernels import matmul, neighbours, wide
 
 # --------------------------------------------------------------------------------------------------
 # The baseline and Eq. 5 over each prefix: q, k, v (B, H, N, D) through phi -> (B, H, N, D)
@@ -391,10 +391,9 @@ CHUNK = 64
 
 def scan_dtype(dtype, scale_by_count=True):
     """The dtype of the scans' GEMM operands: the input's, but fp32 for fp16, whose 5-bit exponent
-    cannot hold the 1/i factors of long sequences nor the uncentred sums' cancellation (and whose
-    GEMMs CPUs run slowly), and fp32 under the printed factor s (not scale_by_count): without s/i
-    the uncentred sums' bf16 rounding reaches the output i times larger, several times the
-    reference's own error by 131 tokens
+    cannot hold the 1/i factors of long sequences nor the uncentred sums' cancellation, and fp32
+    under the printed factor s (not scale_by_count): without s/i the uncentred sums' bf16 rounding
+    reaches the output i times larger, several times the reference's own error by 131 tokens
     (test_fast_causal_core_low_precision_within_twice_the_references)."""
     return torch.float32 if dtype == torch.float16 or not scale_by_count else dtype
 
@@ -405,14 +404,14 @@ def causal_scan(q, k, v, reverse=False):
     D x D sums of k v^T in fp32. q, k, v (B, H, N, D), N a multiple of CHUNK."""
     B, H, N, D = q.shape
     qc, kc, vc = (t.reshape(B, H, N // CHUNK, CHUNK, D) for t in (q, k, v))  # (B, H, N/L, L, D)
-    chunk_kv = wide(kc.transpose(-2, -1) @ vc)  # (B, H, N/L, D, D)
+    chunk_kv = wide(matmul(kc.transpose(-2, -1), vc))  # (B, H, N/L, D, D)
     total = chunk_kv.cumsum(2)  # (B, H, N/L, D, D)
     # the later (earlier) chunks' sums; the earlier ones shifted, not subtracted, so no bit depends
     # on a later token
     other = total[:, :, -1:] - total if reverse else F.pad(total[:, :, :-1], (0, 0, 0, 0, 1, 0))
-    scores = qc @ kc.transpose(-2, -1)  # (B, H, N/L, L, L)
+    scores = matmul(qc, kc.transpose(-2, -1))  # (B, H, N/L, L, L)
     scores = scores.triu() if reverse else scores.tril()
-    return (wide(qc) @ other + wide(scores @ vc)).reshape(B, H, N, D)
+    return (wide(qc) @ other + wide(matmul(scores, vc))).reshape(B, H, N, D)
 
 
 def causal_forward(q, k, v, r, index, masks, scale, scale_by_count):

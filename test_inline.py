@@ -353,6 +353,24 @@ def test_fast_core_bf16_error_within_twice_the_references(shape):
                                             q, k, v, r, do, grid)
 
 
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
+@pytest.mark.parametrize('native', [True, False], ids=['native', 'widened'])
+def test_fast_gemm_is_the_low_precision_gemm_whether_or_not_the_cpu_runs_it_natively(monkeypatch,
+                                                                                     dtype, native):
+    """kernels.matmul, the fast cores' GEMM: on a CPU with native bf16 / fp16 GEMMs a @ b, on one without
+    (AVX2) the operands widened to fp32. Either way: the result in the dtype, the exact product (float64)
+    rounded once, within one rounding of the dtype and the fp32 sums' error."""
+    monkeypatch.setitem(kernels.NATIVE_CPU_GEMM, dtype, native)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 197, 32, generator=g).to(dtype), torch.randn(3, 32, 40, generator=g).to(dtype)
+    out = kernels.matmul(a, b)
+    assert out.dtype == dtype
+    exact = a.double() @ b.double()
+    rounding = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]  # one ulp, relative
+    bound = rounding * exact.abs() + 1e-6 * (a.double().abs() @ b.double().abs())
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
 def assert_bf16_within_twice_the_references(fast_core, reference_core, q, k, v, r, do, grid):
     """The fast core's bf16 error against the fp32 reference is at most twice the reference's own in bf16,
     plus one bf16 rounding of the tensor's scale."""
