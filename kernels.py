@@ -359,8 +359,12 @@ def inline_core_fast(q, k, v, r, grid, scale=None, size=inline.LOCAL_SIZE, dilat
     dtype = torch.get_autocast_dtype(device) if autocast else q.dtype
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r))
     index, masks = table if r is not None else (None, None)
-    if r is not None:  # neighbour t before channel: (B, T*C) -> (B, H, T, D)
-        r = r.reshape(B, H, D, -1).transpose(-2, -1).to(dtype).contiguous()
+    if r is not None:
+        # neighbour t before channel, (B, T*C) -> (B, H, T, D): each channel's T weights stacked,
+        # which a traced graph lays out once; a transpose's copy inductor would fuse into Eq. 6's
+        # pass, reading r with a stride of T, a gather per lane (RESULTS.md, "Level where the tokens
+        # are few")
+        r = torch.stack(r.reshape(B, H, D, -1).to(dtype).unbind(-1), dim=2)
     if not grad:
         # No gradient: one graph casts q, k, v and lays them out itself (outside, each would cost a
         # copy); outside autocast only where it is on: a graph called under the switch costs more
