@@ -600,8 +600,10 @@ def test_paper_bad_input_is_a_clear_error(tmp_path, capsys):
 
 def test_paper_speed_level_prints_each_row_beside_its_goal_and_the_machine(monkeypatch, capsys):
     """--level: 1 and 2 threads x fp32 and bf16 x LEVEL's three rows, each timed at its own thread count,
-    'met' exactly where the speed-up reaches the goal; the CPU named and the thread count put back."""
+    'met' exactly where the speed-up reaches the goal, inference rows beside their attention-free limit; the
+    CPU named and the thread count put back."""
     seen = []
+    monkeypatch.setattr(speed, 'attention_free_limit', lambda side, dtype: 1.25 if side == 224 else 1.5)
 
     def point(row, dtype, device, rounds, compiled):
         seen.append((torch.get_num_threads(), dtype, row[3], row[5]))
@@ -615,9 +617,20 @@ def test_paper_speed_level_prints_each_row_beside_its_goal_and_the_machine(monke
     for (n, dtype, side, training), row in zip(seen, rows):
         goal = {(224, False): 1.0, (512, False): 1.3, (224, True): 1.0}[side, training]
         assert row[0] == n and row[3] == f'{side} px' and row[7] == f'>= {goal}x'
-        assert row[8] == ('yes' if float(row[6][:-1]) >= goal else 'no')
-    assert {row[8] for row in rows} == {'yes', 'no'}
+        assert row[8] == ('' if training else '1.25x' if side == 224 else '1.50x')
+        assert row[9] == ('yes' if float(row[6][:-1]) >= goal else 'no')
+    assert {row[9] for row in rows} == {'yes', 'no'}
     assert 'CPU: ' in capsys.readouterr().out
+
+
+def test_paper_speed_level_limit_is_the_share_of_the_forward_outside_softmax(monkeypatch):
+    """The attention-free limit: 1 / (1 - SDPA's share), the share of the top-level groups alone (a core's
+    '  of which' parts and the copies counted wherever they are called are inside them already)."""
+    groups = {'softmax attention (SDPA)': (2.0, 12), 'Linear layers (qkv, proj, MLP, head)': (6.0, 49),
+              'other': (2.0, 30), "  of which dynamo's guards and wrappers": (9.0, 1),
+              'every copy and cast (aten::copy_), wherever called': (9.0, 24)}
+    monkeypatch.setattr(speed, 'forward_profile', lambda model, x, dtype, rounds: groups)
+    assert speed.attention_free_limit(32, torch.float32) == pytest.approx(1 / (1 - 2.0 / 10.0))
 
 
 def test_paper_speed_times_softmax_through_sdpa_only(tmp_path, monkeypatch, capsys):
