@@ -100,9 +100,9 @@ def wide(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-# CPUs on which PyTorch multiplies bf16 and fp16 matrices natively, through oneDNN: AVX-512 and newer
-# (AVX-512 BF16 and AMX fastest). Elsewhere (AVX2 alone) its fallback GEMM is 5-20x slower than
-# fp32's at these shapes (RESULTS.md, "Level where the tokens are few").
+# CPUs on which PyTorch multiplies bf16 and fp16 matrices natively, through oneDNN: AVX-512 and
+# newer (AVX-512 BF16 and AMX fastest). Elsewhere (AVX2 alone) its fallback GEMM is 5-20x slower
+# than fp32's at these shapes (RESULTS.md, "The fast path: the attention core").
 NATIVE_CPU_GEMM = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                    torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
 

@@ -286,14 +286,17 @@ def cmd_speed_level(args):
     beside the speed-up it should reach, and for inference the limit were InLine's attention free
     (attention_free_limit): level where the tokens are few (224 px), ahead at 512 px."""
     rows, threads = [], torch.get_num_threads()
-    rounds = args.rounds or 7
+    # a forward at 224 px is tens of ms: 31 rounds hold its ratio within this machine's drift; a training
+    # step in emulated bf16 is a minute a round
+    inference_rounds, training_rounds = (args.rounds, args.rounds) if args.rounds else (31, 7)
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             for dtype in (torch.float32, torch.bfloat16):
                 for what, side, batch, training, goal in LEVEL:
                     row = ('InLine-DeiT-T', 'inline_deit_t', 's_deit_t', side, batch, training)
-                    r = whole_point(row, dtype, torch.device('cpu'), rounds, compiled=False)
+                    r = whole_point(row, dtype, torch.device('cpu'),
+                                    training_rounds if training else inference_rounds, compiled=False)
                     limit = '' if training else f"{attention_free_limit(side, dtype):.2f}x"
                     rows.append([n, r['dtype'], what, f"{side} px", f"{r['softmax_ms']:.1f}",
                                  f"{r['InLine_ms']:.1f}", f"{r['speedup']:.2f}x", f">= {goal}x", limit,
@@ -303,10 +306,11 @@ def cmd_speed_level(args):
         torch.set_num_threads(threads)
     info = machine(threads)
     print(f"\nInLine-DeiT-T through the fast core against DeiT-T through SDPA, both eager, the same sizes; "
-          f"{rounds} interleaved rounds, ms = median, speed-up = median of per-round ratios. CPU: "
+          f"{inference_rounds} interleaved rounds an inference row, {training_rounds} a training step, "
+          f"ms = median, speed-up = median of per-round ratios. CPU: "
           f"{info['cpu']}, {info['cores']} cores, AVX-512 BF16 {'yes' if info['avx512_bf16'] else 'no'}, "
           f"AMX {'yes' if info['amx'] else 'no'}, bf16 GEMMs "
-          f"{'native (oneDNN)' if kernels.NATIVE_CPU_GEMM[torch.bfloat16] else 'by PyTorch fallback (slow)'}, "
+          f"{'native (oneDNN)' if kernels.NATIVE_CPU_GEMM[torch.bfloat16] else 'by a fallback (slow)'}, "
           f"torch {info['torch']}. Limit: the speed-up were InLine's attention free, 1 / (1 - SDPA's share of "
           f"DeiT-T's forward).\n")
     print_table(['threads', 'dtype', 'row', 'image', 'DeiT-T ms', 'InLine-DeiT-T ms', 'speed-up', 'should be',
