@@ -184,9 +184,19 @@ def core_inference(q, k, v, r, index, masks, scale, scale_by_count, dtype):
     return core_forward(q, k, v, r, index, masks, scale, scale_by_count)[0]
 
 
-# the graphs by name; sequence.py adds its causal core's two
-COMPILED = {f.__name__: torch.compile(f)
-            for f in (core_forward, core_backward, core_inference, inline.InLineAttention.steps)}
+def compile_graphs(*functions):
+    """{(name, device kind): f compiled} for each f, one torch.compile per kind of device. On the
+    CPU with inductor's C++ wrapper: the code around a graph's kernels and GEMMs (allocating its
+    buffers, checking its inputs, calling each) is C++, not Python, ~40 us less a call, a twentieth
+    of an attention layer at a few hundred tokens (RESULTS.md, "Level where the tokens are few"),
+    compiled in the same time. Elsewhere as torch.compile makes it: on a GPU the C++ wrapper
+    needs CUDA's headers, which a pip install of torch does not bring."""
+    return {(f.__name__, kind): torch.compile(f, options=options) for f in functions
+            for kind, options in (('cpu', {'cpp_wrapper': True}), ('accelerator', {}))}
+
+
+# the graphs by name and device kind; sequence.py adds its causal core's two
+COMPILED = compile_graphs(core_forward, core_backward, core_inference, inline.InLineAttention.steps)
 # steps (steps_fast): a whole InLine module where no gradient is asked, every size a constant but
 # the batch, one graph per module configuration and token grid
 MODULE_GRAPHS = {'steps'}
@@ -281,22 +291,25 @@ def compiled_call(f, *args):
     if torch.compiler.is_compiling() or _eager or _compile_error:
         return f(*args)
     key = signature(f, args)
+    # args[0] is q, or do: (B, H, N, D); a module graph's are (module, x, grid)
+    x = args[1] if f.__name__ in MODULE_GRAPHS else args[0]
+    graph = COMPILED[f.__name__, 'cpu' if x.device.type == 'cpu' else 'accelerator']
     try:
         # A known key's graph runs without switches and marks, so it may not recompile (signature):
         if key in _compiled_signatures:
             try:
                 with torch.compiler.set_stance('fail_on_recompile'):
-                    return COMPILED[f.__name__](*args)
+                    return graph(*args)
             except RuntimeError as e:
                 if 'Detected recompile' not in str(e):
                     raise
-        if f.__name__ in MODULE_GRAPHS:  # (module, x, grid): x's batch a symbol (1 stays 1)
-            torch._dynamo.maybe_mark_dynamic(args[1], 0)
+        if f.__name__ in MODULE_GRAPHS:  # x's batch a symbol (1 stays 1)
+            torch._dynamo.maybe_mark_dynamic(x, 0)
         else:
-            symbolic_sizes(args, N=args[0].shape[2])  # args[0] is q, or do: (B, H, N, D)
+            symbolic_sizes(args, N=x.shape[2])
         # a new graph, or another for a key whose guard failed
         with compile_lock(key), compile_options():
-            out = COMPILED[f.__name__](*args)
+            out = graph(*args)
         _compiled_signatures.add(key)
         return out
     except COMPILE_ERRORS as e:  # e.g. no working C++ compiler, or a cache file left broken

@@ -538,4 +538,4 @@ def causal_core_fast(q, k, v, r, grid=None, scale=None, size=inline.LOCAL_SIZE, 
 
 
 causal_forward.chunk = causal_backward.chunk = CHUNK  # kernels.signature keys the chunk count
-kernels.COMPILED.update({f.__name__: torch.compile(f) for f in (causal_forward, causal_backward)})
+kernels.COMPILED.update(kernels.compile_graphs(causal_forward, causal_backward))
