@@ -227,18 +227,24 @@ def symbolic_sizes(args, N):
                     torch._dynamo.maybe_mark_dynamic(a, d)
 
 
+def lead_tensor(f, args):
+    """The tensor f's graph takes its sizes and device from: x of a module graph's (module, x, grid)
+    (MODULE_GRAPHS), else the first, q or do (B, H, N, D)."""
+    return args[1] if f.__name__ in MODULE_GRAPHS else args[0]
+
+
 def signature(f, args):
     """A key for what dynamo's guards on f's graph check: device, modes, D and B, H, N as 0, 1 or
     more, the dtypes, T, the other arguments, f.chunk's count; for InLineAttention.steps
     (MODULE_GRAPHS), the module's class, the modes, the input's shape, grid and the autocast dtype.
     A guard no key foresees makes the call compile another."""
+    x = lead_tensor(f, args)
     if f.__name__ in MODULE_GRAPHS:  # cheap, not whole: two configurations may share a key
-        module, x, grid = args
+        module, _, grid = args
         device = x.device.type
         return (f.__name__, type(module), x.device, x.is_inference(), torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled(), x.shape, x.dtype, tuple(grid),
                 torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
-    x = args[0]  # q, or do: (B, H, N, D)
     chunks = (min(x.shape[2] // f.chunk, 2),) if hasattr(f, 'chunk') else ()
     return (f.__name__, x.device, x.is_inference(), torch.is_grad_enabled(), x.shape[3],
             *(min(s, 2) for s in x.shape[:3]), *chunks,
@@ -290,9 +296,7 @@ def compiled_call(f, *args):
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     if torch.compiler.is_compiling() or _eager or _compile_error:
         return f(*args)
-    key = signature(f, args)
-    # args[0] is q, or do: (B, H, N, D); a module graph's are (module, x, grid)
-    x = args[1] if f.__name__ in MODULE_GRAPHS else args[0]
+    key, x = signature(f, args), lead_tensor(f, args)
     graph = COMPILED[f.__name__, 'cpu' if x.device.type == 'cpu' else 'accelerator']
     try:
         # A known key's graph runs without switches and marks, so it may not recompile (signature):
